@@ -1,0 +1,55 @@
+// The fused single-pass statistics kernel behind every probe: in one read of
+// the buffer it gathers max |x| and min nonzero |x| over the finite elements,
+// their sum and sum of squares, NaN and Inf counts and the row-major index of
+// the first non-finite element. No LibTorch here: raw buffers in, plain data out.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace nanreplay {
+
+enum class ElemType { kF32, kBF16, kF16 };
+
+enum class NonfiniteKind { kNone, kNan, kPosInf, kNegInf };
+const char* nonfinite_kind_name(NonfiniteKind kind);  // "nan", "inf", "-inf", "none"
+
+struct TensorStats {
+  int64_t count = 0;          // elements considered (causal-masked ones excluded)
+  int64_t finite_count = 0;
+  int64_t nan_count = 0;
+  int64_t inf_count = 0;      // +inf and -inf together
+  double max_abs = 0.0;       // over finite elements; 0 when none
+  double min_nonzero_abs = 0.0;  // over finite nonzero elements; 0 when none
+  double sum = 0.0;           // over finite elements
+  double sum_sq = 0.0;        // over finite elements
+  int64_t first_nonfinite = -1;  // row-major index in the full buffer, -1 if none
+  NonfiniteKind first_kind = NonfiniteKind::kNone;
+
+  bool all_finite() const { return nan_count == 0 && inf_count == 0; }
+  double mean() const;  // sum / finite_count (0 when none)
+  double rms() const;   // sqrt(sum_sq / finite_count) (0 when none)
+  // Folds `later` (covering elements after this one's in row-major order) in.
+  void merge(const TensorStats& later);
+};
+
+// Whole-buffer statistics of `numel` elements.
+TensorStats compute_stats(const void* data, ElemType type, int64_t numel);
+
+// Per-head statistics of a contiguous [batch, heads, rows, cols] buffer:
+// result[h] covers head h over every batch row. With `causal`, only elements
+// with col <= row count (requires rows == cols); masked elements are skipped
+// entirely (not counted, not checked). Indices are row-major over the full buffer.
+std::vector<TensorStats> compute_head_stats(const void* data, ElemType type, int64_t batch,
+                                            int64_t heads, int64_t rows, int64_t cols,
+                                            bool causal);
+
+// Combines per-head results into whole-tensor statistics whose
+// first_nonfinite is the lowest index over all heads.
+TensorStats combine_heads(const std::vector<TensorStats>& per_head);
+
+// Conversions used by the kernel (exact, round-to-nearest-even for narrowing).
+float bf16_to_float(uint16_t bits);
+float f16_to_float(uint16_t bits);
+
+}  // namespace nanreplay

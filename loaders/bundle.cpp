@@ -1,0 +1,110 @@
+// Opening a bundle: manifest first, then every path it names is resolved
+// inside the bundle and checked to exist before any replay starts.
+#include "loaders/bundle.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "loaders/bundle_paths.h"
+#include "loaders/error.h"
+
+namespace nanreplay {
+
+namespace fs = std::filesystem;
+
+std::string StepFiles::label(const std::string& leaf) const {
+  std::string dir_text = dir_label;
+  while (!dir_text.empty() && dir_text.back() == '/') dir_text.pop_back();
+  return dir_text + "/" + leaf;
+}
+
+std::string read_text_file(const fs::path& path, const std::string& label, size_t max_bytes) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw InputError(label, "", "file does not exist");
+  if (!fs::is_regular_file(path, ec)) throw InputError(label, "", "not a regular file");
+  const auto size = fs::file_size(path, ec);
+  if (ec) throw InputError(label, "", "cannot read size: " + ec.message());
+  if (size > max_bytes) {
+    throw InputError(label, "", "file is " + std::to_string(size) + " bytes, more than the " +
+                                    std::to_string(max_bytes) + " allowed");
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(label, "", "cannot open for reading");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+Bundle::Bundle(const fs::path& root) {
+  std::error_code ec;
+  if (!fs::exists(root, ec)) throw InputError(root.string(), "", "bundle directory does not exist");
+  if (!fs::is_directory(root, ec)) throw InputError(root.string(), "", "bundle is not a directory");
+  root_ = fs::canonical(root, ec);
+  if (ec) throw InputError(root.string(), "", "cannot resolve: " + ec.message());
+
+  const std::string manifest_label = "manifest.json";
+  const fs::path manifest_path = root_ / "manifest.json";
+  if (!fs::exists(manifest_path, ec)) {
+    throw InputError(manifest_label, "",
+                     "missing: " + root.string() + " is not a nanreplay bundle (no manifest.json)");
+  }
+  manifest_ = parse_manifest(read_text_file(manifest_path, manifest_label), manifest_label);
+
+  for (size_t i = 0; i < manifest_.steps.size(); ++i) {
+    const StepEntry& entry = manifest_.steps[i];
+    const std::string key = "steps[" + std::to_string(i) + "].dir";
+    StepFiles files;
+    files.step = entry.step;
+    files.dir_label = entry.dir;
+    files.dir = resolve_in_bundle(root_, entry.dir, manifest_label, key);
+    if (!fs::is_directory(files.dir, ec)) {
+      throw InputError(manifest_label, key, "step directory '" + entry.dir + "' does not exist");
+    }
+    files.model = resolve_in_bundle(root_, files.label("model.safetensors"), manifest_label, key);
+    files.optimizer =
+        resolve_in_bundle(root_, files.label("optimizer.safetensors"), manifest_label, key);
+    files.state = resolve_in_bundle(root_, files.label("state.json"), manifest_label, key);
+    if (!fs::is_regular_file(files.model, ec)) {
+      throw InputError(files.label("model.safetensors"), "", "missing: every step needs its model checkpoint");
+    }
+    if (!fs::is_regular_file(files.state, ec)) {
+      throw InputError(files.label("state.json"), "", "missing: every step needs its state.json");
+    }
+    steps_.push_back(std::move(files));
+  }
+
+  tokens_ = std::make_unique<TokenStream>(root_, manifest_.data.shards, manifest_label);
+  num_samples_ = tokens_->num_samples(manifest_.data.seq_len);
+  if (num_samples_ <= 0) {
+    throw InputError(manifest_label, "data.shards",
+                     "the shards hold " + std::to_string(tokens_->total_tokens()) +
+                         " tokens, too few for one sample of seq_len + 1 = " +
+                         std::to_string(manifest_.data.seq_len + 1));
+  }
+  sampler_ = std::make_unique<StepSampler>(manifest_, num_samples_, manifest_label);
+}
+
+const StepFiles& Bundle::step_files(int64_t step) const {
+  for (const StepFiles& files : steps_) {
+    if (files.step == step) return files;
+  }
+  throw InputError("manifest.json", "steps", "no step " + std::to_string(step) + " in the bundle");
+}
+
+StepState Bundle::load_state(const StepFiles& files) const {
+  const std::string label = files.label("state.json");
+  StepState state = parse_step_state(read_text_file(files.state, label), label);
+  if (state.step != files.step) {
+    throw InputError(label, "step",
+                     "says step " + std::to_string(state.step) + " but the manifest lists it as step " +
+                         std::to_string(files.step));
+  }
+  return state;
+}
+
+bool Bundle::has_optimizer(const StepFiles& files) const {
+  std::error_code ec;
+  return fs::is_regular_file(files.optimizer, ec);
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,74 @@
+// Resolving paths named inside a bundle. The tool only reads what the bundle
+// holds: a path is first checked as text (relative, no "..") and then, after
+// following symlinks, must still lie under the canonical bundle root.
+#include "loaders/bundle_paths.h"
+
+#include <system_error>
+
+#include "loaders/error.h"
+
+namespace nanreplay {
+namespace fs = std::filesystem;
+namespace {
+
+std::string quoted(const std::string& text) { return "'" + text + "'"; }
+
+// Component-wise prefix test; both paths are canonical (no "." or "..").
+bool lies_within(const fs::path& root, const fs::path& candidate) {
+  auto candidate_it = candidate.begin();
+  for (const fs::path& part : root) {
+    if (candidate_it == candidate.end() || *candidate_it != part) return false;
+    ++candidate_it;
+  }
+  return true;
+}
+
+}  // namespace
+
+void check_bundle_relative_path(const std::string& relative, const std::string& file_label,
+                                const std::string& key) {
+  if (relative.empty()) {
+    throw InputError(file_label, key, "expected a path relative to the bundle, got \"\"");
+  }
+  // A NUL would silently truncate the path at the system call.
+  if (relative.find('\0') != std::string::npos) {
+    throw InputError(file_label, key, "expected a path without NUL characters");
+  }
+  const fs::path path(relative);
+  if (path.is_absolute() || path.has_root_path()) {
+    throw InputError(file_label, key,
+                     "expected a path relative to the bundle, got the absolute path " +
+                         quoted(relative));
+  }
+  for (const fs::path& part : path) {
+    if (part == "..") {
+      throw InputError(file_label, key,
+                       "expected a path inside the bundle, got " + quoted(relative) +
+                           " with a '..' component");
+    }
+  }
+}
+
+fs::path resolve_in_bundle(const fs::path& bundle_root, const std::string& relative,
+                           const std::string& file_label, const std::string& key) {
+  check_bundle_relative_path(relative, file_label, key);
+  std::error_code error;
+  const fs::path root = fs::canonical(bundle_root, error);
+  if (error) {
+    throw InputError(bundle_root.string(), "",
+                     "cannot open the bundle directory: " + error.message());
+  }
+  fs::path resolved = fs::weakly_canonical(root / relative, error);
+  if (error) {
+    throw InputError(file_label, key,
+                     "cannot resolve " + quoted(relative) + ": " + error.message());
+  }
+  if (!lies_within(root, resolved)) {
+    throw InputError(file_label, key,
+                     "path " + quoted(relative) + " escapes the bundle (it resolves to " +
+                         quoted(resolved.string()) + ", outside " + quoted(root.string()) + ")");
+  }
+  return resolved;
+}
+
+}  // namespace nanreplay

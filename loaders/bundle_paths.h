@@ -1,0 +1,25 @@
+// Resolving paths named inside a bundle. A path must be relative, contain no
+// "..", and (after following symlinks) stay inside the bundle root.
+#pragma once
+
+#include <filesystem>
+#include <string>
+
+namespace nanreplay {
+
+// Syntax only, no filesystem access (the manifest checks paths this way):
+// throws InputError(file_label, key, ...) when `relative` is empty, absolute,
+// has a ".." component or holds a NUL character.
+void check_bundle_relative_path(const std::string& relative, const std::string& file_label,
+                                const std::string& key);
+
+// Returns the absolute resolved path of `relative` inside `bundle_root`.
+// Throws InputError(file_label, key, ...) when it is absolute, contains "..",
+// is empty, or resolves (through symlinks) outside the bundle root.
+// Existence is not checked here.
+std::filesystem::path resolve_in_bundle(const std::filesystem::path& bundle_root,
+                                        const std::string& relative,
+                                        const std::string& file_label,
+                                        const std::string& key);
+
+}  // namespace nanreplay

@@ -1,0 +1,273 @@
+// Guarded JSON parsing and typed accessors whose errors name file and key path.
+// Key constraint: hostile text (invalid UTF-8, a million nested brackets) must
+// end in an InputError, never a crash, so both are screened before nlohmann
+// parses and every accessor checks the type it was promised.
+#include "loaders/json_util.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <limits>
+
+#include "loaders/error.h"
+
+namespace nanreplay {
+namespace {
+
+constexpr size_t kNotFound = std::string::npos;
+
+std::string byte_key(uint64_t offset) { return "byte " + std::to_string(offset); }
+
+// Offset of the first byte that does not start a well-formed UTF-8 sequence
+// (overlong forms, surrogates and code points past U+10FFFF are ill-formed).
+size_t find_invalid_utf8(const std::string& text) {
+  const auto* bytes = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t size = text.size();
+  size_t i = 0;
+  while (i < size) {
+    const unsigned char lead = bytes[i];
+    if (lead < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t length = 0;
+    uint32_t code_point = 0;
+    uint32_t smallest = 0;
+    if ((lead & 0xE0) == 0xC0) {
+      length = 2, code_point = lead & 0x1F, smallest = 0x80;
+    } else if ((lead & 0xF0) == 0xE0) {
+      length = 3, code_point = lead & 0x0F, smallest = 0x800;
+    } else if ((lead & 0xF8) == 0xF0) {
+      length = 4, code_point = lead & 0x07, smallest = 0x10000;
+    } else {
+      return i;
+    }
+    if (length > size - i) return i;
+    for (size_t k = 1; k < length; ++k) {
+      if ((bytes[i + k] & 0xC0) != 0x80) return i;
+      code_point = (code_point << 6) | (bytes[i + k] & 0x3F);
+    }
+    const bool surrogate = code_point >= 0xD800 && code_point <= 0xDFFF;
+    if (code_point < smallest || code_point > 0x10FFFF || surrogate) return i;
+    i += length;
+  }
+  return kNotFound;
+}
+
+// Offset of the first '[' or '{' (outside strings) that opens level
+// max_depth + 1, found by a flat scan that uses no recursion.
+size_t find_excess_nesting(const std::string& text, int max_depth) {
+  int depth = 0;
+  bool in_string = false;
+  bool escaped = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > max_depth) return i;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;  // unbalanced closers are left for the parser to report
+    }
+  }
+  return kNotFound;
+}
+
+// nlohmann prefixes "[json.exception.parse_error.101] "; users need the rest.
+std::string strip_nlohmann_prefix(const std::string& message) {
+  if (!message.empty() && message[0] == '[') {
+    const size_t close = message.find("] ");
+    if (close != kNotFound) return message.substr(close + 2);
+  }
+  return message;
+}
+
+std::string lower_ascii(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return text;
+}
+
+// The spellings Python, JavaScript and C print for non-finite floats.
+std::optional<double> special_number(const std::string& text) {
+  const std::string word = lower_ascii(text);
+  const double inf = std::numeric_limits<double>::infinity();
+  if (word == "nan" || word == "-nan" || word == "+nan") {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  if (word == "inf" || word == "+inf" || word == "infinity" || word == "+infinity") return inf;
+  if (word == "-inf" || word == "-infinity") return -inf;
+  return std::nullopt;
+}
+
+}  // namespace
+
+nlohmann::json parse_json_guarded(const std::string& text, const std::string& file_label,
+                                  int max_depth, uint64_t byte_base) {
+  if (text.size() > kMaxJsonBytes) {
+    throw InputError(file_label, byte_key(byte_base + kMaxJsonBytes),
+                     "expected at most " + std::to_string(kMaxJsonBytes >> 20) +
+                         " MiB of JSON, got " + std::to_string(text.size()) + " bytes");
+  }
+  const size_t bad_utf8 = find_invalid_utf8(text);
+  if (bad_utf8 != kNotFound) {
+    throw InputError(file_label, byte_key(byte_base + bad_utf8),
+                     "expected UTF-8 text, found an invalid byte sequence");
+  }
+  const size_t too_deep = find_excess_nesting(text, max_depth);
+  if (too_deep != kNotFound) {
+    throw InputError(file_label, byte_key(byte_base + too_deep),
+                     "expected JSON nested at most " + std::to_string(max_depth) +
+                         " levels deep, found deeper nesting");
+  }
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& error) {
+    // error.byte is 1-based (the last character read).
+    const uint64_t offset = error.byte > 0 ? error.byte - 1 : 0;
+    throw InputError(file_label, byte_key(byte_base + offset),
+                     "invalid JSON: " + strip_nlohmann_prefix(error.what()));
+  }
+}
+
+std::string json_describe(const nlohmann::json& value) {
+  constexpr size_t kMaxShown = 40;
+  switch (value.type()) {
+    case nlohmann::json::value_t::array:
+      return "an array";
+    case nlohmann::json::value_t::object:
+      return "an object";
+    case nlohmann::json::value_t::string: {
+      std::string shown = value.get_ref<const std::string&>();
+      if (shown.size() > kMaxShown) shown = shown.substr(0, kMaxShown) + "...";
+      // `replace` keeps a string cut inside a UTF-8 sequence printable.
+      return nlohmann::json(shown).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+    }
+    case nlohmann::json::value_t::binary:
+    case nlohmann::json::value_t::discarded:
+      return "an invalid value";
+    default:
+      return value.dump();  // null, booleans and numbers print as written
+  }
+}
+
+double json_number(const nlohmann::json& value, const std::string& file_label,
+                   const std::string& key_path) {
+  if (value.is_number()) return value.get<double>();
+  if (value.is_string()) {
+    if (auto special = special_number(value.get_ref<const std::string&>())) return *special;
+  }
+  throw InputError(file_label, key_path,
+                   "expected a number (or \"nan\", \"inf\", \"-inf\"), got " +
+                       json_describe(value));
+}
+
+int64_t json_integer(const nlohmann::json& value, const std::string& file_label,
+                     const std::string& key_path) {
+  if (value.is_number_unsigned()) {
+    const uint64_t unsigned_value = value.get<uint64_t>();
+    if (unsigned_value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      throw InputError(file_label, key_path,
+                       "expected an integer below 2^63, got " + json_describe(value));
+    }
+    return static_cast<int64_t>(unsigned_value);
+  }
+  if (value.is_number_integer()) return value.get<int64_t>();
+  throw InputError(file_label, key_path, "expected an integer, got " + json_describe(value));
+}
+
+JsonReader::JsonReader(const nlohmann::json& obj, std::string file_label, std::string path)
+    : obj_(obj), file_(std::move(file_label)), path_(std::move(path)) {
+  if (!obj_.is_object()) {
+    throw InputError(file_, path_, "expected a JSON object, got " + json_describe(obj_));
+  }
+}
+
+std::string JsonReader::key_path(const std::string& key) const {
+  return path_.empty() ? key : path_ + "." + key;
+}
+
+bool JsonReader::has(const std::string& key) const {
+  const auto it = obj_.find(key);
+  return it != obj_.end() && !it->is_null();
+}
+
+const nlohmann::json& JsonReader::get(const std::string& key) const {
+  const auto it = obj_.find(key);
+  if (it == obj_.end()) throw InputError(file_, key_path(key), "required key is missing");
+  return *it;
+}
+
+JsonReader JsonReader::object(const std::string& key) const {
+  return JsonReader(get(key), file_, key_path(key));
+}
+
+std::optional<JsonReader> JsonReader::optional_object(const std::string& key) const {
+  if (!has(key)) return std::nullopt;
+  return object(key);
+}
+
+const nlohmann::json& JsonReader::array(const std::string& key) const {
+  const nlohmann::json& value = get(key);
+  if (!value.is_array()) {
+    throw InputError(file_, key_path(key), "expected an array, got " + json_describe(value));
+  }
+  return value;
+}
+
+std::string JsonReader::string(const std::string& key) const {
+  const nlohmann::json& value = get(key);
+  if (!value.is_string()) {
+    throw InputError(file_, key_path(key), "expected a string, got " + json_describe(value));
+  }
+  return value.get<std::string>();
+}
+
+std::optional<std::string> JsonReader::optional_string(const std::string& key) const {
+  if (!has(key)) return std::nullopt;
+  return string(key);
+}
+
+int64_t JsonReader::integer(const std::string& key) const {
+  return json_integer(get(key), file_, key_path(key));
+}
+
+std::optional<int64_t> JsonReader::optional_integer(const std::string& key) const {
+  if (!has(key)) return std::nullopt;
+  return integer(key);
+}
+
+double JsonReader::number(const std::string& key) const {
+  return json_number(get(key), file_, key_path(key));
+}
+
+std::optional<double> JsonReader::optional_number(const std::string& key) const {
+  if (!has(key)) return std::nullopt;
+  return number(key);
+}
+
+bool JsonReader::boolean(const std::string& key) const {
+  const nlohmann::json& value = get(key);
+  if (!value.is_boolean()) {
+    throw InputError(file_, key_path(key),
+                     "expected true or false, got " + json_describe(value));
+  }
+  return value.get<bool>();
+}
+
+std::optional<bool> JsonReader::optional_boolean(const std::string& key) const {
+  if (!has(key)) return std::nullopt;
+  return boolean(key);
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,33 @@
+// A read-only memory map of a whole file (RAII). The tool never writes into a
+// bundle: maps are PROT_READ/MAP_PRIVATE. An empty file maps to size 0.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace nanreplay {
+
+class MappedFile {
+ public:
+  MappedFile() = default;
+  // Throws InputError(label, "", ...) when the file cannot be opened or mapped.
+  MappedFile(const std::string& path, const std::string& label);
+  ~MappedFile();
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&& other) noexcept;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& label() const { return label_; }
+
+ private:
+  void release();
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+  std::string label_;
+};
+
+}  // namespace nanreplay

@@ -1,0 +1,83 @@
+// The one table of probe sites (report-v1): every name the trace, the report,
+// the terminal and the site filters use comes from here. A site is named
+// "<scope>.<site>", scope "layers.{i}" inside the blocks, none outside.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loaders/manifest.h"
+
+namespace nanreplay {
+
+enum class SiteId : uint8_t {
+  kEmbed,
+  kInput,
+  kAttnNorm,
+  kAttnQ,
+  kAttnK,
+  kAttnV,
+  kAttnScores,
+  kAttnProbs,
+  kAttnContext,
+  kAttnOut,
+  kAttnResidual,
+  kMlpNorm,
+  kMlpGate,
+  kMlpUp,
+  kMlpAct,
+  kMlpDown,
+  kOutput,
+  kFinalNorm,
+  kLogits,
+  kLoss,
+};
+
+// How a site's tensor is laid out, which fixes how its first non-finite
+// element is decoded into (sample, head, position).
+enum class SiteLayout {
+  kTokens,       // [batch, position, features]
+  kHeadsSquare,  // [batch, head, query position, key position] (scores, probs)
+  kHeadsDim,     // [batch, head, position, head_dim] (context)
+  kScalar,       // the loss
+};
+
+struct SiteDef {
+  SiteId id;
+  const char* name;  // without the "layers.{i}." scope
+  bool in_layer;
+  SiteLayout layout;
+  bool causal;       // only key <= query counts (scores, probs)
+  bool llama;        // present in the llama forward
+  bool gpt2;         // present in the gpt2 forward
+};
+
+const std::vector<SiteDef>& site_table();
+const SiteDef& site_def(SiteId id);
+
+struct SiteRef {
+  SiteId id = SiteId::kEmbed;
+  int layer = -1;  // -1 outside the layers
+  bool operator==(const SiteRef& other) const { return id == other.id && layer == other.layer; }
+};
+
+std::string site_name(const SiteRef& ref);
+bool is_per_head(SiteId id);
+// Parses "layers.3.attn.q" or "logits"; nullopt when no such site.
+std::optional<SiteRef> parse_site_name(const std::string& name);
+
+// Every forward site of the model, in execution order. The backward order is
+// exactly its reverse.
+std::vector<SiteRef> forward_sites(const ModelConfig& model);
+
+// Parameter keys (safetensors names) and shapes the architecture needs, in the
+// spec's order: embedding, layers in order, final norm, head.
+struct ParamSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+std::vector<ParamSpec> expected_parameters(const ModelConfig& model);
+
+}  // namespace nanreplay

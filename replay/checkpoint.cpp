@@ -1,0 +1,81 @@
+// Loading a checkpoint into fp32 master tensors, in place where possible.
+#include "replay/checkpoint.h"
+
+#include <sstream>
+
+#include <torch/torch.h>
+
+#include "loaders/error.h"
+
+namespace nanreplay {
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+
+}  // namespace
+
+torch::Tensor tensor_from_safetensors(const TensorInfo& info, const std::string& label) {
+  torch::ScalarType type;
+  switch (info.dtype) {
+    case DType::kF32: type = torch::kFloat32; break;
+    case DType::kBF16: type = torch::kBFloat16; break;
+    case DType::kF16: type = torch::kHalf; break;
+    default:
+      throw InputError(label, info.name,
+                       std::string("dtype ") + dtype_name(info.dtype) +
+                           " is not a parameter type (expected F32, BF16 or F16)");
+  }
+  void* data = const_cast<uint8_t*>(info.data);  // never written: the replay only reads leaves
+  const bool aligned = reinterpret_cast<uintptr_t>(data) % dtype_size(info.dtype) == 0;
+  if (info.numel() == 0) return torch::zeros(info.shape, torch::kFloat32);
+  if (!aligned) {
+    torch::Tensor copy = torch::empty(info.shape, torch::TensorOptions().dtype(type));
+    std::memcpy(copy.data_ptr(), data, info.nbytes());
+    return copy.to(torch::kFloat32);
+  }
+  torch::Tensor view = torch::from_blob(data, info.shape, torch::TensorOptions().dtype(type));
+  return type == torch::kFloat32 ? view : view.to(torch::kFloat32);
+}
+
+ModelCheckpoint::ModelCheckpoint(const StepFiles& files, const ModelConfig& model)
+    : file_(SafetensorsFile::open(files.model.string(), files.label("model.safetensors"))) {
+  std::vector<std::string> problems;
+  const std::vector<ParamSpec> expected = expected_parameters(model);
+  for (const ParamSpec& spec : expected) {
+    const TensorInfo* info = file_.find(spec.name);
+    if (info == nullptr) {
+      problems.push_back("missing " + spec.name);
+    } else if (info->shape != spec.shape) {
+      problems.push_back(spec.name + " has shape " + shape_text(info->shape) + ", expected " +
+                         shape_text(spec.shape));
+    }
+  }
+  if (!problems.empty()) {
+    std::string text;
+    for (size_t i = 0; i < problems.size(); ++i) {
+      if (i == 6) {
+        text += "; and " + std::to_string(problems.size() - i) + " more";
+        break;
+      }
+      text += (i ? "; " : "") + problems[i];
+    }
+    throw InputError(file_.label(), "",
+                     "does not match the manifest's " + std::string(arch_name(model.arch)) +
+                         " model: " + text);
+  }
+  for (const ParamSpec& spec : expected) {
+    torch::Tensor master = tensor_from_safetensors(file_.at(spec.name), file_.label());
+    master.requires_grad_(true);
+    params_.emplace(spec.name, master);
+    order_.push_back(spec.name);
+  }
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,189 @@
+// Forward passes of the two architectures. Dimension letters: B batch,
+// T positions, C hidden, H query heads, G kv heads, D head_dim, F mlp width,
+// V vocab. Each line that produces a site tensor hands it to the probes,
+// which also round it to the compute type.
+#include "replay/model.h"
+
+#include <cmath>
+
+#include <torch/torch.h>
+
+namespace nanreplay {
+
+namespace {
+
+namespace F = torch::nn::functional;
+
+const torch::Tensor& param(const ParamMap& params, const std::string& name) {
+  auto it = params.find(name);
+  if (it == params.end()) throw std::logic_error("parameter not loaded: " + name);
+  return it->second;
+}
+
+// x / sqrt(mean(x^2) + eps) * weight, in fp32.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return x / torch::sqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * weight;
+}
+
+// Rotate-half rotary embedding over the last dim of x: (B, heads, T, D).
+torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos,
+                           const torch::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  const torch::Tensor x1 = x.narrow(-1, 0, half);
+  const torch::Tensor x2 = x.narrow(-1, half, half);
+  return x * cos + torch::cat({-x2, x1}, -1) * sin;
+}
+
+// cos and sin tables (T, D) with frequencies theta^(-2i/D), computed as
+// Hugging Face's LlamaRotaryEmbedding does in fp32.
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t seq, int64_t head_dim, double theta) {
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  const torch::Tensor inv_freq =
+      1.0 / torch::pow(theta, torch::arange(0, head_dim, 2, f32) / static_cast<double>(head_dim));
+  const torch::Tensor freqs = torch::outer(torch::arange(seq, f32), inv_freq);
+  const torch::Tensor angles = torch::cat({freqs, freqs}, -1);
+  return {angles.cos(), angles.sin()};
+}
+
+struct AttentionInputs {
+  torch::Tensor q;  // (B, T, H*D) as probed
+  torch::Tensor k;  // (B, T, G*D)
+  torch::Tensor v;  // (B, T, G*D)
+};
+
+// Scores, probabilities and context of causal attention; returns (B, T, H*D).
+torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, int layer,
+                               const Numerics& numerics, ProbeSession& probes) {
+  const int64_t B = in.q.size(0), T = in.q.size(1), H = m.num_heads, G = m.num_kv_heads,
+                D = m.head_dim();
+  torch::Tensor q = in.q.view({B, T, H, D}).transpose(1, 2);  // (B, H, T, D)
+  torch::Tensor k = in.k.view({B, T, G, D}).transpose(1, 2);  // (B, G, T, D)
+  torch::Tensor v = in.v.view({B, T, G, D}).transpose(1, 2);  // (B, G, T, D)
+  if (G != H) {  // query head h reads kv head h / (H / G)
+    k = k.repeat_interleave(H / G, 1);  // (B, H, T, D)
+    v = v.repeat_interleave(H / G, 1);
+  }
+  const torch::Tensor scores =
+      probes.site({SiteId::kAttnScores, layer}, numerics.attention_scores(q, k));  // (B, H, T, T)
+  const torch::Tensor future =
+      torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+  const torch::Tensor probs = probes.site(
+      {SiteId::kAttnProbs, layer},
+      torch::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), -1));
+  const torch::Tensor context =
+      probes.site({SiteId::kAttnContext, layer}, torch::matmul(probs, v));  // (B, H, T, D)
+  return context.transpose(1, 2).reshape({B, T, H * D});
+}
+
+torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  const int64_t V = logits.size(-1);
+  return F::cross_entropy(logits.reshape({-1, V}), targets.reshape({-1}));
+}
+
+torch::Tensor llama_forward(const ModelConfig& m, const ParamMap& p, const torch::Tensor& inputs,
+                            const torch::Tensor& targets, const Numerics& numerics,
+                            ProbeSession& probes) {
+  const int64_t B = inputs.size(0), T = inputs.size(1), H = m.num_heads, G = m.num_kv_heads,
+                D = m.head_dim();
+  const auto [cos, sin] = rotary_tables(T, D, m.rope_theta);
+  auto rope = [&, &cos = cos, &sin = sin](const torch::Tensor& x, int64_t heads) {
+    const torch::Tensor per_head = x.view({B, T, heads, D}).transpose(1, 2);  // (B, heads, T, D)
+    return apply_rotary(per_head, cos, sin).transpose(1, 2).reshape({B, T, heads * D});
+  };
+  const torch::Tensor& embedding = param(p, "model.embed_tokens.weight");
+  torch::Tensor x = probes.site({SiteId::kEmbed, -1}, F::embedding(inputs, embedding));  // (B, T, C)
+  SiteRef stream{SiteId::kEmbed, -1};
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    const std::string pre = "model.layers." + std::to_string(layer) + ".";
+    probes.alias({SiteId::kInput, layer}, stream);
+    const torch::Tensor h = probes.site(
+        {SiteId::kAttnNorm, layer}, rms_norm(x, param(p, pre + "input_layernorm.weight"), m.norm_eps));
+    AttentionInputs attn;
+    attn.q = probes.site({SiteId::kAttnQ, layer},
+                         rope(numerics.linear(h, param(p, pre + "self_attn.q_proj.weight")), H));
+    attn.k = probes.site({SiteId::kAttnK, layer},
+                         rope(numerics.linear(h, param(p, pre + "self_attn.k_proj.weight")), G));
+    attn.v = probes.site({SiteId::kAttnV, layer},
+                         numerics.linear(h, param(p, pre + "self_attn.v_proj.weight")));
+    const torch::Tensor context = causal_attention(m, attn, layer, numerics, probes);
+    const torch::Tensor attn_out = probes.site(
+        {SiteId::kAttnOut, layer}, numerics.linear(context, param(p, pre + "self_attn.o_proj.weight")));
+    x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
+    const torch::Tensor h2 = probes.site(
+        {SiteId::kMlpNorm, layer},
+        rms_norm(x, param(p, pre + "post_attention_layernorm.weight"), m.norm_eps));
+    const torch::Tensor gate = probes.site(
+        {SiteId::kMlpGate, layer}, numerics.linear(h2, param(p, pre + "mlp.gate_proj.weight")));
+    const torch::Tensor up = probes.site(
+        {SiteId::kMlpUp, layer}, numerics.linear(h2, param(p, pre + "mlp.up_proj.weight")));
+    const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, F::silu(gate) * up);  // (B, T, F)
+    const torch::Tensor down = probes.site(
+        {SiteId::kMlpDown, layer}, numerics.linear(act, param(p, pre + "mlp.down_proj.weight")));
+    x = probes.site({SiteId::kOutput, layer}, x + down);
+    stream = {SiteId::kOutput, layer};
+  }
+  const torch::Tensor final_norm = probes.site(
+      {SiteId::kFinalNorm, -1}, rms_norm(x, param(p, "model.norm.weight"), m.norm_eps));
+  const torch::Tensor& head = m.tie_embeddings ? embedding : param(p, "lm_head.weight");
+  const torch::Tensor logits =
+      probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, head));  // (B, T, V)
+  return probes.site({SiteId::kLoss, -1}, next_token_loss(logits, targets));
+}
+
+torch::Tensor gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch::Tensor& inputs,
+                           const torch::Tensor& targets, const Numerics& numerics,
+                           ProbeSession& probes) {
+  const int64_t T = inputs.size(1), C = m.hidden_size;
+  const torch::Tensor& wte = param(p, "transformer.wte.weight");
+  const torch::Tensor positions = torch::arange(T, torch::TensorOptions().dtype(torch::kLong));
+  torch::Tensor x = probes.site(
+      {SiteId::kEmbed, -1},
+      F::embedding(inputs, wte) + F::embedding(positions, param(p, "transformer.wpe.weight")));
+  SiteRef stream{SiteId::kEmbed, -1};
+  auto layer_norm = [&](const torch::Tensor& in, const std::string& prefix) {
+    return F::layer_norm(in, F::LayerNormFuncOptions({C})
+                                 .weight(param(p, prefix + ".weight"))
+                                 .bias(param(p, prefix + ".bias"))
+                                 .eps(m.norm_eps));
+  };
+  auto linear = [&](const torch::Tensor& in, const std::string& prefix) {
+    return numerics.linear(in, param(p, prefix + ".weight"), param(p, prefix + ".bias"));
+  };
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    const std::string pre = "transformer.h." + std::to_string(layer) + ".";
+    probes.alias({SiteId::kInput, layer}, stream);
+    const torch::Tensor h = probes.site({SiteId::kAttnNorm, layer}, layer_norm(x, pre + "ln_1"));
+    const std::vector<torch::Tensor> qkv = linear(h, pre + "attn.c_attn").split(C, -1);  // 3 x (B, T, C)
+    AttentionInputs attn;
+    attn.q = probes.site({SiteId::kAttnQ, layer}, qkv[0]);
+    attn.k = probes.site({SiteId::kAttnK, layer}, qkv[1]);
+    attn.v = probes.site({SiteId::kAttnV, layer}, qkv[2]);
+    const torch::Tensor context = causal_attention(m, attn, layer, numerics, probes);
+    const torch::Tensor attn_out =
+        probes.site({SiteId::kAttnOut, layer}, linear(context, pre + "attn.c_proj"));
+    x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
+    const torch::Tensor h2 = probes.site({SiteId::kMlpNorm, layer}, layer_norm(x, pre + "ln_2"));
+    const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, linear(h2, pre + "mlp.c_fc"));
+    const torch::Tensor act =
+        probes.site({SiteId::kMlpAct, layer}, F::gelu(up, F::GELUFuncOptions().approximate("tanh")));
+    const torch::Tensor down = probes.site({SiteId::kMlpDown, layer}, linear(act, pre + "mlp.c_proj"));
+    x = probes.site({SiteId::kOutput, layer}, x + down);
+    stream = {SiteId::kOutput, layer};
+  }
+  const torch::Tensor final_norm =
+      probes.site({SiteId::kFinalNorm, -1}, layer_norm(x, "transformer.ln_f"));
+  const torch::Tensor logits = probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, wte));
+  return probes.site({SiteId::kLoss, -1}, next_token_loss(logits, targets));
+}
+
+}  // namespace
+
+torch::Tensor forward_loss(const ModelConfig& model, const ParamMap& params,
+                           const torch::Tensor& inputs, const torch::Tensor& targets,
+                           const Numerics& numerics, ProbeSession& probes) {
+  return model.arch == Arch::kLlama
+             ? llama_forward(model, params, inputs, targets, numerics, probes)
+             : gpt2_forward(model, params, inputs, targets, numerics, probes);
+}
+
+}  // namespace nanreplay

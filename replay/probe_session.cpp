@@ -1,0 +1,179 @@
+// Forward statistics are taken as each site is produced; backward statistics
+// in gradient hooks. Records are ordered by execution order afterwards, so the
+// backward order is the strict reverse of the forward order whatever order
+// autograd happens to schedule its nodes in.
+#include "replay/probe_session.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include <torch/torch.h>
+
+#include "kernels/tensor_stats.h"
+
+namespace nanreplay {
+
+namespace {
+
+ElemType elem_type_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return ElemType::kF32;
+    case torch::kBFloat16: return ElemType::kBF16;
+    case torch::kHalf: return ElemType::kF16;
+    default: throw std::logic_error("probe: unsupported dtype " + std::string(c10::toString(t.scalar_type())));
+  }
+}
+
+std::vector<int64_t> unravel(int64_t index, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> coords(shape.size(), 0);
+  for (size_t d = shape.size(); d-- > 0;) {
+    if (shape[d] == 0) return coords;
+    coords[d] = index % shape[d];
+    index /= shape[d];
+  }
+  return coords;
+}
+
+void decode_first(ProbeRecord& record, const SiteDef* def, const std::vector<int64_t>& sample_ids) {
+  if (record.stats.first_nonfinite < 0) return;
+  record.first_index = unravel(record.stats.first_nonfinite, record.shape);
+  if (def == nullptr || def->layout == SiteLayout::kScalar || record.first_index.size() < 3) return;
+  const int64_t row = record.first_index[0];
+  if (row < static_cast<int64_t>(sample_ids.size())) record.sample = sample_ids[static_cast<size_t>(row)];
+  if (def->layout == SiteLayout::kTokens) {
+    record.position = record.first_index[1];
+  } else {
+    record.first_head = static_cast<int>(record.first_index[1]);
+    record.position = record.first_index[2];
+  }
+}
+
+}  // namespace
+
+std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
+                                         const std::vector<int64_t>& sample_ids) {
+  const torch::Tensor t = tensor.detach().contiguous();
+  const ElemType type = elem_type_of(t);
+  ProbeRecord whole;
+  whole.shape = t.sizes().vec();
+  std::vector<ProbeRecord> records;
+  const bool per_head = def != nullptr && is_per_head(def->id) && t.dim() == 4;
+  if (per_head) {
+    const std::vector<TensorStats> heads =
+        compute_head_stats(t.data_ptr(), type, t.size(0), t.size(1), t.size(2), t.size(3), def->causal);
+    whole.stats = combine_heads(heads);
+    records.push_back(whole);
+    for (size_t h = 0; h < heads.size(); ++h) {
+      ProbeRecord one = whole;
+      one.head = static_cast<int>(h);
+      one.stats = heads[h];
+      records.push_back(one);
+    }
+  } else {
+    whole.stats = compute_stats(t.data_ptr(), type, t.numel());
+    records.push_back(whole);
+  }
+  for (ProbeRecord& record : records) decode_first(record, def, sample_ids);
+  return records;
+}
+
+struct ProbeSession::State {
+  BatchContext context;
+  bool enabled = false;
+  int num_forward_sites = 0;
+  std::vector<int> order_of;  // (layer + 1) * kSiteCount + id -> forward order
+  std::vector<ProbeRecord> forward;
+  std::vector<ProbeRecord> backward;
+  std::vector<std::pair<SiteRef, SiteRef>> aliases;
+
+  int order(const SiteRef& ref) const {
+    return order_of.at(static_cast<size_t>((ref.layer + 1) * site_count() + static_cast<int>(ref.id)));
+  }
+  static int site_count() { return static_cast<int>(site_table().size()); }
+
+  void add(std::vector<ProbeRecord> records, const SiteRef& ref, Phase phase) {
+    const int forward_order = order(ref);
+    for (ProbeRecord& record : records) {
+      record.step = context.step;
+      record.micro_batch = context.micro_batch;
+      record.rank = context.rank;
+      record.phase = phase;
+      record.order = phase == Phase::kForward ? forward_order : num_forward_sites - 1 - forward_order;
+      record.site = site_name(ref);
+      record.layer = ref.layer;
+      (phase == Phase::kForward ? forward : backward).push_back(std::move(record));
+    }
+  }
+};
+
+ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, bool enabled,
+                           const ModelConfig& model)
+    : state_(std::make_shared<State>()), numerics_(numerics) {
+  state_->context = std::move(context);
+  state_->enabled = enabled;
+  const std::vector<SiteRef> sites = forward_sites(model);
+  state_->num_forward_sites = static_cast<int>(sites.size());
+  state_->order_of.assign(static_cast<size_t>((model.num_layers + 1) * State::site_count()), -1);
+  for (size_t i = 0; i < sites.size(); ++i) {
+    const size_t slot = static_cast<size_t>((sites[i].layer + 1) * State::site_count() +
+                                            static_cast<int>(sites[i].id));
+    state_->order_of[slot] = static_cast<int>(i);
+  }
+}
+
+ProbeSession::~ProbeSession() = default;
+
+torch::Tensor ProbeSession::site(const SiteRef& ref, const torch::Tensor& value) {
+  // The loss stays fp32 (cross-entropy from the rounded logits); all else is rounded.
+  const bool rounded = numerics_.reduced() && ref.id != SiteId::kLoss;
+  const torch::Tensor held = rounded ? numerics_.to_low(value) : value;
+  if (state_->enabled) {
+    const SiteDef& def = site_def(ref.id);
+    state_->add(describe_tensor(held, &def, state_->context.sample_ids), ref, Phase::kForward);
+    if (held.requires_grad()) {
+      std::shared_ptr<State> state = state_;
+      held.register_hook([state, ref](torch::Tensor grad) {
+        const SiteDef& hooked = site_def(ref.id);
+        state->add(describe_tensor(grad, &hooked, state->context.sample_ids), ref, Phase::kBackward);
+      });
+    }
+  }
+  return rounded ? held.to(torch::kFloat32) : value;
+}
+
+void ProbeSession::alias(const SiteRef& ref, const SiteRef& same_as) {
+  if (!state_->enabled) return;
+  state_->aliases.emplace_back(ref, same_as);
+  const std::string original = site_name(same_as);
+  std::vector<ProbeRecord> copies;
+  for (const ProbeRecord& record : state_->forward) {
+    if (record.site == original) copies.push_back(record);
+  }
+  state_->add(std::move(copies), ref, Phase::kForward);
+}
+
+std::vector<ProbeRecord> ProbeSession::take_records() {
+  State& s = *state_;
+  for (const auto& [ref, same_as] : s.aliases) {
+    const std::string original = site_name(same_as);
+    std::vector<ProbeRecord> copies;
+    for (const ProbeRecord& record : s.backward) {
+      if (record.site == original) copies.push_back(record);
+    }
+    s.add(std::move(copies), ref, Phase::kBackward);
+  }
+  s.aliases.clear();
+  auto by_order = [](const ProbeRecord& a, const ProbeRecord& b) {
+    return a.order != b.order ? a.order < b.order : a.head < b.head;
+  };
+  std::stable_sort(s.forward.begin(), s.forward.end(), by_order);
+  std::stable_sort(s.backward.begin(), s.backward.end(), by_order);
+  std::vector<ProbeRecord> all = std::move(s.forward);
+  all.insert(all.end(), std::make_move_iterator(s.backward.begin()),
+             std::make_move_iterator(s.backward.end()));
+  s.forward.clear();
+  s.backward.clear();
+  return all;
+}
+
+}  // namespace nanreplay

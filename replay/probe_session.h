@@ -1,0 +1,59 @@
+// Probes for one forward/backward pass (one step, micro-batch and rank).
+// `site()` records a site's forward statistics as the compute type holds it
+// and hooks its gradient, whose statistics are taken when autograd delivers
+// it (already summed over every consumer and rounded at the cast pair).
+// With probes off, `site()` only applies the rounding: numerics are identical.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "probes/probe_record.h"
+#include "probes/sites.h"
+#include "replay/numerics.h"
+
+namespace nanreplay {
+
+struct BatchContext {
+  int64_t step = 0;
+  int micro_batch = 0;
+  int rank = 0;
+  std::vector<int64_t> sample_ids;  // dataset index of each batch row
+};
+
+// Statistics of a tensor laid out as `ref` says, decoded into a record (plus
+// one record per head for per-head sites). `def` null: a parameter gradient
+// (coordinates only, no sample or position). Used for forward, backward and
+// parameter-gradient probes alike.
+std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
+                                         const std::vector<int64_t>& sample_ids);
+
+class ProbeSession {
+ public:
+  // `enabled` false: no statistics, no hooks (the fast path for training and
+  // cheap passes). `order` maps a SiteRef to its forward execution index.
+  ProbeSession(BatchContext context, const Numerics& numerics, bool enabled,
+               const ModelConfig& model);
+  ~ProbeSession();
+  ProbeSession(const ProbeSession&) = delete;
+  ProbeSession& operator=(const ProbeSession&) = delete;
+
+  // Returns the value the rest of the forward uses (rounded to the compute type).
+  torch::Tensor site(const SiteRef& ref, const torch::Tensor& value);
+  // Records `ref` as the very tensor already probed as `same_as` (embed and
+  // layers.0.input; layers.i.output and layers.i+1.input).
+  void alias(const SiteRef& ref, const SiteRef& same_as);
+
+  // Forward records in execution order, then backward records in reverse
+  // forward order; call after backward has run.
+  std::vector<ProbeRecord> take_records();
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;  // shared with the gradient hooks
+  const Numerics& numerics_;
+};
+
+}  // namespace nanreplay

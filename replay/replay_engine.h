@@ -1,0 +1,46 @@
+// Replays every step of a bundle, forward and backward, on this machine:
+// each rank's micro-batches in turn, with probes on every site, and names the
+// first non-finite tensor in execution order (step, micro-batch, phase, site,
+// rank). Holds at most one step's checkpoint at a time. No LibTorch types here.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <set>
+#include <string>
+
+#include "loaders/bundle.h"
+#include "reports/report.h"
+
+namespace nanreplay {
+
+struct ReplayProgress {
+  size_t step_index = 0;  // 0-based among the steps being replayed
+  size_t step_count = 0;
+  int64_t step = 0;
+  int rank = 0;
+  int micro_batch = 0;
+  std::string phase;  // "forward", "backward", "grad"
+};
+
+struct ReplayOptions {
+  bool probes = true;
+  std::optional<std::set<int64_t>> only_steps;  // default: every step
+  std::function<void(const ReplayProgress&)> on_progress;
+  std::function<bool()> should_stop;  // polled between micro-batches
+  std::string tool_version;
+};
+
+// Thrown when should_stop() returned true; nothing has been written.
+struct ReplayInterrupted {
+  size_t steps_done = 0;
+};
+
+ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options);
+
+}  // namespace nanreplay
+
+namespace nanreplay {
+// Threads LibTorch uses for the replay's tensor math (0: all cores).
+void set_compute_threads(int threads);
+}  // namespace nanreplay

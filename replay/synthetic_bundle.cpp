@@ -1,0 +1,359 @@
+// Trains a tiny model for a few steps and writes every step as a v1 bundle.
+// The same gradient code as the replay is used, so a clean synthetic bundle
+// replays to exactly the losses it logged.
+#include "replay/synthetic_bundle.h"
+
+#include <cmath>
+#include <fstream>
+#include <random>
+#include <stdexcept>
+
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include "loaders/safetensors.h"
+#include "loaders/sampler.h"
+#include "loaders/token_shards.h"
+#include "replay/adamw.h"
+#include "replay/gradients.h"
+#include "reports/report.h"
+
+namespace nanreplay {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  if (!out) throw std::runtime_error("cannot write " + path.string());
+}
+
+void write_tensors(const fs::path& path, const std::vector<std::string>& names,
+                   const std::vector<torch::Tensor>& tensors, std::optional<int64_t> step) {
+  SafetensorsWriter writer;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const torch::Tensor t = tensors[i].detach().to(torch::kFloat32).contiguous();
+    writer.add(names[i], DType::kF32, t.sizes().vec(), t.data_ptr(),
+               static_cast<size_t>(t.numel()) * sizeof(float));
+  }
+  if (step) writer.add("step", DType::kI64, {}, &*step, sizeof(int64_t));
+  writer.write(path.string());
+}
+
+std::vector<ShardSpec> write_shards(const fs::path& root, const SyntheticSpec& spec) {
+  std::mt19937_64 rng(spec.data_seed);
+  std::uniform_int_distribution<int64_t> token(0, spec.model.vocab_size - 1);
+  std::vector<ShardSpec> shards;
+  const int64_t per_shard = spec.num_tokens / spec.shards;
+  for (int s = 0; s < spec.shards; ++s) {
+    const int64_t count = s + 1 == spec.shards ? spec.num_tokens - per_shard * s : per_shard;
+    std::vector<uint8_t> bytes;
+    const size_t width = spec.token_dtype == TokenDtype::kUint16 ? 2 : 4;
+    bytes.resize(static_cast<size_t>(count) * width);
+    for (int64_t i = 0; i < count; ++i) {
+      const uint32_t value = static_cast<uint32_t>(token(rng));
+      std::memcpy(bytes.data() + i * static_cast<int64_t>(width), &value, width);  // little-endian host
+    }
+    char name[32];
+    std::snprintf(name, sizeof(name), "data/shard_%03d.bin", s);
+    std::ofstream out(root / name, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    if (!out) throw std::runtime_error("cannot write shard " + std::string(name));
+    ShardSpec shard;
+    shard.path = name;
+    shard.dtype = spec.token_dtype;
+    shard.tokens = count;
+    if (spec.checksums) shard.sha256 = sha256_hex(bytes.data(), bytes.size());
+    shards.push_back(shard);
+  }
+  return shards;
+}
+
+ParamMap init_params(const SyntheticSpec& spec, std::vector<std::string>& order) {
+  torch::manual_seed(spec.init_seed);
+  ParamMap params;
+  for (const ParamSpec& p : expected_parameters(spec.model)) {
+    const bool norm = p.name.find("norm") != std::string::npos || p.name.find("ln_") != std::string::npos;
+    const bool bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
+    torch::Tensor t = bias   ? torch::zeros(p.shape)
+                      : norm ? torch::ones(p.shape)
+                             : torch::randn(p.shape) * 0.02;
+    t.requires_grad_(true);
+    params.emplace(p.name, t);
+    order.push_back(p.name);
+  }
+  return params;
+}
+
+nlohmann::json manifest_json(const SyntheticSpec& spec, const Manifest& m) {
+  const ModelConfig& mc = m.model;
+  nlohmann::json model = {{"arch", arch_name(mc.arch)},      {"vocab_size", mc.vocab_size},
+                          {"hidden_size", mc.hidden_size},   {"num_layers", mc.num_layers},
+                          {"num_heads", mc.num_heads},       {"num_kv_heads", mc.num_kv_heads},
+                          {"max_seq_len", mc.max_seq_len},   {"norm_eps", mc.norm_eps},
+                          {"rope_theta", mc.rope_theta},     {"tie_embeddings", mc.tie_embeddings}};
+  if (mc.arch == Arch::kLlama) model["intermediate_size"] = mc.intermediate_size;
+  nlohmann::json shards = nlohmann::json::array();
+  for (const ShardSpec& s : m.data.shards) {
+    nlohmann::json shard = {{"path", s.path},
+                            {"dtype", s.dtype == TokenDtype::kUint16 ? "uint16" : "uint32"},
+                            {"tokens", s.tokens}};
+    if (s.sha256) shard["sha256"] = *s.sha256;
+    shards.push_back(shard);
+  }
+  nlohmann::json steps = nlohmann::json::array();
+  for (const StepEntry& e : m.steps) {
+    nlohmann::json entry = {{"step", e.step}, {"dir", e.dir}};
+    if (e.samples) entry["samples"] = *e.samples;
+    steps.push_back(entry);
+  }
+  const OptimizerConfig& o = spec.optimizer;
+  nlohmann::json optimizer = {{"kind", "adamw"},        {"betas", {o.beta1, o.beta2}},
+                              {"eps", o.eps},           {"weight_decay", o.weight_decay},
+                              {"no_decay", o.no_decay}};
+  if (o.grad_clip) optimizer["grad_clip"] = *o.grad_clip;
+  nlohmann::json out = {
+      {"format", "nanreplay.bundle"},
+      {"version", 1},
+      {"model", model},
+      {"precision", {{"compute", compute_name(spec.compute)}}},
+      {"optimizer", optimizer},
+      {"data",
+       {{"shards", shards},
+        {"seq_len", m.data.seq_len},
+        {"micro_batch_size", m.data.micro_batch_size},
+        {"grad_accum_steps", m.data.grad_accum_steps},
+        {"world_size", m.data.world_size},
+        {"sampler",
+         {{"kind", "randperm"}, {"seed", m.data.sampler.seed}, {"epoch", 0}, {"epoch_start_step", spec.first_step}}}}},
+      {"steps", steps},
+  };
+  if (spec.fault.kind != FaultKind::kNone) {
+    out["incident"] = {{"step", spec.fault.step}, {"symptom", "loss=nan"}};
+  }
+  return out;
+}
+
+// Makes head `f.head` of layer `f.layer` produce q.k products beyond fp16's
+// range at position 0 (rotary leaves position 0 unrotated, so q0.k0 = |q0|^2).
+void inject_head_overflow(const SyntheticSpec& spec, ParamMap& params, const FaultSpec& f) {
+  const ModelConfig& m = spec.model;
+  const int64_t D = m.head_dim(), C = m.hidden_size;
+  const double sigma = std::sqrt(32.0 * 65520.0 / static_cast<double>(D * C));
+  const torch::Tensor rows = torch::randn({D, C}) * sigma;
+  const std::string pre = "model.layers." + std::to_string(f.layer) + ".self_attn.";
+  const int64_t kv_head = f.head / (m.num_heads / m.num_kv_heads);
+  params.at(pre + "q_proj.weight").narrow(0, f.head * D, D).copy_(rows);
+  params.at(pre + "k_proj.weight").narrow(0, kv_head * D, D).copy_(rows);
+}
+
+// Flips bit `f.bit` of the first element whose exponent field is 127
+// (|x| in [1, 2)), so that an exponent-MSB flip yields inf or NaN.
+int64_t inject_bit_flip(ParamMap& params, const FaultSpec& f) {
+  torch::Tensor t = params.at(f.param);
+  float* data = t.data_ptr<float>();
+  int64_t chosen = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, data + i, 4);
+    if (((bits >> 23) & 0xff) == 127) {
+      chosen = i;
+      break;
+    }
+  }
+  uint32_t bits;
+  std::memcpy(&bits, data + chosen, 4);
+  bits ^= (1u << f.bit);
+  std::memcpy(data + chosen, &bits, 4);
+  return chosen;
+}
+
+}  // namespace
+
+SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec& spec) {
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_empty(dir, ec)) {
+    throw std::runtime_error(dir.string() + " exists and is not empty");
+  }
+  const fs::path parent = dir.has_parent_path() ? dir.parent_path() : fs::path(".");
+  fs::create_directories(parent);
+  const fs::path tmp = parent / ("." + dir.filename().string() + ".tmp-" + std::to_string(getpid()));
+  fs::remove_all(tmp, ec);
+  fs::create_directories(tmp / "data");
+  try {
+    Manifest m;
+    m.model = spec.model;
+    m.precision.compute = spec.compute;
+    m.optimizer = spec.optimizer;
+    m.data.shards = write_shards(tmp, spec);
+    m.data.seq_len = spec.seq_len;
+    m.data.micro_batch_size = spec.micro_batch_size;
+    m.data.grad_accum_steps = spec.grad_accum_steps;
+    m.data.world_size = spec.world_size;
+    m.data.sampler.seed = spec.sampler_seed;
+    m.data.sampler.epoch_start_step = spec.first_step;
+    for (int64_t s = spec.first_step; s < spec.first_step + spec.num_steps; ++s) {
+      m.steps.push_back({s, "steps/" + std::to_string(s), std::nullopt});
+    }
+    const TokenStream tokens(tmp, m.data.shards, "manifest.json");
+    const StepSampler sampler(m, tokens.num_samples(spec.seq_len), "manifest.json");
+
+    std::vector<std::string> order;
+    ParamMap params = init_params(spec, order);
+    AdamWMoments moments;
+    double loss_scale = spec.loss_scale;
+    SyntheticOutcome outcome;
+    for (StepEntry& entry : m.steps) {
+      const int64_t s = entry.step;
+      const StepBatch batch{sampler.randperm_samples(s)};
+      if (spec.record_samples) entry.samples = batch.samples;
+      if (s == spec.fault.step) {
+        torch::NoGradGuard no_grad;
+        outcome.fault_step = s;
+        outcome.first_sample = batch.samples[0][0];
+        const FaultSpec& f = spec.fault;
+        if (f.kind == FaultKind::kHeadOverflow) inject_head_overflow(spec, params, f);
+        if (f.kind == FaultKind::kBitFlip) {
+          outcome.fault_param = f.param;
+          outcome.fault_element = inject_bit_flip(params, f);
+        }
+        if (f.kind == FaultKind::kZeroEmbedding) {
+          const std::vector<int64_t> first = tokens.sample_tokens(batch.samples[0][0], spec.seq_len);
+          int64_t pos = f.position;
+          while (pos + 1 < spec.seq_len &&
+                 std::find(first.begin(), first.begin() + pos, first[static_cast<size_t>(pos)]) !=
+                     first.begin() + pos) {
+            ++pos;
+          }
+          outcome.zero_token = first[static_cast<size_t>(pos)];
+          outcome.zero_position = pos;
+          params.at("model.embed_tokens.weight")[outcome.zero_token].zero_();
+        }
+      }
+      const fs::path step_dir = tmp / entry.dir;
+      fs::create_directories(step_dir);
+      std::vector<torch::Tensor> values;
+      for (const std::string& name : order) values.push_back(params.at(name));
+      write_tensors(step_dir / "model.safetensors", order, values, std::nullopt);
+      if (spec.write_optimizer) {
+        std::vector<std::string> names;
+        std::vector<torch::Tensor> state;
+        for (size_t i = 0; i < order.size(); ++i) {
+          names.push_back(order[i] + ".exp_avg");
+          state.push_back(moments.exp_avg.empty() ? torch::zeros_like(values[i]) : moments.exp_avg[i]);
+          names.push_back(order[i] + ".exp_avg_sq");
+          state.push_back(moments.exp_avg_sq.empty() ? torch::zeros_like(values[i])
+                                                     : moments.exp_avg_sq[i]);
+        }
+        write_tensors(step_dir / "optimizer.safetensors", names, state, moments.step);
+      }
+
+      StepComputeOptions options;
+      options.loss_scale = spec.compute == Compute::kFp16 ? loss_scale : 1.0;
+      const StepGradients grads = compute_step_gradients(m, tokens, s, batch, params, order, options);
+      outcome.losses.push_back(grads.loss);
+      const bool skipped = spec.compute == Compute::kFp16 && !std::isfinite(grads.grad_norm);
+      nlohmann::json logged = {{"loss", json_number(grads.loss)},
+                               {"grad_norm", json_number(grads.grad_norm)},
+                               {"rank_losses", nlohmann::json::array()},
+                               {"rank_grad_norms", nlohmann::json::array()}};
+      for (double v : grads.rank_losses) logged["rank_losses"].push_back(json_number(v));
+      for (double v : grads.rank_grad_norms) logged["rank_grad_norms"].push_back(json_number(v));
+      nlohmann::json state = {{"step", s}, {"lr", spec.lr}, {"logged", logged}};
+      if (spec.compute == Compute::kFp16) {
+        state["loss_scale"] = loss_scale;
+        state["skipped"] = skipped;
+      }
+      write_text(step_dir / "state.json", state.dump(2) + "\n");
+
+      if (skipped) {
+        loss_scale /= 2;
+      } else {
+        std::vector<torch::Tensor> plain;
+        for (const std::string& name : order) plain.push_back(params.at(name).detach());
+        adamw_update(plain, grads.grads, grads.grad_norm, moments, spec.lr, spec.optimizer, order);
+      }
+    }
+    write_text(tmp / "manifest.json", manifest_json(spec, m).dump(2) + "\n");
+    fs::remove(dir, ec);  // an empty directory the caller made
+    fs::rename(tmp, dir);
+    return outcome;
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+}
+
+std::vector<std::string> synthetic_preset_names() {
+  return {"clean-fp32", "clean-bf16",    "clean-fp16", "clean-dp",      "clean-gqa",
+          "head-overflow", "bit-flip", "zero-embedding", "demo"};
+}
+
+SyntheticSpec synthetic_preset(const std::string& name) {
+  SyntheticSpec spec;
+  ModelConfig& m = spec.model;
+  m.arch = Arch::kLlama;
+  m.vocab_size = 256;
+  m.hidden_size = 64;
+  m.num_layers = 2;
+  m.num_heads = 4;
+  m.num_kv_heads = 4;
+  m.intermediate_size = 172;
+  m.max_seq_len = 64;
+  spec.optimizer.beta1 = 0.9;
+  spec.optimizer.beta2 = 0.95;
+  spec.optimizer.weight_decay = 0.1;
+  spec.optimizer.grad_clip = 1.0;
+  spec.optimizer.no_decay = {"*norm.weight"};
+  const int64_t last = spec.first_step + spec.num_steps - 1;
+  if (name == "clean-fp32") return spec;
+  if (name == "clean-bf16") {
+    spec.compute = Compute::kBf16;
+    return spec;
+  }
+  if (name == "clean-fp16") {
+    spec.compute = Compute::kFp16;
+    return spec;
+  }
+  if (name == "clean-dp") {
+    spec.world_size = 2;
+    return spec;
+  }
+  if (name == "clean-gqa") {
+    m.num_kv_heads = 2;
+    m.tie_embeddings = true;
+    return spec;
+  }
+  if (name == "head-overflow") {
+    spec.compute = Compute::kFp16;
+    spec.fault = {FaultKind::kHeadOverflow, last, 1, 2, "", 30, 5};
+    return spec;
+  }
+  if (name == "bit-flip") {
+    spec.fault = {FaultKind::kBitFlip, last, 0, 0, "model.layers.1.post_attention_layernorm.weight", 30, 5};
+    return spec;
+  }
+  if (name == "zero-embedding") {
+    m.norm_eps = 0.0;
+    spec.fault = {FaultKind::kZeroEmbedding, last, 0, 0, "", 30, 5};
+    return spec;
+  }
+  if (name == "demo") {
+    m.hidden_size = 128;
+    m.num_layers = 4;
+    m.intermediate_size = 344;
+    m.max_seq_len = 128;
+    spec.seq_len = 64;
+    spec.num_tokens = 32768;
+    spec.num_steps = 6;
+    spec.compute = Compute::kFp16;
+    spec.fault = {FaultKind::kHeadOverflow, spec.first_step + spec.num_steps - 1, 2, 3, "", 30, 5};
+    return spec;
+  }
+  throw std::invalid_argument("unknown preset '" + name + "'");
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,122 @@
+// report.json rendering. Field names and meanings follow report-v1; keys this
+// project adds are documented in docs/report-format.md.
+#include "reports/report.h"
+
+#include <cmath>
+
+#include "loaders/error.h"
+
+namespace nanreplay {
+
+const char* triage_layer_name(TriageLayer layer) {
+  switch (layer) {
+    case TriageLayer::kData: return "data";
+    case TriageLayer::kNumeric: return "numeric";
+    case TriageLayer::kSystem: return "system";
+  }
+  return "numeric";
+}
+
+const char* severity_name(Severity severity) {
+  switch (severity) {
+    case Severity::kError: return "error";
+    case Severity::kWarning: return "warning";
+    case Severity::kInfo: return "info";
+  }
+  return "info";
+}
+
+nlohmann::json json_number(double value) {
+  if (std::isnan(value)) return "nan";
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  return value;
+}
+
+namespace {
+
+nlohmann::json optional_index(int64_t value) {
+  return value >= 0 ? nlohmann::json(value) : nlohmann::json(nullptr);
+}
+
+nlohmann::json first_to_json(const FirstNonfinite& first) {
+  return {
+      {"step", first.step},
+      {"phase", phase_name(first.phase)},
+      {"site", first.site},
+      {"layer", optional_index(first.layer)},
+      {"head", optional_index(first.head)},
+      {"kind", nonfinite_kind_name(first.kind)},
+      {"rank", optional_index(first.rank)},
+      {"micro_batch", optional_index(first.micro_batch)},
+      {"sample", optional_index(first.sample)},
+      {"position", optional_index(first.position)},
+      {"index", first.index},
+      {"shape", first.shape},
+  };
+}
+
+nlohmann::json step_to_json(const StepOutcome& step) {
+  nlohmann::json out = {
+      {"step", step.step},
+      {"loss", step.replayed ? json_number(step.loss) : nlohmann::json(nullptr)},
+      {"logged_loss", step.logged_loss ? json_number(*step.logged_loss) : nlohmann::json(nullptr)},
+      {"grad_norm", step.replayed ? json_number(step.grad_norm) : nlohmann::json(nullptr)},
+      {"logged_grad_norm",
+       step.logged_grad_norm ? json_number(*step.logged_grad_norm) : nlohmann::json(nullptr)},
+      {"finite", step.replayed && step.finite},
+      {"replayed", step.replayed},
+      {"loss_scale", json_number(step.loss_scale)},
+      {"scaler_skipped", step.scaler_skipped},
+  };
+  if (!step.replayed) out["not_replayed_reason"] = step.not_replayed_reason;
+  nlohmann::json rank_losses = nlohmann::json::array();
+  for (double value : step.rank_losses) rank_losses.push_back(json_number(value));
+  nlohmann::json rank_norms = nlohmann::json::array();
+  for (double value : step.rank_grad_norms) rank_norms.push_back(json_number(value));
+  out["rank_losses"] = rank_losses;
+  out["rank_grad_norms"] = rank_norms;
+  return out;
+}
+
+}  // namespace
+
+nlohmann::json report_to_json(const ReplayReport& report) {
+  nlohmann::json out;
+  out["version"] = 1;
+  out["tool"] = {{"name", "nanreplay"}, {"version", report.tool_version}};
+  out["bundle"] = report.bundle;
+  out["arch"] = arch_name(report.arch);
+  out["precision"] = compute_name(report.precision);
+  out["reproduced"] = report.reproduced;
+  out["first_nonfinite"] =
+      report.first_nonfinite ? first_to_json(*report.first_nonfinite) : nlohmann::json(nullptr);
+  nlohmann::json steps = nlohmann::json::array();
+  for (const StepOutcome& step : report.steps) steps.push_back(step_to_json(step));
+  out["steps"] = steps;
+  nlohmann::json findings = nlohmann::json::array();
+  for (const Finding& finding : report.findings) {
+    findings.push_back({{"layer", triage_layer_name(finding.layer)},
+                        {"code", finding.code},
+                        {"severity", severity_name(finding.severity)},
+                        {"message", finding.message},
+                        {"evidence", finding.evidence}});
+  }
+  out["findings"] = findings;
+  if (report.incident) {
+    out["incident"] = {{"step", report.incident->step ? nlohmann::json(*report.incident->step)
+                                                      : nlohmann::json(nullptr)},
+                       {"symptom", report.incident->symptom}};
+  }
+  out["elapsed_seconds"] = report.elapsed_seconds;
+  return out;
+}
+
+int exit_status_for(const ReplayReport& report) {
+  bool error_finding = false;
+  for (const Finding& finding : report.findings) {
+    error_finding = error_finding || finding.severity == Severity::kError;
+  }
+  return static_cast<int>(report.reproduced || error_finding ? ExitStatus::kFound : ExitStatus::kClean);
+}
+
+}  // namespace nanreplay

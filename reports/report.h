@@ -1,0 +1,82 @@
+// The outcome of a replay as plain data (report-v1), and its JSON rendering.
+// The library computes a ReplayReport; the edges render it as JSON, the HDF5
+// trace, or terminal text. Non-finite numbers render as "nan"/"inf"/"-inf".
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "kernels/tensor_stats.h"
+#include "loaders/manifest.h"
+#include "probes/probe_record.h"
+
+namespace nanreplay {
+
+enum class TriageLayer { kData, kNumeric, kSystem };
+enum class Severity { kError, kWarning, kInfo };
+const char* triage_layer_name(TriageLayer layer);
+const char* severity_name(Severity severity);
+
+struct Finding {
+  TriageLayer layer = TriageLayer::kNumeric;
+  std::string code;  // stable upper-case identifier
+  Severity severity = Severity::kInfo;
+  std::string message;
+  nlohmann::json evidence = nlohmann::json::object();
+};
+
+struct FirstNonfinite {
+  int64_t step = 0;
+  Phase phase = Phase::kForward;
+  std::string site;
+  int layer = -1;
+  int head = -1;
+  NonfiniteKind kind = NonfiniteKind::kNan;
+  int rank = -1;
+  int micro_batch = -1;
+  int64_t sample = -1;
+  int64_t position = -1;
+  std::vector<int64_t> index;  // coordinates of the element in the site's layout
+  std::vector<int64_t> shape;
+};
+
+struct StepOutcome {
+  int64_t step = 0;
+  bool replayed = false;
+  std::string not_replayed_reason;
+  double loss = 0.0;
+  std::optional<double> logged_loss;
+  double grad_norm = 0.0;
+  std::optional<double> logged_grad_norm;
+  bool finite = true;
+  bool scaler_skipped = false;  // fp16: the loss scaler would skip this step
+  double loss_scale = 1.0;
+  std::vector<double> rank_losses;
+  std::vector<double> rank_grad_norms;
+};
+
+struct ReplayReport {
+  std::string bundle;
+  std::string tool_version;
+  Arch arch = Arch::kLlama;
+  Compute precision = Compute::kFp32;
+  std::optional<IncidentInfo> incident;
+  bool reproduced = false;
+  std::optional<FirstNonfinite> first_nonfinite;
+  std::vector<StepOutcome> steps;
+  std::vector<Finding> findings;
+  std::vector<ProbeRecord> probes;  // every probe, for the trace
+  double elapsed_seconds = 0.0;
+};
+
+// A JSON number, or "nan"/"inf"/"-inf" for non-finite values.
+nlohmann::json json_number(double value);
+nlohmann::json report_to_json(const ReplayReport& report);
+// 1 when a non-finite origin or an error finding was named, else 0.
+int exit_status_for(const ReplayReport& report);
+
+}  // namespace nanreplay

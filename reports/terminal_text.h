@@ -1,0 +1,21 @@
+// The short verdict a person reads in the terminal after `nanreplay run`:
+// reproduced or not, the first non-finite tensor, the step table of replayed
+// against logged loss, and the findings. Plain text; ANSI colour only when asked.
+#pragma once
+
+#include <string>
+
+#include "reports/report.h"
+
+namespace nanreplay {
+
+struct TextStyle {
+  bool color = false;
+};
+
+std::string render_verdict(const ReplayReport& report, const TextStyle& style);
+
+// A number for people: "nan", "inf", or up to 6 significant digits.
+std::string format_number(double value);
+
+}  // namespace nanreplay

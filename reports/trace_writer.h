@@ -1,0 +1,60 @@
+// Writes trace.h5: every probe of every step and phase as one columnar table,
+// plus the per-step summary. The layout (version 1) is documented in
+// docs/trace-format.md and summarised here:
+//
+//   /                 attrs: format="nanreplay.trace", format_version=1,
+//                            bundle, tool_version, precision, arch, created_utc
+//   /probes/<column>  1-D datasets of equal length N, one row per probe:
+//                     step i64, micro_batch i32, rank i32, phase (string),
+//                     order i32, site (string), layer i32, head i32,
+//                     count, finite_count, nan_count, inf_count i64,
+//                     max_abs, min_nonzero_abs, mean, rms f64,
+//                     first_nonfinite i64, first_kind (string),
+//                     sample i64, position i64, first_head i32, shape (string "2x64x128"),
+//                     first_index (string "0x3x17x5": coordinates of first_nonfinite,
+//                     empty when none)
+//   /steps/<column>   step i64, loss f64, logged_loss f64 (NaN when absent),
+//                     grad_norm f64, finite u8
+//
+// Strings are fixed-length, null-padded ASCII. -1 marks "not applicable".
+// The file is written under a temporary name and renamed when complete.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "probes/probe_record.h"
+
+namespace nanreplay {
+
+struct TraceStepRow {
+  int64_t step = 0;
+  double loss = 0.0;
+  double logged_loss = 0.0;  // NaN when the job logged none
+  double grad_norm = 0.0;
+  bool finite = true;
+};
+
+struct TraceHeader {
+  std::string bundle;
+  std::string tool_version;
+  std::string precision;
+  std::string arch;
+  std::map<std::string, std::string> extra;  // further string attributes
+};
+
+// Throws std::runtime_error on HDF5 failure (no partial file is left).
+void write_trace(const std::string& path, const TraceHeader& header,
+                 const std::vector<ProbeRecord>& probes, const std::vector<TraceStepRow>& steps);
+
+// Reads a trace back (for `nanreplay trace` and tests). Throws InputError on a bad file.
+struct TraceContents {
+  TraceHeader header;
+  std::vector<ProbeRecord> probes;
+  std::vector<TraceStepRow> steps;
+};
+TraceContents read_trace(const std::string& path);
+
+}  // namespace nanreplay

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One entry point for a fresh Debian 12 machine: installs whatever is missing,
+# builds nanreplay in Release (-j2), then either runs the demo incident or the
+# whole test suite.
+#   scripts/bootstrap.sh demo [DIR]   install, build, run `nanreplay demo`
+#   scripts/bootstrap.sh test         install, build, run every test (CTest)
+#   scripts/bootstrap.sh build        install and build only
+set -euo pipefail
+
+mode="${1:-demo}"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build_dir="${NANREPLAY_BUILD_DIR:-$root/build}"
+jobs="${NANREPLAY_JOBS:-2}"
+
+# Debian packages the build, the tests and the PyTorch cross-checks need.
+# libopenblas0-pthread: without it LibTorch falls back to the reference BLAS (~35x slower matmuls).
+packages=(
+  g++ cmake ninja-build pkg-config
+  libtorch-dev libopenblas0-pthread
+  libhdf5-dev hdf5-tools
+  libcxxopts-dev nlohmann-json3-dev catch2 libssl-dev
+  python3-torch python3-h5py python3-numpy
+)
+
+missing=()
+for pkg in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  echo "bootstrap: installing ${missing[*]}"
+  sudo_cmd=()
+  [[ $(id -u) -eq 0 ]] || sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
+cmake --build "$build_dir" -j "$jobs"
+
+case "$mode" in
+  demo)
+    "$build_dir/nanreplay" demo "${2:-nanreplay-demo}"
+    ;;
+  test)
+    cd "$build_dir"
+    ctest --output-on-failure -j "$jobs"
+    ;;
+  build)
+    ;;
+  *)
+    echo "usage: scripts/bootstrap.sh demo [DIR] | test | build" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,170 @@
+"""An independent eager-PyTorch reading of a nanreplay v1 bundle.
+
+Reads manifest.json, safetensors checkpoints and token shards with nothing but
+torch and the standard library, draws each step's samples with torch.randperm
+itself, and computes the step's loss and global gradient norm the way a plain
+PyTorch DDP + gradient-accumulation training loop would (fp32 only). Used to
+cross-check `nanreplay run` (tests/py/test_crosscheck_pytorch.py).
+"""
+import json
+import math
+import struct
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+
+
+def read_safetensors(path):
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        buf = bytearray(raw[base + begin:base + end])
+        t = torch.frombuffer(buf, dtype=DTYPES[info["dtype"]]) if buf else torch.empty(0, dtype=DTYPES[info["dtype"]])
+        out[name] = t.reshape(info["shape"]).clone()
+    return out
+
+
+class Bundle:
+    def __init__(self, root):
+        self.root = Path(root)
+        self.manifest = json.loads((self.root / "manifest.json").read_text())
+        d = self.manifest["data"]
+        parts = []
+        for shard in d["shards"]:
+            raw = bytearray((self.root / shard["path"]).read_bytes())
+            dtype = torch.int16 if shard["dtype"] == "uint16" else torch.int32
+            t = torch.frombuffer(raw, dtype=dtype).to(torch.int64)
+            if shard["dtype"] == "uint16":
+                t = t & 0xFFFF
+            else:
+                t = t & 0xFFFFFFFF
+            parts.append(t)
+        self.tokens = torch.cat(parts)
+        self.seq_len = d["seq_len"]
+        self.num_samples = (len(self.tokens) - 1) // self.seq_len
+
+    def samples(self, step):
+        d = self.manifest["data"]
+        s = d["sampler"]
+        world = d.get("world_size", 1)
+        B = d["micro_batch_size"] * d.get("grad_accum_steps", 1)
+        g = torch.Generator()
+        g.manual_seed(s["seed"] + s.get("epoch", 0))
+        perm = torch.randperm(self.num_samples, generator=g).tolist()
+        total = (self.num_samples // world) * world
+        start = (step - s.get("epoch_start_step", 0)) * B
+        return [perm[r:total:world][start:start + B] for r in range(world)]
+
+    def batch(self, ids):
+        rows = [self.tokens[i * self.seq_len:i * self.seq_len + self.seq_len + 1] for i in ids]
+        w = torch.stack(rows)
+        return w[:, :-1], w[:, 1:]
+
+
+def rotary(x, theta):
+    # x: (B, heads, T, D); rotate-half convention.
+    T, D = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, D, 2).float() / D))
+    ang = torch.outer(torch.arange(T).float(), inv)
+    ang = torch.cat([ang, ang], -1)
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
+
+
+def attention(q, k, v, H, G):
+    # q: (B, T, H*D), k/v: (B, T, G*D)
+    B, T, _ = q.shape
+    D = q.shape[-1] // H
+    q = q.view(B, T, H, D).transpose(1, 2)
+    k = k.view(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
+    v = v.view(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(D)
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
+    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), -1)
+    return (probs @ v).transpose(1, 2).reshape(B, T, H * D)
+
+
+def llama_loss(cfg, p, inputs, targets):
+    H, G = cfg["num_heads"], cfg.get("num_kv_heads", cfg["num_heads"])
+    eps, theta = cfg.get("norm_eps", 1e-5), cfg.get("rope_theta", 10000.0)
+    B, T = inputs.shape
+    D = cfg["hidden_size"] // H
+
+    def norm(x, w):
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rope(x, heads):
+        return rotary(x.view(B, T, heads, D).transpose(1, 2), theta).transpose(1, 2).reshape(B, T, heads * D)
+
+    x = F.embedding(inputs, p["model.embed_tokens.weight"])
+    for i in range(cfg["num_layers"]):
+        pre = f"model.layers.{i}."
+        h = norm(x, p[pre + "input_layernorm.weight"])
+        q = rope(h @ p[pre + "self_attn.q_proj.weight"].T, H)
+        k = rope(h @ p[pre + "self_attn.k_proj.weight"].T, G)
+        v = h @ p[pre + "self_attn.v_proj.weight"].T
+        x = x + attention(q, k, v, H, G) @ p[pre + "self_attn.o_proj.weight"].T
+        h = norm(x, p[pre + "post_attention_layernorm.weight"])
+        act = F.silu(h @ p[pre + "mlp.gate_proj.weight"].T) * (h @ p[pre + "mlp.up_proj.weight"].T)
+        x = x + act @ p[pre + "mlp.down_proj.weight"].T
+    x = norm(x, p["model.norm.weight"])
+    head = p["model.embed_tokens.weight"] if cfg.get("tie_embeddings", False) else p["lm_head.weight"]
+    logits = x @ head.T
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def gpt2_loss(cfg, p, inputs, targets):
+    H, C, eps = cfg["num_heads"], cfg["hidden_size"], cfg.get("norm_eps", 1e-5)
+    T = inputs.shape[1]
+
+    def ln(x, pre):
+        return F.layer_norm(x, (C,), p[pre + ".weight"], p[pre + ".bias"], eps)
+
+    def lin(x, pre):
+        return F.linear(x, p[pre + ".weight"], p[pre + ".bias"])
+
+    x = p["transformer.wte.weight"][inputs] + p["transformer.wpe.weight"][torch.arange(T)]
+    for i in range(cfg["num_layers"]):
+        pre = f"transformer.h.{i}."
+        q, k, v = lin(ln(x, pre + "ln_1"), pre + "attn.c_attn").split(C, -1)
+        x = x + lin(attention(q, k, v, H, H), pre + "attn.c_proj")
+        x = x + lin(F.gelu(lin(ln(x, pre + "ln_2"), pre + "mlp.c_fc"), approximate="tanh"), pre + "mlp.c_proj")
+    logits = ln(x, "transformer.ln_f") @ p["transformer.wte.weight"].T
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def replay_step(bundle, step_dir, step):
+    """Loss (mean over ranks of the mean over micro-batches), grad norm, per-rank values."""
+    m = bundle.manifest
+    cfg = m["model"]
+    d = m["data"]
+    params = {k: v.float().requires_grad_(True) for k, v in read_safetensors(bundle.root / step_dir / "model.safetensors").items()}
+    loss_fn = llama_loss if cfg["arch"] == "llama" else gpt2_loss
+    world, accum, mbs = d.get("world_size", 1), d.get("grad_accum_steps", 1), d["micro_batch_size"]
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    rank_losses, rank_norms = [], []
+    for rank, ids in enumerate(bundle.samples(step)):
+        for v in params.values():
+            v.grad = None
+        rank_loss = 0.0
+        for micro in range(accum):
+            inputs, targets = bundle.batch(ids[micro * mbs:(micro + 1) * mbs])
+            loss = loss_fn(cfg, params, inputs, targets)
+            rank_loss += loss.item()
+            (loss / accum).backward()
+        rank_losses.append(rank_loss / accum)
+        grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in params.items()}
+        rank_norms.append(torch.norm(torch.stack([g.norm() for g in grads.values()])).item())
+        for k in total:
+            total[k] += grads[k] / world
+    norm = torch.norm(torch.stack([g.norm() for g in total.values()])).item()
+    return sum(rank_losses) / world, norm, rank_losses, rank_norms

@@ -1,0 +1,171 @@
+// Tests for loaders/step_state.cpp: the spec's example state.json, the
+// non-finite spellings a broken run logs, and one bad input per key, each
+// asserting that the InputError names the file and the key path.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "loaders/error.h"
+#include "loaders/step_state.h"
+
+namespace {
+
+using nanreplay::InputError;
+using nlohmann::json;
+
+// Matches an InputError whose message contains every fragment.
+class MessageMentions : public Catch::MatcherBase<InputError> {
+ public:
+  MessageMentions(std::vector<std::string> fragments) : fragments_(std::move(fragments)) {}
+  bool match(const InputError& error) const override {
+    message_ = error.what();
+    for (const std::string& fragment : fragments_) {
+      if (message_.find(fragment) == std::string::npos) return false;
+    }
+    return true;
+  }
+  std::string describe() const override {
+    std::string text = "mentions";
+    for (const std::string& fragment : fragments_) text += " '" + fragment + "'";
+    return text + " (message: " + message_ + ")";
+  }
+
+ private:
+  std::vector<std::string> fragments_;
+  mutable std::string message_;
+};
+
+#define REQUIRE_INPUT_ERROR(expr, ...) \
+  REQUIRE_THROWS_MATCHES(expr, InputError, MessageMentions({__VA_ARGS__}))
+
+const char* const kLabel = "steps/105/state.json";
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+nanreplay::StepState parse(const json& state) {
+  return nanreplay::parse_step_state(state.dump(), kLabel);
+}
+
+json with(json state, const std::string& pointer, json value) {
+  state[json::json_pointer(pointer)] = std::move(value);
+  return state;
+}
+
+}  // namespace
+
+TEST_CASE("step_state: the spec's example parses", "[loaders][state]") {
+  const nanreplay::StepState s = nanreplay::parse_step_state(R"({
+    "step": 105,
+    "lr": 0.0003,
+    "loss_scale": 65536.0,
+    "fp8_scales": { "model.layers.0.self_attn.q_proj": {"input": 1.0, "weight": 1.0} },
+    "logged": { "loss": 3.21, "grad_norm": 0.97,
+                "rank_grad_norms": [0.97], "rank_losses": [3.21] }
+  })", kLabel);
+  CHECK(s.step == 105);
+  CHECK(s.lr == 0.0003);
+  CHECK(s.loss_scale == 65536.0);
+  REQUIRE(s.fp8_scales.size() == 1);
+  const nanreplay::Fp8ModuleScales& q = s.fp8_scales.at("model.layers.0.self_attn.q_proj");
+  CHECK(q.input == 1.0);
+  CHECK(q.weight == 1.0);
+  CHECK_FALSE(q.grad_output.has_value());
+  CHECK(s.logged.loss == 3.21);
+  CHECK(s.logged.grad_norm == 0.97);
+  CHECK(s.logged.rank_grad_norms == std::vector<double>{0.97});
+  CHECK(s.logged.rank_losses == std::vector<double>{3.21});
+  CHECK_FALSE(s.skipped.has_value());
+}
+
+TEST_CASE("step_state: only step is required", "[loaders][state]") {
+  const nanreplay::StepState s = parse({{"step", 0}});
+  CHECK(s.step == 0);
+  CHECK_FALSE(s.lr.has_value());
+  CHECK(s.loss_scale == 1.0);
+  CHECK(s.fp8_scales.empty());
+  CHECK_FALSE(s.logged.loss.has_value());
+  CHECK_FALSE(s.logged.grad_norm.has_value());
+  CHECK(s.logged.rank_losses.empty());
+  CHECK(s.logged.rank_grad_norms.empty());
+  CHECK_FALSE(s.skipped.has_value());
+  CHECK(parse({{"step", 1}, {"skipped", true}, {"future_key", {1, 2}}}).skipped == true);
+}
+
+TEST_CASE("step_state: non-finite values are data, in every spelling", "[loaders][state]") {
+  const nanreplay::StepState s = parse(R"({
+    "step": 7, "lr": "nan", "loss_scale": "inf",
+    "fp8_scales": { "m": {"input": "-inf", "weight": "NaN", "grad_output": "Infinity"} },
+    "logged": { "loss": "nan", "grad_norm": "inf",
+                "rank_losses": [1.5, "-Infinity", "NAN"], "rank_grad_norms": ["+inf", 2] }
+  })"_json);
+  CHECK(std::isnan(*s.lr));
+  CHECK(s.loss_scale == kInf);
+  CHECK(s.fp8_scales.at("m").input == -kInf);
+  CHECK(std::isnan(*s.fp8_scales.at("m").weight));
+  CHECK(s.fp8_scales.at("m").grad_output == kInf);
+  CHECK(std::isnan(*s.logged.loss));
+  CHECK(s.logged.grad_norm == kInf);
+  REQUIRE(s.logged.rank_losses.size() == 3);
+  CHECK(s.logged.rank_losses[0] == 1.5);
+  CHECK(s.logged.rank_losses[1] == -kInf);
+  CHECK(std::isnan(s.logged.rank_losses[2]));
+  CHECK(s.logged.rank_grad_norms == std::vector<double>{kInf, 2.0});
+  // A scaler that collapsed to zero or went negative is still what the job used.
+  CHECK(parse({{"step", 1}, {"loss_scale", 0}}).loss_scale == 0.0);
+  CHECK(parse({{"step", 1}, {"lr", 0}}).lr == 0.0);
+}
+
+TEST_CASE("step_state: bad values name the key", "[loaders][state]") {
+  const json base = {{"step", 3}};
+  struct BadCase {
+    json state;
+    const char* key;
+  };
+  const std::vector<BadCase> cases = {
+      {json::object(), "step"},
+      {{{"step", -1}}, "step"},
+      {{{"step", 1.5}}, "step"},
+      {{{"step", "3"}}, "step"},
+      {{{"step", nullptr}}, "step"},
+      {with(base, "/lr", -0.1), "lr"},
+      {with(base, "/lr", "-inf"), "lr"},
+      {with(base, "/lr", "fast"), "lr"},
+      {with(base, "/loss_scale", "big"), "loss_scale"},
+      {with(base, "/loss_scale", true), "loss_scale"},
+      {with(base, "/fp8_scales", {1, 2}), "fp8_scales"},
+      {with(base, "/fp8_scales", {{"model.layers.0.mlp.up_proj", 1.0}}),
+       "fp8_scales[\"model.layers.0.mlp.up_proj\"]"},
+      {with(base, "/fp8_scales", {{"q", {{"input", "x"}}}}), "fp8_scales[\"q\"].input"},
+      {with(base, "/fp8_scales", {{"q", {{"weight", {1}}}}}), "fp8_scales[\"q\"].weight"},
+      {with(base, "/fp8_scales", {{"q", {{"grad_output", false}}}}), "fp8_scales[\"q\"].grad_output"},
+      {with(base, "/fp8_scales", {{"", {{"input", 1}}}}), "fp8_scales[\"\"]"},
+      {with(base, "/logged", "loss=nan"), "logged"},
+      {with(base, "/logged", {{"loss", "nope"}}), "logged.loss"},
+      {with(base, "/logged", {{"grad_norm", {1.0}}}), "logged.grad_norm"},
+      {with(base, "/logged", {{"rank_losses", 1.0}}), "logged.rank_losses"},
+      {with(base, "/logged", {{"rank_losses", {1.0, true}}}), "logged.rank_losses[1]"},
+      {with(base, "/logged", {{"rank_grad_norms", {"x"}}}), "logged.rank_grad_norms[0]"},
+      {with(base, "/skipped", "yes"), "skipped"},
+      {with(base, "/skipped", 1), "skipped"},
+  };
+  for (const BadCase& bad : cases) {
+    CAPTURE(bad.state.dump());
+    REQUIRE_INPUT_ERROR(parse(bad.state), kLabel, std::string(kLabel) + ": " + bad.key);
+  }
+}
+
+TEST_CASE("step_state: text that is not a JSON object names the file", "[loaders][state]") {
+  REQUIRE_INPUT_ERROR(nanreplay::parse_step_state("{\"step\": 1,}", kLabel), kLabel, "byte",
+                      "invalid JSON");
+  REQUIRE_INPUT_ERROR(nanreplay::parse_step_state("{\"step\": NaN}", kLabel), kLabel,
+                      "invalid JSON");
+  REQUIRE_INPUT_ERROR(nanreplay::parse_step_state("3", kLabel), kLabel, "expected a JSON object");
+  REQUIRE_INPUT_ERROR(nanreplay::parse_step_state(std::string(100, '{'), kLabel), kLabel,
+                      "nested");
+  REQUIRE_INPUT_ERROR(nanreplay::parse_step_state("{\"step\": 1, \"x\": \"\x80\"}", kLabel),
+                      kLabel, "UTF-8");
+}
