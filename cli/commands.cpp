@@ -21,9 +21,15 @@
 
 #include "loaders/bundle.h"
 #include "loaders/error.h"
+#include "probes/data_checks.h"
 #include "nanreplay_version.h"
+#include "replay/memory_estimate.h"
 #include "replay/replay_engine.h"
 #include "replay/synthetic_bundle.h"
+#include "reports/html_report.h"
+#include "reports/markdown_report.h"
+#include "reports/bundle_summary.h"
+#include "reports/trace_query.h"
 #include "reports/output_dir.h"
 #include "reports/report.h"
 #include "reports/terminal_text.h"
@@ -59,16 +65,25 @@ struct Command {
 int run_main(int argc, char** argv);
 int demo_main(int argc, char** argv);
 int synth_main(int argc, char** argv);
+int scan_data_main(int argc, char** argv);
 int version_main(int argc, char** argv);
+int inspect_main(int argc, char** argv);
+int trace_main(int argc, char** argv);
 
 const std::vector<Command>& command_table() {
   static const std::vector<Command> table = {
-      {"run", "replay every step of a bundle with probes; write report.json and trace.h5",
+      {"run", "replay every step of a bundle with probes; write report.{json,md,html} and trace.h5",
        "nanreplay run incident-bundle/ --out triage/", run_main},
       {"demo", "write a built-in incident bundle (one attention head overflows) and replay it",
        "nanreplay demo ./nanreplay-demo", demo_main},
+      {"scan-data", "scan every token shard for poisoned samples without replaying (prints GB/s)",
+       "nanreplay scan-data incident-bundle/ --json", scan_data_main},
       {"synth", "write a synthetic bundle from a named preset (for tests and training)",
        "nanreplay synth head-overflow ./bundle", synth_main},
+      {"inspect", "validate and summarize a bundle without replaying (model, steps, shards, sampler)",
+       "nanreplay inspect incident-bundle/ --json", inspect_main},
+      {"trace", "query a trace.h5 in the terminal: filter by step, phase, site, head; sort; first NaN/Inf",
+       "nanreplay trace triage/trace.h5 --first-nonfinite", trace_main},
       {"version", "print the version", "nanreplay version", version_main},
   };
   return table;
@@ -175,15 +190,25 @@ struct RunSettings {
   bool json = false;
   int threads = 0;
   std::optional<std::set<int64_t>> steps;
+  std::optional<MemoryLimit> max_memory;  // unset: default_memory_limit()
 };
 
 // Replays, writes the outputs whole or not at all, prints the verdict.
 ReplayReport replay_and_write(const RunSettings& settings) {
+  // First, so a signal from here on stops the run cleanly instead of killing it mid-write.
+  install_stop_handlers();
   set_compute_threads(settings.threads);
   const Bundle bundle(settings.bundle);
-  OutputDir out(settings.out, bundle.root(), settings.force, {"report.json", "trace.h5"});
+  size_t steps_to_replay = 0;
+  for (const StepFiles& files : bundle.steps()) {
+    if (!settings.steps || settings.steps->count(files.step)) ++steps_to_replay;
+  }
+  // Refused before any checkpoint is opened or any output directory created.
+  require_memory_fits(estimate_replay_memory(bundle.manifest(), steps_to_replay, settings.probes),
+                      settings.max_memory ? *settings.max_memory : default_memory_limit());
+  OutputDir out(settings.out, bundle.root(), settings.force,
+                {"report.json", "trace.h5", "report.md", "report.html"});
 
-  install_stop_handlers();
   ProgressLine progress(!settings.quiet && isatty(STDERR_FILENO));
   ReplayOptions options;
   options.probes = settings.probes;
@@ -198,7 +223,7 @@ ReplayReport replay_and_write(const RunSettings& settings) {
     progress.clear();
     out.abandon();
     std::fprintf(stderr, "nanreplay: interrupted after %zu of %zu steps; nothing was written\n",
-                 stop.steps_done, bundle.steps().size());
+                 stop.steps_done, steps_to_replay);
     std::exit(static_cast<int>(ExitStatus::kInterrupted));
   }
   progress.clear();
@@ -213,6 +238,14 @@ ReplayReport replay_and_write(const RunSettings& settings) {
                      arch_name(report.arch), {}};
   write_trace(out.staging_path("trace.h5").string(), header, report.probes, rows);
   out.write_text("report.json", report_to_json(report).dump(2) + "\n");
+  out.write_text("report.md", render_markdown(report));
+  out.write_text("report.html", render_html(report));
+  if (g_stop_signal.load() != 0) {  // arrived while the outputs were written: keep none of them
+    out.abandon();
+    std::fprintf(stderr, "nanreplay: interrupted after all %zu steps, while writing the outputs; "
+                 "nothing was written\n", steps_to_replay);
+    std::exit(static_cast<int>(ExitStatus::kInterrupted));
+  }
   out.commit();
   return report;
 }
@@ -223,11 +256,13 @@ int run_main(int argc, char** argv) {
                                             "Example: nanreplay run incident-bundle/ --out triage/");
   options.add_options()
       ("bundle", "incident bundle directory", cxxopts::value<std::string>())
-      ("o,out", "output directory for report.json and trace.h5", cxxopts::value<std::string>()->default_value("nanreplay-out"))
+      ("o,out", "output directory for report.json, report.md, report.html and trace.h5", cxxopts::value<std::string>()->default_value("nanreplay-out"))
       ("force", "replace results already in --out")
       ("steps", "only these steps, e.g. 104,105 or 100-105", cxxopts::value<std::string>()->default_value(""))
       ("no-probes", "loss and gradient norm only (faster, no trace detail)")
       ("threads", "compute threads (0: all cores)", cxxopts::value<int>()->default_value("0"))
+      ("max-memory", "refuse a replay estimated to need more than SIZE (8G, 512M, 1.5GiB or bytes; "
+                     "default: 80% of the available memory)", cxxopts::value<std::string>(), "SIZE")
       ("json", "print report.json to stdout instead of the verdict")
       ("q,quiet", "print nothing but errors")
       ("h,help", "show this help");
@@ -249,12 +284,16 @@ int run_main(int argc, char** argv) {
   settings.json = args.count("json") > 0;
   settings.threads = args["threads"].as<int>();
   settings.steps = parse_step_list(args["steps"].as<std::string>());
+  if (args.count("max-memory")) {
+    const std::string size = args["max-memory"].as<std::string>();
+    settings.max_memory = MemoryLimit{parse_memory_size(size), "--max-memory " + size};
+  }
   const ReplayReport report = replay_and_write(settings);
   if (settings.json) {
     std::cout << report_to_json(report).dump(2) << "\n";
   } else if (!settings.quiet) {
     std::cout << render_verdict(report, {color_wanted(STDOUT_FILENO)});
-    std::cout << "\nwrote " << (settings.out / "report.json").string() << " and "
+    std::cout << "\nwrote " << (settings.out / "report.json").string() << ", report.md, report.html and "
               << (settings.out / "trace.h5").string() << "\n";
   }
   return exit_status_for(report);
@@ -350,7 +389,165 @@ int synth_main(int argc, char** argv) {
   return 0;
 }
 
-int version_main(int, char**) {
+int scan_data_main(int argc, char** argv) {
+  cxxopts::Options options("nanreplay scan-data",
+                           "Scan every token shard of a bundle for out-of-range ids, long repeated runs and "
+                           "low-entropy samples, streaming through the mappings on all cores.\n"
+                           "Example: nanreplay scan-data incident-bundle/ --json");
+  options.add_options()
+      ("bundle", "incident bundle directory", cxxopts::value<std::string>())
+      ("threads", "scan threads (0: all cores)", cxxopts::value<int>()->default_value("0"))
+      ("repeat-run-min", "flag runs of one token at least this long (0: seq_len/4 in [8, 64])",
+       cxxopts::value<int64_t>()->default_value("0"))
+      ("low-entropy-z", "robust z-score below the typical sample's entropy", cxxopts::value<double>()->default_value("6"))
+      ("low-entropy-ratio", "and below this fraction of the median entropy", cxxopts::value<double>()->default_value("0.6"))
+      ("json", "print the result as JSON")
+      ("q,quiet", "print nothing but errors")
+      ("h,help", "show this help");
+  options.parse_positional({"bundle"});
+  options.positional_help("BUNDLE");
+  const auto args = parse_or_usage(options, argc, argv);
+  if (args.count("help")) {
+    std::cout << options.help() << "\nexit status: 0 nothing flagged, 1 poisoned data found, 2 bad input\n";
+    return 0;
+  }
+  if (!args.count("bundle")) throw UsageError("scan-data: missing BUNDLE (see nanreplay scan-data --help)");
+  const Bundle bundle(args["bundle"].as<std::string>());
+  const Manifest& m = bundle.manifest();
+  DataCheckOptions checks;
+  checks.repeat_run_min = args["repeat-run-min"].as<int64_t>();
+  checks.low_entropy_z = args["low-entropy-z"].as<double>();
+  checks.low_entropy_ratio = args["low-entropy-ratio"].as<double>();
+  const bool show_progress = !args.count("quiet") && !args.count("json") && isatty(STDERR_FILENO);
+  const DataScanResult scan = scan_token_stream(
+      bundle.tokens(), m.data.seq_len, m.model.vocab_size, checks, args["threads"].as<int>(),
+      [&](double fraction) {
+        if (show_progress) std::fprintf(stderr, "\r\033[K  scanning %.0f%%", fraction * 100);
+      });
+  if (show_progress) std::fprintf(stderr, "\r\033[K");
+  const double gb_per_s = scan.seconds > 0 ? static_cast<double>(scan.bytes) / scan.seconds / 1e9 : 0.0;
+  const bool flagged = scan.out_of_range_count > 0 || !scan.repeat_runs.empty() || !scan.low_entropy.empty();
+  if (args.count("json")) {
+    nlohmann::json out = {{"tokens", scan.tokens}, {"bytes", scan.bytes}, {"samples", scan.samples},
+                          {"seconds", scan.seconds}, {"gb_per_s", gb_per_s},
+                          {"out_of_range_count", scan.out_of_range_count},
+                          {"entropy_median", scan.baseline.median}, {"entropy_mad", scan.baseline.mad},
+                          {"out_of_range", nlohmann::json::array()}, {"repeat_runs", nlohmann::json::array()},
+                          {"low_entropy", nlohmann::json::array()}};
+    for (const OutOfRangeToken& t : scan.out_of_range) {
+      out["out_of_range"].push_back({{"shard", bundle.tokens().spec(t.shard).path}, {"offset", t.offset}, {"token", t.token}});
+    }
+    for (const SampleProfile& p : scan.repeat_runs) {
+      out["repeat_runs"].push_back({{"sample", p.sample}, {"position", p.run_position}, {"length", p.longest_run}, {"token", p.run_token}});
+    }
+    for (const SampleProfile& p : scan.low_entropy) {
+      out["low_entropy"].push_back({{"sample", p.sample}, {"entropy_bits", p.entropy_bits}});
+    }
+    std::cout << out.dump(2) << "\n";
+  } else if (!args.count("quiet")) {
+    std::printf("scanned %lld tokens (%.1f MB, %lld samples) in %.3fs: %.2f GB/s\n",
+                static_cast<long long>(scan.tokens), static_cast<double>(scan.bytes) / 1e6,
+                static_cast<long long>(scan.samples), scan.seconds, gb_per_s);
+    std::printf("typical sample entropy %.3f bits (MAD %.3f)\n", scan.baseline.median, scan.baseline.mad);
+    std::printf("out-of-range token ids: %lld\n", static_cast<long long>(scan.out_of_range_count));
+    for (const OutOfRangeToken& t : scan.out_of_range) {
+      std::printf("  %s offset %lld: token %lld\n", bundle.tokens().spec(t.shard).path.c_str(),
+                  static_cast<long long>(t.offset), static_cast<long long>(t.token));
+    }
+    std::printf("samples with a repeated run >= %lld: %zu\n",
+                static_cast<long long>(checks.repeat_threshold(m.data.seq_len)), scan.repeat_runs.size());
+    for (size_t i = 0; i < std::min<size_t>(scan.repeat_runs.size(), 20); ++i) {
+      const SampleProfile& p = scan.repeat_runs[i];
+      std::printf("  sample %lld: token %lld x%lld from position %lld\n", static_cast<long long>(p.sample),
+                  static_cast<long long>(p.run_token), static_cast<long long>(p.longest_run),
+                  static_cast<long long>(p.run_position));
+    }
+    std::printf("low-entropy samples: %zu\n", scan.low_entropy.size());
+    for (size_t i = 0; i < std::min<size_t>(scan.low_entropy.size(), 20); ++i) {
+      std::printf("  sample %lld: %.3f bits\n", static_cast<long long>(scan.low_entropy[i].sample),
+                  scan.low_entropy[i].entropy_bits);
+    }
+  }
+  return flagged ? static_cast<int>(ExitStatus::kFound) : static_cast<int>(ExitStatus::kClean);
+}
+
+int inspect_main(int argc, char** argv) {
+  cxxopts::Options options("nanreplay inspect",
+                           "Validate an incident bundle and summarize it without replaying: model and parameter "
+                           "count, precision, steps (optimizer state, logged loss), shards (checksums verified), "
+                           "sampler, incident.\n"
+                           "Example: nanreplay inspect incident-bundle/ --json");
+  options.add_options()
+      ("bundle", "incident bundle directory", cxxopts::value<std::string>())
+      ("json", "print the summary as JSON")
+      ("h,help", "show this help");
+  options.parse_positional({"bundle"});
+  options.positional_help("BUNDLE");
+  const auto args = parse_or_usage(options, argc, argv);
+  if (args.count("help")) {
+    std::cout << options.help() << "\nexit status: 0 valid, 2 bad input (a checksum mismatch included)\n";
+    return 0;
+  }
+  if (!args.count("bundle")) throw UsageError("inspect: missing BUNDLE (see nanreplay inspect --help)");
+  const Bundle bundle(args["bundle"].as<std::string>());
+  const nlohmann::json summary = summarize_bundle(bundle);
+  std::cout << (args.count("json") ? summary.dump(2) + "\n" : render_bundle_summary(summary));
+  if (!summary["valid"].get<bool>()) {
+    std::cerr << "nanreplay: error: a shard's sha256 differs from the manifest\n";
+    return static_cast<int>(ExitStatus::kBadInput);
+  }
+  return 0;
+}
+
+int trace_main(int argc, char** argv) {
+  cxxopts::Options options("nanreplay trace",
+                           "Query the probes of a trace.h5 written by `nanreplay run`.\n"
+                           "Example: nanreplay trace triage/trace.h5 --step 105 --phase forward "
+                           "--site 'layers.2.*' --sort max_abs");
+  options.add_options()
+      ("trace", "trace.h5 file", cxxopts::value<std::string>())
+      ("step", "only this step", cxxopts::value<int64_t>())
+      ("phase", "forward, backward or grad", cxxopts::value<std::string>())
+      ("site", "site glob ('*' matches any run), e.g. 'layers.*.attn.scores'", cxxopts::value<std::string>())
+      ("head", "only this head (-1: whole-tensor rows)", cxxopts::value<int>())
+      ("sort", "max_abs: largest max|x| first", cxxopts::value<std::string>())
+      ("first-nonfinite", "only rows holding NaN/Inf, in execution order")
+      ("limit", "at most N rows", cxxopts::value<size_t>()->default_value("50"))
+      ("json", "print the rows as JSON")
+      ("h,help", "show this help");
+  options.parse_positional({"trace"});
+  options.positional_help("TRACE.h5");
+  const auto args = parse_or_usage(options, argc, argv);
+  if (args.count("help")) {
+    std::cout << options.help() << "\nexit status: 0 rows printed (or none matched), 2 bad usage or bad file\n";
+    return 0;
+  }
+  if (!args.count("trace")) throw UsageError("trace: missing TRACE.h5 (see nanreplay trace --help)");
+  TraceQuery query;
+  if (args.count("step")) query.step = args["step"].as<int64_t>();
+  if (args.count("phase")) {
+    query.phase = parse_phase(args["phase"].as<std::string>());
+    if (!query.phase) throw UsageError("--phase: expected forward, backward or grad");
+  }
+  if (args.count("site")) query.site_pattern = args["site"].as<std::string>();
+  if (args.count("head")) query.head = args["head"].as<int>();
+  if (args.count("sort")) {
+    if (args["sort"].as<std::string>() != "max_abs") throw UsageError("--sort: only max_abs is supported");
+    query.sort_by_max_abs = true;
+  }
+  query.only_nonfinite = args.count("first-nonfinite") > 0;
+  query.limit = args["limit"].as<size_t>();
+  const TraceContents trace = read_trace(args["trace"].as<std::string>());
+  const TraceSelection selection = select_probes(trace.probes, query);
+  std::cout << (args.count("json") ? trace_selection_json(selection).dump(2) + "\n" : render_trace_table(selection));
+  return 0;
+}
+
+int version_main(int argc, char** argv) {
+  if (argc > 1 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::cout << "Print the version of nanreplay.\nExample: nanreplay version\n";
+    return 0;
+  }
   std::cout << "nanreplay " << NANREPLAY_VERSION << "\n";
   return 0;
 }

@@ -3,7 +3,6 @@
 #include "loaders/bundle.h"
 
 #include <fstream>
-#include <sstream>
 
 #include "loaders/bundle_paths.h"
 #include "loaders/error.h"
@@ -30,9 +29,19 @@ std::string read_text_file(const fs::path& path, const std::string& label, size_
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(label, "", "cannot open for reading");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
+  // Read in chunks and stop past the limit: a file growing after the size
+  // check (still being copied in, or hostile) cannot make this read unbounded.
+  std::string text;
+  text.reserve(static_cast<size_t>(size));
+  char chunk[1 << 16];
+  while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {
+    text.append(chunk, static_cast<size_t>(in.gcount()));
+    if (text.size() > max_bytes) {
+      throw InputError(label, "", "file grew past the " + std::to_string(max_bytes) +
+                                      " bytes allowed while it was being read");
+    }
+  }
+  return text;
 }
 
 Bundle::Bundle(const fs::path& root) {
@@ -43,7 +52,9 @@ Bundle::Bundle(const fs::path& root) {
   if (ec) throw InputError(root.string(), "", "cannot resolve: " + ec.message());
 
   const std::string manifest_label = "manifest.json";
-  const fs::path manifest_path = root_ / "manifest.json";
+  // Resolved like every other path: a manifest.json symlinked outside the
+  // bundle must not make the tool read (and quote) a file elsewhere.
+  const fs::path manifest_path = resolve_in_bundle(root_, manifest_label, manifest_label, "");
   if (!fs::exists(manifest_path, ec)) {
     throw InputError(manifest_label, "",
                      "missing: " + root.string() + " is not a nanreplay bundle (no manifest.json)");

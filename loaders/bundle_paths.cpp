@@ -34,6 +34,13 @@ void check_bundle_relative_path(const std::string& relative, const std::string& 
   if (relative.find('\0') != std::string::npos) {
     throw InputError(file_label, key, "expected a path without NUL characters");
   }
+  // Control characters name no sane file and would reach terminals in messages.
+  for (const char c : relative) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) {
+      throw InputError(file_label, key,
+                       "expected a path without control characters, got " + quoted(relative));
+    }
+  }
   const fs::path path(relative);
   if (path.is_absolute() || path.has_root_path()) {
     throw InputError(file_label, key,

@@ -9,7 +9,7 @@ namespace nanreplay {
 
 // Syntax only, no filesystem access (the manifest checks paths this way):
 // throws InputError(file_label, key, ...) when `relative` is empty, absolute,
-// has a ".." component or holds a NUL character.
+// has a ".." component or holds a NUL or other control character.
 void check_bundle_relative_path(const std::string& relative, const std::string& file_label,
                                 const std::string& key);
 

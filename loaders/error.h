@@ -17,6 +17,28 @@ enum class ExitStatus : int {
   kInterrupted = 130 // SIGINT/SIGTERM: stopped cleanly, nothing half-written
 };
 
+// Text from a bundle (paths, keys, tensor names) quoted in a message may hold
+// control characters; escaped as \xNN (C1 controls as \u00NN), a message stays
+// one printable line and cannot drive the user's terminal.
+inline std::string printable(const std::string& text) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    const auto next = i + 1 < text.size() ? static_cast<unsigned char>(text[i + 1]) : 0;
+    if (byte < 0x20 || byte == 0x7F) {
+      out += std::string("\\x") + kHex[byte >> 4] + kHex[byte & 0xF];
+    } else if (byte == 0xC2 && next >= 0x80 && next <= 0x9F) {  // U+0080..U+009F in UTF-8
+      out += std::string("\\u00") + kHex[next >> 4] + kHex[next & 0xF];
+      ++i;
+    } else {
+      out += text[i];
+    }
+  }
+  return out;
+}
+
 // Bad input: a corrupt bundle, a wrong shape, a missing key, a path escaping
 // the bundle. `file` is the path as the user would recognise it, `key` a JSON
 // key path ("model.hidden_size"), a tensor name or "byte 1234".
@@ -35,7 +57,7 @@ class InputError : public std::runtime_error {
                              const std::string& what) {
     std::string out = file;
     if (!key.empty()) out += (out.empty() ? "" : ": ") + key;
-    return out + (out.empty() ? "" : ": ") + what;
+    return printable(out + (out.empty() ? "" : ": ") + what);
   }
   std::string file_;
   std::string key_;

@@ -110,6 +110,32 @@ std::optional<double> special_number(const std::string& text) {
   return std::nullopt;
 }
 
+// Finds where a text the DOM parser refused for a reason other than syntax
+// (a number no double can hold: out_of_range.406 carries no offset) stops
+// being acceptable, by re-reading it with a SAX handler that only records the
+// position nlohmann hands to parse_error.
+class ErrorLocator : public nlohmann::json_sax<nlohmann::json> {
+ public:
+  std::optional<size_t> position;
+
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_object(std::size_t) override { return true; }
+  bool key(string_t&) override { return true; }
+  bool end_object() override { return true; }
+  bool start_array(std::size_t) override { return true; }
+  bool end_array() override { return true; }
+  bool parse_error(std::size_t at, const std::string&, const nlohmann::detail::exception&) override {
+    position = at;
+    return false;
+  }
+};
+
 }  // namespace
 
 nlohmann::json parse_json_guarded(const std::string& text, const std::string& file_label,
@@ -136,6 +162,13 @@ nlohmann::json parse_json_guarded(const std::string& text, const std::string& fi
     // error.byte is 1-based (the last character read).
     const uint64_t offset = error.byte > 0 ? error.byte - 1 : 0;
     throw InputError(file_label, byte_key(byte_base + offset),
+                     "invalid JSON: " + strip_nlohmann_prefix(error.what()));
+  } catch (const nlohmann::json::exception& error) {
+    // Valid syntax nlohmann still refuses, such as 1e400 (out_of_range.406).
+    ErrorLocator locator;
+    nlohmann::json::sax_parse(text, &locator);
+    const size_t at = locator.position.value_or(1);
+    throw InputError(file_label, byte_key(byte_base + (at > 0 ? at - 1 : 0)),
                      "invalid JSON: " + strip_nlohmann_prefix(error.what()));
   }
 }

@@ -167,9 +167,16 @@ void check_head_layout(const JsonReader& model, const ModelConfig& config) {
   }
 }
 
-// gpt2 fixes the MLP width and the tied head; a manifest that says otherwise
+// gpt2 fixes the MLP width, full-width k and v (c_attn stacks q, k, v of
+// hidden_size each) and the tied head; a manifest that says otherwise
 // describes some other model, so it is refused rather than overridden.
 void apply_gpt2_rules(const JsonReader& model, ModelConfig& config) {
+  if (config.num_kv_heads != config.num_heads) {
+    throw InputError(model.file(), model.key_path("num_kv_heads"),
+                     "expected num_heads = " + std::to_string(config.num_heads) +
+                         " for gpt2 (c_attn holds full-width q, k and v; no grouped-query "
+                         "attention), got " + std::to_string(config.num_kv_heads));
+  }
   const int64_t width = checked_product(4, config.hidden_size, model.file(),
                                         model.key_path("hidden_size"), "4 * hidden_size");
   if (model.has("intermediate_size") && positive_integer(model, "intermediate_size") != width) {

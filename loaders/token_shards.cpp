@@ -105,9 +105,22 @@ void TokenStream::read(int64_t begin, int64_t count, int64_t* out) const {
   while (count > 0) {
     const ShardSpec& spec = shards_[where.shard];
     const int64_t run = std::min(count, spec.tokens - where.offset);
-    for (int64_t k = 0; k < run; ++k) {
-      *out++ = read_token(maps_[where.shard], spec.dtype, where.offset + k);
+    // One tight loop per width: this is the hot path of scan-data.
+    const uint8_t* base = maps_[where.shard].data();
+    if (spec.dtype == TokenDtype::kUint16) {
+      for (int64_t k = 0; k < run; ++k) {
+        uint16_t value;
+        std::memcpy(&value, base + (where.offset + k) * 2, sizeof value);
+        out[k] = value;
+      }
+    } else {
+      for (int64_t k = 0; k < run; ++k) {
+        uint32_t value;
+        std::memcpy(&value, base + (where.offset + k) * 4, sizeof value);
+        out[k] = value;
+      }
     }
+    out += run;
     count -= run;
     where = ShardLocation{where.shard + 1, 0};  // samples may straddle shards
   }

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,41 @@ struct ProbeRecord {
   int64_t sample = -1;               // dataset index of the batch row, -1: n/a
   int64_t position = -1;             // token position, -1: n/a
   int first_head = -1;               // head of the first element for per-head sites
+  // log2(dtype max / max |x|): how many doublings the largest finite value of
+  // this site could take before it overflows the type it is held in (+inf
+  // when the site is all zero). Near zero means a near miss.
+  double headroom_bits = 0.0;
+};
+
+// Execution order within a step: (micro-batch, phase, site order, rank), the
+// parameter gradients after every micro-batch. Lower comes first.
+inline std::tuple<int, int, int, int> execution_key(const ProbeRecord& r) {
+  if (r.phase == Phase::kGrad) return {std::numeric_limits<int>::max(), 2, r.order, 0};
+  return {r.micro_batch, static_cast<int>(r.phase), r.order, r.rank};
+}
+
+// One batch row's mean next-token loss, for the per-sample outlier check.
+struct SampleLoss {
+  int64_t sample = 0;
+  int rank = 0;
+  int micro_batch = 0;
+  double loss = 0.0;
+};
+
+// A norm whose denominator (mean square for RMSNorm, variance for LayerNorm)
+// came close to zero: the rows where it fell below eps, and the smallest.
+struct NormCheck {
+  int64_t step = 0;
+  int micro_batch = 0;
+  int rank = 0;
+  std::string site;       // the norm's output site, e.g. "layers.0.attn_norm"
+  int layer = -1;
+  double eps = 0.0;
+  double min_moment = 0.0;      // smallest mean square / variance over rows
+  int64_t rows_below_eps = 0;   // rows whose moment is < eps (or denominator 0)
+  bool zero_denominator = false;  // moment + eps == 0 somewhere: 0/0 follows
+  int64_t sample = -1;          // row of the smallest moment
+  int64_t position = -1;
 };
 
 }  // namespace nanreplay

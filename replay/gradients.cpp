@@ -37,7 +37,10 @@ StepGradients compute_step_gradients(const Manifest& manifest, const TokenStream
                                      const std::vector<std::string>& order,
                                      const StepComputeOptions& options) {
   const DataConfig& data = manifest.data;
-  const Numerics numerics(manifest.precision.compute);
+  const Numerics numerics =
+      manifest.precision.compute == Compute::kFp8
+          ? Numerics(Compute::kFp8, manifest.precision.fp8.value_or(Fp8Config{}), options.fp8_scales)
+          : Numerics(manifest.precision.compute);
   const int world = static_cast<int>(data.world_size);
   const int accum = static_cast<int>(data.grad_accum_steps);
   const int64_t rows = data.micro_batch_size;
@@ -57,10 +60,19 @@ StepGradients compute_step_gradients(const Manifest& manifest, const TokenStream
       const torch::Tensor targets = window.narrow(1, 1, data.seq_len);
       BatchContext context{step, micro, rank, std::vector<int64_t>(ids, ids + rows)};
       ProbeSession probes(std::move(context), numerics, options.probes, manifest.model);
-      const torch::Tensor loss = forward_loss(manifest.model, params, inputs, targets, numerics, probes);
+      const ForwardResult forward = forward_loss(manifest.model, params, inputs, targets, numerics, probes);
+      const torch::Tensor& loss = forward.loss;
       rank_loss += loss.item<double>();
+      if (forward.sample_loss.defined()) {
+        for (int64_t row = 0; row < rows; ++row) {
+          result.sample_losses.push_back(
+              {ids[row], rank, micro, forward.sample_loss[row].item<double>()});
+        }
+      }
       // The rank's micro-batch loss / grad_accum_steps, times the loss scale.
       (loss * (options.loss_scale / accum)).backward();
+      std::vector<NormCheck> norms = probes.take_norm_checks();
+      result.norm_checks.insert(result.norm_checks.end(), norms.begin(), norms.end());
       std::vector<ProbeRecord> records = probes.take_records();
       result.probes.insert(result.probes.end(), std::make_move_iterator(records.begin()),
                            std::make_move_iterator(records.end()));

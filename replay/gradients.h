@@ -5,6 +5,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <vector>
 
 #include "loaders/bundle.h"
@@ -25,11 +26,14 @@ struct StepGradients {
   double grad_norm = 0.0;            // global norm before clipping (clip_grad_norm_'s)
   std::vector<torch::Tensor> grads;  // per parameter, in `order`
   std::vector<ProbeRecord> probes;   // forward/backward records of every pass
+  std::vector<NormCheck> norm_checks;  // with probes on
+  std::vector<SampleLoss> sample_losses;  // with probes on
 };
 
 struct StepComputeOptions {
   bool probes = false;
   double loss_scale = 1.0;  // backward starts from loss * loss_scale
+  const std::map<std::string, Fp8ModuleScales>* fp8_scales = nullptr;  // fp8 only
   std::function<void(int rank, int micro_batch)> before_pass;
 };
 

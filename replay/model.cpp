@@ -20,9 +20,13 @@ const torch::Tensor& param(const ParamMap& params, const std::string& name) {
   return it->second;
 }
 
-// x / sqrt(mean(x^2) + eps) * weight, in fp32.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  return x / torch::sqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * weight;
+// x / sqrt(mean(x^2) + eps) * weight, in fp32. The mean square goes to the
+// zero-norm check before eps is added.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       ProbeSession& probes, const SiteRef& site) {
+  const torch::Tensor mean_square = x.pow(2).mean(-1, /*keepdim=*/true);  // (B, T, 1)
+  probes.check_norm(site, mean_square.squeeze(-1), eps);
+  return x / torch::sqrt(mean_square + eps) * weight;
 }
 
 // Rotate-half rotary embedding over the last dim of x: (B, heads, T, D).
@@ -75,12 +79,25 @@ torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, 
   return context.transpose(1, 2).reshape({B, T, H * D});
 }
 
-torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+// Cross-entropy in fp32 from the (rounded) logits; the loss site itself.
+ForwardResult next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets,
+                              ProbeSession& probes) {
   const int64_t V = logits.size(-1);
-  return F::cross_entropy(logits.reshape({-1, V}), targets.reshape({-1}));
+  ForwardResult result;
+  result.loss = probes.site({SiteId::kLoss, -1},
+                            F::cross_entropy(logits.reshape({-1, V}), targets.reshape({-1})));
+  if (probes.enabled()) {  // per-sample losses for the outlier check
+    torch::NoGradGuard no_grad;
+    result.sample_loss =
+        F::cross_entropy(logits.detach().reshape({-1, V}), targets.reshape({-1}),
+                         F::CrossEntropyFuncOptions().reduction(torch::kNone))
+            .view({targets.size(0), -1})
+            .mean(1);
+  }
+  return result;
 }
 
-torch::Tensor llama_forward(const ModelConfig& m, const ParamMap& p, const torch::Tensor& inputs,
+ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch::Tensor& inputs,
                             const torch::Tensor& targets, const Numerics& numerics,
                             ProbeSession& probes) {
   const int64_t B = inputs.size(0), T = inputs.size(1), H = m.num_heads, G = m.num_kv_heads,
@@ -90,6 +107,9 @@ torch::Tensor llama_forward(const ModelConfig& m, const ParamMap& p, const torch
     const torch::Tensor per_head = x.view({B, T, heads, D}).transpose(1, 2);  // (B, heads, T, D)
     return apply_rotary(per_head, cos, sin).transpose(1, 2).reshape({B, T, heads * D});
   };
+  auto proj = [&](const torch::Tensor& in, const std::string& module) {
+    return numerics.linear(in, param(p, module + ".weight"), {}, module);
+  };
   const torch::Tensor& embedding = param(p, "model.embed_tokens.weight");
   torch::Tensor x = probes.site({SiteId::kEmbed, -1}, F::embedding(inputs, embedding));  // (B, T, C)
   SiteRef stream{SiteId::kEmbed, -1};
@@ -97,40 +117,43 @@ torch::Tensor llama_forward(const ModelConfig& m, const ParamMap& p, const torch
     const std::string pre = "model.layers." + std::to_string(layer) + ".";
     probes.alias({SiteId::kInput, layer}, stream);
     const torch::Tensor h = probes.site(
-        {SiteId::kAttnNorm, layer}, rms_norm(x, param(p, pre + "input_layernorm.weight"), m.norm_eps));
+        {SiteId::kAttnNorm, layer},
+        rms_norm(x, param(p, pre + "input_layernorm.weight"), m.norm_eps, probes, {SiteId::kAttnNorm, layer}));
     AttentionInputs attn;
     attn.q = probes.site({SiteId::kAttnQ, layer},
-                         rope(numerics.linear(h, param(p, pre + "self_attn.q_proj.weight")), H));
+                         rope(proj(h, pre + "self_attn.q_proj"), H));
     attn.k = probes.site({SiteId::kAttnK, layer},
-                         rope(numerics.linear(h, param(p, pre + "self_attn.k_proj.weight")), G));
+                         rope(proj(h, pre + "self_attn.k_proj"), G));
     attn.v = probes.site({SiteId::kAttnV, layer},
-                         numerics.linear(h, param(p, pre + "self_attn.v_proj.weight")));
+                         proj(h, pre + "self_attn.v_proj"));
     const torch::Tensor context = causal_attention(m, attn, layer, numerics, probes);
     const torch::Tensor attn_out = probes.site(
-        {SiteId::kAttnOut, layer}, numerics.linear(context, param(p, pre + "self_attn.o_proj.weight")));
+        {SiteId::kAttnOut, layer}, proj(context, pre + "self_attn.o_proj"));
     x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
     const torch::Tensor h2 = probes.site(
         {SiteId::kMlpNorm, layer},
-        rms_norm(x, param(p, pre + "post_attention_layernorm.weight"), m.norm_eps));
+        rms_norm(x, param(p, pre + "post_attention_layernorm.weight"), m.norm_eps, probes,
+                 {SiteId::kMlpNorm, layer}));
     const torch::Tensor gate = probes.site(
-        {SiteId::kMlpGate, layer}, numerics.linear(h2, param(p, pre + "mlp.gate_proj.weight")));
+        {SiteId::kMlpGate, layer}, proj(h2, pre + "mlp.gate_proj"));
     const torch::Tensor up = probes.site(
-        {SiteId::kMlpUp, layer}, numerics.linear(h2, param(p, pre + "mlp.up_proj.weight")));
+        {SiteId::kMlpUp, layer}, proj(h2, pre + "mlp.up_proj"));
     const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, F::silu(gate) * up);  // (B, T, F)
     const torch::Tensor down = probes.site(
-        {SiteId::kMlpDown, layer}, numerics.linear(act, param(p, pre + "mlp.down_proj.weight")));
+        {SiteId::kMlpDown, layer}, proj(act, pre + "mlp.down_proj"));
     x = probes.site({SiteId::kOutput, layer}, x + down);
     stream = {SiteId::kOutput, layer};
   }
   const torch::Tensor final_norm = probes.site(
-      {SiteId::kFinalNorm, -1}, rms_norm(x, param(p, "model.norm.weight"), m.norm_eps));
+      {SiteId::kFinalNorm, -1},
+      rms_norm(x, param(p, "model.norm.weight"), m.norm_eps, probes, {SiteId::kFinalNorm, -1}));
   const torch::Tensor& head = m.tie_embeddings ? embedding : param(p, "lm_head.weight");
   const torch::Tensor logits =
-      probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, head));  // (B, T, V)
-  return probes.site({SiteId::kLoss, -1}, next_token_loss(logits, targets));
+      probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, head, {}, "lm_head"));  // (B, T, V)
+  return next_token_loss(logits, targets, probes);
 }
 
-torch::Tensor gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch::Tensor& inputs,
+ForwardResult gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch::Tensor& inputs,
                            const torch::Tensor& targets, const Numerics& numerics,
                            ProbeSession& probes) {
   const int64_t T = inputs.size(1), C = m.hidden_size;
@@ -140,19 +163,22 @@ torch::Tensor gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch:
       {SiteId::kEmbed, -1},
       F::embedding(inputs, wte) + F::embedding(positions, param(p, "transformer.wpe.weight")));
   SiteRef stream{SiteId::kEmbed, -1};
-  auto layer_norm = [&](const torch::Tensor& in, const std::string& prefix) {
+  auto layer_norm = [&](const torch::Tensor& in, const std::string& prefix, const SiteRef& site) {
+    if (probes.enabled()) {
+      probes.check_norm(site, in.detach().var(-1, /*unbiased=*/false), m.norm_eps);
+    }
     return F::layer_norm(in, F::LayerNormFuncOptions({C})
                                  .weight(param(p, prefix + ".weight"))
                                  .bias(param(p, prefix + ".bias"))
                                  .eps(m.norm_eps));
   };
   auto linear = [&](const torch::Tensor& in, const std::string& prefix) {
-    return numerics.linear(in, param(p, prefix + ".weight"), param(p, prefix + ".bias"));
+    return numerics.linear(in, param(p, prefix + ".weight"), param(p, prefix + ".bias"), prefix);
   };
   for (int layer = 0; layer < m.num_layers; ++layer) {
     const std::string pre = "transformer.h." + std::to_string(layer) + ".";
     probes.alias({SiteId::kInput, layer}, stream);
-    const torch::Tensor h = probes.site({SiteId::kAttnNorm, layer}, layer_norm(x, pre + "ln_1"));
+    const torch::Tensor h = probes.site({SiteId::kAttnNorm, layer}, layer_norm(x, pre + "ln_1", {SiteId::kAttnNorm, layer}));
     const std::vector<torch::Tensor> qkv = linear(h, pre + "attn.c_attn").split(C, -1);  // 3 x (B, T, C)
     AttentionInputs attn;
     attn.q = probes.site({SiteId::kAttnQ, layer}, qkv[0]);
@@ -162,7 +188,7 @@ torch::Tensor gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch:
     const torch::Tensor attn_out =
         probes.site({SiteId::kAttnOut, layer}, linear(context, pre + "attn.c_proj"));
     x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
-    const torch::Tensor h2 = probes.site({SiteId::kMlpNorm, layer}, layer_norm(x, pre + "ln_2"));
+    const torch::Tensor h2 = probes.site({SiteId::kMlpNorm, layer}, layer_norm(x, pre + "ln_2", {SiteId::kMlpNorm, layer}));
     const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, linear(h2, pre + "mlp.c_fc"));
     const torch::Tensor act =
         probes.site({SiteId::kMlpAct, layer}, F::gelu(up, F::GELUFuncOptions().approximate("tanh")));
@@ -171,14 +197,14 @@ torch::Tensor gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch:
     stream = {SiteId::kOutput, layer};
   }
   const torch::Tensor final_norm =
-      probes.site({SiteId::kFinalNorm, -1}, layer_norm(x, "transformer.ln_f"));
-  const torch::Tensor logits = probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, wte));
-  return probes.site({SiteId::kLoss, -1}, next_token_loss(logits, targets));
+      probes.site({SiteId::kFinalNorm, -1}, layer_norm(x, "transformer.ln_f", {SiteId::kFinalNorm, -1}));
+  const torch::Tensor logits = probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, wte, {}, "lm_head"));
+  return next_token_loss(logits, targets, probes);
 }
 
 }  // namespace
 
-torch::Tensor forward_loss(const ModelConfig& model, const ParamMap& params,
+ForwardResult forward_loss(const ModelConfig& model, const ParamMap& params,
                            const torch::Tensor& inputs, const torch::Tensor& targets,
                            const Numerics& numerics, ProbeSession& probes) {
   return model.arch == Arch::kLlama

@@ -16,8 +16,13 @@ namespace nanreplay {
 
 using ParamMap = std::unordered_map<std::string, torch::Tensor>;
 
+struct ForwardResult {
+  torch::Tensor loss;         // scalar: mean next-token cross-entropy
+  torch::Tensor sample_loss;  // (batch,) per-row mean, no grad; undefined with probes off
+};
+
 // inputs, targets: [batch, seq] int64. Every forward site goes through `probes`.
-torch::Tensor forward_loss(const ModelConfig& model, const ParamMap& params,
+ForwardResult forward_loss(const ModelConfig& model, const ParamMap& params,
                            const torch::Tensor& inputs, const torch::Tensor& targets,
                            const Numerics& numerics, ProbeSession& probes);
 

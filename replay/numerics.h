@@ -4,19 +4,30 @@
 // fp32, every probe-site tensor is rounded when produced, and gradients passing
 // a rounding point are rounded too, because rounding is a cast pair
 // (fp32 -> low -> fp32) whose autograd casts the gradient the same way.
+// fp8 computes in fp32 except the linear modules listed in the step's
+// fp8_scales: their inputs and weights are quantized (e4m3 by default,
+// straight-through backward) and the gradient reaching them (e5m2).
 #pragma once
 
+#include <map>
 #include <string>
 
 #include <torch/types.h>
 
 #include "loaders/manifest.h"
+#include "loaders/step_state.h"
 
 namespace nanreplay {
+
+// dequant(saturate(round_to_nearest_even_fp8(x * scale))) / scale in fp32;
+// NaN and +-inf pass through, so a non-finite scale propagates.
+torch::Tensor fp8_quantize_dequantize(const torch::Tensor& x, double scale, const std::string& format);
 
 class Numerics {
  public:
   explicit Numerics(Compute compute);
+  // fp8: the manifest's formats and this step's per-module scales (must outlive this).
+  Numerics(Compute compute, const Fp8Config& fp8, const std::map<std::string, Fp8ModuleScales>* scales);
 
   Compute compute() const { return compute_; }
   bool reduced() const { return reduced_; }
@@ -27,8 +38,10 @@ class Numerics {
   // The low-precision tensor itself (for probes and gradient hooks).
   torch::Tensor to_low(const torch::Tensor& x) const;
   // y = x W^T (+ b) with rounded inputs, weight and bias, fp32 accumulation.
+  // `module` is the linear's key prefix ("model.layers.0.self_attn.q_proj"),
+  // which selects its fp8 scales.
   torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                       const torch::Tensor& bias = {}) const;
+                       const torch::Tensor& bias, const std::string& module) const;
   // Scaled attention scores round(round(q k^T) / sqrt(head_dim)); probed by the caller.
   torch::Tensor attention_scores(const torch::Tensor& q, const torch::Tensor& k) const;
 
@@ -36,6 +49,8 @@ class Numerics {
   Compute compute_;
   bool reduced_;
   torch::ScalarType low_type_;
+  Fp8Config fp8_;
+  const std::map<std::string, Fp8ModuleScales>* fp8_scales_ = nullptr;
 };
 
 }  // namespace nanreplay

@@ -5,6 +5,8 @@
 #include "replay/probe_session.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <stdexcept>
 
 #include <torch/torch.h>
@@ -50,10 +52,20 @@ void decode_first(ProbeRecord& record, const SiteDef* def, const std::vector<int
 
 }  // namespace
 
+double dtype_max(ElemType type) {
+  switch (type) {
+    case ElemType::kF16: return 65504.0;
+    case ElemType::kBF16: return 3.3895313892515355e38;
+    case ElemType::kF32: return 3.4028234663852886e38;
+  }
+  return 3.4028234663852886e38;
+}
+
 std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
                                          const std::vector<int64_t>& sample_ids) {
   const torch::Tensor t = tensor.detach().contiguous();
   const ElemType type = elem_type_of(t);
+  const double limit = dtype_max(type);
   ProbeRecord whole;
   whole.shape = t.sizes().vec();
   std::vector<ProbeRecord> records;
@@ -73,7 +85,11 @@ std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const Site
     whole.stats = compute_stats(t.data_ptr(), type, t.numel());
     records.push_back(whole);
   }
-  for (ProbeRecord& record : records) decode_first(record, def, sample_ids);
+  for (ProbeRecord& record : records) {
+    decode_first(record, def, sample_ids);
+    record.headroom_bits = record.stats.max_abs > 0 ? std::log2(limit / record.stats.max_abs)
+                                                    : std::numeric_limits<double>::infinity();
+  }
   return records;
 }
 
@@ -85,6 +101,7 @@ struct ProbeSession::State {
   std::vector<ProbeRecord> forward;
   std::vector<ProbeRecord> backward;
   std::vector<std::pair<SiteRef, SiteRef>> aliases;
+  std::vector<NormCheck> norm_checks;
 
   int order(const SiteRef& ref) const {
     return order_of.at(static_cast<size_t>((ref.layer + 1) * site_count() + static_cast<int>(ref.id)));
@@ -150,6 +167,38 @@ void ProbeSession::alias(const SiteRef& ref, const SiteRef& same_as) {
     if (record.site == original) copies.push_back(record);
   }
   state_->add(std::move(copies), ref, Phase::kForward);
+}
+
+bool ProbeSession::enabled() const { return state_->enabled; }
+
+void ProbeSession::check_norm(const SiteRef& ref, const torch::Tensor& moment, double eps) {
+  if (!state_->enabled) return;
+  torch::NoGradGuard no_grad;
+  const torch::Tensor m = moment.detach().to(torch::kFloat64).reshape({moment.size(0), -1});
+  const torch::Tensor finite_m = torch::where(torch::isnan(m), torch::full_like(m, INFINITY), m);
+  const int64_t flat = finite_m.argmin().item<int64_t>();
+  NormCheck check;
+  check.step = state_->context.step;
+  check.micro_batch = state_->context.micro_batch;
+  check.rank = state_->context.rank;
+  check.site = site_name(ref);
+  check.layer = ref.layer;
+  check.eps = eps;
+  check.min_moment = finite_m.view(-1)[flat].item<double>();
+  check.rows_below_eps = (m < eps).sum().item<int64_t>();
+  check.zero_denominator = ((m + eps) == 0).any().item<bool>();
+  const int64_t row = flat / m.size(1);
+  if (row < static_cast<int64_t>(state_->context.sample_ids.size())) {
+    check.sample = state_->context.sample_ids[static_cast<size_t>(row)];
+  }
+  check.position = flat % m.size(1);
+  state_->norm_checks.push_back(check);
+}
+
+std::vector<NormCheck> ProbeSession::take_norm_checks() {
+  std::vector<NormCheck> checks = std::move(state_->norm_checks);
+  state_->norm_checks.clear();
+  return checks;
 }
 
 std::vector<ProbeRecord> ProbeSession::take_records() {

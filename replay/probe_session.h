@@ -46,9 +46,15 @@ class ProbeSession {
   // layers.0.input; layers.i.output and layers.i+1.input).
   void alias(const SiteRef& ref, const SiteRef& same_as);
 
+  // Notes a norm's per-row denominator moment (mean square or variance,
+  // shape (B, T)) before eps is added, for the zero-norm check.
+  void check_norm(const SiteRef& ref, const torch::Tensor& moment, double eps);
+  bool enabled() const;
+
   // Forward records in execution order, then backward records in reverse
   // forward order; call after backward has run.
   std::vector<ProbeRecord> take_records();
+  std::vector<NormCheck> take_norm_checks();
 
  private:
   struct State;

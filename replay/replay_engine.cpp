@@ -1,14 +1,15 @@
-// The replay loop: for each step, load its checkpoint, check its batch, run
-// every pass with probes, probe the parameter gradients, then decide which
-// non-finite value (if any) came first. Steps are independent: each starts
-// from its own checkpoint, so one step's failure never leaks into the next.
+// The replay loop and its triage: for each step, load its checkpoint, check
+// its batch (data layer), run every pass with probes, probe the parameter
+// gradients, decide which non-finite value came first (numeric layer), then
+// compare with what the job logged and with the next checkpoint (system
+// layer). Steps are independent: each starts from its own checkpoint.
 #include "replay/replay_engine.h"
 
 #include <algorithm>
 #include <chrono>
-#include <climits>
+#include <cmath>
+#include <cstring>
 #include <thread>
-#include <tuple>
 
 #include <torch/torch.h>
 
@@ -16,6 +17,8 @@
 #include "replay/checkpoint.h"
 #include "replay/gradients.h"
 #include "replay/probe_session.h"
+#include "replay/system_checks.h"
+#include "reports/terminal_text.h"
 
 namespace nanreplay {
 
@@ -25,22 +28,12 @@ constexpr size_t kMaxTokenFindingsPerStep = 20;
 
 int layer_of_param(const std::string& name) {
   for (const std::string prefix : {"model.layers.", "transformer.h."}) {
-    if (name.compare(0, prefix.size(), prefix) == 0) {
-      return std::atoi(name.c_str() + prefix.size());
-    }
+    if (name.compare(0, prefix.size(), prefix) == 0) return std::atoi(name.c_str() + prefix.size());
   }
   return -1;
 }
 
-// Execution order key: (micro-batch, phase, site order, rank); parameter
-// gradients come after every micro-batch.
-std::tuple<int, int, int, int> execution_key(const ProbeRecord& r) {
-  if (r.phase == Phase::kGrad) return {INT_MAX, 2, r.order, 0};
-  return {r.micro_batch, static_cast<int>(r.phase), r.order, r.rank};
-}
-
-const ProbeRecord* earliest_nonfinite(const std::vector<ProbeRecord>& records,
-                                      bool include_backward) {
+const ProbeRecord* earliest_nonfinite(const std::vector<ProbeRecord>& records, bool include_backward) {
   const ProbeRecord* best = nullptr;
   for (const ProbeRecord& record : records) {
     if (record.head != -1 || record.stats.all_finite()) continue;
@@ -68,8 +61,7 @@ FirstNonfinite to_first(const ProbeRecord& record) {
 }
 
 // Out-of-range token ids in the step's batch: the step cannot be replayed.
-std::vector<Finding> out_of_range_tokens(const Bundle& bundle, int64_t step,
-                                         const StepBatch& batch) {
+std::vector<Finding> out_of_range_tokens(const Bundle& bundle, int64_t step, const StepBatch& batch) {
   const Manifest& m = bundle.manifest();
   const int64_t seq = m.data.seq_len;
   std::vector<Finding> findings;
@@ -82,32 +74,22 @@ std::vector<Finding> out_of_range_tokens(const Bundle& bundle, int64_t step,
         if (token < m.model.vocab_size) continue;
         if (findings.size() == kMaxTokenFindingsPerStep) return findings;
         const ShardLocation where = bundle.tokens().locate(sample * seq + pos);
-        Finding f;
-        f.layer = TriageLayer::kData;
-        f.code = "DATA_TOKEN_OUT_OF_RANGE";
-        f.severity = Severity::kError;
-        f.message = "token id " + std::to_string(token) + " >= vocab_size " +
-                    std::to_string(m.model.vocab_size) + " in " +
-                    bundle.tokens().spec(where.shard).path + " at offset " +
-                    std::to_string(where.offset) + "; step " + std::to_string(step) +
-                    " cannot be replayed";
-        f.evidence = {{"shard", bundle.tokens().spec(where.shard).path},
-                      {"offset", where.offset},
-                      {"step", step},
-                      {"rank", rank},
-                      {"sample", sample},
-                      {"position", pos},
-                      {"token", token},
-                      {"expected", m.model.vocab_size}};
-        findings.push_back(std::move(f));
+        const std::string& shard = bundle.tokens().spec(where.shard).path;
+        findings.push_back(make_finding(
+            TriageLayer::kData, "DATA_TOKEN_OUT_OF_RANGE", Severity::kError,
+            "token id " + std::to_string(token) + " >= vocab_size " + std::to_string(m.model.vocab_size) +
+                " in " + shard + " at offset " + std::to_string(where.offset) + " (sample " +
+                std::to_string(sample) + ", position " + std::to_string(pos) + "); step " +
+                std::to_string(step) + " cannot be replayed",
+            {{"shard", shard}, {"offset", where.offset}, {"step", step}, {"rank", rank},
+             {"sample", sample}, {"position", pos}, {"token", token}, {"expected", m.model.vocab_size}}));
       }
     }
   }
   return findings;
 }
 
-void check_sampler_agreement(const Bundle& bundle, const StepEntry& entry,
-                             std::vector<Finding>& findings) {
+void check_sampler_agreement(const Bundle& bundle, const StepEntry& entry, std::vector<Finding>& findings) {
   const Manifest& m = bundle.manifest();
   if (m.data.sampler.kind != SamplerSpec::Kind::kRandperm || !entry.samples) return;
   const auto computed = bundle.sampler().randperm_samples(entry.step);
@@ -119,17 +101,14 @@ void check_sampler_agreement(const Bundle& bundle, const StepEntry& entry,
     auto diff = std::mismatch(a.begin(), a.end(), b.begin(), b.end());
     if (diff.first == a.end()) continue;
     const auto at = static_cast<int64_t>(diff.first - a.begin());
-    Finding f;
-    f.layer = TriageLayer::kData;
-    f.code = "DATA_SAMPLER_MISMATCH";
-    f.severity = Severity::kError;
-    f.message = "step " + std::to_string(entry.step) + " rank " + std::to_string(rank) +
-                ": the recorded samples disagree with randperm at batch position " +
-                std::to_string(at) + " (recorded " + std::to_string(*diff.second) + ", randperm " +
-                std::to_string(*diff.first) + "); replaying the recorded samples";
-    f.evidence = {{"step", entry.step}, {"rank", rank}, {"index", {at}},
-                  {"expected", *diff.first}, {"sample", *diff.second}};
-    findings.push_back(std::move(f));
+    findings.push_back(make_finding(
+        TriageLayer::kData, "DATA_SAMPLER_MISMATCH", Severity::kError,
+        "step " + std::to_string(entry.step) + " rank " + std::to_string(rank) +
+            ": the recorded samples disagree with randperm at batch position " + std::to_string(at) +
+            " (recorded " + std::to_string(*diff.second) + ", randperm " + std::to_string(*diff.first) +
+            "); replaying the recorded samples",
+        {{"step", entry.step}, {"rank", rank}, {"index", {at}}, {"expected", *diff.first},
+         {"sample", *diff.second}}));
     return;
   }
 }
@@ -141,15 +120,91 @@ const StepEntry& entry_for(const Manifest& m, int64_t step) {
   throw std::logic_error("no manifest entry for step " + std::to_string(step));
 }
 
+const StepFiles* files_for(const Bundle& bundle, int64_t step) {
+  for (const StepFiles& files : bundle.steps()) {
+    if (files.step == step) return &files;
+  }
+  return nullptr;
+}
+
+double loss_scale_for(const Manifest& m, const StepState& state) {
+  return m.precision.compute == Compute::kFp16 ? state.loss_scale : 1.0;
+}
+
+// Every pass of one step with probes, then the parameter-gradient probes.
+StepGradients run_step(const Bundle& bundle, const StepFiles& files, const StepState& state,
+                       const StepBatch& batch, ModelCheckpoint& checkpoint, bool probes,
+                       const std::function<void(int, int)>& before_pass) {
+  const Manifest& m = bundle.manifest();
+  StepComputeOptions compute;
+  compute.probes = probes;
+  compute.loss_scale = loss_scale_for(m, state);
+  compute.fp8_scales = &state.fp8_scales;
+  compute.before_pass = before_pass;
+  StepGradients step = compute_step_gradients(m, bundle.tokens(), files.step, batch,
+                                              checkpoint.params(), checkpoint.order(), compute);
+  if (probes) {
+    for (size_t i = 0; i < step.grads.size(); ++i) {
+      for (ProbeRecord& record : describe_tensor(step.grads[i], nullptr, {})) {
+        record.step = files.step;
+        record.phase = Phase::kGrad;
+        record.order = static_cast<int>(i);
+        record.site = checkpoint.order()[i];
+        record.layer = layer_of_param(record.site);
+        step.probes.push_back(std::move(record));
+      }
+    }
+  }
+  return step;
+}
+
+bool same_stats(const TensorStats& a, const TensorStats& b) {
+  auto bits_equal = [](double x, double y) { return std::memcmp(&x, &y, sizeof x) == 0; };
+  return a.count == b.count && a.nan_count == b.nan_count && a.inf_count == b.inf_count &&
+         a.first_nonfinite == b.first_nonfinite && bits_equal(a.max_abs, b.max_abs) &&
+         bits_equal(a.min_nonzero_abs, b.min_nonzero_abs) && bits_equal(a.sum, b.sum) &&
+         bits_equal(a.sum_sq, b.sum_sq);
+}
+
+// Replays `step` again and compares every probe with the first replay, bit for bit.
+DeterminismCheck check_determinism(const Bundle& bundle, const StepFiles& files,
+                                   const std::vector<ProbeRecord>& first_run) {
+  DeterminismCheck check;
+  check.checked = true;
+  check.step = files.step;
+  const StepState state = bundle.load_state(files);
+  const StepBatch batch{bundle.sampler().samples_for(entry_for(bundle.manifest(), files.step))};
+  ModelCheckpoint checkpoint(files, bundle.manifest().model);
+  const StepGradients again = run_step(bundle, files, state, batch, checkpoint, true, {});
+  std::vector<const ProbeRecord*> before;
+  for (const ProbeRecord& r : first_run) {
+    if (r.step == files.step) before.push_back(&r);
+  }
+  check.probes_compared = static_cast<int64_t>(before.size());
+  if (before.size() != again.probes.size()) {
+    check.identical = false;
+    check.first_difference = "probe count " + std::to_string(before.size()) + " vs " +
+                             std::to_string(again.probes.size());
+    return check;
+  }
+  for (size_t i = 0; i < before.size(); ++i) {
+    const ProbeRecord& a = *before[i];
+    const ProbeRecord& b = again.probes[i];
+    if (a.site != b.site || a.phase != b.phase || !same_stats(a.stats, b.stats)) {
+      check.identical = false;
+      check.first_difference = std::string(phase_name(a.phase)) + " " + a.site;
+      return check;
+    }
+  }
+  return check;
+}
+
 }  // namespace
 
 ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
   const auto started = std::chrono::steady_clock::now();
   const Manifest& m = bundle.manifest();
-  if (m.precision.compute == Compute::kFp8) {
-    throw InputError("manifest.json", "precision.compute",
-                     "fp8 replay is not supported by this version of nanreplay");
-  }
+  const TriageThresholds thresholds = options.thresholds.value_or(default_thresholds(m.precision.compute));
   ReplayReport report;
   report.bundle = bundle.root().string();
   report.tool_version = options.tool_version;
@@ -158,14 +213,15 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
   report.incident = m.incident;
 
   for (const ChecksumMismatch& bad : bundle.tokens().verify_checksums()) {
-    Finding f;
-    f.layer = TriageLayer::kSystem;
-    f.code = "BUNDLE_CHECKSUM_MISMATCH";
-    f.severity = Severity::kError;
-    f.message = bad.shard + ": sha256 is " + bad.actual + ", the manifest says " + bad.expected;
-    f.evidence = {{"shard", bad.shard}, {"expected", bad.expected}, {"after", bad.actual}};
-    report.findings.push_back(std::move(f));
+    report.findings.push_back(make_finding(
+        TriageLayer::kSystem, "BUNDLE_CHECKSUM_MISMATCH", Severity::kError,
+        bad.shard + ": sha256 is " + bad.actual + ", the manifest says " + bad.expected,
+        {{"shard", bad.shard}, {"expected", bad.expected}, {"after", bad.actual}}));
   }
+  const std::vector<Finding> contaminated = checkpoint_nonfinite_findings(bundle);
+  report.findings.insert(report.findings.end(), contaminated.begin(), contaminated.end());
+  const EntropyBaseline baseline =
+      entropy_baseline(bundle.tokens(), m.data.seq_len, thresholds.data.baseline_samples);
 
   std::vector<const StepFiles*> todo;
   for (const StepFiles& files : bundle.steps()) {
@@ -173,18 +229,20 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
   }
 
   std::optional<FirstNonfinite> first;
+  std::vector<StepState> states;
   for (size_t index = 0; index < todo.size(); ++index) {
     const StepFiles& files = *todo[index];
     const StepEntry& entry = entry_for(m, files.step);
     const StepState state = bundle.load_state(files);
+    states.push_back(state);
     StepOutcome outcome;
     outcome.step = files.step;
     outcome.logged_loss = state.logged.loss;
     outcome.logged_grad_norm = state.logged.grad_norm;
-    outcome.loss_scale = m.precision.compute == Compute::kFp16 ? state.loss_scale : 1.0;
+    outcome.loss_scale = loss_scale_for(m, state);
 
     check_sampler_agreement(bundle, entry, report.findings);
-    StepBatch batch{bundle.sampler().samples_for(entry)};
+    const StepBatch batch{bundle.sampler().samples_for(entry)};
     std::vector<Finding> bad_tokens = out_of_range_tokens(bundle, files.step, batch);
     if (!bad_tokens.empty()) {
       outcome.replayed = false;
@@ -194,31 +252,19 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
       report.steps.push_back(outcome);
       continue;
     }
+    std::vector<SampleProfile> profiles;
+    for (const auto& rank_samples : batch.samples) {
+      for (int64_t sample : rank_samples) profiles.push_back(profile_sample(bundle.tokens(), sample, m.data.seq_len));
+    }
+    const auto data_findings =
+        sample_profile_findings(profiles, baseline, files.step, m.data.seq_len, thresholds.data);
+    report.findings.insert(report.findings.end(), data_findings.begin(), data_findings.end());
 
     ModelCheckpoint checkpoint(files, m.model);
-    StepComputeOptions compute;
-    compute.probes = options.probes;
-    compute.loss_scale = outcome.loss_scale;
-    compute.before_pass = [&](int rank, int micro) {
+    StepGradients step = run_step(bundle, files, state, batch, checkpoint, options.probes, [&](int rank, int micro) {
       if (options.should_stop && options.should_stop()) throw ReplayInterrupted{index};
-      if (options.on_progress) {
-        options.on_progress({index, todo.size(), files.step, rank, micro, "forward"});
-      }
-    };
-    StepGradients step = compute_step_gradients(m, bundle.tokens(), files.step, batch,
-                                                checkpoint.params(), checkpoint.order(), compute);
-    if (options.probes) {
-      for (size_t i = 0; i < step.grads.size(); ++i) {
-        for (ProbeRecord& record : describe_tensor(step.grads[i], nullptr, {})) {
-          record.step = files.step;
-          record.phase = Phase::kGrad;
-          record.order = static_cast<int>(i);
-          record.site = checkpoint.order()[i];
-          record.layer = layer_of_param(record.site);
-          step.probes.push_back(std::move(record));
-        }
-      }
-    }
+      if (options.on_progress) options.on_progress({index, todo.size(), files.step, rank, micro, "forward"});
+    });
     outcome.replayed = true;
     outcome.loss = step.loss;
     outcome.grad_norm = step.grad_norm;
@@ -231,54 +277,92 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     // fp16: GradScaler skips a step whose gradients hold a non-finite value.
     // Overflow confined to the backward of such a step is handled, not the incident.
     const ProbeRecord* forward_bad = earliest_nonfinite(step.probes, false);
-    const bool grads_finite = std::isfinite(step.grad_norm);
-    outcome.scaler_skipped = m.precision.compute == Compute::kFp16 && !grads_finite;
+    outcome.scaler_skipped = m.precision.compute == Compute::kFp16 && !std::isfinite(step.grad_norm);
     const bool handled = outcome.scaler_skipped && forward_bad == nullptr && std::isfinite(step.loss);
     const ProbeRecord* bad = earliest_nonfinite(step.probes, true);
     if (handled && bad != nullptr) {
-      Finding f;
-      f.layer = TriageLayer::kNumeric;
-      f.code = "NUMERIC_LOSS_SCALE_OVERFLOW";
-      f.severity = Severity::kInfo;
-      f.message = "step " + std::to_string(files.step) + ": the backward overflowed at " + bad->site +
-                  " with loss scale " + std::to_string(outcome.loss_scale) +
-                  "; the loss scaler skips this step and lowers the scale (handled, not the incident)";
-      f.evidence = {{"step", files.step}, {"site", bad->site}, {"rank", bad->rank},
-                    {"micro_batch", bad->micro_batch}, {"before", outcome.loss_scale},
-                    {"after", outcome.loss_scale / 2}};
-      report.findings.push_back(std::move(f));
+      report.findings.push_back(make_finding(
+          TriageLayer::kNumeric, "NUMERIC_LOSS_SCALE_OVERFLOW", Severity::kInfo,
+          "step " + std::to_string(files.step) + ": the backward overflowed at " + bad->site +
+              " with loss scale " + format_number(outcome.loss_scale) +
+              "; the loss scaler skips this step and halves the scale (handled, not the incident)",
+          {{"step", files.step}, {"site", bad->site}, {"rank", bad->rank}, {"micro_batch", bad->micro_batch},
+           {"before", outcome.loss_scale}, {"after", outcome.loss_scale / 2}}));
     } else if (bad != nullptr && !first) {
       first = to_first(*bad);
+      for (const Finding& f : contaminated) {
+        const auto steps = f.evidence["steps"].get<std::vector<int64_t>>();
+        if (std::find(steps.begin(), steps.end(), files.step) != steps.end() && f.evidence["tensor"] == "parameter") {
+          first->contaminated_params.push_back(f.evidence["param"].get<std::string>());
+        }
+      }
+      report.propagation = propagation_after(step.probes, *bad);
     }
-    if (state.skipped && m.precision.compute == Compute::kFp16 &&
-        *state.skipped != outcome.scaler_skipped) {
-      Finding f;
-      f.layer = TriageLayer::kSystem;
-      f.code = "SYSTEM_NOT_REPRODUCIBLE";
-      f.severity = Severity::kWarning;
-      f.message = "step " + std::to_string(files.step) + ": the job logged skipped=" +
-                  (*state.skipped ? "true" : "false") + " but the replay's gradients say the scaler " +
-                  (outcome.scaler_skipped ? "skips" : "does not skip") + " it";
-      f.evidence = {{"step", files.step}, {"expected", *state.skipped},
-                    {"after", outcome.scaler_skipped}};
-      report.findings.push_back(std::move(f));
+    auto add = [&](std::vector<Finding> more) {
+      report.findings.insert(report.findings.end(), more.begin(), more.end());
+    };
+    add(overflow_findings(step.probes, files.step, handled, m.precision.compute, thresholds));
+    add(zero_norm_findings(step.norm_checks));
+    add(sample_loss_findings(step.sample_losses, files.step, thresholds));
+    add(reproducibility_findings(outcome, thresholds));
+    add(rank_mismatch_findings(outcome, state, thresholds));
+    if (state.skipped && m.precision.compute == Compute::kFp16 && *state.skipped != outcome.scaler_skipped) {
+      report.findings.push_back(make_finding(
+          TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kWarning,
+          "step " + std::to_string(files.step) + ": the job logged skipped=" + (*state.skipped ? "true" : "false") +
+              " but the replay's gradients say the scaler " + (outcome.scaler_skipped ? "skips" : "does not skip") + " it",
+          {{"step", files.step}, {"expected", outcome.scaler_skipped}, {"after", *state.skipped}}));
+    }
+
+    // System layer: does the next checkpoint follow from this one by AdamW?
+    const StepFiles* next = files_for(bundle, files.step + 1);
+    const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
+    if (options.check_updates && next != nullptr && m.optimizer && state.lr && predictable &&
+        bundle.has_optimizer(files)) {
+      add(update_findings(bundle, {&files, next, &checkpoint, &step, *state.lr, outcome.scaler_skipped}));
     }
     report.steps.push_back(outcome);
     report.probes.insert(report.probes.end(), std::make_move_iterator(step.probes.begin()),
                          std::make_move_iterator(step.probes.end()));
   }
+
+  for (Finding& f : fp8_scale_jump_findings(states, thresholds)) {
+    // A jump landing on the failing step is an error: it is the likely cause.
+    if (first && f.evidence["step"] == first->step) f.severity = Severity::kError;
+    report.findings.push_back(std::move(f));
+  }
   report.first_nonfinite = first;
   report.reproduced = first.has_value();
-  report.elapsed_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  if (first && first->sample >= 0 && first->sample < bundle.num_samples()) {
+    report.offending_tokens = bundle.tokens().sample_tokens(first->sample, m.data.seq_len);
+    report.offending_tokens_start = first->sample * m.data.seq_len;
+  }
+
+  if (options.check_determinism && options.probes && !report.steps.empty()) {
+    const int64_t step = first ? first->step : report.steps.back().step;
+    const StepFiles* files = files_for(bundle, step);
+    const bool replayed = std::any_of(report.steps.begin(), report.steps.end(),
+                                      [&](const StepOutcome& s) { return s.step == step && s.replayed; });
+    if (files != nullptr && replayed) {
+      report.determinism = check_determinism(bundle, *files, report.probes);
+      if (!report.determinism.identical) {
+        report.findings.push_back(make_finding(
+            TriageLayer::kSystem, "SYSTEM_NONDETERMINISTIC", Severity::kWarning,
+            "replaying step " + std::to_string(step) + " twice on this machine gave different values at " +
+                report.determinism.first_difference,
+            {{"step", step}, {"site", report.determinism.first_difference}}));
+      }
+    }
+  }
+  order_findings(report.findings);
+  report.root_cause = decide_root_cause(report);
+  report.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return report;
 }
 
-}  // namespace nanreplay
-
-namespace nanreplay {
 void set_compute_threads(int threads) {
   const int count = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   torch::set_num_threads(count);
 }
+
 }  // namespace nanreplay

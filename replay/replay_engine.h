@@ -11,6 +11,7 @@
 
 #include "loaders/bundle.h"
 #include "reports/report.h"
+#include "reports/triage_rules.h"
 
 namespace nanreplay {
 
@@ -29,6 +30,9 @@ struct ReplayOptions {
   std::function<void(const ReplayProgress&)> on_progress;
   std::function<bool()> should_stop;  // polled between micro-batches
   std::string tool_version;
+  std::optional<TriageThresholds> thresholds;  // default: for the bundle's precision
+  bool check_updates = true;      // model(s+1) against AdamW(model(s)): flipped bits
+  bool check_determinism = true;  // one step replayed twice, compared bitwise
 };
 
 // Thrown when should_stop() returned true; nothing has been written.

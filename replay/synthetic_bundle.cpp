@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <random>
 #include <stdexcept>
 
@@ -43,20 +45,32 @@ void write_tensors(const fs::path& path, const std::vector<std::string>& names,
   writer.write(path.string());
 }
 
-std::vector<ShardSpec> write_shards(const fs::path& root, const SyntheticSpec& spec) {
+std::vector<uint32_t> random_tokens(const SyntheticSpec& spec) {
   std::mt19937_64 rng(spec.data_seed);
   std::uniform_int_distribution<int64_t> token(0, spec.model.vocab_size - 1);
+  std::vector<uint32_t> tokens(static_cast<size_t>(spec.num_tokens));
+  for (uint32_t& t : tokens) t = static_cast<uint32_t>(token(rng));
+  return tokens;
+}
+
+std::vector<uint8_t> shard_bytes(const std::vector<uint32_t>& tokens, int64_t begin, int64_t count,
+                                 TokenDtype dtype) {
+  const size_t width = dtype == TokenDtype::kUint16 ? 2 : 4;
+  std::vector<uint8_t> bytes(static_cast<size_t>(count) * width);
+  for (int64_t i = 0; i < count; ++i) {
+    std::memcpy(bytes.data() + i * static_cast<int64_t>(width), &tokens[static_cast<size_t>(begin + i)],
+                width);  // little-endian host
+  }
+  return bytes;
+}
+
+std::vector<ShardSpec> write_shards(const fs::path& root, const SyntheticSpec& spec,
+                                    const std::vector<uint32_t>& tokens) {
   std::vector<ShardSpec> shards;
   const int64_t per_shard = spec.num_tokens / spec.shards;
   for (int s = 0; s < spec.shards; ++s) {
     const int64_t count = s + 1 == spec.shards ? spec.num_tokens - per_shard * s : per_shard;
-    std::vector<uint8_t> bytes;
-    const size_t width = spec.token_dtype == TokenDtype::kUint16 ? 2 : 4;
-    bytes.resize(static_cast<size_t>(count) * width);
-    for (int64_t i = 0; i < count; ++i) {
-      const uint32_t value = static_cast<uint32_t>(token(rng));
-      std::memcpy(bytes.data() + i * static_cast<int64_t>(width), &value, width);  // little-endian host
-    }
+    const std::vector<uint8_t> bytes = shard_bytes(tokens, per_shard * s, count, spec.token_dtype);
     char name[32];
     std::snprintf(name, sizeof(name), "data/shard_%03d.bin", s);
     std::ofstream out(root / name, std::ios::binary);
@@ -70,6 +84,39 @@ std::vector<ShardSpec> write_shards(const fs::path& root, const SyntheticSpec& s
     shards.push_back(shard);
   }
   return shards;
+}
+
+// Data poisons that the job itself read: written into the stream before training.
+void poison_tokens(std::vector<uint32_t>& tokens, const SyntheticSpec& spec, int64_t sample) {
+  const int64_t begin = sample * spec.seq_len;
+  const FaultKind kind = spec.fault.kind;
+  if (kind == FaultKind::kRepeatRun) {
+    for (int64_t i = 4; i < 4 + spec.seq_len / 2; ++i) tokens[static_cast<size_t>(begin + i)] = 17;
+  }
+  if (kind == FaultKind::kLowEntropy) {
+    for (int64_t i = 0; i <= spec.seq_len; ++i) tokens[static_cast<size_t>(begin + i)] = i % 2 ? 3 : 5;
+  }
+}
+
+// Rewrites one token of a written shard in place (damage after capture).
+void rewrite_token(const fs::path& root, const Manifest& m, int64_t global, uint32_t value, bool update_sha) {
+  int64_t start = 0;
+  for (ShardSpec& shard : const_cast<Manifest&>(m).data.shards) {
+    if (global < start + shard.tokens) {
+      const size_t width = shard.dtype == TokenDtype::kUint16 ? 2 : 4;
+      std::fstream io(root / shard.path, std::ios::in | std::ios::out | std::ios::binary);
+      io.seekp(static_cast<std::streamoff>((global - start) * static_cast<int64_t>(width)));
+      io.write(reinterpret_cast<const char*>(&value), static_cast<std::streamsize>(width));
+      io.close();
+      if (update_sha && shard.sha256) {
+        std::ifstream in(root / shard.path, std::ios::binary);
+        std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+        shard.sha256 = sha256_hex(bytes.data(), bytes.size());
+      }
+      return;
+    }
+    start += shard.tokens;
+  }
 }
 
 ParamMap init_params(const SyntheticSpec& spec, std::vector<std::string>& order) {
@@ -119,7 +166,10 @@ nlohmann::json manifest_json(const SyntheticSpec& spec, const Manifest& m) {
       {"format", "nanreplay.bundle"},
       {"version", 1},
       {"model", model},
-      {"precision", {{"compute", compute_name(spec.compute)}}},
+      {"precision", spec.compute == Compute::kFp8
+                        ? nlohmann::json{{"compute", "fp8"},
+                                         {"fp8", {{"fwd", "e4m3"}, {"bwd", "e5m2"}, {"amax_history_len", 16}, {"margin", 0}}}}
+                        : nlohmann::json{{"compute", compute_name(spec.compute)}}},
       {"optimizer", optimizer},
       {"data",
        {{"shards", shards},
@@ -188,7 +238,6 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
     m.model = spec.model;
     m.precision.compute = spec.compute;
     m.optimizer = spec.optimizer;
-    m.data.shards = write_shards(tmp, spec);
     m.data.seq_len = spec.seq_len;
     m.data.micro_batch_size = spec.micro_batch_size;
     m.data.grad_accum_steps = spec.grad_accum_steps;
@@ -198,8 +247,22 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
     for (int64_t s = spec.first_step; s < spec.first_step + spec.num_steps; ++s) {
       m.steps.push_back({s, "steps/" + std::to_string(s), std::nullopt});
     }
+    const int64_t num_samples = (spec.num_tokens - 1) / spec.seq_len;
+    const StepSampler sampler(m, num_samples, "manifest.json");
+    const FaultSpec& fault = spec.fault;
+    const int64_t fault_sample =
+        fault.kind == FaultKind::kNone ? -1 : sampler.randperm_samples(fault.step)[0][0];
+    std::vector<uint32_t> stream = random_tokens(spec);
+    if (fault_sample >= 0) poison_tokens(stream, spec, fault_sample);
+    m.data.shards = write_shards(tmp, spec, stream);
     const TokenStream tokens(tmp, m.data.shards, "manifest.json");
-    const StepSampler sampler(m, tokens.num_samples(spec.seq_len), "manifest.json");
+    std::map<std::string, Fp8ModuleScales> fp8_scales;
+    if (spec.compute == Compute::kFp8) {
+      for (const char* module : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}) {
+        fp8_scales["model.layers.0." + std::string(module)] = {1.0, 1.0, 1.0};
+      }
+    }
 
     std::vector<std::string> order;
     ParamMap params = init_params(spec, order);
@@ -208,8 +271,20 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
     SyntheticOutcome outcome;
     for (StepEntry& entry : m.steps) {
       const int64_t s = entry.step;
-      const StepBatch batch{sampler.randperm_samples(s)};
-      if (spec.record_samples) entry.samples = batch.samples;
+      StepBatch batch{sampler.randperm_samples(s)};
+      if (s == fault.step && fault.kind == FaultKind::kSamplerMismatch) {
+        // The run read a different sample than randperm says (a resumed loader, say).
+        const auto& list = batch.samples[0];
+        int64_t other = list[0];
+        while (std::find(list.begin(), list.end(), other) != list.end()) other = (other + 1) % num_samples;
+        batch.samples[0][0] = other;
+      }
+      if (spec.record_samples || fault.kind == FaultKind::kSamplerMismatch) entry.samples = batch.samples;
+      if (s == fault.step && fault.kind == FaultKind::kFp8ScaleJump) {
+        fp8_scales.begin()->second.input = 1000.0;
+      }
+      double step_scale = loss_scale;
+      if (s == fault.step && fault.kind == FaultKind::kLossScaleOverflow) step_scale = std::ldexp(1.0, 40);
       if (s == spec.fault.step) {
         torch::NoGradGuard no_grad;
         outcome.fault_step = s;
@@ -252,7 +327,8 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
       }
 
       StepComputeOptions options;
-      options.loss_scale = spec.compute == Compute::kFp16 ? loss_scale : 1.0;
+      options.loss_scale = spec.compute == Compute::kFp16 ? step_scale : 1.0;
+      options.fp8_scales = &fp8_scales;
       const StepGradients grads = compute_step_gradients(m, tokens, s, batch, params, order, options);
       outcome.losses.push_back(grads.loss);
       const bool skipped = spec.compute == Compute::kFp16 && !std::isfinite(grads.grad_norm);
@@ -261,21 +337,37 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
                                {"rank_losses", nlohmann::json::array()},
                                {"rank_grad_norms", nlohmann::json::array()}};
       for (double v : grads.rank_losses) logged["rank_losses"].push_back(json_number(v));
+      if (s == fault.step && fault.kind == FaultKind::kRankMismatch && grads.rank_losses.size() > 1) {
+        logged["rank_losses"][1] = grads.rank_losses[1] * 1.5;
+      }
+      if (s == fault.step && fault.kind == FaultKind::kNotReproducible) logged["loss"] = "nan";
       for (double v : grads.rank_grad_norms) logged["rank_grad_norms"].push_back(json_number(v));
       nlohmann::json state = {{"step", s}, {"lr", spec.lr}, {"logged", logged}};
       if (spec.compute == Compute::kFp16) {
-        state["loss_scale"] = loss_scale;
+        state["loss_scale"] = step_scale;
         state["skipped"] = skipped;
+      }
+      if (!fp8_scales.empty()) {
+        for (const auto& [module, sc] : fp8_scales) {
+          state["fp8_scales"][module] = {{"input", *sc.input}, {"weight", *sc.weight}, {"grad_output", *sc.grad_output}};
+        }
       }
       write_text(step_dir / "state.json", state.dump(2) + "\n");
 
       if (skipped) {
-        loss_scale /= 2;
+        loss_scale = step_scale / 2;
       } else {
         std::vector<torch::Tensor> plain;
         for (const std::string& name : order) plain.push_back(params.at(name).detach());
         adamw_update(plain, grads.grads, grads.grad_norm, moments, spec.lr, spec.optimizer, order);
       }
+    }
+    // Damage after the capture: the replay reads what the job did not.
+    if (fault.kind == FaultKind::kTokenOutOfRange) {
+      rewrite_token(tmp, m, fault_sample * spec.seq_len + 3, static_cast<uint32_t>(spec.model.vocab_size + 7), true);
+    }
+    if (fault.kind == FaultKind::kChecksumMismatch) {
+      rewrite_token(tmp, m, fault_sample * spec.seq_len + 3, 1, false);
     }
     write_text(tmp / "manifest.json", manifest_json(spec, m).dump(2) + "\n");
     fs::remove(dir, ec);  // an empty directory the caller made
@@ -288,8 +380,12 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
 }
 
 std::vector<std::string> synthetic_preset_names() {
-  return {"clean-fp32", "clean-bf16",    "clean-fp16", "clean-dp",      "clean-gqa",
-          "head-overflow", "bit-flip", "zero-embedding", "demo"};
+  return {"clean-fp32",        "clean-bf16",       "clean-fp16",          "clean-dp",
+          "clean-accum",       "clean-gqa",        "clean-gpt2",          "head-overflow",
+          "bit-flip",          "silent-bit-flip",  "zero-embedding",      "token-out-of-range",
+          "repeat-run",        "low-entropy",      "sampler-mismatch",    "fp8-scale-jump",
+          "loss-scale-overflow", "rank-mismatch",  "not-reproducible",    "checksum-mismatch",
+          "demo"};
 }
 
 SyntheticSpec synthetic_preset(const std::string& name) {
@@ -325,6 +421,48 @@ SyntheticSpec synthetic_preset(const std::string& name) {
   if (name == "clean-gqa") {
     m.num_kv_heads = 2;
     m.tie_embeddings = true;
+    return spec;
+  }
+  if (name == "clean-gpt2") {  // nanoGPT: LayerNorm + biases, learned positions, tied head
+    m.arch = Arch::kGpt2;
+    m.intermediate_size = 4 * m.hidden_size;
+    m.tie_embeddings = true;
+    // nanoGPT's configure_optimizers decays only the 2-D weights.
+    spec.optimizer.no_decay = {"*.bias", "*ln_*.weight"};
+    return spec;
+  }
+  if (name == "clean-accum") {
+    spec.micro_batch_size = 1;
+    spec.grad_accum_steps = 4;
+    return spec;
+  }
+  // One fault each, at the last step unless the fault needs steps after it.
+  const std::map<std::string, FaultKind> simple_faults = {
+      {"token-out-of-range", FaultKind::kTokenOutOfRange}, {"repeat-run", FaultKind::kRepeatRun},
+      {"low-entropy", FaultKind::kLowEntropy},             {"sampler-mismatch", FaultKind::kSamplerMismatch},
+      {"not-reproducible", FaultKind::kNotReproducible},   {"checksum-mismatch", FaultKind::kChecksumMismatch}};
+  if (const auto it = simple_faults.find(name); it != simple_faults.end()) {
+    spec.fault.kind = it->second;
+    spec.fault.step = last;
+    return spec;
+  }
+  if (name == "rank-mismatch") {
+    spec.world_size = 2;
+    spec.fault = {FaultKind::kRankMismatch, last, 0, 0, "", 30, 5};
+    return spec;
+  }
+  if (name == "fp8-scale-jump") {
+    spec.compute = Compute::kFp8;
+    spec.fault = {FaultKind::kFp8ScaleJump, last, 0, 0, "", 30, 5};
+    return spec;
+  }
+  if (name == "loss-scale-overflow") {
+    spec.compute = Compute::kFp16;
+    spec.fault = {FaultKind::kLossScaleOverflow, spec.first_step + 1, 0, 0, "", 30, 5};
+    return spec;
+  }
+  if (name == "silent-bit-flip") {  // a flipped exponent bit that never shows up as NaN
+    spec.fault = {FaultKind::kBitFlip, last, 0, 0, "model.layers.0.mlp.up_proj.weight", 29, 5};
     return spec;
   }
   if (name == "head-overflow") {

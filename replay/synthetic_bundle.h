@@ -18,6 +18,15 @@ enum class FaultKind {
   kHeadOverflow,   // one attention head's q/k weights grow until q k^T overflows
   kBitFlip,        // one weight element gets a flipped exponent bit
   kZeroEmbedding,  // one token's embedding row is zero (with norm_eps = 0)
+  kTokenOutOfRange,   // a token id >= vocab_size in the step's first sample
+  kRepeatRun,         // the step's first sample repeats one token for half its length
+  kLowEntropy,        // the step's first sample alternates between two tokens
+  kSamplerMismatch,   // the recorded samples of the step differ from randperm
+  kFp8ScaleJump,      // an fp8 input scale jumps 1000x at the step
+  kLossScaleOverflow, // fp16 loss scale so large the backward overflows (handled)
+  kRankMismatch,      // rank 1's logged loss disagrees with its replay
+  kNotReproducible,   // the job logged loss nan at a step that replays finite
+  kChecksumMismatch,  // a shard byte changed after its sha256 was recorded
 };
 
 struct FaultSpec {
@@ -69,7 +78,7 @@ struct SyntheticOutcome {
 // temporary sibling directory renamed at the end.
 SyntheticOutcome write_synthetic_bundle(const std::filesystem::path& dir, const SyntheticSpec& spec);
 
-// Named presets: clean-fp32, clean-bf16, clean-fp16, clean-dp, clean-gqa,
+// Named presets: clean-fp32, clean-bf16, clean-fp16, clean-dp, clean-gqa, clean-gpt2,
 // head-overflow, bit-flip, zero-embedding, demo.
 std::vector<std::string> synthetic_preset_names();
 SyntheticSpec synthetic_preset(const std::string& name);

@@ -39,7 +39,7 @@ nlohmann::json optional_index(int64_t value) {
 }
 
 nlohmann::json first_to_json(const FirstNonfinite& first) {
-  return {
+  nlohmann::json out = {
       {"step", first.step},
       {"phase", phase_name(first.phase)},
       {"site", first.site},
@@ -52,7 +52,10 @@ nlohmann::json first_to_json(const FirstNonfinite& first) {
       {"position", optional_index(first.position)},
       {"index", first.index},
       {"shape", first.shape},
+      {"producer", first.contaminated_params.empty()},
   };
+  if (!first.contaminated_params.empty()) out["checkpoint_nonfinite_params"] = first.contaminated_params;
+  return out;
 }
 
 nlohmann::json step_to_json(const StepOutcome& step) {
@@ -102,6 +105,24 @@ nlohmann::json report_to_json(const ReplayReport& report) {
                         {"evidence", finding.evidence}});
   }
   out["findings"] = findings;
+  nlohmann::json path = nlohmann::json::array();
+  for (const PropagationEntry& p : report.propagation) {
+    path.push_back({{"phase", phase_name(p.phase)}, {"site", p.site},
+                    {"layer", optional_index(p.layer)}, {"head", optional_index(p.head)},
+                    {"kind", nonfinite_kind_name(p.kind)}, {"nan_count", p.nan_count},
+                    {"inf_count", p.inf_count}});
+  }
+  out["propagation"] = path;
+  if (report.root_cause) {
+    out["root_cause"] = {{"layer", triage_layer_name(report.root_cause->layer)},
+                         {"code", report.root_cause->code},
+                         {"summary", report.root_cause->summary}};
+  }
+  const DeterminismCheck& d = report.determinism;
+  out["determinism"] = d.checked ? nlohmann::json{{"step", d.step}, {"bitwise_identical", d.identical},
+                                                  {"probes_compared", d.probes_compared},
+                                                  {"first_difference", d.first_difference}}
+                                 : nlohmann::json(nullptr);
   if (report.incident) {
     out["incident"] = {{"step", report.incident->step ? nlohmann::json(*report.incident->step)
                                                       : nlohmann::json(nullptr)},

@@ -42,6 +42,35 @@ struct FirstNonfinite {
   int64_t position = -1;
   std::vector<int64_t> index;  // coordinates of the element in the site's layout
   std::vector<int64_t> shape;
+  // Parameters already non-finite in this step's checkpoint: the site only
+  // propagates them, the checkpoint is where the values came from.
+  std::vector<std::string> contaminated_params;
+};
+
+// A non-finite site after the origin, in execution order: how it spread.
+struct PropagationEntry {
+  Phase phase = Phase::kForward;
+  std::string site;
+  int layer = -1;
+  int head = -1;
+  NonfiniteKind kind = NonfiniteKind::kNan;
+  int64_t nan_count = 0;
+  int64_t inf_count = 0;
+};
+
+struct RootCause {
+  TriageLayer layer = TriageLayer::kNumeric;
+  std::string code;     // the finding code it rests on, or "NONE"
+  std::string summary;  // one sentence for a person
+};
+
+// The same step replayed twice must give bitwise identical probes.
+struct DeterminismCheck {
+  bool checked = false;
+  int64_t step = 0;
+  bool identical = true;
+  int64_t probes_compared = 0;
+  std::string first_difference;  // the first site that differed, if any
 };
 
 struct StepOutcome {
@@ -69,7 +98,15 @@ struct ReplayReport {
   std::optional<FirstNonfinite> first_nonfinite;
   std::vector<StepOutcome> steps;
   std::vector<Finding> findings;
+  std::vector<PropagationEntry> propagation;  // after first_nonfinite, same step/micro-batch/rank
+  std::optional<RootCause> root_cause;
+  DeterminismCheck determinism;
   std::vector<ProbeRecord> probes;  // every probe, for the trace
+  // The token ids of first_nonfinite's sample (seq_len + 1 of them, the first
+  // at global token index offending_tokens_start), for the HTML token window.
+  // Empty when the origin names no sample.
+  std::vector<int64_t> offending_tokens;
+  int64_t offending_tokens_start = -1;
   double elapsed_seconds = 0.0;
 };
 

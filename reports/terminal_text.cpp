@@ -2,8 +2,11 @@
 #include "reports/terminal_text.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstdio>
 #include <sstream>
+
+#include "loaders/error.h"
 
 namespace nanreplay {
 
@@ -63,15 +66,44 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
                                                                              : finite)
         << "\n";
   }
-  if (!report.findings.empty()) {
-    out << "\nfindings\n";
+  if (!report.propagation.empty()) {
+    out << "\n  spread after the origin: ";
+    const size_t shown = std::min<size_t>(report.propagation.size(), 6);
+    for (size_t i = 0; i < shown; ++i) {
+      out << (i ? " -> " : "") << report.propagation[i].site;
+    }
+    if (report.propagation.size() > shown) out << " -> ... (" << report.propagation.size() << " sites)";
+    out << "\n";
+  }
+  out << "\ntriage\n";
+  for (TriageLayer layer : {TriageLayer::kData, TriageLayer::kNumeric, TriageLayer::kSystem}) {
+    size_t count = 0;
+    for (const Finding& finding : report.findings) count += finding.layer == layer;
+    out << "  " << paint(style, "1", pad(triage_layer_name(layer), 8))
+        << (count ? std::to_string(count) + " finding(s)" : "nothing found") << "\n";
+    size_t shown = 0;
     for (const Finding& finding : report.findings) {
+      if (finding.layer != layer) continue;
+      if (++shown > 8) {
+        out << "    ... " << (count - 8) << " more in report.json\n";
+        break;
+      }
       const char* color = finding.severity == Severity::kError     ? "31"
                           : finding.severity == Severity::kWarning ? "33"
                                                                    : "36";
-      out << "  " << paint(style, color, pad(severity_name(finding.severity), 8))
-          << pad(triage_layer_name(finding.layer), 8) << finding.code << ": " << finding.message << "\n";
+      out << "    " << paint(style, color, pad(severity_name(finding.severity), 8)) << finding.code
+          << ": " << printable(finding.message) << "\n";  // may quote bundle text
     }
+  }
+  if (report.determinism.checked) {
+    out << "  determinism: step " << report.determinism.step << " replayed twice, "
+        << (report.determinism.identical ? "bitwise identical"
+                                         : "DIFFERENT at " + report.determinism.first_difference)
+        << " (" << report.determinism.probes_compared << " probes)\n";
+  }
+  if (report.root_cause) {
+    out << "\n" << paint(style, "1", "most likely root cause") << " (" << triage_layer_name(report.root_cause->layer)
+        << "): " << report.root_cause->summary << "\n";
   }
   return out.str();
 }

@@ -251,6 +251,8 @@ const RealColumn<Probe> kProbeRealColumns[] = {
      [](Probe& r, double v) { r.stats.sum = v * double(r.stats.finite_count); }},
     {"rms", [](const Probe& r) { return r.stats.rms(); },
      [](Probe& r, double v) { r.stats.sum_sq = v * v * double(r.stats.finite_count); }},
+    {"headroom_bits", [](const Probe& r) { return r.headroom_bits; },
+     [](Probe& r, double v) { r.headroom_bits = v; }},
 };
 
 const TextColumn<Probe> kProbeTextColumns[] = {

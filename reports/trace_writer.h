@@ -8,7 +8,7 @@
 //                     step i64, micro_batch i32, rank i32, phase (string),
 //                     order i32, site (string), layer i32, head i32,
 //                     count, finite_count, nan_count, inf_count i64,
-//                     max_abs, min_nonzero_abs, mean, rms f64,
+//                     max_abs, min_nonzero_abs, mean, rms, headroom_bits f64,
 //                     first_nonfinite i64, first_kind (string),
 //                     sample i64, position i64, first_head i32, shape (string "2x64x128"),
 //                     first_index (string "0x3x17x5": coordinates of first_nonfinite,

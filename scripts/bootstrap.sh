@@ -3,8 +3,11 @@
 # builds nanreplay in Release (-j2), then either runs the demo incident or the
 # whole test suite.
 #   scripts/bootstrap.sh demo [DIR]   install, build, run `nanreplay demo`
-#   scripts/bootstrap.sh test         install, build, run every test (CTest)
+#   scripts/bootstrap.sh test         install, build, run every test (CTest), then
+#                                     the fuzzers (bounded) and the ASan/UBSan suite
 #   scripts/bootstrap.sh build        install and build only
+# Environment for `test`: NANREPLAY_FUZZ_SECONDS (per fuzz target, default 60;
+# 0 skips), NANREPLAY_SANITIZE (0 skips the sanitizer suite).
 set -euo pipefail
 
 mode="${1:-demo}"
@@ -20,7 +23,18 @@ packages=(
   libhdf5-dev hdf5-tools
   libcxxopts-dev nlohmann-json3-dev catch2 libssl-dev
   python3-torch python3-h5py python3-numpy
+  clang libclang-rt-14-dev
+  chromium
 )
+# chromium: headless rendering check of report.html (tests/py/test_html_report.py).
+# clang + libclang-rt-14-dev: libFuzzer and the sanitizer runtimes for scripts/fuzz.sh.
+
+# Each stage prints its wall time, so CI's budget can be watched stage by stage.
+stage_start=$SECONDS
+stage() {
+  echo "bootstrap: [$1] took $((SECONDS - stage_start))s"
+  stage_start=$SECONDS
+}
 
 missing=()
 for pkg in "${packages[@]}"; do
@@ -33,17 +47,29 @@ if ((${#missing[@]})); then
   "${sudo_cmd[@]}" apt-get update -qq
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+stage "install packages"
 
 cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build_dir" -j "$jobs"
+stage "build (Release)"
 
 case "$mode" in
   demo)
     "$build_dir/nanreplay" demo "${2:-nanreplay-demo}"
     ;;
   test)
-    cd "$build_dir"
-    ctest --output-on-failure -j "$jobs"
+    (cd "$build_dir" && ctest --output-on-failure -j "$jobs")
+    stage "test suite"
+    fuzz_seconds="${NANREPLAY_FUZZ_SECONDS:-60}"
+    if ((fuzz_seconds > 0)); then
+      "$root/scripts/fuzz.sh" "$fuzz_seconds"
+      stage "fuzzers, ${fuzz_seconds}s each"
+    fi
+    if [[ "${NANREPLAY_SANITIZE:-1}" != 0 ]]; then
+      "$root/scripts/sanitize.sh"
+      stage "sanitizer build and suite"
+    fi
+    echo "bootstrap: all stages passed in ${SECONDS}s"
     ;;
   build)
     ;;

@@ -92,7 +92,8 @@ TEST_CASE("run names a zero embedding row under norm_eps = 0", "[cli][incident]"
 }
 
 TEST_CASE("clean bundles replay with nothing non-finite and exit 0", "[cli][clean]") {
-  for (const std::string preset : {"clean-fp32", "clean-bf16", "clean-fp16", "clean-dp", "clean-gqa"}) {
+  for (const std::string preset :
+       {"clean-fp32", "clean-bf16", "clean-fp16", "clean-dp", "clean-accum", "clean-gqa", "clean-gpt2"}) {
     DYNAMIC_SECTION(preset) {
       ScratchDir dir(preset);
       const Replayed r = synth_and_run(dir, preset);
@@ -166,5 +167,5 @@ TEST_CASE("run never writes into the bundle and refuses to overwrite results", "
     (void)e;
     ++entries;
   }
-  CHECK(entries == 2);
+  CHECK(entries == 4);  // report.json, report.md, report.html, trace.h5
 }

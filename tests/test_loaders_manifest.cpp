@@ -3,6 +3,8 @@
 // InputError names the file and the full key path (or byte) at fault.
 #include <catch2/catch.hpp>
 
+#include "tests/loader_test_support.h"
+
 #include <cmath>
 #include <limits>
 #include <string>
@@ -19,32 +21,8 @@ namespace {
 using nanreplay::InputError;
 using nlohmann::json;
 
-// Matches an InputError whose message contains every fragment; the message is
-// kept so a failure shows what was actually thrown.
-class MessageMentions : public Catch::MatcherBase<InputError> {
- public:
-  MessageMentions(std::vector<std::string> fragments) : fragments_(std::move(fragments)) {}
-  bool match(const InputError& error) const override {
-    message_ = error.what();
-    for (const std::string& fragment : fragments_) {
-      if (message_.find(fragment) == std::string::npos) return false;
-    }
-    return true;
-  }
-  std::string describe() const override {
-    std::string text = "mentions";
-    for (const std::string& fragment : fragments_) text += " '" + fragment + "'";
-    return text + " (message: " + message_ + ")";
-  }
-
- private:
-  std::vector<std::string> fragments_;
-  mutable std::string message_;
-};
-
-#define REQUIRE_INPUT_ERROR(expr, ...) \
-  REQUIRE_THROWS_MATCHES(expr, InputError, MessageMentions({__VA_ARGS__}))
-
+using nanreplay_test::MessageMentions;
+using nanreplay_test::TempDir;
 const char* const kLabel = "bundle/manifest.json";
 const std::string kSha(64, 'a');
 
@@ -359,6 +337,7 @@ TEST_CASE("manifest: gpt2 contradictions name the key", "[loaders][manifest]") {
   check_bad_cases(gpt2, {
       {"/model/intermediate_size", 40, "model.intermediate_size"},
       {"/model/tie_embeddings", false, "model.tie_embeddings"},
+      {"/model/num_kv_heads", 1, "model.num_kv_heads"},
       {"/model/hidden_size", json(std::numeric_limits<int64_t>::max() - 1), "model.hidden_size"},
   });
 }

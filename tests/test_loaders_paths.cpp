@@ -3,6 +3,8 @@
 // root) and how bundle files are mapped (read-only, empty, directory, missing).
 #include <catch2/catch.hpp>
 
+#include "tests/loader_test_support.h"
+
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -22,53 +24,8 @@ namespace {
 namespace fs = std::filesystem;
 using nanreplay::InputError;
 
-// Matches an InputError whose message contains every fragment.
-class MessageMentions : public Catch::MatcherBase<InputError> {
- public:
-  MessageMentions(std::vector<std::string> fragments) : fragments_(std::move(fragments)) {}
-  bool match(const InputError& error) const override {
-    message_ = error.what();
-    for (const std::string& fragment : fragments_) {
-      if (message_.find(fragment) == std::string::npos) return false;
-    }
-    return true;
-  }
-  std::string describe() const override {
-    std::string text = "mentions";
-    for (const std::string& fragment : fragments_) text += " '" + fragment + "'";
-    return text + " (message: " + message_ + ")";
-  }
-
- private:
-  std::vector<std::string> fragments_;
-  mutable std::string message_;
-};
-
-#define REQUIRE_INPUT_ERROR(expr, ...) \
-  REQUIRE_THROWS_MATCHES(expr, InputError, MessageMentions({__VA_ARGS__}))
-
-// A fresh directory under the system temp dir, removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("nanreplay_paths_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using nanreplay_test::MessageMentions;
+using nanreplay_test::TempDir;
 
 const char* const kManifest = "bundle/manifest.json";
 const char* const kKey = "steps[0].dir";

@@ -4,6 +4,8 @@
 // each rejected with an InputError naming the file and the tensor or byte.
 #include <catch2/catch.hpp>
 
+#include "tests/loader_test_support.h"
+
 #include <unistd.h>
 
 #include <atomic>
@@ -24,54 +26,8 @@ namespace fs = std::filesystem;
 using nanreplay::DType;
 using nanreplay::InputError;
 
-// Matches an InputError whose message contains every fragment.
-class MessageMentions : public Catch::MatcherBase<InputError> {
- public:
-  MessageMentions(std::vector<std::string> fragments) : fragments_(std::move(fragments)) {}
-  bool match(const InputError& error) const override {
-    message_ = error.what();
-    for (const std::string& fragment : fragments_) {
-      if (message_.find(fragment) == std::string::npos) return false;
-    }
-    return true;
-  }
-  std::string describe() const override {
-    std::string text = "mentions";
-    for (const std::string& fragment : fragments_) text += " '" + fragment + "'";
-    return text + " (message: " + message_ + ")";
-  }
-
- private:
-  std::vector<std::string> fragments_;
-  mutable std::string message_;
-};
-
-#define REQUIRE_INPUT_ERROR(expr, ...) \
-  REQUIRE_THROWS_MATCHES(expr, InputError, MessageMentions({__VA_ARGS__}))
-
-// A fresh directory under the system temp dir, removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("nanreplay_safetensors_" + std::to_string(::getpid()) + "_" +
-             std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using nanreplay_test::MessageMentions;
+using nanreplay_test::TempDir;
 
 const char* const kLabel = "steps/100/model.safetensors";
 

@@ -4,6 +4,8 @@
 // lists; plus explicit sample lists and steps outside the epoch.
 #include <catch2/catch.hpp>
 
+#include "tests/loader_test_support.h"
+
 #include <cstdint>
 #include <fstream>
 #include <optional>
@@ -27,31 +29,8 @@ using nanreplay::StepEntry;
 using nlohmann::json;
 using Lists = std::vector<std::vector<int64_t>>;
 
-// Matches an InputError whose message contains every fragment.
-class MessageMentions : public Catch::MatcherBase<InputError> {
- public:
-  MessageMentions(std::vector<std::string> fragments) : fragments_(std::move(fragments)) {}
-  bool match(const InputError& error) const override {
-    message_ = error.what();
-    for (const std::string& fragment : fragments_) {
-      if (message_.find(fragment) == std::string::npos) return false;
-    }
-    return true;
-  }
-  std::string describe() const override {
-    std::string text = "mentions";
-    for (const std::string& fragment : fragments_) text += " '" + fragment + "'";
-    return text + " (message: " + message_ + ")";
-  }
-
- private:
-  std::vector<std::string> fragments_;
-  mutable std::string message_;
-};
-
-#define REQUIRE_INPUT_ERROR(expr, ...) \
-  REQUIRE_THROWS_MATCHES(expr, InputError, MessageMentions({__VA_ARGS__}))
-
+using nanreplay_test::MessageMentions;
+using nanreplay_test::TempDir;
 const char* const kLabel = "bundle/manifest.json";
 
 json load_fixture() {

@@ -3,6 +3,8 @@
 // asserting that the InputError names the file and the key path.
 #include <catch2/catch.hpp>
 
+#include "tests/loader_test_support.h"
+
 #include <cmath>
 #include <limits>
 #include <string>
@@ -18,31 +20,8 @@ namespace {
 using nanreplay::InputError;
 using nlohmann::json;
 
-// Matches an InputError whose message contains every fragment.
-class MessageMentions : public Catch::MatcherBase<InputError> {
- public:
-  MessageMentions(std::vector<std::string> fragments) : fragments_(std::move(fragments)) {}
-  bool match(const InputError& error) const override {
-    message_ = error.what();
-    for (const std::string& fragment : fragments_) {
-      if (message_.find(fragment) == std::string::npos) return false;
-    }
-    return true;
-  }
-  std::string describe() const override {
-    std::string text = "mentions";
-    for (const std::string& fragment : fragments_) text += " '" + fragment + "'";
-    return text + " (message: " + message_ + ")";
-  }
-
- private:
-  std::vector<std::string> fragments_;
-  mutable std::string message_;
-};
-
-#define REQUIRE_INPUT_ERROR(expr, ...) \
-  REQUIRE_THROWS_MATCHES(expr, InputError, MessageMentions({__VA_ARGS__}))
-
+using nanreplay_test::MessageMentions;
+using nanreplay_test::TempDir;
 const char* const kLabel = "steps/105/state.json";
 constexpr double kInf = std::numeric_limits<double>::infinity();
 

@@ -3,8 +3,12 @@
 Reads manifest.json, safetensors checkpoints and token shards with nothing but
 torch and the standard library, draws each step's samples with torch.randperm
 itself, and computes the step's loss and global gradient norm the way a plain
-PyTorch DDP + gradient-accumulation training loop would (fp32 only). Used to
-cross-check `nanreplay run` (tests/py/test_crosscheck_pytorch.py).
+PyTorch DDP + gradient-accumulation training loop would. fp32 computes
+plainly; bf16 and fp16 follow the spec's autocast-by-rounding rules (bundle-v1,
+precision), written here from the spec as cast pairs at the same points, so
+autograd rounds gradients where the spec says (fp16's loss scale is not
+modelled: the cross-check runs fp32 and bf16). Used to cross-check
+`nanreplay run` (tests/py/test_crosscheck_pytorch.py).
 """
 import json
 import math
@@ -80,65 +84,85 @@ def rotary(x, theta):
     return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
 
 
-def attention(q, k, v, H, G):
-    # q: (B, T, H*D), k/v: (B, T, G*D)
+LOW_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def rounding(compute):
+    """The spec's rounding point for `compute`: a cast pair (fp32 -> low -> fp32), whose
+    autograd rounds the gradient passing through it the same way; the identity for fp32."""
+    low = LOW_TYPES.get(compute)
+    if low is None:
+        return lambda t: t
+    return lambda t: t.to(low).to(torch.float32)
+
+
+def attention(q, k, v, H, G, rnd=lambda t: t):
+    # q: (B, T, H*D), k/v: (B, T, G*D), each already rounded (probe sites).
     B, T, _ = q.shape
     D = q.shape[-1] // H
     q = q.view(B, T, H, D).transpose(1, 2)
     k = k.view(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
     v = v.view(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(D)
+    scores = rnd(rnd(q @ k.transpose(-2, -1)) / math.sqrt(D))  # round(round(q k^T) / sqrt(D))
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
-    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), -1)
-    return (probs @ v).transpose(1, 2).reshape(B, T, H * D)
+    probs = rnd(torch.softmax(scores.masked_fill(mask, float("-inf")), -1))
+    return rnd(probs @ v).transpose(1, 2).reshape(B, T, H * D)
 
 
-def llama_loss(cfg, p, inputs, targets):
+def llama_loss(cfg, p, inputs, targets, rnd=lambda t: t):
+    """rnd: the rounding point (see rounding()); every probe site but the loss passes it, and
+    matmul inputs and weights are rounded before an fp32-accumulated product."""
     H, G = cfg["num_heads"], cfg.get("num_kv_heads", cfg["num_heads"])
     eps, theta = cfg.get("norm_eps", 1e-5), cfg.get("rope_theta", 10000.0)
     B, T = inputs.shape
     D = cfg["hidden_size"] // H
 
-    def norm(x, w):
+    def norm(x, w):  # fp32 from the rounded input; the norm weight is not rounded
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
     def rope(x, heads):
         return rotary(x.view(B, T, heads, D).transpose(1, 2), theta).transpose(1, 2).reshape(B, T, heads * D)
 
-    x = F.embedding(inputs, p["model.embed_tokens.weight"])
+    def lin(x, w):
+        return F.linear(rnd(x), rnd(w))
+
+    x = rnd(F.embedding(inputs, p["model.embed_tokens.weight"]))
     for i in range(cfg["num_layers"]):
         pre = f"model.layers.{i}."
-        h = norm(x, p[pre + "input_layernorm.weight"])
-        q = rope(h @ p[pre + "self_attn.q_proj.weight"].T, H)
-        k = rope(h @ p[pre + "self_attn.k_proj.weight"].T, G)
-        v = h @ p[pre + "self_attn.v_proj.weight"].T
-        x = x + attention(q, k, v, H, G) @ p[pre + "self_attn.o_proj.weight"].T
-        h = norm(x, p[pre + "post_attention_layernorm.weight"])
-        act = F.silu(h @ p[pre + "mlp.gate_proj.weight"].T) * (h @ p[pre + "mlp.up_proj.weight"].T)
-        x = x + act @ p[pre + "mlp.down_proj.weight"].T
-    x = norm(x, p["model.norm.weight"])
+        h = rnd(norm(x, p[pre + "input_layernorm.weight"]))
+        q = rnd(rope(lin(h, p[pre + "self_attn.q_proj.weight"]), H))
+        k = rnd(rope(lin(h, p[pre + "self_attn.k_proj.weight"]), G))
+        v = rnd(lin(h, p[pre + "self_attn.v_proj.weight"]))
+        x = rnd(x + rnd(lin(attention(q, k, v, H, G, rnd), p[pre + "self_attn.o_proj.weight"])))
+        h = rnd(norm(x, p[pre + "post_attention_layernorm.weight"]))
+        gate = rnd(lin(h, p[pre + "mlp.gate_proj.weight"]))
+        up = rnd(lin(h, p[pre + "mlp.up_proj.weight"]))
+        x = rnd(x + rnd(lin(rnd(F.silu(gate) * up), p[pre + "mlp.down_proj.weight"])))
+    x = rnd(norm(x, p["model.norm.weight"]))
     head = p["model.embed_tokens.weight"] if cfg.get("tie_embeddings", False) else p["lm_head.weight"]
-    logits = x @ head.T
+    logits = rnd(lin(x, head))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def gpt2_loss(cfg, p, inputs, targets):
+def gpt2_loss(cfg, p, inputs, targets, rnd=lambda t: t):
     H, C, eps = cfg["num_heads"], cfg["hidden_size"], cfg.get("norm_eps", 1e-5)
     T = inputs.shape[1]
 
-    def ln(x, pre):
+    def ln(x, pre):  # fp32, weight and bias not rounded
         return F.layer_norm(x, (C,), p[pre + ".weight"], p[pre + ".bias"], eps)
 
-    def lin(x, pre):
-        return F.linear(x, p[pre + ".weight"], p[pre + ".bias"])
+    def lin(x, pre):  # linear biases are rounded
+        return F.linear(rnd(x), rnd(p[pre + ".weight"]), rnd(p[pre + ".bias"]))
 
-    x = p["transformer.wte.weight"][inputs] + p["transformer.wpe.weight"][torch.arange(T)]
+    # Token plus position embedding, rounded once after the sum.
+    x = rnd(p["transformer.wte.weight"][inputs] + p["transformer.wpe.weight"][torch.arange(T)])
     for i in range(cfg["num_layers"]):
         pre = f"transformer.h.{i}."
-        q, k, v = lin(ln(x, pre + "ln_1"), pre + "attn.c_attn").split(C, -1)
-        x = x + lin(attention(q, k, v, H, H), pre + "attn.c_proj")
-        x = x + lin(F.gelu(lin(ln(x, pre + "ln_2"), pre + "mlp.c_fc"), approximate="tanh"), pre + "mlp.c_proj")
-    logits = ln(x, "transformer.ln_f") @ p["transformer.wte.weight"].T
+        q, k, v = (rnd(t) for t in lin(rnd(ln(x, pre + "ln_1")), pre + "attn.c_attn").split(C, -1))
+        x = rnd(x + rnd(lin(attention(q, k, v, H, H, rnd), pre + "attn.c_proj")))
+        up = rnd(lin(rnd(ln(x, pre + "ln_2")), pre + "mlp.c_fc"))
+        x = rnd(x + rnd(lin(rnd(F.gelu(up, approximate="tanh")), pre + "mlp.c_proj")))
+    logits = rnd(F.linear(rnd(rnd(ln(x, "transformer.ln_f"))), rnd(p["transformer.wte.weight"])))
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -149,6 +173,7 @@ def replay_step(bundle, step_dir, step):
     d = m["data"]
     params = {k: v.float().requires_grad_(True) for k, v in read_safetensors(bundle.root / step_dir / "model.safetensors").items()}
     loss_fn = llama_loss if cfg["arch"] == "llama" else gpt2_loss
+    rnd = rounding(m.get("precision", {}).get("compute", "fp32"))
     world, accum, mbs = d.get("world_size", 1), d.get("grad_accum_steps", 1), d["micro_batch_size"]
     total = {k: torch.zeros_like(v) for k, v in params.items()}
     rank_losses, rank_norms = [], []
@@ -158,7 +183,7 @@ def replay_step(bundle, step_dir, step):
         rank_loss = 0.0
         for micro in range(accum):
             inputs, targets = bundle.batch(ids[micro * mbs:(micro + 1) * mbs])
-            loss = loss_fn(cfg, params, inputs, targets)
+            loss = loss_fn(cfg, params, inputs, targets, rnd)
             rank_loss += loss.item()
             (loss / accum).backward()
         rank_losses.append(rank_loss / accum)

@@ -1,0 +1,25 @@
+// libFuzzer target for parse_manifest (loaders/manifest.cpp), the first thing
+// nanreplay reads from an untrusted bundle. Key constraint: every input must
+// end in a Manifest or an InputError; any other exception, crash, sanitizer
+// report or hang is a bug (the exception escapes and libFuzzer reports it).
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "loaders/error.h"
+#include "loaders/manifest.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const std::string text(reinterpret_cast<const char*>(data), size);
+  try {
+    const nanreplay::Manifest manifest = nanreplay::parse_manifest(text, "manifest.json");
+    // What later stages trust about a parsed manifest.
+    if (manifest.steps.empty() || manifest.data.shards.empty() || manifest.model.num_heads <= 0 ||
+        manifest.model.hidden_size % manifest.model.num_heads != 0) {
+      __builtin_trap();
+    }
+  } catch (const nanreplay::InputError&) {
+    // The documented outcome for bad input.
+  }
+  return 0;
+}

@@ -1,0 +1,306 @@
+// The replay's peak memory from the manifest's shapes, counted the way the
+// replay holds tensors (replay/gradients.cpp, replay/model.cpp, numerics.cpp),
+// and the machine's default limit. Key constraint: the estimate errs high
+// (every tensor the forward creates is counted as kept until backward), all
+// arithmetic is in double so absurd manifests cannot overflow, and nothing
+// here allocates in proportion to the bundle.
+#include "replay/memory_estimate.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <optional>
+#include <sstream>
+
+#include "loaders/error.h"
+#include "probes/probe_record.h"
+#include "probes/sites.h"
+
+namespace nanreplay {
+namespace {
+
+constexpr double kFloatBytes = 4;  // the replay computes in fp32 masters
+constexpr double kLowBytes = 2;    // bf16/fp16 copies made by rounding
+constexpr double kDefaultFraction = 0.8;
+// Resident size of the process before any tensor exists: LibTorch's and
+// OpenBLAS's code and thread arenas (measured ~0.3 GiB on Debian 12's
+// libtorch 1.13), with headroom for allocator fragmentation.
+constexpr double kRuntimeBytes = 512.0 * (1 << 20);
+// A probe record's heap beyond sizeof: its site name and shape vectors
+// (allocator overhead included), and the trace writer's columns for it.
+constexpr double kProbeRecordHeapBytes = 160;
+
+struct Dims {
+  double B, T, C, H, G, D, F, V, L, maxT;
+};
+
+Dims dims_of(const Manifest& m) {
+  const ModelConfig& c = m.model;
+  return Dims{static_cast<double>(m.data.micro_batch_size), static_cast<double>(m.data.seq_len),
+              static_cast<double>(c.hidden_size),         static_cast<double>(c.num_heads),
+              static_cast<double>(c.num_kv_heads),        static_cast<double>(c.head_dim()),
+              static_cast<double>(c.intermediate_size),   static_cast<double>(c.vocab_size),
+              static_cast<double>(c.num_layers),          static_cast<double>(c.max_seq_len)};
+}
+
+// Parameter elements and tensors, as probes/sites.cpp's expected_parameters
+// lists them (recomputed here so no per-layer list is built for a manifest
+// that claims a billion layers).
+struct ParamCount {
+  double elements;
+  double tensors;
+};
+
+ParamCount count_parameters(const Manifest& m, const Dims& d) {
+  if (m.model.arch == Arch::kLlama) {
+    const double kv = d.G * d.D;
+    const double per_layer = 2 * d.C + 2 * d.C * d.C + 2 * kv * d.C + 3 * d.F * d.C;
+    const double head = m.model.tie_embeddings ? 0 : d.V * d.C;
+    return {d.V * d.C + d.L * per_layer + d.C + head, 2 + 9 * d.L + (m.model.tie_embeddings ? 0 : 1)};
+  }
+  const double per_layer = 4 * d.C + (3 * d.C * d.C + 3 * d.C) + (d.C * d.C + d.C) +
+                           (d.F * d.C + d.F) + (d.F * d.C + d.C);
+  return {d.V * d.C + d.maxT * d.C + d.L * per_layer + 2 * d.C, 4 + 12 * d.L};
+}
+
+// Elements of one micro-batch's forward, per layer, counting every tensor the
+// forward creates as kept until the backward frees it (an upper bound on what
+// autograd saves), split into token-shaped and attention-square tensors.
+struct LayerElements {
+  double tokens;   // [B, T, *]
+  double squares;  // [B, H, T, T]: scores, scaled scores, masked scores, probs
+  double rounded;  // extra elements rounded to bf16/fp16 and back (reduced precision only)
+};
+
+LayerElements layer_elements(const Manifest& m, const Dims& d) {
+  const double N = d.B * d.T;
+  const double HD = d.H * d.D;
+  const double GD = d.G * d.D;
+  const double square = d.B * d.H * d.T * d.T;
+  LayerElements e{};
+  const double norms = m.model.arch == Arch::kLlama ? 2 * 3 * N * d.C   // x^2, x/rms, * weight
+                                                    : 2 * 2 * N * d.C;  // layer_norm output + stats
+  const double qkv = m.model.arch == Arch::kLlama
+                         ? 6 * N * HD + 6 * N * GD + N * GD  // projections, rotary (x cos, cat, x sin, sum, copy)
+                         : 3 * N * d.C;                      // c_attn output, split as views
+  const double repeated = d.G < d.H ? 2 * N * HD : 0;        // grouped-query repeat_interleave of k and v
+  const double context = 2 * N * HD + 2 * N * HD;            // contiguous q/k for matmul, probs @ v, reshape copy
+  const double attn_out = 2 * N * d.C;                       // projection, residual
+  const double mlp = (m.model.arch == Arch::kLlama ? 4 : 2) * N * d.F + 2 * N * d.C;
+  e.tokens = norms + qkv + repeated + context + attn_out + mlp;
+  e.squares = 4 * square;
+  if (m.precision.compute == Compute::kBf16 || m.precision.compute == Compute::kFp16) {
+    // Every site is rounded (15 per layer), every linear input is rounded,
+    // and the scores twice more: fp32 copies of the rounded values.
+    const double site_tokens = 6 * N * d.C + N * HD + 2 * N * GD + N * HD + 3 * N * d.F;
+    const double linear_inputs = 5 * N * d.C + N * HD + N * d.F;
+    e.rounded = site_tokens + linear_inputs + 4 * square;
+  }
+  return e;
+}
+
+double activation_bytes(const Manifest& m, const Dims& d) {
+  const double N = d.B * d.T;
+  const LayerElements layer = layer_elements(m, d);
+  const bool reduced = m.precision.compute == Compute::kBf16 || m.precision.compute == Compute::kFp16;
+  // fp32 copies plus the transient low-precision tensor each rounding makes.
+  const double rounded_bytes = layer.rounded * (kFloatBytes + kLowBytes);
+  const double per_layer = (layer.tokens + layer.squares) * kFloatBytes + rounded_bytes;
+  // Outside the layers: embedding, final norm, logits, log-softmax of the loss.
+  double outside = (N * d.C + 3 * N * d.C + 2 * N * d.V) * kFloatBytes;
+  if (reduced) outside += (2 * N * d.V + 2 * N * d.C) * (kFloatBytes + kLowBytes);
+  // Backward frees the forward's tensors as it goes but briefly holds one
+  // layer's worth of gradients and the logits' gradient on top.
+  const double backward_working_set = per_layer + 2 * N * d.V * kFloatBytes;
+  return d.L * per_layer + outside + backward_working_set;
+}
+
+double probe_record_bytes(const Manifest& m, const Dims& d, double param_tensors,
+                          size_t steps_replayed) {
+  double in_layer = 0;
+  double outside = 0;
+  double per_head = 0;
+  for (const SiteDef& site : site_table()) {
+    const bool present = m.model.arch == Arch::kLlama ? site.llama : site.gpt2;
+    if (!present) continue;
+    (site.in_layer ? in_layer : outside) += 1;
+    if (site.in_layer && is_per_head(site.id)) per_head += 1;
+  }
+  // One record per site and one more per head of a per-head site, forward and backward.
+  const double per_pass = 2 * (outside + d.L * (in_layer + per_head * d.H));
+  const double passes = static_cast<double>(m.data.world_size) *
+                        static_cast<double>(m.data.grad_accum_steps);
+  const double per_step = per_pass * passes + param_tensors;
+  return per_step * static_cast<double>(steps_replayed) *
+         (static_cast<double>(sizeof(ProbeRecord)) + kProbeRecordHeapBytes);
+}
+
+// ---- the machine ------------------------------------------------------------
+
+std::optional<double> meminfo_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  std::string unit;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return std::nullopt;
+}
+
+// cgroup v2 memory.max, or v1 memory.limit_in_bytes; "max" or absurd values mean none.
+std::optional<double> cgroup_limit_bytes() {
+  for (const char* path : {"/sys/fs/cgroup/memory.max",
+                           "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(path);
+    std::string text;
+    if (!(in >> text) || text == "max") continue;
+    char* end = nullptr;
+    const double value = std::strtod(text.c_str(), &end);
+    if (end == text.c_str() || value <= 0 || value >= 0x1p62) continue;  // v1 says "no limit" with ~2^63
+    return value;
+  }
+  return std::nullopt;
+}
+
+double physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page_size <= 0) return 0;
+  return static_cast<double>(pages) * static_cast<double>(page_size);
+}
+
+std::string lower(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return text;
+}
+
+}  // namespace
+
+MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_replayed,
+                                      bool probes) {
+  const Dims d = dims_of(manifest);
+  const ParamCount params = count_parameters(manifest, d);
+  const bool reduced = manifest.precision.compute == Compute::kBf16 ||
+                       manifest.precision.compute == Compute::kFp16;
+  MemoryEstimate estimate;
+  // fp32 masters, plus the mapped file (at most fp32 per element), plus in
+  // bf16/fp16 the rounded fp32 copy of every weight a linear keeps for backward.
+  estimate.parameters = params.elements * kFloatBytes * (reduced ? 3 : 2);
+  // param.grad, the rank's unscaled copy and the cross-rank sum (gradients.cpp).
+  estimate.gradients = params.elements * kFloatBytes * 3;
+  estimate.activations = activation_bytes(manifest, d);
+  estimate.probes = probes ? probe_record_bytes(manifest, d, params.tensors, steps_replayed) : 0;
+  estimate.runtime = kRuntimeBytes;
+  return estimate;
+}
+
+MemoryLimit default_memory_limit() {
+  std::optional<double> available = meminfo_available_bytes();
+  std::string source = "MemAvailable";
+  if (const std::optional<double> cgroup = cgroup_limit_bytes();
+      cgroup && (!available || *cgroup < *available)) {
+    available = cgroup;
+    source = "the cgroup's memory limit";
+  }
+  if (!available) {
+    available = physical_memory_bytes();
+    source = "physical memory";
+  }
+  MemoryLimit limit;
+  limit.bytes = static_cast<uint64_t>(std::max(0.0, *available * kDefaultFraction));
+  limit.source = "the default, 80% of " + source;
+  return limit;
+}
+
+uint64_t parse_memory_size(const std::string& text) {
+  const std::string bad = "--max-memory: '" + text +
+                          "' is not a size like 8G, 512M, 1.5GiB or 1073741824 (bytes)";
+  size_t digits_end = 0;
+  while (digits_end < text.size() &&
+         (std::isdigit(static_cast<unsigned char>(text[digits_end])) || text[digits_end] == '.')) {
+    ++digits_end;
+  }
+  const std::string number = text.substr(0, digits_end);
+  if (number.empty() || number == "." || std::count(number.begin(), number.end(), '.') > 1) {
+    throw UsageError(bad);
+  }
+  std::string unit = lower(text.substr(digits_end));
+  unit.erase(std::remove(unit.begin(), unit.end(), ' '), unit.end());
+  static const std::pair<const char*, int> kUnits[] = {
+      {"", 0},   {"b", 0},   {"k", 1},   {"kb", 1},  {"kib", 1}, {"m", 2},  {"mb", 2},
+      {"mib", 2}, {"g", 3},  {"gb", 3},  {"gib", 3}, {"t", 4},   {"tb", 4}, {"tib", 4}};
+  const auto* found = std::find_if(std::begin(kUnits), std::end(kUnits),
+                                   [&](const auto& entry) { return unit == entry.first; });
+  if (found == std::end(kUnits)) throw UsageError(bad);
+  const double bytes = std::strtod(number.c_str(), nullptr) * std::pow(1024.0, found->second);
+  if (!(bytes >= 1) || bytes >= 0x1p63) throw UsageError(bad);
+  return static_cast<uint64_t>(bytes);
+}
+
+std::string format_bytes(double bytes) {
+  if (!std::isfinite(bytes)) return "more than can be counted";
+  static const char* const kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  if (bytes < 1024) return std::to_string(static_cast<long long>(bytes)) + " bytes";
+  double value = bytes / 1024;
+  size_t unit = 0;
+  while (value >= 1024 && unit + 1 < std::size(kUnits)) {
+    value /= 1024;
+    ++unit;
+  }
+  char text[64];
+  if (value >= 1024) {  // beyond EiB: print in scientific notation rather than lie
+    std::snprintf(text, sizeof text, "%.3g bytes", bytes);
+  } else {
+    std::snprintf(text, sizeof text, "%.1f %s", value, kUnits[unit]);
+  }
+  return text;
+}
+
+namespace {
+
+// Which part of the estimate dominates, and what sets it, so the refusal
+// points at the cause (a typo'd vocab_size, a huge micro-batch, many steps).
+std::string dominant_cause(const MemoryEstimate& e) {
+  const double weights = e.parameters + e.gradients;
+  const double largest = std::max({weights, e.activations, e.probes, e.runtime});
+  if (largest == e.runtime) return "the runtime's fixed cost (LibTorch itself)";
+  if (largest == weights) {
+    return "parameters and gradients, set by model.vocab_size, model.hidden_size, "
+           "model.intermediate_size and model.num_layers in manifest.json";
+  }
+  if (largest == e.activations) {
+    return "activations, set by data.micro_batch_size, data.seq_len, model.num_heads, "
+           "model.hidden_size and model.vocab_size in manifest.json";
+  }
+  return "probe records, set by the number of steps (see --steps), data.grad_accum_steps, "
+         "data.world_size, model.num_layers and model.num_heads in manifest.json; "
+         "--no-probes drops them";
+}
+
+}  // namespace
+
+void require_memory_fits(const MemoryEstimate& estimate, const MemoryLimit& limit) {
+  if (estimate.total() <= static_cast<double>(limit.bytes)) return;
+  std::ostringstream message;
+  message << "this replay needs an estimated " << format_bytes(estimate.total())
+          << " of memory (parameters " << format_bytes(estimate.parameters) << ", gradients "
+          << format_bytes(estimate.gradients) << ", activations of one micro-batch "
+          << format_bytes(estimate.activations) << ", probe records "
+          << format_bytes(estimate.probes) << ", runtime " << format_bytes(estimate.runtime)
+          << "), more than the limit of " << format_bytes(static_cast<double>(limit.bytes))
+          << " (" << limit.source << "); most of it is " << dominant_cause(estimate)
+          << ". Nothing was loaded; if the machine has the room, raise the limit with "
+          << "--max-memory SIZE";
+  throw UsageError(message.str());
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,54 @@
+// How much memory a replay will need, estimated from the manifest alone, and
+// how much this machine can give it. Key constraint: no LibTorch and no
+// allocation sized by the bundle here: the check runs right after the manifest
+// is read, before any checkpoint is opened, so a hostile or merely huge bundle
+// is refused with an estimate instead of being discovered by the OOM killer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "loaders/manifest.h"
+
+namespace nanreplay {
+
+// Peak bytes of one replay, by what holds them. Doubles, because a hostile
+// manifest may describe a model whose byte count overflows 64 bits.
+struct MemoryEstimate {
+  double parameters = 0;   // fp32 masters, the mapped checkpoint, rounded weight copies
+  double gradients = 0;    // parameter grads, each rank's unscaled copy, the accumulated sum
+  double activations = 0;  // what autograd keeps for one micro-batch, plus the backward's working set
+  double probes = 0;       // probe records kept for the report and the trace
+  double runtime = 0;      // LibTorch, its thread pools and the process itself
+  double total() const { return parameters + gradients + activations + probes + runtime; }
+};
+
+// `steps_replayed`: how many steps the run will replay (probe records pile up
+// across steps); `probes`: whether probes are on.
+MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_replayed,
+                                      bool probes);
+
+// A memory limit and where it came from, for the refusal message.
+struct MemoryLimit {
+  uint64_t bytes = 0;
+  std::string source;  // "--max-memory" or "80% of available memory (MemAvailable)"
+};
+
+// 80% of what the machine can give a new process: the smaller of MemAvailable
+// (/proc/meminfo) and the cgroup's memory limit; physical memory when neither
+// can be read.
+MemoryLimit default_memory_limit();
+
+// "8G", "512M", "1.5GiB", "4096": K, M, G, T (with or without "i" and "B")
+// are powers of 1024. Throws UsageError on anything else, or on 0.
+uint64_t parse_memory_size(const std::string& text);
+
+// "1.5 GiB", "512.0 MiB", "800 bytes".
+std::string format_bytes(double bytes);
+
+// Throws UsageError with the estimate, its breakdown and the limit when the
+// estimate exceeds the limit.
+void require_memory_fits(const MemoryEstimate& estimate, const MemoryLimit& limit);
+
+}  // namespace nanreplay

@@ -1,0 +1,232 @@
+// Checkpoint contamination and flipped-bit detection; see system_checks.h.
+#include "replay/system_checks.h"
+
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include <torch/torch.h>
+
+#include "kernels/tensor_stats.h"
+#include "loaders/error.h"
+#include "replay/adamw.h"
+#include "reports/terminal_text.h"
+#include "reports/triage_rules.h"
+
+namespace nanreplay {
+
+namespace {
+
+constexpr size_t kMaxFlipsPerParam = 64;
+
+std::optional<ElemType> elem_type(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return ElemType::kF32;
+    case DType::kBF16: return ElemType::kBF16;
+    case DType::kF16: return ElemType::kF16;
+    default: return std::nullopt;
+  }
+}
+
+TensorStats stats_of(const TensorInfo& info) {
+  const auto type = elem_type(info.dtype);
+  if (!type) return {};
+  const size_t width = dtype_size(info.dtype);
+  if (reinterpret_cast<uintptr_t>(info.data) % width == 0) {
+    return compute_stats(info.data, *type, info.numel());
+  }
+  std::vector<uint8_t> aligned(info.nbytes() + 8);
+  std::memcpy(aligned.data(), info.data, info.nbytes());
+  return compute_stats(aligned.data(), *type, info.numel());
+}
+
+std::vector<int64_t> unravel(int64_t index, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> coords(shape.size(), 0);
+  for (size_t d = shape.size(); d-- > 0;) {
+    coords[d] = shape[d] ? index % shape[d] : 0;
+    index = shape[d] ? index / shape[d] : 0;
+  }
+  return coords;
+}
+
+// The stored encoding of element `i` and its value with bit `bit` flipped.
+uint32_t stored_bits(const TensorInfo& info, int64_t i) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, info.data + i * static_cast<int64_t>(dtype_size(info.dtype)), dtype_size(info.dtype));
+  return bits;
+}
+
+double decode(uint32_t bits, DType dtype) {
+  if (dtype == DType::kF32) {
+    float value;
+    std::memcpy(&value, &bits, 4);
+    return value;
+  }
+  return dtype == DType::kBF16 ? bf16_to_float(static_cast<uint16_t>(bits))
+                               : f16_to_float(static_cast<uint16_t>(bits));
+}
+
+int bit_width(DType dtype) { return dtype == DType::kF32 ? 32 : 16; }
+
+}  // namespace
+
+std::vector<Finding> checkpoint_nonfinite_findings(const Bundle& bundle) {
+  struct Seen {
+    int64_t first_step = 0;
+    int64_t count = 0;
+    std::string file;
+    std::string kind;
+    std::vector<int64_t> index;
+    std::vector<int64_t> steps;
+  };
+  std::map<std::string, Seen> tensors;
+  std::vector<std::string> order;
+  for (const StepFiles& files : bundle.steps()) {
+    std::vector<std::pair<std::string, std::string>> sources = {{"model.safetensors", files.model.string()}};
+    if (bundle.has_optimizer(files)) sources.push_back({"optimizer.safetensors", files.optimizer.string()});
+    for (const auto& [leaf, path] : sources) {
+      const SafetensorsFile file = SafetensorsFile::open(path, files.label(leaf));
+      for (const TensorInfo& info : file.tensors()) {
+        const TensorStats stats = stats_of(info);
+        if (stats.all_finite()) continue;
+        auto [it, fresh] = tensors.try_emplace(info.name);
+        Seen& seen = it->second;
+        if (fresh) {
+          order.push_back(info.name);
+          seen.first_step = files.step;
+          seen.count = stats.nan_count + stats.inf_count;
+          seen.file = files.label(leaf);
+          seen.kind = leaf == "model.safetensors" ? "parameter" : "optimizer moment";
+          seen.index = unravel(stats.first_nonfinite, info.shape);
+        }
+        seen.steps.push_back(files.step);
+      }
+    }
+  }
+  std::vector<Finding> findings;
+  for (const std::string& name : order) {
+    const Seen& s = tensors.at(name);
+    findings.push_back(make_finding(
+        TriageLayer::kSystem, "CHECKPOINT_NONFINITE", Severity::kError,
+        s.kind + " " + name + " already holds " + std::to_string(s.count) +
+            " non-finite element(s) in " + s.file + " (from step " + std::to_string(s.first_step) +
+            " on, before any replay)",
+        {{"param", name}, {"step", s.first_step}, {"length", s.count}, {"index", s.index},
+         {"steps", s.steps}, {"tensor", s.kind}}));
+  }
+  return findings;
+}
+
+std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInput& in) {
+  torch::NoGradGuard no_grad;
+  const Manifest& m = bundle.manifest();
+  const OptimizerConfig& config = *m.optimizer;
+  const std::string optimizer_label = in.current->label("optimizer.safetensors");
+  const SafetensorsFile optimizer = SafetensorsFile::open(in.current->optimizer.string(), optimizer_label);
+  const SafetensorsFile next = SafetensorsFile::open(in.next->model.string(), in.next->label("model.safetensors"));
+  const TensorInfo& step_info = optimizer.at("step");
+  int64_t updates_before = 0;
+  if (step_info.dtype == DType::kI64) {
+    std::memcpy(&updates_before, step_info.data, 8);
+  } else if (step_info.dtype == DType::kF32) {
+    float value;
+    std::memcpy(&value, step_info.data, 4);
+    updates_before = static_cast<int64_t>(value);
+  } else {
+    throw InputError(optimizer_label, "step", "expected an I64 or F32 scalar");
+  }
+  const torch::Tensor coef = clip_coefficient(in.grads->grad_norm, config);
+  const std::vector<std::string>& names = in.checkpoint->order();
+  std::vector<Finding> findings;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i];
+    const TensorInfo& actual_info = next.at(name);
+    torch::Tensor expected = in.checkpoint->params().at(name).detach().clone();
+    if (!in.skipped_by_scaler) {
+      torch::Tensor exp_avg = tensor_from_safetensors(optimizer.at(name + ".exp_avg"), optimizer_label).clone();
+      torch::Tensor exp_avg_sq =
+          tensor_from_safetensors(optimizer.at(name + ".exp_avg_sq"), optimizer_label).clone();
+      adamw_step_one(expected, in.grads->grads[i] * coef, exp_avg, exp_avg_sq, updates_before, in.lr,
+                     config, !excluded_from_decay(config, name));
+    }
+    if (actual_info.dtype == DType::kBF16) expected = expected.to(torch::kBFloat16).to(torch::kFloat32);
+    if (actual_info.dtype == DType::kF16) expected = expected.to(torch::kHalf).to(torch::kFloat32);
+    const torch::Tensor actual = tensor_from_safetensors(actual_info, next.label());
+    // Far more than rounding: beyond what any sign noise in a near-zero
+    // gradient could move Adam's normalized step (a few lr), and 0.1%.
+    const torch::Tensor threshold = torch::clamp_min(expected.abs() * 1e-3, 8.0 * in.lr);
+    const torch::Tensor deviant =
+        torch::isfinite(expected) &
+        (((actual - expected).abs() > threshold) | ~torch::isfinite(actual));
+    const torch::Tensor where = deviant.reshape({-1}).nonzero().reshape({-1});
+    const int64_t count = where.numel();
+    if (count == 0) continue;
+    if (count > std::max<int64_t>(1024, actual.numel() / 100)) {
+      // Too many to be flipped bits: the update itself differs (lr, betas, a different optimizer).
+      findings.push_back(make_finding(
+          TriageLayer::kSystem, "SYSTEM_UPDATE_MISMATCH", Severity::kWarning,
+          name + ": " + std::to_string(count) + " of " + std::to_string(actual.numel()) +
+              " elements of " + next.label() + " differ from AdamW applied to step " +
+              std::to_string(in.current->step) + ": the recorded update is not the spec's AdamW",
+          {{"step", in.next->step}, {"param", name}, {"length", count}}));
+      continue;
+    }
+    const float* e = expected.contiguous().data_ptr<float>();
+    std::vector<int64_t> unexplained;
+    std::vector<Finding> flips;
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t flat = where[k].item<int64_t>();
+      const double want = e[flat];
+      const uint32_t bits = stored_bits(actual_info, flat);
+      // A flip restores the job's own value, which the recomputation matches to
+      // rounding: relative 1e-4, plus a sliver of lr for gradient noise. Looser
+      // matching would "explain" any replaced value by a tiny flipped twin.
+      const double tolerance = 1e-4 * std::fabs(want) + 1e-3 * in.lr + 1e-30;
+      int best_bit = -1;
+      double best = tolerance;
+      for (int bit = 0; bit < bit_width(actual_info.dtype); ++bit) {
+        const double candidate = decode(bits ^ (1u << bit), actual_info.dtype);
+        if (std::isfinite(candidate) && std::fabs(candidate - want) <= best) {
+          best = std::fabs(candidate - want);
+          best_bit = bit;
+        }
+      }
+      if (best_bit < 0) {
+        unexplained.push_back(flat);
+        continue;
+      }
+      const double before = decode(bits ^ (1u << best_bit), actual_info.dtype);
+      const double after = decode(bits, actual_info.dtype);
+      flips.push_back(make_finding(
+          TriageLayer::kSystem, "SYSTEM_BIT_FLIP", Severity::kError,
+          name + " element " + std::to_string(flat) + " in " + next.label() + ": bit " +
+              std::to_string(best_bit) + " flipped, " + format_number(before) + " became " +
+              format_number(after) + " (AdamW from step " + std::to_string(in.current->step) +
+              " predicts " + format_number(want) + ")",
+          {{"step", in.next->step}, {"param", name}, {"index", unravel(flat, actual_info.shape)},
+           {"bit", best_bit}, {"before", json_number(before)}, {"after", json_number(after)},
+           {"expected", json_number(want)}}));
+    }
+    // Silent corruption flips a few bits; when most deviations of a parameter
+    // have no single-bit explanation the tensor was rewritten, and the odd
+    // element whose flipped twin lands near its prediction is a coincidence.
+    const bool bulk_change = unexplained.size() >= 4 && unexplained.size() > flips.size();
+    if (!bulk_change) {
+      if (flips.size() > kMaxFlipsPerParam) flips.resize(kMaxFlipsPerParam);
+      findings.insert(findings.end(), flips.begin(), flips.end());
+    }
+    const size_t deviating = unexplained.size() + (bulk_change ? flips.size() : 0);
+    if (!unexplained.empty()) {
+      findings.push_back(make_finding(
+          TriageLayer::kSystem, "SYSTEM_UPDATE_MISMATCH", Severity::kWarning,
+          name + ": " + std::to_string(deviating) + " element(s) of " + next.label() +
+              " differ from AdamW applied to step " + std::to_string(in.current->step) +
+              " by more than rounding, and no single flipped bit explains them",
+          {{"step", in.next->step}, {"param", name}, {"length", deviating},
+           {"index", unravel(unexplained.front(), actual_info.shape)}}));
+    }
+  }
+  return findings;
+}
+
+}  // namespace nanreplay

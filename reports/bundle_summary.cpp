@@ -1,0 +1,134 @@
+// Bundle summary for `nanreplay inspect`. Reads the manifest, each step's
+// state.json and safetensors header (mapped, not loaded) and hashes the shards.
+#include "reports/bundle_summary.h"
+
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+#include "loaders/error.h"
+#include "loaders/safetensors.h"
+#include "reports/terminal_text.h"
+
+namespace nanreplay {
+
+namespace {
+
+int64_t parameter_count(const StepFiles& files) {
+  const SafetensorsFile model = SafetensorsFile::open(files.model.string(), files.label("model.safetensors"));
+  int64_t count = 0;
+  for (const TensorInfo& tensor : model.tensors()) count += tensor.numel();
+  return count;
+}
+
+nlohmann::json optional_number(const std::optional<double>& value) {
+  return value ? json_number(*value) : nlohmann::json(nullptr);
+}
+
+}  // namespace
+
+nlohmann::json summarize_bundle(const Bundle& bundle) {
+  const Manifest& m = bundle.manifest();
+  nlohmann::json steps = nlohmann::json::array();
+  int64_t parameters = -1;
+  for (const StepFiles& files : bundle.steps()) {
+    const StepState state = bundle.load_state(files);
+    const int64_t count = parameter_count(files);
+    if (parameters < 0) parameters = count;
+    steps.push_back({{"step", files.step},
+                     {"dir", printable(files.dir_label)},
+                     {"optimizer_state", bundle.has_optimizer(files)},
+                     {"logged_loss", optional_number(state.logged.loss)},
+                     {"logged_grad_norm", optional_number(state.logged.grad_norm)},
+                     {"lr", optional_number(state.lr)},
+                     {"parameters", count}});
+  }
+  std::map<std::string, ChecksumMismatch> mismatches;
+  for (const ChecksumMismatch& bad : bundle.tokens().verify_checksums()) mismatches[bad.shard] = bad;
+  nlohmann::json shards = nlohmann::json::array();
+  for (size_t i = 0; i < bundle.tokens().num_shards(); ++i) {
+    const ShardSpec& spec = bundle.tokens().spec(i);
+    const int64_t width = spec.dtype == TokenDtype::kUint16 ? 2 : 4;
+    const std::string checksum = !spec.sha256 ? "not declared" : mismatches.count(spec.path) ? "mismatch" : "ok";
+    shards.push_back({{"path", printable(spec.path)},
+                      {"dtype", spec.dtype == TokenDtype::kUint16 ? "uint16" : "uint32"},
+                      {"tokens", spec.tokens},
+                      {"bytes", spec.tokens * width},
+                      {"checksum", checksum}});
+  }
+  const SamplerSpec& sampler = m.data.sampler;
+  nlohmann::json incident = nullptr;
+  if (m.incident) {
+    incident = {{"step", m.incident->step ? nlohmann::json(*m.incident->step) : nlohmann::json(nullptr)},
+                {"symptom", printable(m.incident->symptom)}};
+  }
+  return {{"bundle", bundle.root().string()},
+          {"valid", mismatches.empty()},
+          {"model",
+           {{"arch", arch_name(m.model.arch)},
+            {"vocab_size", m.model.vocab_size},
+            {"hidden_size", m.model.hidden_size},
+            {"num_layers", m.model.num_layers},
+            {"num_heads", m.model.num_heads},
+            {"num_kv_heads", m.model.num_kv_heads},
+            {"intermediate_size", m.model.intermediate_size},
+            {"max_seq_len", m.model.max_seq_len},
+            {"parameters", parameters}}},
+          {"precision", compute_name(m.precision.compute)},
+          {"steps", steps},
+          {"data",
+           {{"seq_len", m.data.seq_len},
+            {"micro_batch_size", m.data.micro_batch_size},
+            {"grad_accum_steps", m.data.grad_accum_steps},
+            {"world_size", m.data.world_size},
+            {"total_tokens", bundle.tokens().total_tokens()},
+            {"samples", bundle.num_samples()},
+            {"shards", shards}}},
+          {"sampler",
+           {{"kind", sampler.kind == SamplerSpec::Kind::kRandperm ? "randperm" : "explicit"},
+            {"seed", sampler.seed},
+            {"epoch", sampler.epoch},
+            {"epoch_start_step", sampler.epoch_start_step}}},
+          {"incident", incident}};
+}
+
+std::string render_bundle_summary(const nlohmann::json& s) {
+  std::ostringstream out;
+  const auto& model = s["model"];
+  out << "bundle     " << s["bundle"].get<std::string>() << (s["valid"].get<bool>() ? "  (valid)" : "  (INVALID)") << "\n"
+      << "model      " << model["arch"].get<std::string>() << ", " << model["num_layers"] << " layers, hidden "
+      << model["hidden_size"] << ", " << model["num_heads"] << " heads (" << model["num_kv_heads"] << " kv), ffn "
+      << model["intermediate_size"] << ", vocab " << model["vocab_size"] << ", " << model["parameters"]
+      << " parameters\n"
+      << "precision  " << s["precision"].get<std::string>() << "\n";
+  const auto& data = s["data"];
+  out << "data       seq_len " << data["seq_len"] << ", micro-batch " << data["micro_batch_size"] << " x "
+      << data["grad_accum_steps"] << " accumulation x " << data["world_size"] << " ranks, " << data["total_tokens"]
+      << " tokens, " << data["samples"] << " samples\n";
+  for (const auto& shard : data["shards"]) {
+    out << "  shard    " << shard["path"].get<std::string>() << "  " << shard["dtype"].get<std::string>() << "  "
+        << shard["tokens"] << " tokens  " << shard["bytes"] << " bytes  sha256 " << shard["checksum"].get<std::string>()
+        << "\n";
+  }
+  const auto& sampler = s["sampler"];
+  out << "sampler    " << sampler["kind"].get<std::string>() << ", seed " << sampler["seed"] << ", epoch "
+      << sampler["epoch"] << " (from step " << sampler["epoch_start_step"] << ")\n";
+  if (!s["incident"].is_null()) {
+    out << "incident   step " << (s["incident"]["step"].is_null() ? "?" : s["incident"]["step"].dump()) << ": "
+        << s["incident"]["symptom"].get<std::string>() << "\n";
+  }
+  out << "steps      " << s["steps"].size() << "\n  step      optimizer  logged loss   lr\n";
+  for (const auto& step : s["steps"]) {
+    char line[160];
+    const auto number = [](const nlohmann::json& v) {
+      return v.is_null() ? std::string("-") : v.is_string() ? v.get<std::string>() : format_number(v.get<double>());
+    };
+    std::snprintf(line, sizeof(line), "  %-9lld %-10s %-13s %s\n", static_cast<long long>(step["step"].get<int64_t>()),
+                  step["optimizer_state"].get<bool>() ? "yes" : "no", number(step["logged_loss"]).c_str(),
+                  number(step["lr"]).c_str());
+    out << line;
+  }
+  return out.str();
+}
+
+}  // namespace nanreplay

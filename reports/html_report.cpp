@@ -1,0 +1,451 @@
+// HTML rendering of a ReplayReport (report.html). Pure: returns the page.
+// Heatmap cells aggregate the whole-tensor probes (head == -1) of one step and
+// phase by max over micro-batches and ranks; colours are computed here and
+// written as inline styles, so the page needs no script to draw.
+#include "reports/html_report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "loaders/error.h"
+#include "reports/terminal_text.h"
+
+namespace nanreplay {
+
+namespace {
+
+constexpr size_t kPropagationShown = 10;
+constexpr int64_t kTokenWindowRadius = 12;
+
+std::string escape_html(const std::string& text) {
+  std::string out;
+  for (char c : printable(text)) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&#39;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+// Multi-line text for a title attribute: each line escaped, joined by &#10;.
+std::string escape_lines(const std::string& text) {
+  std::string out, line;
+  std::istringstream in(text);
+  while (std::getline(in, line)) out += (out.empty() ? "" : "&#10;") + escape_html(line);
+  return out;
+}
+
+std::string or_dash(int64_t value) { return value >= 0 ? std::to_string(value) : "-"; }
+
+std::string fixed(double value, int digits) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%.*f", digits, value);
+  return buffer;
+}
+
+const char* kStyle = R"css(
+body{font:14px/1.45 -apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:0;background:#f5f6f8;color:#1d2330}
+main{max-width:1320px;margin:0 auto;padding:20px 24px 48px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 10px;border-bottom:1px solid #d8dce3;padding-bottom:4px}
+h3{font-size:14px;margin:14px 0 6px}
+code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
+.verdict{border-radius:8px;padding:16px 20px;color:#fff}
+.verdict.bad{background:linear-gradient(90deg,#b3261e,#d9480f)}.verdict.ok{background:linear-gradient(90deg,#2b8a3e,#37b24d)}
+.verdict .site{font-size:20px;font-weight:600}.verdict .coords{margin-top:6px;opacity:.95}
+.verdict .coords span{display:inline-block;background:rgba(255,255,255,.18);border-radius:4px;padding:1px 7px;margin:2px 4px 2px 0}
+.meta{color:#5c6373;margin:6px 0 0}
+.cause{background:#fff;border-left:4px solid #d9480f;padding:10px 14px;margin-top:12px;border-radius:4px}
+.triage{display:grid;grid-template-columns:repeat(3,1fr);gap:14px}
+.layer{background:#fff;border-radius:8px;padding:10px 14px;border-top:4px solid #adb5bd}
+.layer.error{border-top-color:#c92a2a}.layer.warning{border-top-color:#f08c00}.layer.clean{border-top-color:#2f9e44}
+.finding{margin:8px 0;padding-top:6px;border-top:1px solid #eef0f3}
+.sev{display:inline-block;font-size:11px;font-weight:700;text-transform:uppercase;border-radius:3px;padding:0 6px;color:#fff;margin-right:6px}
+.sev.error{background:#c92a2a}.sev.warning{background:#f08c00}.sev.info{background:#1c7ed6}
+.evidence{color:#5c6373;font-size:12px;margin-top:3px;word-break:break-all}
+table.grid{border-collapse:collapse;background:#fff}
+table.grid th,table.grid td{border:1px solid #e3e6eb;padding:4px 8px;text-align:right}
+table.grid th{background:#eef0f4;font-weight:600}table.grid td.l,table.grid th.l{text-align:left}
+tr.first td{background:#fff0ec;font-weight:600}
+details.step{background:#fff;border-radius:8px;padding:8px 12px;margin:8px 0}
+details.step summary{cursor:pointer;font-weight:600}
+.maps{display:flex;gap:22px;flex-wrap:wrap;margin-top:8px}
+.heat{border-collapse:collapse;font-size:11px}
+.heat th{font-weight:500;color:#5c6373;padding:2px 4px;white-space:nowrap}
+.heat th.col{height:110px;vertical-align:bottom;padding:0}
+.heat th.col div{transform:rotate(-60deg);transform-origin:left bottom;width:18px;margin-left:12px;white-space:nowrap}
+.heat td{width:30px;height:24px;text-align:center;border:1px solid #fff;font-size:10px;color:#fff}
+.heat td.empty{background:#f1f3f5}
+.heat td.nonfinite{background:#e03131;font-weight:700}
+.heat td.origin{outline:3px solid #000;outline-offset:-2px;position:relative}
+.legend{display:flex;align-items:center;gap:8px;font-size:12px;color:#5c6373;margin:6px 0}
+.legend .bar{width:220px;height:12px;border-radius:2px}
+.legend .nf{display:inline-block;width:14px;height:12px;background:#e03131}
+.path{display:flex;flex-wrap:wrap;align-items:center;gap:4px}
+.chip{background:#fff;border:1px solid #d8dce3;border-radius:14px;padding:3px 10px;font-size:12px}
+.chip.origin{background:#b3261e;color:#fff;border-color:#b3261e}
+.arrow{color:#868e96}
+.tokens{display:flex;flex-wrap:wrap;gap:4px}
+.tok{background:#fff;border:1px solid #d8dce3;border-radius:4px;padding:2px 6px;text-align:center;min-width:38px}
+.tok small{display:block;color:#868e96;font-size:10px}
+.tok.bad{background:#b3261e;color:#fff;border-color:#b3261e}.tok.bad small{color:#ffd8d2}
+.panel{background:#fff;border-radius:8px;padding:12px 16px}
+.two{display:grid;grid-template-columns:minmax(0,1fr) minmax(0,1fr);gap:16px;align-items:start}
+footer{margin-top:30px;color:#5c6373}
+a{color:#1c63c7}
+)css";
+
+// A viridis-like ramp: t in [0, 1] to "rgb(r,g,b)".
+std::string ramp_colour(double t) {
+  static const double stops[][3] = {{68, 1, 84}, {59, 82, 139}, {33, 145, 140}, {94, 201, 98}, {253, 231, 37}};
+  t = std::clamp(t, 0.0, 1.0) * 4.0;
+  const int i = std::min(3, static_cast<int>(t));
+  const double f = t - i;
+  char buffer[40];
+  std::snprintf(buffer, sizeof(buffer), "rgb(%d,%d,%d)", static_cast<int>(stops[i][0] + f * (stops[i + 1][0] - stops[i][0])),
+                static_cast<int>(stops[i][1] + f * (stops[i + 1][1] - stops[i][1])),
+                static_cast<int>(stops[i][2] + f * (stops[i + 1][2] - stops[i][2])));
+  return buffer;
+}
+
+// "layers.2.attn.scores" -> "attn.scores"; sites outside the layers keep their name.
+std::string site_column(const ProbeRecord& r) {
+  if (r.layer < 0) return r.site;
+  const std::string prefix = "layers." + std::to_string(r.layer) + ".";
+  return r.site.rfind(prefix, 0) == 0 ? r.site.substr(prefix.size()) : r.site;
+}
+
+struct HeatCell {
+  double max_abs = 0.0;
+  int64_t nan_count = 0;
+  int64_t inf_count = 0;
+  double headroom_bits = std::numeric_limits<double>::infinity();
+  std::string site;
+  bool present = false;
+};
+
+struct Heatmap {
+  std::vector<std::string> columns;            // in execution order
+  std::vector<int> rows;                       // layers ascending, -1 (outside the layers) first
+  std::map<std::pair<int, std::string>, HeatCell> cells;
+};
+
+Heatmap build_heatmap(const ReplayReport& report, int64_t step, Phase phase) {
+  Heatmap map;
+  std::map<std::string, int> column_order;
+  std::set<int> rows;
+  for (const ProbeRecord& r : report.probes) {
+    if (r.step != step || r.phase != phase || r.head != -1) continue;
+    const std::string column = site_column(r);
+    auto [it, inserted] = column_order.emplace(column, r.order);
+    if (!inserted) it->second = std::min(it->second, r.order);
+    rows.insert(r.layer);
+    HeatCell& cell = map.cells[{r.layer, column}];
+    cell.present = true;
+    cell.site = r.site;
+    cell.max_abs = std::max(cell.max_abs, r.stats.max_abs);
+    cell.nan_count += r.stats.nan_count;
+    cell.inf_count += r.stats.inf_count;
+    cell.headroom_bits = std::min(cell.headroom_bits, r.headroom_bits);
+  }
+  std::vector<std::pair<int, std::string>> ordered;
+  for (const auto& [column, order] : column_order) ordered.push_back({order, column});
+  std::sort(ordered.begin(), ordered.end());
+  for (const auto& entry : ordered) map.columns.push_back(entry.second);
+  map.rows.assign(rows.begin(), rows.end());
+  return map;
+}
+
+struct Scale {
+  double low = 0.0;
+  double high = 1.0;
+};
+
+// log10 max|x| range over the finite, nonzero whole-tensor probes of one phase.
+Scale phase_scale(const ReplayReport& report, Phase phase) {
+  double low = std::numeric_limits<double>::infinity();
+  double high = -low;
+  for (const ProbeRecord& r : report.probes) {
+    if (r.phase != phase || r.head != -1 || !(r.stats.max_abs > 0) || !std::isfinite(r.stats.max_abs)) continue;
+    low = std::min(low, std::log10(r.stats.max_abs));
+    high = std::max(high, std::log10(r.stats.max_abs));
+  }
+  if (!std::isfinite(low)) return {};
+  if (high - low < 1e-9) high = low + 1.0;
+  return {low, high};
+}
+
+std::string render_heatmap(const ReplayReport& report, int64_t step, Phase phase, const Scale& scale) {
+  const Heatmap map = build_heatmap(report, step, phase);
+  if (map.columns.empty()) return "";
+  const FirstNonfinite* origin =
+      report.first_nonfinite && report.first_nonfinite->step == step && report.first_nonfinite->phase == phase
+          ? &*report.first_nonfinite
+          : nullptr;
+  std::ostringstream out;
+  out << "<div><h3>" << phase_name(phase) << "</h3><table class=\"heat\"><tr><th></th>";
+  for (const std::string& column : map.columns) {
+    out << "<th class=\"col\"><div>" << escape_html(column) << "</div></th>";
+  }
+  out << "</tr>";
+  for (int layer : map.rows) {
+    out << "<tr><th>" << (layer >= 0 ? "layer " + std::to_string(layer) : std::string("model")) << "</th>";
+    for (const std::string& column : map.columns) {
+      const auto found = map.cells.find({layer, column});
+      if (found == map.cells.end()) {
+        out << "<td class=\"empty\"></td>";
+        continue;
+      }
+      const HeatCell& cell = found->second;
+      const bool nonfinite = cell.nan_count > 0 || cell.inf_count > 0;
+      const bool is_origin = origin != nullptr && origin->site == cell.site;
+      std::string tip = cell.site + "\nmax|x| " + format_number(cell.max_abs) + "\nnan " +
+                        std::to_string(cell.nan_count) + "  inf " + std::to_string(cell.inf_count) +
+                        "\nheadroom " + format_number(cell.headroom_bits) + " bits";
+      if (is_origin) tip += "\nFIRST NON-FINITE";
+      out << "<td title=\"" << escape_lines(tip) << "\"";
+      if (nonfinite) {
+        out << " class=\"nonfinite" << (is_origin ? " origin" : "") << "\">"
+            << (is_origin ? "&#9733;" : cell.nan_count > 0 ? "N" : "I");
+      } else {
+        const double t = cell.max_abs > 0 ? (std::log10(cell.max_abs) - scale.low) / (scale.high - scale.low) : 0.0;
+        out << (is_origin ? " class=\"origin\"" : "") << " style=\"background:" << ramp_colour(t) << "\">";
+      }
+      out << "</td>";
+    }
+    out << "</tr>";
+  }
+  out << "</table></div>";
+  return out.str();
+}
+
+std::string render_legend(const Scale& forward, const Scale& backward) {
+  std::ostringstream out;
+  out << "<div class=\"legend\">log10 max|x|&nbsp;<div class=\"bar\" style=\"background:linear-gradient(90deg";
+  for (int i = 0; i <= 4; ++i) out << "," << ramp_colour(i / 4.0);
+  out << ")\"></div> forward " << fixed(forward.low, 1) << " to " << fixed(forward.high, 1) << ", backward "
+      << fixed(backward.low, 1) << " to " << fixed(backward.high, 1)
+      << " &nbsp; <span class=\"nf\"></span> non-finite (N nan, I inf) &nbsp; &#9733; first non-finite</div>";
+  return out.str();
+}
+
+std::string render_verdict(const ReplayReport& report) {
+  std::ostringstream out;
+  if (report.first_nonfinite) {
+    const FirstNonfinite& f = *report.first_nonfinite;
+    out << "<section class=\"verdict bad\" id=\"verdict\"><div>REPRODUCED: first non-finite value</div>"
+        << "<div class=\"site mono\">" << escape_html(f.site) << "</div><div class=\"coords\">"
+        << "<span>step " << f.step << "</span><span>" << phase_name(f.phase) << "</span><span>"
+        << nonfinite_kind_name(f.kind) << "</span><span>layer " << or_dash(f.layer) << "</span><span>head "
+        << or_dash(f.head) << "</span><span>rank " << or_dash(f.rank) << "</span><span>micro-batch "
+        << or_dash(f.micro_batch) << "</span><span>sample " << or_dash(f.sample) << "</span><span>position "
+        << or_dash(f.position) << "</span></div>";
+    if (!f.contaminated_params.empty()) {
+      out << "<div class=\"coords\">the checkpoint already held non-finite parameters: this site propagated them</div>";
+    }
+    out << "</section>";
+  } else {
+    out << "<section class=\"verdict ok\" id=\"verdict\"><div class=\"site\">NOT REPRODUCED</div>"
+        << "<div class=\"coords\">every replayed value is finite</div></section>";
+  }
+  if (report.root_cause) {
+    out << "<div class=\"cause\"><b>Most likely root cause</b> (" << triage_layer_name(report.root_cause->layer)
+        << ", <code>" << escape_html(report.root_cause->code) << "</code>): "
+        << escape_html(report.root_cause->summary) << "</div>";
+  }
+  return out.str();
+}
+
+std::string render_triage(const ReplayReport& report) {
+  std::ostringstream out;
+  out << "<h2>Triage: data, numeric, system</h2><div class=\"triage\">";
+  for (TriageLayer layer : {TriageLayer::kData, TriageLayer::kNumeric, TriageLayer::kSystem}) {
+    std::ostringstream body;
+    std::string worst = "clean";
+    for (const Finding& f : report.findings) {
+      if (f.layer != layer) continue;
+      if (f.severity == Severity::kError) worst = "error";
+      if (f.severity == Severity::kWarning && worst != "error") worst = "warning";
+      if (f.severity == Severity::kInfo && worst == "clean") worst = "info";
+      body << "<div class=\"finding\"><span class=\"sev " << severity_name(f.severity) << "\">"
+           << severity_name(f.severity) << "</span><code>" << escape_html(f.code) << "</code><div>"
+           << escape_html(f.message) << "</div>";
+      if (f.evidence.is_object() && !f.evidence.empty()) {
+        body << "<div class=\"evidence mono\">";
+        bool first = true;
+        for (const auto& [key, value] : f.evidence.items()) {
+          body << (first ? "" : " &middot; ") << escape_html(key) << "="
+               << escape_html(value.is_string() ? value.get<std::string>() : value.dump());
+          first = false;
+        }
+        body << "</div>";
+      }
+      body << "</div>";
+    }
+    out << "<div class=\"layer " << worst << "\"><b>" << triage_layer_name(layer) << "</b> &mdash; "
+        << (worst == "clean" ? "nothing found" : "findings") << body.str() << "</div>";
+  }
+  out << "</div>";
+  if (report.determinism.checked) {
+    out << "<p class=\"meta\">Determinism: step " << report.determinism.step << " replayed twice, "
+        << (report.determinism.identical ? "bitwise identical"
+                                         : "DIFFERENT at <code>" + escape_html(report.determinism.first_difference) + "</code>")
+        << " (" << report.determinism.probes_compared << " probes compared).</p>";
+  }
+  return out.str();
+}
+
+std::string render_heatmaps(const ReplayReport& report) {
+  if (report.probes.empty()) return "";
+  const Scale forward = phase_scale(report, Phase::kForward);
+  const Scale backward = phase_scale(report, Phase::kBackward);
+  std::ostringstream out;
+  out << "<h2>log10 max|x| by layer and site</h2>" << render_legend(forward, backward);
+  for (const StepOutcome& s : report.steps) {
+    if (!s.replayed) continue;
+    const bool origin_step = report.first_nonfinite && report.first_nonfinite->step == s.step;
+    const bool open = origin_step || (!report.first_nonfinite && &s == &report.steps.back());
+    out << "<details class=\"step\"" << (open ? " open" : "") << "><summary>step " << s.step << " &mdash; loss "
+        << escape_html(format_number(s.loss)) << (s.finite ? "" : ", non-finite")
+        << (origin_step ? " &mdash; first non-finite here" : "") << "</summary><div class=\"maps\">"
+        << render_heatmap(report, s.step, Phase::kForward, forward)
+        << render_heatmap(report, s.step, Phase::kBackward, backward) << "</div></details>";
+  }
+  return out.str();
+}
+
+std::string render_propagation(const ReplayReport& report) {
+  if (!report.first_nonfinite) return "";
+  std::ostringstream out;
+  out << "<h2>Propagation path</h2><div class=\"path\"><span class=\"chip origin mono\">"
+      << escape_html(report.first_nonfinite->site) << "</span>";
+  for (size_t i = 0; i < std::min(report.propagation.size(), kPropagationShown); ++i) {
+    const PropagationEntry& p = report.propagation[i];
+    out << "<span class=\"arrow\">&rarr;</span><span class=\"chip mono\" title=\"" << phase_name(p.phase) << ": "
+        << p.nan_count << " nan, " << p.inf_count << " inf\">" << escape_html(p.site)
+        << (p.head >= 0 ? " h" + std::to_string(p.head) : "") << (p.phase == Phase::kForward ? "" : " (" + std::string(phase_name(p.phase)) + ")")
+        << "</span>";
+  }
+  if (report.propagation.size() > kPropagationShown) {
+    out << "<span class=\"arrow\">&rarr; &hellip; " << report.propagation.size() << " sites in all</span>";
+  }
+  out << "</div>";
+  return out.str();
+}
+
+// Replayed and logged loss per step as an inline SVG; non-finite points sit on the top edge in red.
+std::string render_loss_chart(const ReplayReport& report) {
+  const double width = 560, height = 210, left = 56, right = 20, top = 34, bottom = 30;
+  double low = std::numeric_limits<double>::infinity(), high = -low;
+  for (const StepOutcome& s : report.steps) {
+    for (double v : {s.replayed ? s.loss : std::nan(""), s.logged_loss ? *s.logged_loss : std::nan("")}) {
+      if (std::isfinite(v)) low = std::min(low, v), high = std::max(high, v);
+    }
+  }
+  if (!std::isfinite(low)) low = 0, high = 1;
+  if (high - low < 1e-9) low -= 0.5, high += 0.5;
+  const size_t n = report.steps.size();
+  auto x_of = [&](size_t i) { return left + (n <= 1 ? 0.5 : static_cast<double>(i) / static_cast<double>(n - 1)) * (width - left - right); };
+  auto y_of = [&](double v) { return top + (1.0 - (v - low) / (high - low)) * (height - top - bottom); };
+  std::ostringstream out;
+  out << "<svg width=\"" << width << "\" height=\"" << height << "\" viewBox=\"0 0 " << width << " " << height
+      << "\" role=\"img\" aria-label=\"loss per step\" style=\"background:#fff\">"
+      << "<line x1=\"" << left << "\" y1=\"" << height - bottom << "\" x2=\"" << width - right << "\" y2=\""
+      << height - bottom << "\" stroke=\"#adb5bd\"/><text x=\"4\" y=\"" << y_of(high) + 4 << "\" font-size=\"11\" fill=\"#5c6373\">"
+      << escape_html(format_number(high)) << "</text><text x=\"4\" y=\"" << y_of(low) + 4
+      << "\" font-size=\"11\" fill=\"#5c6373\">" << escape_html(format_number(low)) << "</text>";
+  const struct { bool logged; const char* colour; const char* dash; } series[] = {{false, "#1c7ed6", ""}, {true, "#f08c00", "5,4"}};
+  for (const auto& line : series) {
+    std::string points;
+    for (size_t i = 0; i < n; ++i) {
+      const StepOutcome& s = report.steps[i];
+      const double v = line.logged ? (s.logged_loss ? *s.logged_loss : std::nan("")) : (s.replayed ? s.loss : std::nan(""));
+      if (line.logged ? !s.logged_loss : !s.replayed) continue;
+      if (std::isfinite(v)) {
+        points += fixed(x_of(i), 1) + "," + fixed(y_of(v), 1) + " ";
+        out << "<circle cx=\"" << fixed(x_of(i), 1) << "\" cy=\"" << fixed(y_of(v), 1) << "\" r=\"3\" fill=\"" << line.colour << "\"/>";
+      } else {
+        out << "<text x=\"" << fixed(x_of(i) - 4, 1) << "\" y=\"" << top - 4 + (line.logged ? 12 : 0) << "\" font-size=\"13\" "
+            << "font-weight=\"700\" fill=\"#e03131\">&#215;</text>";
+      }
+    }
+    out << "<polyline fill=\"none\" stroke=\"" << line.colour << "\" stroke-width=\"" << (line.logged ? 1.5 : 3) << "\" stroke-dasharray=\"" << line.dash
+        << "\" points=\"" << points << "\"/>";
+  }
+  for (size_t i = 0; i < n; ++i) {
+    out << "<text x=\"" << fixed(x_of(i), 1) << "\" y=\"" << height - 10 << "\" font-size=\"11\" text-anchor=\"middle\" "
+        << "fill=\"#5c6373\">" << report.steps[i].step << "</text>";
+  }
+  out << "<text x=\"" << left << "\" y=\"12\" font-size=\"11\" fill=\"#1c7ed6\">&#9632; replayed</text>"
+      << "<text x=\"" << left + 70 << "\" y=\"12\" font-size=\"11\" fill=\"#f08c00\">&#9632; logged (dashed)</text>"
+      << "<text x=\"" << left + 180 << "\" y=\"12\" font-size=\"11\" fill=\"#e03131\">&#215; non-finite (top edge)</text></svg>";
+  return out.str();
+}
+
+std::string render_steps(const ReplayReport& report) {
+  std::ostringstream out;
+  out << "<h2>Replayed against logged loss</h2><div class=\"two\"><div class=\"panel\">" << render_loss_chart(report)
+      << "</div><table class=\"grid\"><tr><th>step</th><th>replayed loss</th><th>logged loss</th><th>grad norm</th>"
+      << "<th class=\"l\">finite</th></tr>";
+  for (const StepOutcome& s : report.steps) {
+    const bool first = report.first_nonfinite && report.first_nonfinite->step == s.step;
+    const std::string finite = !s.replayed ? "not replayed: " + s.not_replayed_reason : s.finite ? "yes" : "NO";
+    out << "<tr" << (first ? " class=\"first\"" : "") << "><td>" << s.step << "</td><td>"
+        << (s.replayed ? escape_html(format_number(s.loss)) : "-") << "</td><td>"
+        << (s.logged_loss ? escape_html(format_number(*s.logged_loss)) : "-") << "</td><td>"
+        << (s.replayed ? escape_html(format_number(s.grad_norm)) : "-") << "</td><td class=\"l\">" << escape_html(finite)
+        << (first ? " &larr; first non-finite" : "") << "</td></tr>";
+  }
+  out << "</table></div>";
+  return out.str();
+}
+
+std::string render_token_window(const ReplayReport& report) {
+  if (!report.first_nonfinite || report.offending_tokens.empty()) return "";
+  const FirstNonfinite& f = *report.first_nonfinite;
+  const int64_t count = static_cast<int64_t>(report.offending_tokens.size());
+  const int64_t centre = std::clamp<int64_t>(f.position, 0, count - 1);
+  const int64_t from = std::max<int64_t>(0, centre - kTokenWindowRadius);
+  const int64_t to = std::min<int64_t>(count, centre + kTokenWindowRadius + 1);
+  std::ostringstream out;
+  out << "<h2>Tokens around the first bad position</h2><p class=\"meta\">sample " << f.sample << " (global tokens from "
+      << report.offending_tokens_start << "), positions " << from << "&ndash;" << to - 1 << " of " << count
+      << "; the highlighted token is at position " << f.position << ".</p><div class=\"tokens mono\">";
+  for (int64_t p = from; p < to; ++p) {
+    out << "<div class=\"tok" << (p == f.position ? " bad" : "") << "\"><small>" << p << "</small>"
+        << report.offending_tokens[static_cast<size_t>(p)] << "</div>";
+  }
+  out << "</div>";
+  return out.str();
+}
+
+}  // namespace
+
+std::string render_html(const ReplayReport& report) {
+  std::ostringstream out;
+  out << "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+      << "<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\"><title>nanreplay report</title><style>"
+      << kStyle << "</style></head><body><main><h1>nanreplay report</h1><p class=\"meta\">bundle <code>"
+      << escape_html(report.bundle) << "</code> &middot; " << arch_name(report.arch) << " &middot; "
+      << compute_name(report.precision) << " &middot; " << report.steps.size() << " steps";
+  if (report.incident && report.incident->step) out << " &middot; incident at step " << *report.incident->step;
+  if (report.incident && !report.incident->symptom.empty()) out << ": " << escape_html(report.incident->symptom);
+  out << " &middot; nanreplay " << escape_html(report.tool_version) << "</p>" << render_verdict(report)
+      << render_triage(report) << render_heatmaps(report) << render_propagation(report) << render_steps(report)
+      << render_token_window(report)
+      << "<footer>Files: <a href=\"report.json\">report.json</a> &middot; <a href=\"report.md\">report.md</a> &middot; "
+      << "<a href=\"trace.h5\">trace.h5</a> (query it with <code>nanreplay trace trace.h5</code>)</footer></main>"
+      << "<script>document.title = \"nanreplay report ok\";</script></body></html>\n";
+  return out.str();
+}
+
+}  // namespace nanreplay

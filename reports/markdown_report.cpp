@@ -1,0 +1,149 @@
+// Markdown rendering of a ReplayReport (report.md). Pure: returns the text.
+// Tables use only pipe syntax, which GitHub and Jira's markdown import share;
+// every string from the bundle goes through escape_markdown.
+#include "reports/markdown_report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "loaders/error.h"
+#include "reports/terminal_text.h"
+
+namespace nanreplay {
+
+namespace {
+
+constexpr size_t kPropagationShown = 10;
+
+// One line of text safe inside a table cell or a paragraph.
+std::string escape_markdown(const std::string& text) {
+  std::string out;
+  for (char c : printable(text)) {
+    if (std::string("\\`*_[]<>|#").find(c) != std::string::npos) out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+// A code span for identifiers (site names, codes); backticks cannot occur in it.
+std::string code(const std::string& text) {
+  std::string clean = printable(text);
+  std::replace(clean.begin(), clean.end(), '`', '\'');
+  std::replace(clean.begin(), clean.end(), '|', '/');
+  return "`" + clean + "`";
+}
+
+std::string or_dash(int64_t value) { return value >= 0 ? std::to_string(value) : "-"; }
+
+std::string origin_coordinates(const FirstNonfinite& f) {
+  std::ostringstream out;
+  out << "step " << f.step << ", " << phase_name(f.phase) << ", " << code(f.site) << " (" << nonfinite_kind_name(f.kind)
+      << "): layer " << or_dash(f.layer) << ", head " << or_dash(f.head) << ", rank " << or_dash(f.rank)
+      << ", micro-batch " << or_dash(f.micro_batch) << ", sample " << or_dash(f.sample) << ", position "
+      << or_dash(f.position);
+  return out.str();
+}
+
+void write_verdict(std::ostringstream& out, const ReplayReport& report) {
+  if (report.first_nonfinite) {
+    const FirstNonfinite& f = *report.first_nonfinite;
+    out << "# nanreplay: REPRODUCED at step " << f.step << ", " << code(f.site) << "\n\n"
+        << "**Verdict: reproduced.** First non-finite value: " << origin_coordinates(f) << ".\n";
+    if (!f.contaminated_params.empty()) {
+      out << "\nThe checkpoint of step " << f.step << " already held non-finite parameters (";
+      for (size_t i = 0; i < f.contaminated_params.size(); ++i) {
+        out << (i ? ", " : "") << code(f.contaminated_params[i]);
+      }
+      out << "): this site propagated them, it did not produce them.\n";
+    }
+  } else {
+    out << "# nanreplay: NOT REPRODUCED\n\n**Verdict: not reproduced.** Every replayed value is finite.\n";
+  }
+  if (report.root_cause) {
+    out << "\n**Root cause** (" << triage_layer_name(report.root_cause->layer) << ", "
+        << code(report.root_cause->code) << "): " << escape_markdown(report.root_cause->summary) << "\n";
+  }
+  out << "\nBundle " << code(report.bundle) << ": " << arch_name(report.arch) << ", "
+      << compute_name(report.precision) << ", " << report.steps.size() << " steps";
+  if (report.incident) {
+    out << "; incident";
+    if (report.incident->step) out << " at step " << *report.incident->step;
+    if (!report.incident->symptom.empty()) out << ": " << escape_markdown(report.incident->symptom);
+  }
+  out << ".\n";
+}
+
+void write_steps(std::ostringstream& out, const ReplayReport& report) {
+  out << "\n## Steps\n\n| step | replayed loss | logged loss | grad norm | finite |\n|---:|---:|---:|---:|:---|\n";
+  for (const StepOutcome& s : report.steps) {
+    const bool first = report.first_nonfinite && report.first_nonfinite->step == s.step;
+    std::string finite = !s.replayed   ? "not replayed: " + escape_markdown(s.not_replayed_reason)
+                         : s.finite    ? "yes"
+                         : s.scaler_skipped && std::isfinite(s.loss) ? "no (fp16 overflow, scaler skips)"
+                                       : "**NO**";
+    if (first) finite += " (first non-finite)";
+    out << "| " << s.step << " | " << (s.replayed ? format_number(s.loss) : "-") << " | "
+        << (s.logged_loss ? format_number(*s.logged_loss) : "-") << " | "
+        << (s.replayed ? format_number(s.grad_norm) : "-") << " | " << finite << " |\n";
+  }
+}
+
+void write_findings(std::ostringstream& out, const ReplayReport& report) {
+  out << "\n## Findings\n";
+  for (TriageLayer layer : {TriageLayer::kData, TriageLayer::kNumeric, TriageLayer::kSystem}) {
+    out << "\n### " << triage_layer_name(layer) << "\n\n";
+    bool any = false;
+    for (const Finding& f : report.findings) {
+      if (f.layer != layer) continue;
+      if (!any) out << "| severity | code | finding |\n|:---|:---|:---|\n";
+      any = true;
+      out << "| " << severity_name(f.severity) << " | " << code(f.code) << " | " << escape_markdown(f.message)
+          << " |\n";
+    }
+    if (!any) out << "Nothing found.\n";
+  }
+}
+
+void write_propagation(std::ostringstream& out, const ReplayReport& report) {
+  if (report.propagation.empty()) return;
+  out << "\n## Propagation\n\nAfter the origin, in execution order";
+  if (report.propagation.size() > kPropagationShown) {
+    out << " (first " << kPropagationShown << " of " << report.propagation.size() << " sites)";
+  }
+  out << ":\n\n";
+  for (size_t i = 0; i < std::min(report.propagation.size(), kPropagationShown); ++i) {
+    const PropagationEntry& p = report.propagation[i];
+    out << i + 1 << ". " << phase_name(p.phase) << " " << code(p.site);
+    if (p.head >= 0) out << " head " << p.head;
+    out << ": " << p.nan_count << " nan, " << p.inf_count << " inf\n";
+  }
+}
+
+void write_determinism_and_links(std::ostringstream& out, const ReplayReport& report) {
+  out << "\n## Determinism\n\n";
+  if (report.determinism.checked) {
+    out << "Step " << report.determinism.step << " replayed twice: "
+        << (report.determinism.identical ? "bitwise identical"
+                                         : "**different** at " + code(report.determinism.first_difference))
+        << " (" << report.determinism.probes_compared << " probes compared).\n";
+  } else {
+    out << "Not checked (no probes).\n";
+  }
+  out << "\n## Files\n\n[report.json](report.json) · [report.html](report.html) · [trace.h5](trace.h5)\n\n"
+      << "_nanreplay " << escape_markdown(report.tool_version) << "_\n";
+}
+
+}  // namespace
+
+std::string render_markdown(const ReplayReport& report) {
+  std::ostringstream out;
+  write_verdict(out, report);
+  write_steps(out, report);
+  write_findings(out, report);
+  write_propagation(out, report);
+  write_determinism_and_links(out, report);
+  return out.str();
+}
+
+}  // namespace nanreplay

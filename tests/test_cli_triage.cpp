@@ -1,0 +1,235 @@
+// Triage end to end: one synthetic bundle per finding code, each replayed
+// through the CLI, checking the code, its layer and severity, its evidence,
+// the exit status and the root cause the report settles on.
+#include <catch2/catch.hpp>
+
+#include "tests/cli_harness.h"
+
+using nanreplay_test::read_json;
+using nanreplay_test::run_cli;
+using nanreplay_test::ScratchDir;
+
+namespace {
+
+struct Triaged {
+  nlohmann::json planted;
+  nlohmann::json report;
+  int status = -1;
+  std::string verdict;
+};
+
+Triaged triage(const ScratchDir& dir, const std::string& preset) {
+  const auto synth = run_cli({"synth", preset, (dir / "bundle").string()});
+  INFO(synth.err);
+  REQUIRE(synth.status == 0);
+  Triaged t;
+  t.planted = nlohmann::json::parse(synth.out);
+  const auto run = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string()});
+  INFO(run.err);
+  t.status = run.status;
+  t.verdict = run.out;
+  t.report = read_json(dir / "out" / "report.json");
+  return t;
+}
+
+std::vector<nlohmann::json> with_code(const nlohmann::json& report, const std::string& code) {
+  std::vector<nlohmann::json> found;
+  for (const auto& f : report["findings"]) {
+    if (f["code"] == code) found.push_back(f);
+  }
+  return found;
+}
+
+}  // namespace
+
+TEST_CASE("DATA_TOKEN_OUT_OF_RANGE names shard and offset; the step is not replayed", "[cli][triage]") {
+  ScratchDir dir("oor");
+  const Triaged t = triage(dir, "token-out-of-range");
+  const auto found = with_code(t.report, "DATA_TOKEN_OUT_OF_RANGE");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["layer"] == "data");
+  CHECK(found[0]["severity"] == "error");
+  CHECK(found[0]["evidence"]["sample"] == t.planted["first_sample"]);
+  CHECK(found[0]["evidence"]["position"] == 3);
+  const int64_t global = t.planted["first_sample"].get<int64_t>() * 32 + 3;
+  CHECK(found[0]["evidence"]["shard"] == "data/shard_000.bin");
+  CHECK(found[0]["evidence"]["offset"] == global);  // shard 0 holds the first 4096 tokens
+  CHECK(t.report["steps"].back()["replayed"] == false);
+  CHECK(t.status == 1);
+  CHECK(t.report["root_cause"]["code"] == "DATA_TOKEN_OUT_OF_RANGE");
+}
+
+TEST_CASE("DATA_REPEAT_RUN gives the run's position and length", "[cli][triage]") {
+  ScratchDir dir("repeat");
+  const Triaged t = triage(dir, "repeat-run");
+  const auto found = with_code(t.report, "DATA_REPEAT_RUN");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["evidence"]["sample"] == t.planted["first_sample"]);
+  CHECK(found[0]["evidence"]["position"] == 4);
+  CHECK(found[0]["evidence"]["length"] == 16);
+  CHECK(t.status == 1);
+}
+
+TEST_CASE("DATA_LOW_ENTROPY compares against the shard's typical sample", "[cli][triage]") {
+  ScratchDir dir("entropy");
+  const Triaged t = triage(dir, "low-entropy");
+  const auto found = with_code(t.report, "DATA_LOW_ENTROPY");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["evidence"]["sample"] == t.planted["first_sample"]);
+  CHECK(found[0]["evidence"]["after"].get<double>() == Approx(1.0).epsilon(0.01));
+  CHECK(found[0]["evidence"]["expected"].get<double>() > 4.0);
+}
+
+TEST_CASE("DATA_SAMPLER_MISMATCH when recorded samples disagree with randperm", "[cli][triage]") {
+  ScratchDir dir("sampler");
+  const Triaged t = triage(dir, "sampler-mismatch");
+  const auto found = with_code(t.report, "DATA_SAMPLER_MISMATCH");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["evidence"]["sample"] == t.planted["first_sample"]);
+  // The recorded samples are what the run read: the replay agrees with the log.
+  CHECK(with_code(t.report, "SYSTEM_NOT_REPRODUCIBLE").empty());
+}
+
+TEST_CASE("NUMERIC_OVERFLOW names the site and head that reached the fp16 limit", "[cli][triage]") {
+  ScratchDir dir("overflow");
+  const Triaged t = triage(dir, "head-overflow");
+  const auto found = with_code(t.report, "NUMERIC_OVERFLOW");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["evidence"]["site"] == "layers.1.attn.scores");
+  CHECK(found[0]["evidence"]["head"] == 2);
+  CHECK(found[0]["evidence"]["expected"] == 65504.0);
+  CHECK(t.report["root_cause"]["code"] == "NUMERIC_OVERFLOW");
+  // The propagation path starts right after the origin.
+  REQUIRE_FALSE(t.report["propagation"].empty());
+  CHECK(t.report["propagation"][0]["site"] == "layers.1.attn.probs");
+  CHECK(t.verdict.find("most likely root cause") != std::string::npos);
+}
+
+TEST_CASE("NUMERIC_ZERO_NORM for a zero row under norm_eps = 0", "[cli][triage]") {
+  ScratchDir dir("zeronorm");
+  const Triaged t = triage(dir, "zero-embedding");
+  const auto found = with_code(t.report, "NUMERIC_ZERO_NORM");
+  REQUIRE_FALSE(found.empty());
+  CHECK(found[0]["severity"] == "error");
+  CHECK(found[0]["evidence"]["site"] == "layers.0.attn_norm");
+  CHECK(found[0]["evidence"]["sample"] == t.planted["first_sample"]);
+  CHECK(found[0]["evidence"]["position"] == t.planted["zero_position"]);
+  CHECK(t.report["root_cause"]["code"] == "NUMERIC_ZERO_NORM");
+}
+
+TEST_CASE("NUMERIC_FP8_SCALE_JUMP names module, tensor, step and both scales", "[cli][triage]") {
+  ScratchDir dir("fp8");
+  const Triaged t = triage(dir, "fp8-scale-jump");
+  const auto found = with_code(t.report, "NUMERIC_FP8_SCALE_JUMP");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["evidence"]["tensor"] == "input");
+  CHECK(found[0]["evidence"]["step"] == t.planted["fault_step"]);
+  CHECK(found[0]["evidence"]["before"] == 1.0);
+  CHECK(found[0]["evidence"]["after"] == 1000.0);
+  CHECK(found[0]["evidence"]["param"].get<std::string>().rfind("model.layers.0.", 0) == 0);
+}
+
+TEST_CASE("NUMERIC_LOSS_SCALE_OVERFLOW is handled overflow, not a reproduction", "[cli][triage]") {
+  ScratchDir dir("lossscale");
+  const Triaged t = triage(dir, "loss-scale-overflow");
+  REQUIRE_FALSE(with_code(t.report, "NUMERIC_LOSS_SCALE_OVERFLOW").empty());
+  CHECK(with_code(t.report, "NUMERIC_LOSS_SCALE_OVERFLOW")[0]["severity"] == "info");
+  CHECK(t.report["reproduced"] == false);
+  CHECK(t.report["first_nonfinite"].is_null());
+  CHECK(t.status == 0);
+  // The job's skipped flags agree with the replay.
+  CHECK(with_code(t.report, "SYSTEM_NOT_REPRODUCIBLE").empty());
+}
+
+TEST_CASE("SYSTEM_BIT_FLIP finds a flipped weight even when nothing goes non-finite", "[cli][triage]") {
+  ScratchDir dir("silentflip");
+  const Triaged t = triage(dir, "silent-bit-flip");
+  CHECK(t.report["reproduced"] == false);
+  const auto found = with_code(t.report, "SYSTEM_BIT_FLIP");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["evidence"]["param"] == "model.layers.0.mlp.up_proj.weight");
+  CHECK(found[0]["evidence"]["bit"] == 29);
+  CHECK(found[0]["evidence"]["step"] == t.planted["fault_step"]);
+  CHECK(found[0]["evidence"]["index"] == nlohmann::json::array({0, 0}));
+  CHECK(t.status == 1);
+  CHECK(t.report["root_cause"]["code"] == "SYSTEM_BIT_FLIP");
+}
+
+TEST_CASE("a checkpoint already holding NaN is reported before replay and blamed, not the site", "[cli][triage]") {
+  ScratchDir dir("contaminated");
+  const Triaged t = triage(dir, "bit-flip");
+  const auto found = with_code(t.report, "CHECKPOINT_NONFINITE");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["evidence"]["param"] == "model.layers.1.post_attention_layernorm.weight");
+  CHECK(found[0]["evidence"]["step"] == t.planted["fault_step"]);
+  CHECK(found[0]["evidence"]["length"] == 1);
+  CHECK(t.report["first_nonfinite"]["producer"] == false);
+  CHECK(t.report["first_nonfinite"]["checkpoint_nonfinite_params"][0] ==
+        "model.layers.1.post_attention_layernorm.weight");
+  const auto flips = with_code(t.report, "SYSTEM_BIT_FLIP");
+  REQUIRE(flips.size() == 1);
+  CHECK(flips[0]["evidence"]["bit"] == 30);
+  CHECK(flips[0]["evidence"]["index"][0] == t.planted["fault_element"]);
+  CHECK(t.report["root_cause"]["code"] == "SYSTEM_BIT_FLIP");
+}
+
+TEST_CASE("SYSTEM_NOT_REPRODUCIBLE: a logged NaN the replay does not reproduce", "[cli][triage]") {
+  ScratchDir dir("notrepro");
+  const Triaged t = triage(dir, "not-reproducible");
+  const auto found = with_code(t.report, "SYSTEM_NOT_REPRODUCIBLE");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["severity"] == "error");
+  CHECK(found[0]["evidence"]["step"] == t.planted["fault_step"]);
+  CHECK(t.report["reproduced"] == false);
+  CHECK(t.status == 1);
+  CHECK(t.report["root_cause"]["code"] == "SYSTEM_NOT_REPRODUCIBLE");
+}
+
+TEST_CASE("SYSTEM_RANK_MISMATCH names the rank that disagrees", "[cli][triage]") {
+  ScratchDir dir("rank");
+  const Triaged t = triage(dir, "rank-mismatch");
+  const auto found = with_code(t.report, "SYSTEM_RANK_MISMATCH");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["evidence"]["rank"] == 1);
+  CHECK(found[0]["evidence"]["tensor"] == "loss");
+}
+
+TEST_CASE("BUNDLE_CHECKSUM_MISMATCH is a finding, not a crash", "[cli][triage]") {
+  ScratchDir dir("checksum");
+  const Triaged t = triage(dir, "checksum-mismatch");
+  const auto found = with_code(t.report, "BUNDLE_CHECKSUM_MISMATCH");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["layer"] == "system");
+  CHECK(found[0]["evidence"]["shard"] == "data/shard_000.bin");
+  CHECK(t.report["root_cause"]["code"] == "BUNDLE_CHECKSUM_MISMATCH");
+}
+
+TEST_CASE("the determinism self-check replays a step twice and says it matched", "[cli][triage]") {
+  ScratchDir dir("determinism");
+  const Triaged t = triage(dir, "clean-fp16");
+  REQUIRE(t.report["determinism"].is_object());
+  CHECK(t.report["determinism"]["bitwise_identical"] == true);
+  CHECK(t.report["determinism"]["probes_compared"].get<int>() > 100);
+  CHECK(t.verdict.find("bitwise identical") != std::string::npos);
+}
+
+TEST_CASE("scan-data flags poisoned samples over the whole stream and prints GB/s", "[cli][triage][scan]") {
+  ScratchDir dir("scan");
+  REQUIRE(run_cli({"synth", "repeat-run", (dir / "bundle").string()}).status == 0);
+  const auto text = run_cli({"scan-data", (dir / "bundle").string()});
+  CHECK(text.status == 1);
+  CHECK(text.out.find("GB/s") != std::string::npos);
+  const auto json = run_cli({"scan-data", (dir / "bundle").string(), "--json"});
+  REQUIRE(json.status == 1);
+  const auto scan = nlohmann::json::parse(json.out);
+  REQUIRE(scan["repeat_runs"].size() == 1);
+  CHECK(scan["repeat_runs"][0]["length"] == 16);
+  CHECK(scan["repeat_runs"][0]["position"] == 4);
+  CHECK(scan["out_of_range_count"] == 0);
+
+  ScratchDir clean("scan-clean");
+  REQUIRE(run_cli({"synth", "clean-fp32", (clean / "bundle").string()}).status == 0);
+  const auto ok = run_cli({"scan-data", (clean / "bundle").string(), "--json"});
+  CHECK(ok.status == 0);
+  CHECK(nlohmann::json::parse(ok.out)["samples"] == 255);
+}

@@ -1,0 +1,204 @@
+// Tests for replay/memory_estimate.cpp: the estimate grows with every
+// dimension that grows the replay, counts exactly the parameters the
+// checkpoint loader expects, survives absurd manifests, and the size parser
+// and the refusal say what they mean. (The CLI refusal and a comparison with
+// measured peak RSS are in test_cli_bad_bundles.cpp.)
+#include <catch2/catch.hpp>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+
+#include "loaders/error.h"
+#include "loaders/manifest.h"
+#include "probes/sites.h"
+#include "replay/memory_estimate.h"
+
+namespace {
+
+using nanreplay::Arch;
+using nanreplay::Compute;
+using nanreplay::Manifest;
+using nanreplay::estimate_replay_memory;
+
+// The bundle spec's example model and data (llama, 4 layers, hidden 128).
+Manifest example_manifest() {
+  Manifest m;
+  m.model.arch = Arch::kLlama;
+  m.model.vocab_size = 512;
+  m.model.hidden_size = 128;
+  m.model.num_layers = 4;
+  m.model.num_heads = 4;
+  m.model.num_kv_heads = 4;
+  m.model.intermediate_size = 344;
+  m.model.max_seq_len = 128;
+  m.data.seq_len = 64;
+  m.data.micro_batch_size = 4;
+  m.data.grad_accum_steps = 2;
+  m.data.world_size = 1;
+  return m;
+}
+
+double total(const Manifest& m, size_t steps = 6, bool probes = true) {
+  return estimate_replay_memory(m, steps, probes).total();
+}
+
+double parameter_elements(const nanreplay::ModelConfig& model) {
+  double count = 0;
+  for (const nanreplay::ParamSpec& spec : nanreplay::expected_parameters(model)) {
+    double elements = 1;
+    for (int64_t dim : spec.shape) elements *= static_cast<double>(dim);
+    count += elements;
+  }
+  return count;
+}
+
+}  // namespace
+
+TEST_CASE("memory_estimate: grows with every dimension of the replay", "[replay][memory]") {
+  const Manifest base = example_manifest();
+  const double before = total(base);
+  const std::vector<std::pair<std::string, std::function<void(Manifest&)>>> growths = {
+      {"seq_len", [](Manifest& m) { m.data.seq_len *= 2; }},
+      {"micro_batch_size", [](Manifest& m) { m.data.micro_batch_size *= 2; }},
+      {"num_layers", [](Manifest& m) { m.model.num_layers *= 2; }},
+      {"hidden_size", [](Manifest& m) { m.model.hidden_size *= 2; }},
+      {"num_heads", [](Manifest& m) { m.model.num_heads *= 2; m.model.num_kv_heads *= 2; }},
+      {"vocab_size", [](Manifest& m) { m.model.vocab_size *= 2; }},
+      {"intermediate_size", [](Manifest& m) { m.model.intermediate_size *= 2; }},
+      {"untied head", [](Manifest& m) { m.model.tie_embeddings = false; }},
+      {"grad_accum_steps (probe records)", [](Manifest& m) { m.data.grad_accum_steps *= 2; }},
+      {"world_size (probe records)", [](Manifest& m) { m.data.world_size *= 2; }},
+      {"bf16 rounding copies", [](Manifest& m) { m.precision.compute = Compute::kBf16; }},
+      {"fp16 rounding copies", [](Manifest& m) { m.precision.compute = Compute::kFp16; }},
+  };
+  for (const auto& [name, grow] : growths) {
+    Manifest bigger = base;
+    bigger.model.tie_embeddings = true;  // so "untied head" has something to add
+    const double tied = total(bigger);
+    grow(bigger);
+    INFO(name);
+    CHECK(total(bigger) > tied);
+  }
+  CHECK(total(base, 12) > before);          // more steps, more probe records
+  CHECK(total(base, 6, false) < before);    // no probes, no records
+  CHECK(estimate_replay_memory(base, 6, false).probes == 0);
+}
+
+TEST_CASE("memory_estimate: activations grow with the square of seq_len", "[replay][memory]") {
+  Manifest m = example_manifest();
+  m.model.max_seq_len = 8192;
+  m.data.seq_len = 2048;
+  const double at_2k = estimate_replay_memory(m, 1, false).activations;
+  m.data.seq_len = 4096;
+  const double at_4k = estimate_replay_memory(m, 1, false).activations;
+  // Dominated by the B*H*T*T scores: doubling T nearly quadruples them.
+  CHECK(at_4k / at_2k > 3.5);
+  CHECK(at_4k / at_2k <= 4.0);
+}
+
+TEST_CASE("memory_estimate: counts exactly the parameters the checkpoint must hold",
+          "[replay][memory]") {
+  for (const Arch arch : {Arch::kLlama, Arch::kGpt2}) {
+    for (const bool tied : {false, true}) {
+      Manifest m = example_manifest();
+      m.model.arch = arch;
+      m.model.tie_embeddings = tied || arch == Arch::kGpt2;
+      m.model.num_kv_heads = arch == Arch::kLlama ? 2 : 4;
+      if (arch == Arch::kGpt2) m.model.intermediate_size = 4 * m.model.hidden_size;
+      const double elements = parameter_elements(m.model);
+      INFO(nanreplay::arch_name(arch) << (tied ? " tied" : " untied"));
+      // fp32: masters + mapping (2 x 4 bytes); gradients 3 x 4 bytes.
+      CHECK(estimate_replay_memory(m, 1, false).parameters == Approx(elements * 8));
+      CHECK(estimate_replay_memory(m, 1, false).gradients == Approx(elements * 12));
+    }
+  }
+}
+
+TEST_CASE("memory_estimate: absurd manifests give a refusable number, not a crash",
+          "[replay][memory]") {
+  Manifest m = example_manifest();
+  m.model.vocab_size = int64_t{1} << 62;
+  m.model.hidden_size = int64_t{1} << 40;
+  m.model.num_heads = 1;
+  m.model.num_kv_heads = 1;
+  m.model.num_layers = int64_t{1} << 31;
+  m.model.max_seq_len = int64_t{1} << 40;
+  m.data.seq_len = int64_t{1} << 40;
+  const double bytes = total(m, 1000000);
+  CHECK(bytes > 1e30);
+  CHECK_THROWS_AS(nanreplay::require_memory_fits(estimate_replay_memory(m, 1, true),
+                                                 {uint64_t{1} << 62, "test"}),
+                  nanreplay::UsageError);
+  CHECK(nanreplay::format_bytes(bytes).find("bytes") != std::string::npos);
+  CHECK(nanreplay::format_bytes(INFINITY) == "more than can be counted");
+}
+
+TEST_CASE("memory_estimate: sizes parse as powers of 1024", "[replay][memory]") {
+  using nanreplay::parse_memory_size;
+  CHECK(parse_memory_size("4096") == 4096);
+  CHECK(parse_memory_size("4096B") == 4096);
+  CHECK(parse_memory_size("1k") == 1024);
+  CHECK(parse_memory_size("512M") == uint64_t{512} << 20);
+  CHECK(parse_memory_size("512MB") == uint64_t{512} << 20);
+  CHECK(parse_memory_size("8G") == uint64_t{8} << 30);
+  CHECK(parse_memory_size("8g") == uint64_t{8} << 30);
+  CHECK(parse_memory_size("1.5GiB") == uint64_t{3} << 29);
+  CHECK(parse_memory_size("2 TiB") == uint64_t{2} << 40);
+  for (const char* bad : {"", "G", "-1", "1.2.3", "12X", "0", "0.1", "1e9", "8 GB extra", "."}) {
+    INFO(bad);
+    CHECK_THROWS_AS(parse_memory_size(bad), nanreplay::UsageError);
+  }
+}
+
+TEST_CASE("memory_estimate: bytes print in binary units", "[replay][memory]") {
+  using nanreplay::format_bytes;
+  CHECK(format_bytes(800) == "800 bytes");
+  CHECK(format_bytes(1536) == "1.5 KiB");
+  CHECK(format_bytes(double(uint64_t{512} << 20)) == "512.0 MiB");
+  CHECK(format_bytes(1.5 * double(uint64_t{1} << 30)) == "1.5 GiB");
+}
+
+TEST_CASE("memory_estimate: the default limit is a fraction of this machine's memory",
+          "[replay][memory]") {
+  const nanreplay::MemoryLimit limit = nanreplay::default_memory_limit();
+  const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                          static_cast<double>(sysconf(_SC_PAGESIZE));
+  CHECK(limit.bytes > 0);
+  CHECK(static_cast<double>(limit.bytes) <= 0.8 * physical + 1);
+  CHECK(limit.source.find("80% of") != std::string::npos);
+}
+
+TEST_CASE("memory_estimate: the refusal gives the estimate, the limit and the cause",
+          "[replay][memory]") {
+  Manifest big = example_manifest();  // a 7B-like llama: parameters dominate
+  big.model.vocab_size = 32000;
+  big.model.hidden_size = 4096;
+  big.model.num_heads = 32;
+  big.model.num_kv_heads = 32;
+  big.model.num_layers = 32;
+  big.model.intermediate_size = 11008;
+  const nanreplay::MemoryEstimate estimate = estimate_replay_memory(big, 6, true);
+  CHECK_NOTHROW(nanreplay::require_memory_fits(estimate, {uint64_t{1} << 40, "--max-memory 1T"}));
+  try {
+    nanreplay::require_memory_fits(estimate, {uint64_t{1} << 20, "--max-memory 1M"});
+    FAIL("expected a refusal");
+  } catch (const nanreplay::UsageError& error) {
+    const std::string message = error.what();
+    CHECK(message.find(nanreplay::format_bytes(estimate.total())) != std::string::npos);
+    CHECK(message.find("1.0 MiB (--max-memory 1M)") != std::string::npos);
+    CHECK(message.find("most of it is parameters and gradients") != std::string::npos);
+    CHECK(message.find("model.vocab_size") != std::string::npos);
+    CHECK(message.find('\n') == std::string::npos);
+  }
+  // A tiny model is mostly LibTorch's fixed cost, and the message says so.
+  try {
+    nanreplay::require_memory_fits(estimate_replay_memory(example_manifest(), 1, false),
+                                   {uint64_t{1} << 20, "--max-memory 1M"});
+    FAIL("expected a refusal");
+  } catch (const nanreplay::UsageError& error) {
+    CHECK(std::string(error.what()).find("runtime's fixed cost") != std::string::npos);
+  }
+}
