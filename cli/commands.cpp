@@ -161,9 +161,9 @@ class ProgressLine {
     const double done = static_cast<double>(p.step_index);
     const std::string eta =
         done > 0 ? std::to_string(static_cast<int>(elapsed / done * (p.step_count - done))) + "s" : "?";
-    std::fprintf(stderr, "\r\033[K  replaying step %lld (%zu/%zu), rank %d, micro-batch %d  %.1fs elapsed, ~%s left",
+    std::fprintf(stderr, "\r\033[K  replaying step %lld (%zu/%zu), rank %d, micro-batch %d, %s  %.1fs elapsed, ~%s left",
                  static_cast<long long>(p.step), p.step_index + 1, p.step_count, p.rank, p.micro_batch,
-                 elapsed, eta.c_str());
+                 p.phase.c_str(), elapsed, eta.c_str());
     std::fflush(stderr);
     shown_ = true;
   }
@@ -339,8 +339,7 @@ int demo_main(int argc, char** argv) {
               << "The demo planted an fp16 overflow in layers." << spec.fault.layer << ".attn.scores, head "
               << spec.fault.head << ", at step " << spec.fault.step << ": "
               << (named ? "nanreplay named it." : "nanreplay did NOT name it (a bug).") << "\n"
-              << "report: " << (settings.out / "report.json").string()
-              << "   trace: " << (settings.out / "trace.h5").string() << "\n";
+              << "open " << (settings.out / "report.html").string() << " in a browser; also report.md, report.json and trace.h5 there\n";
   }
   return named ? 0 : static_cast<int>(ExitStatus::kInternal);
 }

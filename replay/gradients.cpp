@@ -53,7 +53,7 @@ StepGradients compute_step_gradients(const Manifest& manifest, const TokenStream
     for (const std::string& name : order) params.at(name).mutable_grad() = torch::Tensor();
     double rank_loss = 0.0;
     for (int micro = 0; micro < accum; ++micro) {
-      if (options.before_pass) options.before_pass(rank, micro);
+      if (options.before_pass) options.before_pass(rank, micro, "forward");
       const int64_t* ids = batch.samples.at(static_cast<size_t>(rank)).data() + micro * rows;
       const torch::Tensor window = gather_tokens(tokens, ids, rows, data.seq_len);
       const torch::Tensor inputs = window.narrow(1, 0, data.seq_len);
@@ -69,6 +69,7 @@ StepGradients compute_step_gradients(const Manifest& manifest, const TokenStream
               {ids[row], rank, micro, forward.sample_loss[row].item<double>()});
         }
       }
+      if (options.before_pass) options.before_pass(rank, micro, "backward");
       // The rank's micro-batch loss / grad_accum_steps, times the loss scale.
       (loss * (options.loss_scale / accum)).backward();
       std::vector<NormCheck> norms = probes.take_norm_checks();

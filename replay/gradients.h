@@ -34,7 +34,8 @@ struct StepComputeOptions {
   bool probes = false;
   double loss_scale = 1.0;  // backward starts from loss * loss_scale
   const std::map<std::string, Fp8ModuleScales>* fp8_scales = nullptr;  // fp8 only
-  std::function<void(int rank, int micro_batch)> before_pass;
+  // Called before each forward and each backward: (rank, micro-batch, "forward" | "backward").
+  std::function<void(int rank, int micro_batch, const char* phase)> before_pass;
 };
 
 StepGradients compute_step_gradients(const Manifest& manifest, const TokenStream& tokens,

@@ -134,7 +134,7 @@ double loss_scale_for(const Manifest& m, const StepState& state) {
 // Every pass of one step with probes, then the parameter-gradient probes.
 StepGradients run_step(const Bundle& bundle, const StepFiles& files, const StepState& state,
                        const StepBatch& batch, ModelCheckpoint& checkpoint, bool probes,
-                       const std::function<void(int, int)>& before_pass) {
+                       const std::function<void(int, int, const char*)>& before_pass) {
   const Manifest& m = bundle.manifest();
   StepComputeOptions compute;
   compute.probes = probes;
@@ -261,9 +261,9 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     report.findings.insert(report.findings.end(), data_findings.begin(), data_findings.end());
 
     ModelCheckpoint checkpoint(files, m.model);
-    StepGradients step = run_step(bundle, files, state, batch, checkpoint, options.probes, [&](int rank, int micro) {
+    StepGradients step = run_step(bundle, files, state, batch, checkpoint, options.probes, [&](int rank, int micro, const char* phase) {
       if (options.should_stop && options.should_stop()) throw ReplayInterrupted{index};
-      if (options.on_progress) options.on_progress({index, todo.size(), files.step, rank, micro, "forward"});
+      if (options.on_progress) options.on_progress({index, todo.size(), files.step, rank, micro, phase});
     });
     outcome.replayed = true;
     outcome.loss = step.loss;

@@ -169,3 +169,24 @@ TEST_CASE("run never writes into the bundle and refuses to overwrite results", "
   }
   CHECK(entries == 4);  // report.json, report.md, report.html, trace.h5
 }
+
+TEST_CASE("progress shows on a terminal and stays off when piped", "[cli][progress]") {
+  ScratchDir dir("progress");
+  REQUIRE(run_cli({"synth", "clean-fp32", (dir / "bundle").string()}).status == 0);
+  const auto piped = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "piped").string()});
+  CHECK(piped.status == 0);
+  CHECK(piped.err.empty());
+  // `script` gives the command a pseudo-terminal, as a person's shell would.
+  const std::string inner = nanreplay_test::shell_quote(NANREPLAY_CLI_PATH) + " run " +
+                            nanreplay_test::shell_quote((dir / "bundle").string()) + " --out " +
+                            nanreplay_test::shell_quote((dir / "tty").string());
+  const std::string cmd = "script -qec " + nanreplay_test::shell_quote(inner) + " /dev/null > " +
+                          nanreplay_test::shell_quote((dir / "tty.txt").string()) + " 2>&1";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  const std::string shown = nanreplay_test::slurp(dir / "tty.txt");
+  CHECK(shown.find("replaying step 100 (1/4)") != std::string::npos);
+  CHECK(shown.find("backward") != std::string::npos);
+  const auto quiet = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "quiet").string(), "--quiet"});
+  CHECK(quiet.out.empty());
+  CHECK(quiet.err.empty());
+}
