@@ -99,9 +99,9 @@ void poison_tokens(std::vector<uint32_t>& tokens, const SyntheticSpec& spec, int
 }
 
 // Rewrites one token of a written shard in place (damage after capture).
-void rewrite_token(const fs::path& root, const Manifest& m, int64_t global, uint32_t value, bool update_sha) {
+void rewrite_token(const fs::path& root, Manifest& m, int64_t global, uint32_t value, bool update_sha) {
   int64_t start = 0;
-  for (ShardSpec& shard : const_cast<Manifest&>(m).data.shards) {
+  for (ShardSpec& shard : m.data.shards) {
     if (global < start + shard.tokens) {
       const size_t width = shard.dtype == TokenDtype::kUint16 ? 2 : 4;
       std::fstream io(root / shard.path, std::ios::in | std::ios::out | std::ios::binary);
