@@ -32,19 +32,22 @@ packages=(
 # Each stage prints its wall and CPU time (children's user + sys, from the
 # `times` builtin), so CI's budget can be watched stage by stage even on a
 # shared runner where wall time alone misleads.
-children_cpu_seconds() {
-  times | tail -n 1 | awk '{ total = 0
+times_file="$(mktemp)"
+trap 'rm -f "$times_file"' EXIT
+read_children_cpu() {  # sets children_cpu; `times` must run in this shell, not in a $(...) subshell
+  times >"$times_file"
+  children_cpu=$(awk 'END { total = 0
     for (i = 1; i <= 2; i++) { split($i, part, "m"); sub("s", "", part[2]); total += part[1] * 60 + part[2] }
-    printf "%d", total }'
+    printf "%d", total }' "$times_file")
 }
+read_children_cpu
 stage_start=$SECONDS
-stage_cpu=$(children_cpu_seconds)
+stage_cpu=$children_cpu
 stage() {
-  local cpu
-  cpu=$(children_cpu_seconds)
-  echo "bootstrap: [$1] took $((SECONDS - stage_start))s wall, $((cpu - stage_cpu))s CPU"
+  read_children_cpu
+  echo "bootstrap: [$1] took $((SECONDS - stage_start))s wall, $((children_cpu - stage_cpu))s CPU"
   stage_start=$SECONDS
-  stage_cpu=$cpu
+  stage_cpu=$children_cpu
 }
 
 missing=()
