@@ -191,13 +191,24 @@ struct RunSettings {
   int threads = 0;
   std::optional<std::set<int64_t>> steps;
   std::optional<MemoryLimit> max_memory;  // unset: default_memory_limit()
+  std::vector<std::string> devices{"cpu"};
+  bool cross_check = false;
+  bool emulate_low_precision = false;
 };
+
+std::vector<std::string> split_devices(const std::string& text) {
+  std::vector<std::string> devices;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) devices.push_back(item);
+  return devices;
+}
 
 // Replays, writes the outputs whole or not at all, prints the verdict.
 ReplayReport replay_and_write(const RunSettings& settings) {
   // First, so a signal from here on stops the run cleanly instead of killing it mid-write.
   install_stop_handlers();
   set_compute_threads(settings.threads);
+  validate_devices(settings.devices, settings.cross_check);
   const Bundle bundle(settings.bundle);
   size_t steps_to_replay = 0;
   for (const StepFiles& files : bundle.steps()) {
@@ -216,6 +227,9 @@ ReplayReport replay_and_write(const RunSettings& settings) {
   options.tool_version = NANREPLAY_VERSION;
   options.on_progress = [&](const ReplayProgress& p) { progress.update(p); };
   options.should_stop = [] { return g_stop_signal.load() != 0; };
+  options.devices = settings.devices;
+  options.cross_check = settings.cross_check;
+  options.native_low_precision = !settings.emulate_low_precision;
   ReplayReport report;
   try {
     report = replay_bundle(bundle, options);
@@ -261,6 +275,10 @@ int run_main(int argc, char** argv) {
       ("steps", "only these steps, e.g. 104,105 or 100-105", cxxopts::value<std::string>()->default_value(""))
       ("no-probes", "loss and gradient norm only (faster, no trace detail)")
       ("threads", "compute threads (0: all cores)", cxxopts::value<int>()->default_value("0"))
+      ("device", "cpu, cuda:N, or two devices (cuda:0,cuda:1) to split the layers across",
+       cxxopts::value<std::string>()->default_value("cpu"))
+      ("cross-check", "with two devices: replay the step of interest on each and compare every probe bit for bit")
+      ("emulate-low-precision", "on a GPU, emulate bf16/fp16 by rounding fp32 as on CPU instead of computing natively")
       ("max-memory", "refuse a replay estimated to need more than SIZE (8G, 512M, 1.5GiB or bytes; "
                      "default: 80% of the available memory)", cxxopts::value<std::string>(), "SIZE")
       ("json", "print report.json to stdout instead of the verdict")
@@ -284,6 +302,9 @@ int run_main(int argc, char** argv) {
   settings.json = args.count("json") > 0;
   settings.threads = args["threads"].as<int>();
   settings.steps = parse_step_list(args["steps"].as<std::string>());
+  settings.devices = split_devices(args["device"].as<std::string>());
+  settings.cross_check = args.count("cross-check") > 0;
+  settings.emulate_low_precision = args.count("emulate-low-precision") > 0;
   if (args.count("max-memory")) {
     const std::string size = args["max-memory"].as<std::string>();
     settings.max_memory = MemoryLimit{parse_memory_size(size), "--max-memory " + size};

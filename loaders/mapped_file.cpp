@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -61,6 +62,19 @@ MappedFile::MappedFile(const std::string& path, const std::string& label) : labe
 }
 
 MappedFile::~MappedFile() { release(); }
+
+void MappedFile::prefault(size_t offset, size_t length) const {
+#ifdef MADV_POPULATE_READ
+  if (offset >= size_) return;
+  length = std::min(length, size_ - offset);
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t first = offset / page * page;
+  (void)::madvise(const_cast<uint8_t*>(data_) + first, length + (offset - first), MADV_POPULATE_READ);
+#else
+  (void)offset;
+  (void)length;
+#endif
+}
 
 MappedFile::MappedFile(MappedFile&& other) noexcept
     : data_(std::exchange(other.data_, nullptr)),

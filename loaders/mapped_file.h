@@ -22,6 +22,10 @@ class MappedFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& label() const { return label_; }
+  // Maps in the pages of [offset, offset + length) in one call (reading them
+  // from disk if needed) instead of one page fault per page: streaming scans
+  // call it per block. Only a hint: errors (an old kernel) are ignored.
+  void prefault(size_t offset, size_t length) const;
 
  private:
   void release();

@@ -1,6 +1,8 @@
-// Per-sample token profiles and the whole-stream scan. The histogram is an
-// open-addressing table reused across samples (generation-stamped, never
-// cleared), so a profile costs O(window) whatever the vocabulary size.
+// Per-sample token profiles and the whole-stream scan. A profile costs
+// O(window) whatever the vocabulary size, and the scan reads each window in
+// place from its shard's mapping (no copy, no widening to int64): on a
+// cached shard the scan must outrun the disk, so the per-token work is one
+// compare for runs and one table increment for the entropy.
 #include "probes/data_checks.h"
 
 #include <omp.h>
@@ -17,30 +19,48 @@ namespace nanreplay {
 
 namespace {
 
-// Token counts of one window at a time. Small vocabularies count into a
-// direct table, large ones into an open-addressing table; both are
-// generation-stamped so nothing is cleared between windows.
+// Token counts of one window at a time, for its entropy. Ids below
+// kDirectLimit count into a direct table that is zeroed again by a second pass
+// over the (L1-resident) window, so nothing is cleared or stamped per id.
+// Larger ids (rare: only uint32 shards with huge vocabularies) are sorted and
+// counted in runs.
 class TokenHistogram {
  public:
-  double entropy(const int64_t* tokens, int64_t count) {
+  template <typename Token>
+  double entropy(const Token* tokens, int64_t count) {
     if (count <= 0) return 0.0;
-    used_.clear();
-    size_t capacity = 4096;
-    while (capacity < static_cast<size_t>(count) * 2) capacity <<= 1;
-    if (keys_.size() < capacity) {  // sized per window: never grows mid-window
-      keys_.assign(capacity, 0);
-      counts_.assign(capacity, 0);
-      stamps_.assign(capacity, 0);
+    grow_table(count);
+    // Pass 1 only counts; pass 2 adds c*log2(c) once per distinct id (at its
+    // first occurrence, zeroing the count behind it) over four accumulators,
+    // so no floating-point add waits on the previous one.
+    large_.clear();
+    for (int64_t i = 0; i < count; ++i) {
+      const uint64_t id = static_cast<uint64_t>(tokens[i]);
+      if (id < kDirectLimit) {
+        if (id >= direct_.size()) direct_.resize(std::max<size_t>(id + 1, 65536), 0);
+        ++direct_[id];
+      } else {
+        large_.push_back(id);
+      }
     }
-    ++generation_;
-    if (generation_ == 0) reset_stamps();
-    for (int64_t i = 0; i < count; ++i) ++*slot_for(static_cast<uint64_t>(tokens[i]));
-    if (c_log_c_.size() <= static_cast<size_t>(count)) {
-      c_log_c_.resize(static_cast<size_t>(count) + 1);
-      for (size_t c = 0; c < c_log_c_.size(); ++c) c_log_c_[c] = c ? static_cast<double>(c) * std::log2(c) : 0.0;
+    double even = 0.0, odd = 0.0;  // c_log_c_[0] == 0 after an id's first occurrence
+    int64_t pair = 0;
+    for (; pair + 1 < count; pair += 2) {
+      even += take_c_log_c(tokens[pair]);
+      odd += take_c_log_c(tokens[pair + 1]);
     }
-    double sum_c_log_c = 0.0;
-    for (uint32_t* counter : used_) sum_c_log_c += c_log_c_[*counter];
+    if (pair < count) even += take_c_log_c(tokens[pair]);
+    double sum_c_log_c = even + odd;
+    if (!large_.empty()) {
+      std::sort(large_.begin(), large_.end());
+      size_t run_start = 0;
+      for (size_t i = 1; i <= large_.size(); ++i) {
+        if (i < large_.size() && large_[i] == large_[run_start]) continue;
+        const double c = static_cast<double>(i - run_start);
+        sum_c_log_c += c * std::log2(c);
+        run_start = i;
+      }
+    }
     const double n = static_cast<double>(count);
     return std::max(0.0, std::log2(n) - sum_c_log_c / n);
   }
@@ -48,59 +68,45 @@ class TokenHistogram {
  private:
   static constexpr uint64_t kDirectLimit = 1u << 20;
 
-  uint32_t* slot_for(uint64_t key) {
-    if (key < kDirectLimit) {
-      if (direct_counts_.size() <= key) {
-        const size_t size = std::max<size_t>(static_cast<size_t>(key) + 1, 65536);
-        direct_counts_.resize(size, 0);
-        direct_stamps_.resize(size, 0);
-      }
-      if (direct_stamps_[key] != generation_) {
-        direct_stamps_[key] = generation_;
-        direct_counts_[key] = 0;
-        used_.push_back(&direct_counts_[key]);
-      }
-      return &direct_counts_[key];
-    }
-    const size_t mask = keys_.size() - 1;
-    size_t slot = static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> 17) & mask;
-    while (stamps_[slot] == generation_ && keys_[slot] != key) slot = (slot + 1) & mask;
-    if (stamps_[slot] != generation_) {
-      stamps_[slot] = generation_;
-      keys_[slot] = key;
-      counts_[slot] = 0;
-      used_.push_back(&counts_[slot]);
-    }
-    return &counts_[slot];
+  // The id's c*log2(c) the first time it is seen in pass 2, then 0.
+  double take_c_log_c(uint64_t id) {
+    if (id >= kDirectLimit) return 0.0;
+    uint32_t& c = direct_[id];
+    const double value = c_log_c_[c];
+    c = 0;
+    return value;
   }
 
-  void reset_stamps() {
-    std::fill(direct_stamps_.begin(), direct_stamps_.end(), 0);
-    std::fill(stamps_.begin(), stamps_.end(), 0);
-    generation_ = 1;
+  // c_log_c_[c] = c * log2(c), for every count a window can reach.
+  void grow_table(int64_t count) {
+    if (c_log_c_.size() > static_cast<size_t>(count)) return;
+    c_log_c_.resize(static_cast<size_t>(count) + 1);
+    for (size_t c = 0; c < c_log_c_.size(); ++c) {
+      c_log_c_[c] = c ? static_cast<double>(c) * std::log2(static_cast<double>(c)) : 0.0;
+    }
   }
 
-  std::vector<uint32_t> direct_counts_, direct_stamps_;
-  std::vector<uint64_t> keys_;
-  std::vector<uint32_t> counts_, stamps_;
-  std::vector<uint32_t*> used_;
+  std::vector<uint32_t> direct_;
   std::vector<double> c_log_c_;
-  uint32_t generation_ = 0;
+  std::vector<uint64_t> large_;
 };
 
-SampleProfile profile_with(TokenHistogram& histogram, const int64_t* tokens, int64_t count) {
+template <typename Token>
+SampleProfile profile_with(TokenHistogram& histogram, const Token* tokens, int64_t count) {
   SampleProfile p;
-  int64_t run_start = 0;
-  for (int64_t i = 1; i <= count; ++i) {
-    if (i == count || tokens[i] != tokens[run_start]) {
-      if (i - run_start > p.longest_run) {
-        p.longest_run = i - run_start;
-        p.run_position = run_start;
-        p.run_token = tokens[run_start];
-      }
-      run_start = i;
-    }
+  if (count <= 0) return p;
+  // Branch-free: on real text a run ends at almost every token, but not
+  // predictably enough for a branch per token.
+  int64_t run = 1, longest = 1, longest_end = 0;
+  for (int64_t i = 1; i < count; ++i) {
+    run = tokens[i] == tokens[i - 1] ? run + 1 : 1;
+    const bool longer = run > longest;
+    longest = longer ? run : longest;
+    longest_end = longer ? i : longest_end;
   }
+  p.longest_run = longest;
+  p.run_position = longest_end - longest + 1;
+  p.run_token = static_cast<int64_t>(tokens[longest_end]);
   p.entropy_bits = histogram.entropy(tokens, count);
   return p;
 }
@@ -114,6 +120,79 @@ double median_of(std::vector<double>& values) {
     m = (m + *std::max_element(values.begin(), values.begin() + static_cast<long>(mid))) / 2;
   }
   return m;
+}
+
+// Calls fn(mapping, first byte, byte count) for each shard's part of the
+// global token range [begin, end).
+template <typename Fn>
+void for_each_piece(const TokenStream& stream, int64_t begin, int64_t end, Fn&& fn) {
+  while (begin < end) {
+    const ShardLocation where = stream.locate(begin);
+    const ShardSpec& spec = stream.spec(where.shard);
+    const int64_t count = std::min(end - begin, spec.tokens - where.offset);
+    const size_t width = spec.dtype == TokenDtype::kUint16 ? 2 : 4;
+    fn(stream.mapping(where.shard), static_cast<size_t>(where.offset) * width,
+       static_cast<size_t>(count) * width);
+    begin += count;
+  }
+}
+
+template <typename Token>
+Token largest_token(const Token* tokens, int64_t count) {
+  Token largest = 0;  // a max-reduction vectorizes; counting is only done when it fails
+  for (int64_t i = 0; i < count; ++i) largest = std::max(largest, tokens[i]);
+  return largest;
+}
+
+template <typename Token>
+void count_out_of_range(const Token* tokens, size_t shard, int64_t offset, int64_t count,
+                        int64_t vocab_size, size_t max_listed, int64_t& total,
+                        std::vector<OutOfRangeToken>& listed) {
+  if (static_cast<int64_t>(largest_token(tokens + offset, count)) < vocab_size) return;
+  for (int64_t i = offset; i < offset + count; ++i) {
+    if (static_cast<int64_t>(tokens[i]) < vocab_size) continue;
+    ++total;
+    if (listed.size() < max_listed) listed.push_back({shard, i, static_cast<int64_t>(tokens[i])});
+  }
+}
+
+// Out-of-range ids in the global token range [begin, end), straight from the mappings.
+void count_out_of_range(const TokenStream& stream, int64_t begin, int64_t end, int64_t vocab_size,
+                        size_t max_listed, int64_t& total, std::vector<OutOfRangeToken>& listed) {
+  while (begin < end) {
+    const ShardLocation where = stream.locate(begin);
+    const ShardSpec& spec = stream.spec(where.shard);
+    const int64_t count = std::min(end - begin, spec.tokens - where.offset);
+    const uint8_t* raw = stream.mapping(where.shard).data();
+    if (spec.dtype == TokenDtype::kUint16) {
+      count_out_of_range(reinterpret_cast<const uint16_t*>(raw), where.shard, where.offset, count,
+                         vocab_size, max_listed, total, listed);
+    } else {
+      count_out_of_range(reinterpret_cast<const uint32_t*>(raw), where.shard, where.offset, count,
+                         vocab_size, max_listed, total, listed);
+    }
+    begin += count;
+  }
+}
+
+// The sample's profile read straight from its shard's mapping when the
+// window lies inside one shard (the common case); through `window` when it
+// straddles two shards.
+SampleProfile profile_in_place(const TokenStream& stream, int64_t sample, int64_t seq_len,
+                               TokenHistogram& histogram, std::vector<int64_t>& window) {
+  const int64_t count = seq_len + 1;
+  const ShardLocation where = stream.locate(sample * seq_len);
+  const ShardSpec& spec = stream.spec(where.shard);
+  if (where.offset + count <= spec.tokens) {
+    // mmap returns page-aligned memory, so every token is naturally aligned.
+    const uint8_t* base = stream.mapping(where.shard).data();
+    if (spec.dtype == TokenDtype::kUint16) {
+      return profile_with(histogram, reinterpret_cast<const uint16_t*>(base) + where.offset, count);
+    }
+    return profile_with(histogram, reinterpret_cast<const uint32_t*>(base) + where.offset, count);
+  }
+  stream.read(sample * seq_len, count, window.data());
+  return profile_with(histogram, window.data(), count);
 }
 
 }  // namespace
@@ -177,6 +256,9 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
                                  const DataCheckOptions& options, int threads,
                                  const std::function<void(double)>& on_progress) {
   constexpr size_t kMaxListed = 100;
+  // Samples per unit of work: a few MB of tokens, large enough for the kernel's
+  // batched prefault and readahead, small enough to balance the threads.
+  constexpr int64_t kTokensPerBlock = int64_t{1} << 21;
   const auto started = std::chrono::steady_clock::now();
   DataScanResult result;
   result.tokens = stream.total_tokens();
@@ -185,42 +267,13 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
   }
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
-  // Out-of-range ids straight from each mapping (vectorizable compares).
-  for (size_t s = 0; s < stream.num_shards(); ++s) {
-    const ShardSpec& spec = stream.spec(s);
-    const uint8_t* raw = stream.mapping(s).data();
-    const int64_t n = spec.tokens;
-    int64_t count = 0;
-    if (spec.dtype == TokenDtype::kUint16 && vocab_size > 65535) continue;
-#pragma omp parallel for num_threads(threads) reduction(+ : count) schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      uint32_t token;
-      if (spec.dtype == TokenDtype::kUint16) {
-        uint16_t t16;
-        std::memcpy(&t16, raw + i * 2, 2);
-        token = t16;
-      } else {
-        std::memcpy(&token, raw + i * 4, 4);
-      }
-      count += static_cast<int64_t>(token) >= vocab_size;
-    }
-    result.out_of_range_count += count;
-    for (int64_t i = 0; count > 0 && i < n && result.out_of_range.size() < kMaxListed; ++i) {
-      uint32_t value;
-      if (spec.dtype == TokenDtype::kUint16) {
-        uint16_t t16;
-        std::memcpy(&t16, raw + i * 2, 2);
-        value = t16;
-      } else {
-        std::memcpy(&value, raw + i * 4, 4);
-      }
-      if (static_cast<int64_t>(value) >= vocab_size) result.out_of_range.push_back({s, i, value});
-    }
-  }
-
-  // Per-sample profiles, in parallel over contiguous ranges of samples.
   const int64_t samples = stream.num_samples(seq_len);
   result.samples = samples;
+  const int64_t samples_per_block = std::max<int64_t>(1, kTokensPerBlock / seq_len);
+  // Every token belongs to exactly one block's range for the id check (the
+  // last block also takes the tail no sample covers); a block's samples may
+  // read one token into the next range.
+  const int64_t blocks = std::max<int64_t>(1, (samples + samples_per_block - 1) / samples_per_block);
   std::vector<float> entropies(static_cast<size_t>(std::max<int64_t>(samples, 0)));
   std::vector<SampleProfile> runs;
   const int64_t threshold = options.repeat_threshold(seq_len);
@@ -230,25 +283,50 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
     TokenHistogram histogram;
     std::vector<int64_t> window(static_cast<size_t>(seq_len + 1));
     std::vector<SampleProfile> local_runs;
-#pragma omp for schedule(dynamic, 1024)
-    for (int64_t sample = 0; sample < samples; ++sample) {
-      stream.read(sample * seq_len, seq_len + 1, window.data());
-      SampleProfile p = profile_with(histogram, window.data(), seq_len + 1);
-      p.sample = sample;
-      entropies[static_cast<size_t>(sample)] = static_cast<float>(p.entropy_bits);
-      if (p.longest_run >= threshold) local_runs.push_back(p);
-      const int64_t finished = ++done;
-      if (on_progress && omp_get_thread_num() == 0 && finished % 4096 == 0) {
+    std::vector<OutOfRangeToken> local_out_of_range;
+    int64_t local_out_of_range_count = 0;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t block = 0; block < blocks; ++block) {
+      const int64_t first_sample = block * samples_per_block;
+      const int64_t end_sample = std::min(samples, first_sample + samples_per_block);
+      const int64_t range_begin = std::min(result.tokens, first_sample * seq_len);
+      const int64_t range_end = block + 1 == blocks ? result.tokens : end_sample * seq_len;
+      const int64_t window_end = std::min(result.tokens, end_sample * seq_len + 1);
+      for_each_piece(stream, range_begin, std::max(range_end, window_end),
+                     [](const MappedFile& map, size_t byte_begin, size_t byte_count) {
+                       map.prefault(byte_begin, byte_count);
+                     });
+      count_out_of_range(stream, range_begin, range_end, vocab_size, kMaxListed,
+                         local_out_of_range_count, local_out_of_range);
+      for (int64_t sample = first_sample; sample < end_sample; ++sample) {
+        SampleProfile p = profile_in_place(stream, sample, seq_len, histogram, window);
+        p.sample = sample;
+        entropies[static_cast<size_t>(sample)] = static_cast<float>(p.entropy_bits);
+        if (p.longest_run >= threshold) local_runs.push_back(p);
+      }
+      const int64_t finished = done += end_sample - first_sample;
+      if (on_progress && omp_get_thread_num() == 0 && samples > 0) {
         on_progress(static_cast<double>(finished) / static_cast<double>(samples));
       }
     }
 #pragma omp critical
-    runs.insert(runs.end(), local_runs.begin(), local_runs.end());
+    {
+      runs.insert(runs.end(), local_runs.begin(), local_runs.end());
+      result.out_of_range.insert(result.out_of_range.end(), local_out_of_range.begin(),
+                                 local_out_of_range.end());
+      result.out_of_range_count += local_out_of_range_count;
+    }
   }
   std::sort(runs.begin(), runs.end(), [](const SampleProfile& a, const SampleProfile& b) {
     return a.longest_run != b.longest_run ? a.longest_run > b.longest_run : a.sample < b.sample;
   });
   result.repeat_runs = std::move(runs);
+  // Each thread kept its first kMaxListed; the stream's first ones are among them.
+  std::sort(result.out_of_range.begin(), result.out_of_range.end(),
+            [](const OutOfRangeToken& a, const OutOfRangeToken& b) {
+              return a.shard != b.shard ? a.shard < b.shard : a.offset < b.offset;
+            });
+  if (result.out_of_range.size() > kMaxListed) result.out_of_range.resize(kMaxListed);
 
   result.baseline = entropy_baseline(std::vector<double>(entropies.begin(), entropies.end()));
   for (int64_t sample = 0; sample < samples; ++sample) {

@@ -1,6 +1,7 @@
 // Loading a checkpoint into fp32 master tensors, in place where possible.
 #include "replay/checkpoint.h"
 
+#include <cstdlib>
 #include <sstream>
 
 #include <torch/torch.h>
@@ -20,6 +21,29 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 }
 
 }  // namespace
+
+int layer_of_param(const std::string& name) {
+  for (const std::string prefix : {"model.layers.", "transformer.h."}) {
+    if (name.compare(0, prefix.size(), prefix) == 0) return std::atoi(name.c_str() + prefix.size());
+  }
+  return -1;
+}
+
+void ModelCheckpoint::place(const std::vector<torch::Device>& devices, int num_layers) {
+  placed_.clear();
+  if (devices.empty() || (devices.size() == 1 && devices[0].is_cpu())) return;
+  const int first_half = num_layers / 2;
+  for (const std::string& name : order_) {
+    const int layer = layer_of_param(name);
+    const bool embedding = name.find("embed_tokens") != std::string::npos ||
+                           name.find(".wte.") != std::string::npos || name.find(".wpe.") != std::string::npos;
+    const bool on_first = devices.size() == 1 || embedding || (layer >= 0 && layer < first_half);
+    const torch::Device& device = on_first ? devices.front() : devices.back();
+    torch::Tensor leaf = params_.at(name).detach().to(device, /*non_blocking=*/false, /*copy=*/true);
+    leaf.requires_grad_(true);
+    placed_.emplace(name, leaf);
+  }
+}
 
 torch::Tensor tensor_from_safetensors(const TensorInfo& info, const std::string& label) {
   torch::ScalarType type;

@@ -18,17 +18,28 @@ class ModelCheckpoint {
   // Opens `files.model` and validates it against `model`.
   ModelCheckpoint(const StepFiles& files, const ModelConfig& model);
 
-  // Leaf tensors with requires_grad, keyed by safetensors name.
+  // Leaf tensors with requires_grad, keyed by safetensors name, on the host.
   ParamMap& params() { return params_; }
   const ParamMap& params() const { return params_; }
+  // Copies the parameters to `devices` as new leaves: all on one device, or
+  // split by layer over two (layers [0, L/2) and the embeddings on the first,
+  // the rest, the final norm and the head on the second). The host tensors
+  // stay for the system checks.
+  void place(const std::vector<torch::Device>& devices, int num_layers);
+  // What the replay computes with: the placed leaves, else the host ones.
+  ParamMap& compute_params() { return placed_.empty() ? params_ : placed_; }
   // Parameter names in the spec's order.
   const std::vector<std::string>& order() const { return order_; }
 
  private:
   SafetensorsFile file_;  // must outlive params_ (in-place tensors point into it)
   ParamMap params_;
+  ParamMap placed_;
   std::vector<std::string> order_;
 };
+
+// The decoder layer a parameter belongs to ("model.layers.3.…" -> 3), or -1.
+int layer_of_param(const std::string& name);
 
 // fp32 view (or upcast copy) of one safetensors tensor.
 torch::Tensor tensor_from_safetensors(const TensorInfo& info, const std::string& label);

@@ -34,6 +34,9 @@ struct StepComputeOptions {
   bool probes = false;
   double loss_scale = 1.0;  // backward starts from loss * loss_scale
   const std::map<std::string, Fp8ModuleScales>* fp8_scales = nullptr;  // fp8 only
+  // bf16/fp16 matmuls in the low type on the device (GPU) instead of emulated
+  // by rounding fp32 (numerics.h); false on CPU.
+  bool native_low_precision = false;
   // Called before each forward and each backward: (rank, micro-batch, "forward" | "backward").
   std::function<void(int rank, int micro_batch, const char* phase)> before_pass;
 };

@@ -40,8 +40,9 @@ torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos,
 
 // cos and sin tables (T, D) with frequencies theta^(-2i/D), computed as
 // Hugging Face's LlamaRotaryEmbedding does in fp32.
-std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t seq, int64_t head_dim, double theta) {
-  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t seq, int64_t head_dim, double theta,
+                                                      const torch::Device& device) {
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
   const torch::Tensor inv_freq =
       1.0 / torch::pow(theta, torch::arange(0, head_dim, 2, f32) / static_cast<double>(head_dim));
   const torch::Tensor freqs = torch::outer(torch::arange(seq, f32), inv_freq);
@@ -70,18 +71,19 @@ torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, 
   const torch::Tensor scores =
       probes.site({SiteId::kAttnScores, layer}, numerics.attention_scores(q, k));  // (B, H, T, T)
   const torch::Tensor future =
-      torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+      torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(scores.device())).triu(1);
   const torch::Tensor probs = probes.site(
       {SiteId::kAttnProbs, layer},
       torch::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), -1));
   const torch::Tensor context =
-      probes.site({SiteId::kAttnContext, layer}, torch::matmul(probs, v));  // (B, H, T, D)
+      probes.site({SiteId::kAttnContext, layer}, numerics.matmul(probs, v));  // (B, H, T, D)
   return context.transpose(1, 2).reshape({B, T, H * D});
 }
 
 // Cross-entropy in fp32 from the (rounded) logits; the loss site itself.
-ForwardResult next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets,
+ForwardResult next_token_loss(const torch::Tensor& logits, const torch::Tensor& all_targets,
                               ProbeSession& probes) {
+  const torch::Tensor targets = all_targets.to(logits.device());
   const int64_t V = logits.size(-1);
   ForwardResult result;
   result.loss = probes.site({SiteId::kLoss, -1},
@@ -102,7 +104,8 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
                             ProbeSession& probes) {
   const int64_t B = inputs.size(0), T = inputs.size(1), H = m.num_heads, G = m.num_kv_heads,
                 D = m.head_dim();
-  const auto [cos, sin] = rotary_tables(T, D, m.rope_theta);
+  const auto [cos0, sin0] = rotary_tables(T, D, m.rope_theta, param(p, "model.embed_tokens.weight").device());
+  torch::Tensor cos = cos0, sin = sin0;  // moved along with the activations
   auto rope = [&, &cos = cos, &sin = sin](const torch::Tensor& x, int64_t heads) {
     const torch::Tensor per_head = x.view({B, T, heads, D}).transpose(1, 2);  // (B, heads, T, D)
     return apply_rotary(per_head, cos, sin).transpose(1, 2).reshape({B, T, heads * D});
@@ -110,11 +113,19 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
   auto proj = [&](const torch::Tensor& in, const std::string& module) {
     return numerics.linear(in, param(p, module + ".weight"), {}, module);
   };
-  const torch::Tensor& embedding = param(p, "model.embed_tokens.weight");
-  torch::Tensor x = probes.site({SiteId::kEmbed, -1}, F::embedding(inputs, embedding));  // (B, T, C)
+  const torch::Tensor embedding = param(p, "model.embed_tokens.weight");
+  torch::Tensor x = probes.site({SiteId::kEmbed, -1},
+                                F::embedding(inputs.to(embedding.device()), embedding));  // (B, T, C)
   SiteRef stream{SiteId::kEmbed, -1};
   for (int layer = 0; layer < m.num_layers; ++layer) {
     const std::string pre = "model.layers." + std::to_string(layer) + ".";
+    // With the layers split across devices, the activations follow the layer's weights.
+    const torch::Device device = param(p, pre + "input_layernorm.weight").device();
+    if (x.device() != device) {
+      x = x.to(device);
+      cos = cos.to(device);
+      sin = sin.to(device);
+    }
     probes.alias({SiteId::kInput, layer}, stream);
     const torch::Tensor h = probes.site(
         {SiteId::kAttnNorm, layer},
@@ -144,10 +155,12 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
     x = probes.site({SiteId::kOutput, layer}, x + down);
     stream = {SiteId::kOutput, layer};
   }
+  x = x.to(param(p, "model.norm.weight").device());
   const torch::Tensor final_norm = probes.site(
       {SiteId::kFinalNorm, -1},
       rms_norm(x, param(p, "model.norm.weight"), m.norm_eps, probes, {SiteId::kFinalNorm, -1}));
-  const torch::Tensor& head = m.tie_embeddings ? embedding : param(p, "lm_head.weight");
+  // A tied head on a split model reads the embedding through a differentiable copy.
+  const torch::Tensor head = (m.tie_embeddings ? embedding : param(p, "lm_head.weight")).to(x.device());
   const torch::Tensor logits =
       probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, head, {}, "lm_head"));  // (B, T, V)
   return next_token_loss(logits, targets, probes);
@@ -157,11 +170,12 @@ ForwardResult gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch:
                            const torch::Tensor& targets, const Numerics& numerics,
                            ProbeSession& probes) {
   const int64_t T = inputs.size(1), C = m.hidden_size;
-  const torch::Tensor& wte = param(p, "transformer.wte.weight");
-  const torch::Tensor positions = torch::arange(T, torch::TensorOptions().dtype(torch::kLong));
+  const torch::Tensor wte = param(p, "transformer.wte.weight");
+  const torch::Tensor positions =
+      torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(wte.device()));
   torch::Tensor x = probes.site(
       {SiteId::kEmbed, -1},
-      F::embedding(inputs, wte) + F::embedding(positions, param(p, "transformer.wpe.weight")));
+      F::embedding(inputs.to(wte.device()), wte) + F::embedding(positions, param(p, "transformer.wpe.weight")));
   SiteRef stream{SiteId::kEmbed, -1};
   auto layer_norm = [&](const torch::Tensor& in, const std::string& prefix, const SiteRef& site) {
     if (probes.enabled()) {
@@ -177,6 +191,7 @@ ForwardResult gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch:
   };
   for (int layer = 0; layer < m.num_layers; ++layer) {
     const std::string pre = "transformer.h." + std::to_string(layer) + ".";
+    x = x.to(param(p, pre + "ln_1.weight").device());  // split layers: follow the weights
     probes.alias({SiteId::kInput, layer}, stream);
     const torch::Tensor h = probes.site({SiteId::kAttnNorm, layer}, layer_norm(x, pre + "ln_1", {SiteId::kAttnNorm, layer}));
     const std::vector<torch::Tensor> qkv = linear(h, pre + "attn.c_attn").split(C, -1);  // 3 x (B, T, C)
@@ -196,9 +211,11 @@ ForwardResult gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch:
     x = probes.site({SiteId::kOutput, layer}, x + down);
     stream = {SiteId::kOutput, layer};
   }
+  x = x.to(param(p, "transformer.ln_f.weight").device());
   const torch::Tensor final_norm =
       probes.site({SiteId::kFinalNorm, -1}, layer_norm(x, "transformer.ln_f", {SiteId::kFinalNorm, -1}));
-  const torch::Tensor logits = probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, wte, {}, "lm_head"));
+  const torch::Tensor logits = probes.site(
+      {SiteId::kLogits, -1}, numerics.linear(final_norm, wte.to(x.device()), {}, "lm_head"));
   return next_token_loss(logits, targets, probes);
 }
 

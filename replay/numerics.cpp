@@ -101,14 +101,23 @@ torch::Tensor Numerics::linear(const torch::Tensor& x, const torch::Tensor& weig
       return Fp8GradOutput::apply(y, s.grad_output.value_or(1.0), fp8_.bwd);
     }
   }
+  if (native_) {
+    const torch::Tensor b = bias.defined() ? to_low(bias) : bias;
+    return torch::nn::functional::linear(to_low(x), to_low(weight), b).to(torch::kFloat32);
+  }
   const torch::Tensor b = bias.defined() ? round(bias) : bias;
   return torch::nn::functional::linear(round(x), round(weight), b);
+}
+
+torch::Tensor Numerics::matmul(const torch::Tensor& a, const torch::Tensor& b) const {
+  if (native_) return torch::matmul(to_low(a), to_low(b)).to(torch::kFloat32);
+  return torch::matmul(a, b);
 }
 
 torch::Tensor Numerics::attention_scores(const torch::Tensor& q, const torch::Tensor& k) const {
   // Divided, not multiplied by the reciprocal, as eager PyTorch code writes it.
   const double divisor = std::sqrt(static_cast<double>(q.size(-1)));
-  return round(round(torch::matmul(q, k.transpose(-2, -1))) / divisor);
+  return round(round(matmul(q, k.transpose(-2, -1))) / divisor);
 }
 
 }  // namespace nanreplay

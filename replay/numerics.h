@@ -30,6 +30,11 @@ class Numerics {
   Numerics(Compute compute, const Fp8Config& fp8, const std::map<std::string, Fp8ModuleScales>* scales);
 
   Compute compute() const { return compute_; }
+  // Native: bf16/fp16 matmuls run in the low type itself (tensor cores on a
+  // GPU, fp32 accumulation inside) and their output is the rounded result;
+  // everything else, and every rounding point, stays as emulated.
+  void set_native(bool native) { native_ = native && reduced_; }
+  bool native() const { return native_; }
   bool reduced() const { return reduced_; }
   torch::ScalarType low_type() const { return low_type_; }
 
@@ -44,10 +49,13 @@ class Numerics {
                        const torch::Tensor& bias, const std::string& module) const;
   // Scaled attention scores round(round(q k^T) / sqrt(head_dim)); probed by the caller.
   torch::Tensor attention_scores(const torch::Tensor& q, const torch::Tensor& k) const;
+  // a @ b of already-rounded operands: fp32, or in the low type when native.
+  torch::Tensor matmul(const torch::Tensor& a, const torch::Tensor& b) const;
 
  private:
   Compute compute_;
   bool reduced_;
+  bool native_ = false;
   torch::ScalarType low_type_;
   Fp8Config fp8_;
   const std::map<std::string, Fp8ModuleScales>* fp8_scales_ = nullptr;

@@ -1,7 +1,9 @@
 // Forward statistics are taken as each site is produced; backward statistics
 // in gradient hooks. Records are ordered by execution order afterwards, so the
 // backward order is the strict reverse of the forward order whatever order
-// autograd happens to schedule its nodes in.
+// autograd happens to schedule its nodes in. Host tensors go through the CPU
+// kernel at once; device tensors leave a row of statistics on the device
+// (device_stats.h) that is decoded when the records are taken.
 #include "replay/probe_session.h"
 
 #include <algorithm>
@@ -12,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "kernels/tensor_stats.h"
+#include "replay/device_stats.h"
 
 namespace nanreplay {
 
@@ -50,6 +53,34 @@ void decode_first(ProbeRecord& record, const SiteDef* def, const std::vector<int
   }
 }
 
+// Concatenates small float64 tensors that may sit on different devices and
+// copies them to the host: one transfer per device.
+torch::Tensor gather_to_host(const std::vector<torch::Tensor>& parts) {
+  std::vector<torch::Tensor> host_parts;
+  size_t begin = 0;
+  while (begin < parts.size()) {
+    size_t end = begin;
+    while (end < parts.size() && parts[end].device() == parts[begin].device()) ++end;
+    std::vector<torch::Tensor> run(parts.begin() + static_cast<long>(begin), parts.begin() + static_cast<long>(end));
+    host_parts.push_back(torch::cat(run, 0).to(torch::kCPU));
+    begin = end;
+  }
+  return torch::cat(host_parts, 0).contiguous();
+}
+
+// values: min moment, its flat index over (batch rows x cols), rows below eps,
+// any zero denominator.
+void finish_norm_check(NormCheck& check, const double* values, int64_t cols,
+                       const std::vector<int64_t>& sample_ids) {
+  check.min_moment = values[0];
+  const int64_t flat = static_cast<int64_t>(values[1]);
+  check.rows_below_eps = static_cast<int64_t>(values[2]);
+  check.zero_denominator = values[3] != 0.0;
+  const int64_t row = flat / cols;
+  if (row < static_cast<int64_t>(sample_ids.size())) check.sample = sample_ids[static_cast<size_t>(row)];
+  check.position = flat % cols;
+}
+
 }  // namespace
 
 double dtype_max(ElemType type) {
@@ -61,28 +92,31 @@ double dtype_max(ElemType type) {
   return 3.4028234663852886e38;
 }
 
-std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
-                                         const std::vector<int64_t>& sample_ids) {
-  const torch::Tensor t = tensor.detach().contiguous();
-  const ElemType type = elem_type_of(t);
+namespace {
+
+bool probed_per_head(const torch::Tensor& t, const SiteDef* def) {
+  return def != nullptr && is_per_head(def->id) && t.dim() == 4;
+}
+
+// Records from statistics already taken: `stats` is {whole} or one per head.
+std::vector<ProbeRecord> records_from_stats(const std::vector<TensorStats>& stats, bool per_head,
+                                            std::vector<int64_t> shape, ElemType type,
+                                            const SiteDef* def, const std::vector<int64_t>& sample_ids) {
   const double limit = dtype_max(type);
   ProbeRecord whole;
-  whole.shape = t.sizes().vec();
+  whole.shape = std::move(shape);
   std::vector<ProbeRecord> records;
-  const bool per_head = def != nullptr && is_per_head(def->id) && t.dim() == 4;
   if (per_head) {
-    const std::vector<TensorStats> heads =
-        compute_head_stats(t.data_ptr(), type, t.size(0), t.size(1), t.size(2), t.size(3), def->causal);
-    whole.stats = combine_heads(heads);
+    whole.stats = combine_heads(stats);
     records.push_back(whole);
-    for (size_t h = 0; h < heads.size(); ++h) {
+    for (size_t h = 0; h < stats.size(); ++h) {
       ProbeRecord one = whole;
       one.head = static_cast<int>(h);
-      one.stats = heads[h];
+      one.stats = stats[h];
       records.push_back(one);
     }
   } else {
-    whole.stats = compute_stats(t.data_ptr(), type, t.numel());
+    whole.stats = stats.at(0);
     records.push_back(whole);
   }
   for (ProbeRecord& record : records) {
@@ -93,15 +127,97 @@ std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const Site
   return records;
 }
 
+}  // namespace
+
+std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
+                                         const std::vector<int64_t>& sample_ids) {
+  const bool per_head = probed_per_head(tensor, def);
+  if (!tensor.device().is_cpu()) {  // off the host: reductions where it lives
+    const torch::Tensor rows = device_stats_rows(tensor, per_head, per_head && def->causal);
+    return records_from_stats(stats_from_rows(rows.cpu()), per_head, tensor.sizes().vec(),
+                              elem_type_of(tensor), def, sample_ids);
+  }
+  const torch::Tensor t = tensor.detach().contiguous();
+  const ElemType type = elem_type_of(t);
+  std::vector<TensorStats> stats;
+  if (per_head) {
+    stats = compute_head_stats(t.data_ptr(), type, t.size(0), t.size(1), t.size(2), t.size(3), def->causal);
+  } else {
+    stats.push_back(compute_stats(t.data_ptr(), type, t.numel()));
+  }
+  return records_from_stats(stats, per_head, t.sizes().vec(), type, def, sample_ids);
+}
+
 struct ProbeSession::State {
+  // A probe of a tensor that lives on an accelerator: its statistics rows
+  // stay there until resolve() reads every pending row back at once.
+  struct PendingProbe {
+    torch::Tensor rows;  // (1 or heads, kDeviceStatsColumns) float64 on the device
+    std::vector<int64_t> shape;
+    ElemType type;
+    bool per_head;
+    SiteRef ref;
+    Phase phase;
+  };
+  struct PendingNorm {
+    torch::Tensor values;  // [min moment, its flat index, rows below eps, any zero denominator]
+    int64_t cols;
+    NormCheck check;       // all but the four values above
+  };
+
   BatchContext context;
   bool enabled = false;
+  bool defer_host = false;
   int num_forward_sites = 0;
   std::vector<int> order_of;  // (layer + 1) * kSiteCount + id -> forward order
   std::vector<ProbeRecord> forward;
   std::vector<ProbeRecord> backward;
+  std::vector<PendingProbe> pending;
+  std::vector<PendingNorm> pending_norms;
   std::vector<std::pair<SiteRef, SiteRef>> aliases;
   std::vector<NormCheck> norm_checks;
+
+  // CPU tensors are described at once; device tensors join `pending`.
+  void probe(const torch::Tensor& tensor, const SiteRef& ref, Phase phase) {
+    const SiteDef& def = site_def(ref.id);
+    if (tensor.device().is_cpu() && !defer_host) {
+      add(describe_tensor(tensor, &def, context.sample_ids), ref, phase);
+      return;
+    }
+    const bool per_head = probed_per_head(tensor, &def);
+    pending.push_back({device_stats_rows(tensor, per_head, per_head && def.causal),
+                       tensor.sizes().vec(), elem_type_of(tensor), per_head, ref, phase});
+  }
+
+  // Reads every pending row back (one copy per device) and decodes it.
+  void resolve() {
+    if (!pending.empty()) {
+      std::vector<torch::Tensor> parts;
+      for (const PendingProbe& p : pending) parts.push_back(p.rows);
+      const torch::Tensor host = gather_to_host(parts);
+      int64_t row = 0;
+      for (PendingProbe& p : pending) {
+        const int64_t n = p.rows.size(0);
+        const std::vector<TensorStats> stats = stats_from_rows(host.narrow(0, row, n));
+        row += n;
+        add(records_from_stats(stats, p.per_head, std::move(p.shape), p.type, &site_def(p.ref.id),
+                               context.sample_ids),
+            p.ref, p.phase);
+      }
+      pending.clear();
+    }
+    if (!pending_norms.empty()) {
+      std::vector<torch::Tensor> parts;
+      for (const PendingNorm& n : pending_norms) parts.push_back(n.values.unsqueeze(0));
+      const torch::Tensor host = gather_to_host(parts);
+      for (size_t i = 0; i < pending_norms.size(); ++i) {
+        finish_norm_check(pending_norms[i].check, host[static_cast<int64_t>(i)].data_ptr<double>(),
+                          pending_norms[i].cols, context.sample_ids);
+        norm_checks.push_back(pending_norms[i].check);
+      }
+      pending_norms.clear();
+    }
+  }
 
   int order(const SiteRef& ref) const {
     return order_of.at(static_cast<size_t>((ref.layer + 1) * site_count() + static_cast<int>(ref.id)));
@@ -124,10 +240,11 @@ struct ProbeSession::State {
 };
 
 ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, bool enabled,
-                           const ModelConfig& model)
+                           const ModelConfig& model, bool defer_host)
     : state_(std::make_shared<State>()), numerics_(numerics) {
   state_->context = std::move(context);
   state_->enabled = enabled;
+  state_->defer_host = defer_host;
   const std::vector<SiteRef> sites = forward_sites(model);
   state_->num_forward_sites = static_cast<int>(sites.size());
   state_->order_of.assign(static_cast<size_t>((model.num_layers + 1) * State::site_count()), -1);
@@ -145,14 +262,10 @@ torch::Tensor ProbeSession::site(const SiteRef& ref, const torch::Tensor& value)
   const bool rounded = numerics_.reduced() && ref.id != SiteId::kLoss;
   const torch::Tensor held = rounded ? numerics_.to_low(value) : value;
   if (state_->enabled) {
-    const SiteDef& def = site_def(ref.id);
-    state_->add(describe_tensor(held, &def, state_->context.sample_ids), ref, Phase::kForward);
+    state_->probe(held, ref, Phase::kForward);
     if (held.requires_grad()) {
       std::shared_ptr<State> state = state_;
-      held.register_hook([state, ref](torch::Tensor grad) {
-        const SiteDef& hooked = site_def(ref.id);
-        state->add(describe_tensor(grad, &hooked, state->context.sample_ids), ref, Phase::kBackward);
-      });
+      held.register_hook([state, ref](torch::Tensor grad) { state->probe(grad, ref, Phase::kBackward); });
     }
   }
   return rounded ? held.to(torch::kFloat32) : value;
@@ -160,13 +273,7 @@ torch::Tensor ProbeSession::site(const SiteRef& ref, const torch::Tensor& value)
 
 void ProbeSession::alias(const SiteRef& ref, const SiteRef& same_as) {
   if (!state_->enabled) return;
-  state_->aliases.emplace_back(ref, same_as);
-  const std::string original = site_name(same_as);
-  std::vector<ProbeRecord> copies;
-  for (const ProbeRecord& record : state_->forward) {
-    if (record.site == original) copies.push_back(record);
-  }
-  state_->add(std::move(copies), ref, Phase::kForward);
+  state_->aliases.emplace_back(ref, same_as);  // copied in take_records, once all are resolved
 }
 
 bool ProbeSession::enabled() const { return state_->enabled; }
@@ -176,26 +283,29 @@ void ProbeSession::check_norm(const SiteRef& ref, const torch::Tensor& moment, d
   torch::NoGradGuard no_grad;
   const torch::Tensor m = moment.detach().to(torch::kFloat64).reshape({moment.size(0), -1});
   const torch::Tensor finite_m = torch::where(torch::isnan(m), torch::full_like(m, INFINITY), m);
-  const int64_t flat = finite_m.argmin().item<int64_t>();
-  NormCheck check;
+  const torch::Tensor flat = finite_m.argmin();
+  // Four values, still on m's device: resolved with the step's other probes.
+  const torch::Tensor values = torch::stack({finite_m.view(-1).index_select(0, flat.view(1)).squeeze(0),
+                                             flat.to(torch::kFloat64), (m < eps).sum().to(torch::kFloat64),
+                                             ((m + eps) == 0).any().to(torch::kFloat64)});
+  State::PendingNorm pending{values, m.size(1), NormCheck{}};
+  NormCheck& check = pending.check;
   check.step = state_->context.step;
   check.micro_batch = state_->context.micro_batch;
   check.rank = state_->context.rank;
   check.site = site_name(ref);
   check.layer = ref.layer;
   check.eps = eps;
-  check.min_moment = finite_m.view(-1)[flat].item<double>();
-  check.rows_below_eps = (m < eps).sum().item<int64_t>();
-  check.zero_denominator = ((m + eps) == 0).any().item<bool>();
-  const int64_t row = flat / m.size(1);
-  if (row < static_cast<int64_t>(state_->context.sample_ids.size())) {
-    check.sample = state_->context.sample_ids[static_cast<size_t>(row)];
+  if (m.device().is_cpu() && !state_->defer_host) {
+    finish_norm_check(check, values.contiguous().data_ptr<double>(), m.size(1), state_->context.sample_ids);
+    state_->norm_checks.push_back(check);
+  } else {
+    state_->pending_norms.push_back(std::move(pending));
   }
-  check.position = flat % m.size(1);
-  state_->norm_checks.push_back(check);
 }
 
 std::vector<NormCheck> ProbeSession::take_norm_checks() {
+  state_->resolve();
   std::vector<NormCheck> checks = std::move(state_->norm_checks);
   state_->norm_checks.clear();
   return checks;
@@ -203,13 +313,16 @@ std::vector<NormCheck> ProbeSession::take_norm_checks() {
 
 std::vector<ProbeRecord> ProbeSession::take_records() {
   State& s = *state_;
+  s.resolve();
   for (const auto& [ref, same_as] : s.aliases) {
     const std::string original = site_name(same_as);
-    std::vector<ProbeRecord> copies;
-    for (const ProbeRecord& record : s.backward) {
-      if (record.site == original) copies.push_back(record);
+    for (Phase phase : {Phase::kForward, Phase::kBackward}) {
+      std::vector<ProbeRecord> copies;
+      for (const ProbeRecord& record : phase == Phase::kForward ? s.forward : s.backward) {
+        if (record.site == original) copies.push_back(record);
+      }
+      s.add(std::move(copies), ref, phase);
     }
-    s.add(std::move(copies), ref, Phase::kBackward);
   }
   s.aliases.clear();
   auto by_order = [](const ProbeRecord& a, const ProbeRecord& b) {

@@ -3,6 +3,7 @@
 // and hooks its gradient, whose statistics are taken when autograd delivers
 // it (already summed over every consumer and rounded at the cast pair).
 // With probes off, `site()` only applies the rounding: numerics are identical.
+// On a GPU nothing is read back until take_records()/take_norm_checks().
 #pragma once
 
 #include <memory>
@@ -34,8 +35,12 @@ class ProbeSession {
  public:
   // `enabled` false: no statistics, no hooks (the fast path for training and
   // cheap passes). `order` maps a SiteRef to its forward execution index.
+  // Statistics of tensors on an accelerator are always deferred: taken where
+  // the tensor lives and read back by take_records() (one copy per device).
+  // `defer_host` defers CPU tensors the same way (so tests can exercise that
+  // path without a GPU).
   ProbeSession(BatchContext context, const Numerics& numerics, bool enabled,
-               const ModelConfig& model);
+               const ModelConfig& model, bool defer_host = false);
   ~ProbeSession();
   ProbeSession(const ProbeSession&) = delete;
   ProbeSession& operator=(const ProbeSession&) = delete;

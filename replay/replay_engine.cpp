@@ -12,6 +12,7 @@
 #include <thread>
 
 #include <torch/torch.h>
+#include <torch/cuda.h>
 
 #include "loaders/error.h"
 #include "replay/checkpoint.h"
@@ -26,11 +27,30 @@ namespace {
 
 constexpr size_t kMaxTokenFindingsPerStep = 20;
 
-int layer_of_param(const std::string& name) {
-  for (const std::string prefix : {"model.layers.", "transformer.h."}) {
-    if (name.compare(0, prefix.size(), prefix) == 0) return std::atoi(name.c_str() + prefix.size());
+std::vector<torch::Device> parse_devices(const std::vector<std::string>& names) {
+  std::vector<torch::Device> devices;
+  for (const std::string& name : names) {
+    const bool cuda = name.rfind("cuda:", 0) == 0 && name.size() > 5 &&
+                      name.find_first_not_of("0123456789", 5) == std::string::npos;
+    if (name != "cpu" && !cuda) {
+      throw UsageError("--device " + name + ": expected cpu, cuda:N, or two of them separated by a comma");
+    }
+    devices.emplace_back(name);
   }
-  return -1;
+  return devices;
+}
+
+// Where the step's computation runs for `devices` (one, or two for a split).
+struct Placement {
+  std::vector<torch::Device> devices;
+  bool native = false;  // bf16/fp16 in the low type
+};
+
+Placement placement_for(const std::vector<torch::Device>& devices, const ReplayOptions& options,
+                        Compute compute) {
+  const bool on_gpu = std::any_of(devices.begin(), devices.end(), [](const torch::Device& d) { return d.is_cuda(); });
+  const bool reduced = compute == Compute::kBf16 || compute == Compute::kFp16;
+  return Placement{devices, on_gpu && reduced && options.native_low_precision};
 }
 
 const ProbeRecord* earliest_nonfinite(const std::vector<ProbeRecord>& records, bool include_backward) {
@@ -134,15 +154,18 @@ double loss_scale_for(const Manifest& m, const StepState& state) {
 // Every pass of one step with probes, then the parameter-gradient probes.
 StepGradients run_step(const Bundle& bundle, const StepFiles& files, const StepState& state,
                        const StepBatch& batch, ModelCheckpoint& checkpoint, bool probes,
+                       const Placement& placement,
                        const std::function<void(int, int, const char*)>& before_pass) {
   const Manifest& m = bundle.manifest();
+  checkpoint.place(placement.devices, static_cast<int>(m.model.num_layers));
   StepComputeOptions compute;
+  compute.native_low_precision = placement.native;
   compute.probes = probes;
   compute.loss_scale = loss_scale_for(m, state);
   compute.fp8_scales = &state.fp8_scales;
   compute.before_pass = before_pass;
   StepGradients step = compute_step_gradients(m, bundle.tokens(), files.step, batch,
-                                              checkpoint.params(), checkpoint.order(), compute);
+                                              checkpoint.compute_params(), checkpoint.order(), compute);
   if (probes) {
     for (size_t i = 0; i < step.grads.size(); ++i) {
       for (ProbeRecord& record : describe_tensor(step.grads[i], nullptr, {})) {
@@ -166,35 +189,86 @@ bool same_stats(const TensorStats& a, const TensorStats& b) {
          bits_equal(a.sum_sq, b.sum_sq);
 }
 
-// Replays `step` again and compares every probe with the first replay, bit for bit.
-DeterminismCheck check_determinism(const Bundle& bundle, const StepFiles& files,
-                                   const std::vector<ProbeRecord>& first_run) {
-  DeterminismCheck check;
-  check.checked = true;
-  check.step = files.step;
-  const StepState state = bundle.load_state(files);
-  const StepBatch batch{bundle.sampler().samples_for(entry_for(bundle.manifest(), files.step))};
-  ModelCheckpoint checkpoint(files, bundle.manifest().model);
-  const StepGradients again = run_step(bundle, files, state, batch, checkpoint, true, {});
-  std::vector<const ProbeRecord*> before;
-  for (const ProbeRecord& r : first_run) {
-    if (r.step == files.step) before.push_back(&r);
-  }
-  check.probes_compared = static_cast<int64_t>(before.size());
-  if (before.size() != again.probes.size()) {
-    check.identical = false;
-    check.first_difference = "probe count " + std::to_string(before.size()) + " vs " +
-                             std::to_string(again.probes.size());
-    return check;
+// Where two replays of one step first differ, bit for bit.
+struct ProbeComparison {
+  int64_t compared = 0;
+  const ProbeRecord* a = nullptr;  // the first pair that differs, if any
+  const ProbeRecord* b = nullptr;
+  std::string difference;
+};
+
+ProbeComparison compare_probes(const std::vector<const ProbeRecord*>& before,
+                               const std::vector<ProbeRecord>& again) {
+  ProbeComparison result;
+  result.compared = static_cast<int64_t>(before.size());
+  if (before.size() != again.size()) {
+    result.difference = "probe count " + std::to_string(before.size()) + " vs " + std::to_string(again.size());
+    return result;
   }
   for (size_t i = 0; i < before.size(); ++i) {
     const ProbeRecord& a = *before[i];
-    const ProbeRecord& b = again.probes[i];
+    const ProbeRecord& b = again[i];
     if (a.site != b.site || a.phase != b.phase || !same_stats(a.stats, b.stats)) {
-      check.identical = false;
-      check.first_difference = std::string(phase_name(a.phase)) + " " + a.site;
-      return check;
+      result.a = &a;
+      result.b = &b;
+      result.difference = std::string(phase_name(a.phase)) + " " + a.site;
+      return result;
     }
+  }
+  return result;
+}
+
+// Replays `files.step` with every probe on `placement` (probes of all phases).
+StepGradients replay_step_again(const Bundle& bundle, const StepFiles& files, const Placement& placement) {
+  const StepState state = bundle.load_state(files);
+  const StepBatch batch{bundle.sampler().samples_for(entry_for(bundle.manifest(), files.step))};
+  ModelCheckpoint checkpoint(files, bundle.manifest().model);
+  return run_step(bundle, files, state, batch, checkpoint, true, placement, {});
+}
+
+std::vector<const ProbeRecord*> probes_of_step(const std::vector<ProbeRecord>& all, int64_t step) {
+  std::vector<const ProbeRecord*> out;
+  for (const ProbeRecord& r : all) {
+    if (r.step == step) out.push_back(&r);
+  }
+  return out;
+}
+
+// Replays `step` again and compares every probe with the first replay, bit for bit.
+DeterminismCheck check_determinism(const Bundle& bundle, const StepFiles& files,
+                                   const std::vector<ProbeRecord>& first_run, const Placement& placement) {
+  DeterminismCheck check;
+  check.checked = true;
+  check.step = files.step;
+  const StepGradients again = replay_step_again(bundle, files, placement);
+  const ProbeComparison cmp = compare_probes(probes_of_step(first_run, files.step), again.probes);
+  check.probes_compared = cmp.compared;
+  check.identical = cmp.difference.empty();
+  check.first_difference = cmp.difference;
+  return check;
+}
+
+// The step on the second device, compared with the first device's replay.
+CrossDeviceCheck check_across_devices(const Bundle& bundle, const StepFiles& files,
+                                      const std::vector<ProbeRecord>& first_run, const Placement& second,
+                                      const std::string& name_a, const std::string& name_b) {
+  CrossDeviceCheck check;
+  check.device_a = name_a;
+  check.device_b = name_b;
+  check.step = files.step;
+  const StepGradients again = replay_step_again(bundle, files, second);
+  const ProbeComparison cmp = compare_probes(probes_of_step(first_run, files.step), again.probes);
+  check.probes_compared = cmp.compared;
+  check.identical = cmp.difference.empty();
+  check.first_difference = cmp.difference;
+  if (cmp.a != nullptr) {
+    check.rank = cmp.a->rank;
+    check.micro_batch = cmp.a->micro_batch;
+    check.head = cmp.a->head;
+    check.max_abs_a = cmp.a->stats.max_abs;
+    check.max_abs_b = cmp.b->stats.max_abs;
+    check.sum_a = cmp.a->stats.sum;
+    check.sum_b = cmp.b->stats.sum;
   }
   return check;
 }
@@ -211,6 +285,17 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
   report.arch = m.model.arch;
   report.precision = m.precision.compute;
   report.incident = m.incident;
+  validate_devices(options.devices, options.cross_check);
+  const std::vector<torch::Device> devices = parse_devices(options.devices);
+  // With --cross-check the replay runs on the first device; the second
+  // replays the step of interest again for the comparison.
+  const Placement placement = placement_for(
+      options.cross_check ? std::vector<torch::Device>{devices.front()} : devices, options, m.precision.compute);
+  report.devices = options.devices;
+  report.low_precision = m.precision.compute == Compute::kFp32  ? "fp32"
+                         : m.precision.compute == Compute::kFp8 ? "fp8"
+                         : placement.native                     ? "native"
+                                                                : "emulated";
 
   for (const ChecksumMismatch& bad : bundle.tokens().verify_checksums()) {
     report.findings.push_back(make_finding(
@@ -261,7 +346,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     report.findings.insert(report.findings.end(), data_findings.begin(), data_findings.end());
 
     ModelCheckpoint checkpoint(files, m.model);
-    StepGradients step = run_step(bundle, files, state, batch, checkpoint, options.probes, [&](int rank, int micro, const char* phase) {
+    StepGradients step = run_step(bundle, files, state, batch, checkpoint, options.probes, placement, [&](int rank, int micro, const char* phase) {
       if (options.should_stop && options.should_stop()) throw ReplayInterrupted{index};
       if (options.on_progress) options.on_progress({index, todo.size(), files.step, rank, micro, phase});
     });
@@ -344,7 +429,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     const bool replayed = std::any_of(report.steps.begin(), report.steps.end(),
                                       [&](const StepOutcome& s) { return s.step == step && s.replayed; });
     if (files != nullptr && replayed) {
-      report.determinism = check_determinism(bundle, *files, report.probes);
+      report.determinism = check_determinism(bundle, *files, report.probes, placement);
       if (!report.determinism.identical) {
         report.findings.push_back(make_finding(
             TriageLayer::kSystem, "SYSTEM_NONDETERMINISTIC", Severity::kWarning,
@@ -354,10 +439,58 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
       }
     }
   }
+  if (options.cross_check && options.probes && !report.steps.empty()) {
+    const int64_t step = first ? first->step : report.steps.back().step;
+    const StepFiles* files = files_for(bundle, step);
+    const bool replayed = std::any_of(report.steps.begin(), report.steps.end(),
+                                      [&](const StepOutcome& s) { return s.step == step && s.replayed; });
+    if (files != nullptr && replayed) {
+      const Placement second = placement_for({devices.back()}, options, m.precision.compute);
+      report.cross_check = check_across_devices(bundle, *files, report.probes, second,
+                                                options.devices.front(), options.devices.back());
+      const CrossDeviceCheck& c = *report.cross_check;
+      if (!c.identical) {
+        report.findings.push_back(make_finding(
+            TriageLayer::kSystem, "SYSTEM_DEVICE_MISMATCH", Severity::kError,
+            "step " + std::to_string(step) + " replayed on " + c.device_a + " and " + c.device_b +
+                " from the same inputs differs first at " + c.first_difference + " (rank " +
+                std::to_string(c.rank) + ", micro-batch " + std::to_string(c.micro_batch) +
+                "): one of the two devices computes wrongly",
+            {{"step", step}, {"site", c.first_difference}, {"rank", c.rank}, {"micro_batch", c.micro_batch},
+             {"before", c.max_abs_a}, {"after", c.max_abs_b}}));
+      }
+    }
+  }
   order_findings(report.findings);
   report.root_cause = decide_root_cause(report);
   report.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return report;
+}
+
+void validate_devices(const std::vector<std::string>& names, bool cross_check) {
+  if (names.empty() || names.size() > 2) {
+    throw UsageError("--device takes one device or two separated by a comma (cpu, cuda:0, cuda:0,cuda:1)");
+  }
+  const std::vector<torch::Device> devices = parse_devices(names);
+  if (cross_check && (devices.size() != 2 || devices[0].type() != devices[1].type())) {
+    throw UsageError("--cross-check needs two devices of the same kind (--device cuda:0,cuda:1): "
+                     "different kinds of device compute with different kernels by design");
+  }
+  for (size_t i = 0; i < devices.size(); ++i) {
+    if (!devices[i].is_cuda()) continue;
+    if (!torch::cuda::is_available()) {
+#ifdef NANREPLAY_TORCH_CUDA
+      throw UsageError("--device " + names[i] + ": no CUDA device is available on this machine");
+#else
+      throw UsageError("--device " + names[i] + ": this nanreplay was built against a LibTorch without "
+                       "CUDA; rebuild against a CUDA LibTorch (docs/gpu.md) or use --device cpu");
+#endif
+    }
+    if (devices[i].index() >= static_cast<int>(torch::cuda::device_count())) {
+      throw UsageError("--device " + names[i] + ": only " + std::to_string(torch::cuda::device_count()) +
+                       " CUDA device(s) visible");
+    }
+  }
 }
 
 void set_compute_threads(int threads) {

@@ -33,7 +33,20 @@ struct ReplayOptions {
   std::optional<TriageThresholds> thresholds;  // default: for the bundle's precision
   bool check_updates = true;      // model(s+1) against AdamW(model(s)): flipped bits
   bool check_determinism = true;  // one step replayed twice, compared bitwise
+  // "cpu", "cuda:N", or two devices: the layers split across them, or with
+  // cross_check the same step replayed on each and compared bit for bit.
+  std::vector<std::string> devices{"cpu"};
+  bool cross_check = false;
+  // bf16/fp16 in the low type on a GPU ("native"); emulated by rounding fp32
+  // elsewhere and when false.
+  bool native_low_precision = true;
 };
+
+// Checks --device values before anything is loaded: UsageError naming the
+// value when it is malformed, asks for CUDA in a build or on a machine
+// without it, names a device that does not exist, or combines --cross-check
+// with anything but two devices of one kind.
+void validate_devices(const std::vector<std::string>& devices, bool cross_check);
 
 // Thrown when should_stop() returned true; nothing has been written.
 struct ReplayInterrupted {

@@ -123,6 +123,21 @@ nlohmann::json report_to_json(const ReplayReport& report) {
                                                   {"probes_compared", d.probes_compared},
                                                   {"first_difference", d.first_difference}}
                                  : nlohmann::json(nullptr);
+  out["devices"] = report.devices;
+  out["low_precision"] = report.low_precision;
+  if (report.cross_check) {
+    const CrossDeviceCheck& c = *report.cross_check;
+    nlohmann::json check = {{"devices", {c.device_a, c.device_b}}, {"step", c.step},
+                            {"bitwise_identical", c.identical}, {"probes_compared", c.probes_compared},
+                            {"first_difference", nullptr}};
+    if (!c.identical) {
+      check["first_difference"] = {{"probe", c.first_difference}, {"rank", c.rank},
+                                   {"micro_batch", c.micro_batch}, {"head", optional_index(c.head)},
+                                   {"max_abs", {json_number(c.max_abs_a), json_number(c.max_abs_b)}},
+                                   {"sum", {json_number(c.sum_a), json_number(c.sum_b)}}};
+    }
+    out["cross_check"] = check;
+  }
   if (report.incident) {
     out["incident"] = {{"step", report.incident->step ? nlohmann::json(*report.incident->step)
                                                       : nlohmann::json(nullptr)},

@@ -73,6 +73,17 @@ struct DeterminismCheck {
   std::string first_difference;  // the first site that differed, if any
 };
 
+// --cross-check: one step replayed on two devices, every probe compared bit for bit.
+struct CrossDeviceCheck {
+  std::string device_a, device_b;
+  int64_t step = 0;
+  bool identical = true;
+  int64_t probes_compared = 0;
+  std::string first_difference;  // "<phase> <site>" of the first probe that differed
+  int rank = -1, micro_batch = -1, head = -1;
+  double max_abs_a = 0.0, max_abs_b = 0.0, sum_a = 0.0, sum_b = 0.0;
+};
+
 struct StepOutcome {
   int64_t step = 0;
   bool replayed = false;
@@ -101,6 +112,12 @@ struct ReplayReport {
   std::vector<PropagationEntry> propagation;  // after first_nonfinite, same step/micro-batch/rank
   std::optional<RootCause> root_cause;
   DeterminismCheck determinism;
+  // Where the replay ran ("cpu", "cuda:0", or two devices for a split model)
+  // and how bf16/fp16 were computed: "emulated" (rounding fp32, the CPU way)
+  // or "native" (the low type on the device); "fp32"/"fp8" otherwise.
+  std::vector<std::string> devices{"cpu"};
+  std::string low_precision = "emulated";
+  std::optional<CrossDeviceCheck> cross_check;
   std::vector<ProbeRecord> probes;  // every probe, for the trace
   // The token ids of first_nonfinite's sample (seq_len + 1 of them, the first
   // at global token index offending_tokens_start), for the HTML token window.

@@ -43,13 +43,13 @@ TEST_CASE("fp16 rounding overflows at the site and rounds the gradient too", "[t
   // Gradient 1/3 per element: the site's backward record sees it rounded to fp16.
   (y.index({0, 0, 0}) / 3.0).backward();
   const auto records = probes.take_records();
-  const auto& fwd = find(records, "embed", Phase::kForward);
+  const ProbeRecord fwd = find(records, "embed", Phase::kForward);
   CHECK(fwd.stats.inf_count == 1);
   CHECK(fwd.stats.first_nonfinite == 1);
   CHECK(fwd.stats.first_kind == NonfiniteKind::kPosInf);
   CHECK(fwd.sample == 11);
   CHECK(fwd.position == 0);
-  const auto& bwd = find(records, "embed", Phase::kBackward);
+  const ProbeRecord bwd = find(records, "embed", Phase::kBackward);
   CHECK(bwd.stats.max_abs == Approx(static_cast<float>(c10::Half(1.0f / 3.0f))).epsilon(0));
   CHECK(x.grad()[0][0][0].item<float>() == static_cast<float>(c10::Half(1.0f / 3.0f)));
 }

@@ -1,0 +1,30 @@
+// Probe statistics for tensors that live on an accelerator. The same numbers
+// as the CPU kernel (kernels/tensor_stats.h) computed with LibTorch
+// reductions where the tensor is, into a small float64 tensor that stays on
+// the device: the replay reads all of a step's rows back in one copy, so
+// probing costs no host synchronisation until the step ends.
+#pragma once
+
+#include <vector>
+
+#include <torch/types.h>
+
+#include "kernels/tensor_stats.h"
+
+namespace nanreplay {
+
+// Columns of one row: count, finite_count, nan_count, inf_count, max_abs,
+// min_nonzero_abs, sum, sum_sq, first_nonfinite, first_kind.
+constexpr int64_t kDeviceStatsColumns = 10;
+
+// (1, kDeviceStatsColumns) for the whole tensor, or (heads, kDeviceStatsColumns)
+// for a per-head [batch, heads, rows, cols] tensor, float64 on t's device.
+// With `causal`, elements with col > row are skipped, as the CPU kernel does.
+// Indices are row-major over the full tensor.
+torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal);
+
+// One row read back to the host.
+TensorStats stats_from_row(const double* row);
+std::vector<TensorStats> stats_from_rows(const torch::Tensor& host_rows);
+
+}  // namespace nanreplay

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The CLI on a GPU, end to end (called by scripts/gpu_check.sh run): the demo
+# incident replayed on cuda:0 names the origin the CPU replay names, a split
+# over two devices and --cross-check work, and asking for a missing device is
+# a clear usage error. Prints the CPU and GPU replay times side by side.
+set -euo pipefail
+cli="${NANREPLAY_CLI:?set NANREPLAY_CLI}"
+logs="${NANREPLAY_GPU_LOGS:-$(mktemp -d)}"
+work="$(mktemp -d)"
+second=cuda:0
+[[ "$(nvidia-smi -L | wc -l)" -gt 1 ]] && second=cuda:1
+
+"$cli" demo "$work/demo" -q || [[ $? -eq 1 ]]
+origin() { /usr/bin/env python3 -c 'import json,sys; f=json.load(open(sys.argv[1]))["first_nonfinite"]; print(f["step"], f["site"], f["head"], f["sample"], f["position"])' "$1"; }
+timed() { local start=$SECONDS; "$@" || [[ $? -eq 1 ]]; echo "$((SECONDS - start))"; }
+
+t_cpu=$(timed "$cli" run "$work/demo/bundle" --out "$work/cpu" -q)
+t_gpu=$(timed "$cli" run "$work/demo/bundle" --out "$work/gpu" --device cuda:0 -q)
+"$cli" run "$work/demo/bundle" --out "$work/split" --device "cuda:0,$second" -q || [[ $? -eq 1 ]]
+"$cli" run "$work/demo/bundle" --out "$work/cross" --device "cuda:0,$second" --cross-check -q || [[ $? -eq 1 ]]
+echo "origin cpu:   $(origin "$work/cpu/report.json")"
+echo "origin gpu:   $(origin "$work/gpu/report.json")"
+echo "origin split: $(origin "$work/split/report.json")"
+[[ "$(origin "$work/cpu/report.json")" == "$(origin "$work/gpu/report.json")" ]]
+[[ "$(origin "$work/cpu/report.json")" == "$(origin "$work/split/report.json")" ]]
+python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); c=r["cross_check"]; print("cross-check:", c); assert c["bitwise_identical"]; print("low_precision:", r["low_precision"])' "$work/cross/report.json"
+set +e
+"$cli" run "$work/demo/bundle" --out "$work/none" --device cuda:9 2>"$work/none.err"
+status=$?
+set -e
+echo "cuda:9 -> exit $status: $(cat "$work/none.err")"
+[[ $status -eq 2 && ! -e "$work/none" ]]
+echo "demo replay wall time: cpu ${t_cpu}s, gpu ${t_gpu}s"
+cp "$work/gpu/report.json" "$logs/gpu_report.json"
+cp "$work/cross/report.json" "$logs/cross_report.json"
+echo "gpu_cli_check: passed"

@@ -1,0 +1,122 @@
+// Replay on a GPU, checked against the CPU replay of the same bundle:
+// statistics taken on the device, the origin named, a model split across two
+// devices and the cross-device check. Runs only where a CUDA device exists
+// (gpu_main.cpp); scripts/gpu_check.sh builds and runs it on such a machine.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include "kernels/tensor_stats.h"
+#include "loaders/bundle.h"
+#include "replay/device_stats.h"
+#include "replay/replay_engine.h"
+#include "replay/synthetic_bundle.h"
+#include "tests/cli_harness.h"
+
+using namespace nanreplay;
+using nanreplay_test::ScratchDir;
+
+namespace {
+
+ReplayReport replay_on(const Bundle& bundle, std::vector<std::string> devices, bool cross_check = false,
+                       bool native = true) {
+  ReplayOptions options;
+  options.devices = std::move(devices);
+  options.cross_check = cross_check;
+  options.native_low_precision = native;
+  options.check_determinism = false;
+  return replay_bundle(bundle, options);
+}
+
+std::string second_gpu() { return torch::cuda::device_count() > 1 ? "cuda:1" : "cuda:0"; }
+
+}  // namespace
+
+TEST_CASE("statistics taken on the GPU equal the CPU kernel's", "[gpu]") {
+  torch::manual_seed(11);
+  for (const torch::ScalarType type : {torch::kFloat32, torch::kBFloat16, torch::kHalf}) {
+    CAPTURE(c10::toString(type));
+    torch::Tensor host = (torch::randn({2, 4, 16, 16}) * 30).to(type);
+    host.view(-1)[100] = std::nanf("");
+    host.view(-1)[1000] = -INFINITY;
+    const ElemType elem = type == torch::kFloat32 ? ElemType::kF32 : type == torch::kBFloat16 ? ElemType::kBF16 : ElemType::kF16;
+    const torch::Tensor device = host.to(torch::Device("cuda:0"));
+    for (const bool causal : {false, true}) {
+      const std::vector<TensorStats> gpu = stats_from_rows(device_stats_rows(device, true, causal).cpu());
+      const std::vector<TensorStats> cpu = compute_head_stats(host.data_ptr(), elem, 2, 4, 16, 16, causal);
+      REQUIRE(gpu.size() == cpu.size());
+      for (size_t h = 0; h < cpu.size(); ++h) {
+        CHECK(gpu[h].count == cpu[h].count);
+        CHECK(gpu[h].nan_count == cpu[h].nan_count);
+        CHECK(gpu[h].inf_count == cpu[h].inf_count);
+        CHECK(gpu[h].max_abs == cpu[h].max_abs);
+        CHECK(gpu[h].min_nonzero_abs == cpu[h].min_nonzero_abs);
+        CHECK(gpu[h].first_nonfinite == cpu[h].first_nonfinite);
+        CHECK(gpu[h].sum == Approx(cpu[h].sum).epsilon(1e-5).margin(1e-4));
+      }
+    }
+  }
+}
+
+TEST_CASE("an fp16 overflow replayed on the GPU is named where the CPU names it", "[gpu]") {
+  ScratchDir dir("gpu-overflow");
+  write_synthetic_bundle(dir / "b", synthetic_preset("head-overflow"));
+  const Bundle bundle(dir / "b");
+  const ReplayReport cpu = replay_on(bundle, {"cpu"});
+  REQUIRE(cpu.first_nonfinite);
+  for (const bool native : {true, false}) {
+    CAPTURE(native);
+    const ReplayReport gpu = replay_on(bundle, {"cuda:0"}, false, native);
+    CHECK(gpu.low_precision == (native ? "native" : "emulated"));
+    REQUIRE(gpu.first_nonfinite);
+    CHECK(gpu.first_nonfinite->step == cpu.first_nonfinite->step);
+    CHECK(gpu.first_nonfinite->site == cpu.first_nonfinite->site);
+    CHECK(gpu.first_nonfinite->head == cpu.first_nonfinite->head);
+    CHECK(gpu.first_nonfinite->sample == cpu.first_nonfinite->sample);
+    CHECK(gpu.first_nonfinite->position == cpu.first_nonfinite->position);
+    CHECK(gpu.probes.size() == cpu.probes.size());
+  }
+}
+
+TEST_CASE("fp32 on the GPU reproduces the CPU losses and flags nothing on a clean bundle", "[gpu]") {
+  ScratchDir dir("gpu-clean");
+  write_synthetic_bundle(dir / "b", synthetic_preset("clean-fp32"));
+  const Bundle bundle(dir / "b");
+  const ReplayReport cpu = replay_on(bundle, {"cpu"});
+  const ReplayReport gpu = replay_on(bundle, {"cuda:0"});
+  CHECK_FALSE(gpu.first_nonfinite);
+  CHECK(gpu.low_precision == "fp32");
+  REQUIRE(gpu.steps.size() == cpu.steps.size());
+  for (size_t i = 0; i < cpu.steps.size(); ++i) {
+    CHECK(gpu.steps[i].loss == Approx(cpu.steps[i].loss).epsilon(1e-5));
+    CHECK(gpu.steps[i].grad_norm == Approx(cpu.steps[i].grad_norm).epsilon(1e-4));
+  }
+  for (const Finding& f : gpu.findings) {
+    INFO(f.code << ": " << f.message);
+    CHECK(f.severity != Severity::kError);
+  }
+}
+
+TEST_CASE("a model split across two GPUs replays bit for bit as on one, and cross-checks clean", "[gpu]") {
+  ScratchDir dir("gpu-split");
+  write_synthetic_bundle(dir / "b", synthetic_preset("head-overflow"));
+  const Bundle bundle(dir / "b");
+  const ReplayReport one = replay_on(bundle, {"cuda:0"});
+  const ReplayReport two = replay_on(bundle, {"cuda:0", second_gpu()});
+  REQUIRE(one.probes.size() == two.probes.size());
+  for (size_t i = 0; i < one.probes.size(); ++i) {
+    CAPTURE(one.probes[i].site);
+    CHECK(one.probes[i].stats.max_abs == two.probes[i].stats.max_abs);
+    CHECK(one.probes[i].stats.nan_count == two.probes[i].stats.nan_count);
+  }
+  REQUIRE(two.first_nonfinite);
+  CHECK(two.first_nonfinite->site == one.first_nonfinite->site);
+
+  const ReplayReport cross = replay_on(bundle, {"cuda:0", second_gpu()}, true);
+  REQUIRE(cross.cross_check);
+  CHECK(cross.cross_check->identical);
+  CHECK(cross.cross_check->probes_compared > 100);
+}
