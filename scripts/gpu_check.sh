@@ -79,10 +79,28 @@ run() {
   echo "gpu_check: build took $((SECONDS - started))s"
 
   echo "== tests tagged gpu"
-  (cd "$build" && ctest -L gpu --output-on-failure --timeout 300)
+  local failed=0
+  (cd "$build" && ctest -L gpu --output-on-failure --timeout 300) || failed=1
+  if ((failed)); then
+    # Each test case on its own, so one crash hides no other result; no gdb on
+    # such machines, but cuda-gdb debugs host code too: where did it stop?
+    local name
+    while IFS= read -r name; do
+      [[ -n "$name" ]] || continue
+      echo "-- $name"
+      if ! "$build/tests/nanreplay_gpu_tests" "$name"; then
+        command -v cuda-gdb >/dev/null &&
+          cuda-gdb -batch -ex run -ex bt --args "$build/tests/nanreplay_gpu_tests" "$name" 2>&1 | tail -n 40
+      fi
+    done < <("$build/tests/nanreplay_gpu_tests" --list-test-names-only | grep -v '^ *$' | grep -v 'matching test')
+  fi
 
   echo "== the CLI on the GPU, end to end"
-  NANREPLAY_CLI="$build/nanreplay" NANREPLAY_GPU_LOGS="$logs" "$root/scripts/gpu_cli_check.sh"
+  NANREPLAY_CLI="$build/nanreplay" NANREPLAY_GPU_LOGS="$logs" "$root/scripts/gpu_cli_check.sh" || failed=1
+  if ((failed)); then
+    echo "gpu_check: FAILED (see above)"
+    return 1
+  fi
   echo "gpu_check: all GPU checks passed"
 }
 
