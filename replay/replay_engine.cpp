@@ -26,13 +26,6 @@ namespace {
 
 constexpr size_t kMaxTokenFindingsPerStep = 20;
 
-int layer_of_param(const std::string& name) {
-  for (const std::string prefix : {"model.layers.", "transformer.h."}) {
-    if (name.compare(0, prefix.size(), prefix) == 0) return std::atoi(name.c_str() + prefix.size());
-  }
-  return -1;
-}
-
 const ProbeRecord* earliest_nonfinite(const std::vector<ProbeRecord>& records, bool include_backward) {
   const ProbeRecord* best = nullptr;
   for (const ProbeRecord& record : records) {
@@ -41,23 +34,6 @@ const ProbeRecord* earliest_nonfinite(const std::vector<ProbeRecord>& records, b
     if (best == nullptr || execution_key(record) < execution_key(*best)) best = &record;
   }
   return best;
-}
-
-FirstNonfinite to_first(const ProbeRecord& record) {
-  FirstNonfinite first;
-  first.step = record.step;
-  first.phase = record.phase;
-  first.site = record.site;
-  first.layer = record.layer;
-  first.head = record.first_head;
-  first.kind = record.stats.first_kind;
-  first.rank = record.rank;
-  first.micro_batch = record.micro_batch;
-  first.sample = record.sample;
-  first.position = record.position;
-  first.index = record.first_index;
-  first.shape = record.shape;
-  return first;
 }
 
 // Out-of-range token ids in the step's batch: the step cannot be replayed.
@@ -150,7 +126,7 @@ StepGradients run_step(const Bundle& bundle, const StepFiles& files, const StepS
         record.phase = Phase::kGrad;
         record.order = static_cast<int>(i);
         record.site = checkpoint.order()[i];
-        record.layer = layer_of_param(record.site);
+        record.layer = layer_of_parameter(record.site);
         step.probes.push_back(std::move(record));
       }
     }
@@ -289,7 +265,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
           {{"step", files.step}, {"site", bad->site}, {"rank", bad->rank}, {"micro_batch", bad->micro_batch},
            {"before", outcome.loss_scale}, {"after", outcome.loss_scale / 2}}));
     } else if (bad != nullptr && !first) {
-      first = to_first(*bad);
+      first = first_nonfinite_of(*bad);
       for (const Finding& f : contaminated) {
         const auto steps = f.evidence["steps"].get<std::vector<int64_t>>();
         if (std::find(steps.begin(), steps.end(), files.step) != steps.end() && f.evidence["tensor"] == "parameter") {
