@@ -373,6 +373,8 @@ int synth_main(int argc, char** argv) {
                          {"zero_token", outcome.zero_token},
                          {"zero_position", outcome.zero_position},
                          {"first_sample", outcome.first_sample},
+                         {"fault_sample", outcome.fault_sample},
+                         {"fault_token", outcome.fault_token},
                          {"fault_layer", spec.fault.layer},
                          {"fault_head", spec.fault.head}};
   std::cout << info.dump() << "\n";
