@@ -5,6 +5,7 @@
 #include "replay/bisect.h"
 
 #include <chrono>
+#include <cmath>
 #include <stdexcept>
 
 #include <torch/torch.h>
@@ -141,6 +142,8 @@ BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options) {
     if (!unreplayable_reason(bundle, batch_of_step(bundle, files.step))) {
       report.full_probe_pass_replays += report.passes_per_step;
     }
+    const std::optional<double> logged = bundle.load_state(files).logged.loss;
+    if (logged && !std::isfinite(*logged)) report.logged_nonfinite_steps.push_back(files.step);
   }
 
   Bisection bisection(bundle, options, report);

@@ -132,7 +132,7 @@ StepOverrides overrides_for(const WhatIf& w, const Bundle& bundle, const LoadedS
       if (overrides.dropped_samples.size() == read.size()) {
         bad_spec(w.text, "it drops every sample of " + in_step + ": nothing would be replayed");
       }
-      change = "samples " + join(w.samples) + " removed from " + in_step + " (" +
+      change = (w.samples.size() == 1 ? "sample " : "samples ") + join(w.samples) + " removed from " + in_step + " (" +
                std::to_string(read.size() - w.samples.size()) + " of " + std::to_string(read.size()) +
                " samples left)";
       break;
@@ -152,6 +152,7 @@ StepOverrides overrides_for(const WhatIf& w, const Bundle& bundle, const LoadedS
     case WhatIf::Kind::kNormEps:
       overrides.norm_eps = w.value;
       change = "norm eps " + format_number(m.model.norm_eps) + " -> " + format_number(w.value);
+      if (w.value == m.model.norm_eps) change += " (no change)";
       break;
     case WhatIf::Kind::kDampFp8Scale: {
       const StepFiles* previous = previous_step(bundle, step.step());

@@ -126,6 +126,7 @@ nlohmann::json bisect_to_json(const BisectReport& r) {
     if (!t.replayed) skipped.push_back({{"step", t.step}, {"reason", t.not_replayed_reason}});
   }
   out["not_replayed"] = skipped;
+  out["logged_nonfinite_steps"] = r.logged_nonfinite_steps;
   if (r.what_if) out["what_if"] = what_if_json(*r.what_if);
   out["elapsed_seconds"] = r.elapsed_seconds;
   return out;
@@ -149,6 +150,10 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
     }
   } else {
     out << paint(style, "1;32", "NOT REPRODUCED") << "  no tested step holds a non-finite value\n";
+    if (!r.logged_nonfinite_steps.empty()) {
+      out << "  but the job logged a non-finite loss at step " << join(r.logged_nonfinite_steps)
+          << ": `nanreplay run` checks why the replay differs (SYSTEM_NOT_REPRODUCIBLE)\n";
+    }
   }
   for (const BisectStepTest& t : r.step_tests) {
     if (!t.replayed) out << "  step " << t.step << " could not be replayed: " << printable(t.not_replayed_reason) << "\n";
@@ -172,7 +177,7 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
       out << printable(r.samples.note) << "\n";
     }
   }
-  out << "\n  replays: " << r.origin_replays() << " to name the origin";
+  out << "\n  replays: " << r.origin_replays() << (r.origin ? " to name the origin" : " to look for an origin");
   if (r.samples.replays) out << ", " << r.samples.replays << " for the samples";
   if (r.what_if_replays()) out << ", " << r.what_if_replays() << " for what-ifs";
   out << "; the full probe pass (nanreplay run) replays " << r.full_probe_pass_replays << "\n";

@@ -57,6 +57,9 @@ struct BisectReport {
   BisectSampleStage samples;
 
   std::optional<std::vector<WhatIfOutcome>> what_if;
+  // Steps whose logged loss (state.json) is non-finite: with no origin, the
+  // job saw something this replay does not reproduce (`run` says why).
+  std::vector<int64_t> logged_nonfinite_steps;
   double elapsed_seconds = 0.0;
 
   int64_t step_replays() const;
