@@ -275,6 +275,9 @@ int run_main(int argc, char** argv) {
   settings.threads = args["threads"].as<int>();
   settings.steps = parse_step_list(args["steps"].as<std::string>());
   settings.what_ifs = parse_what_if_options(args);
+  if (!settings.what_ifs.empty() && !settings.probes) {
+    throw UsageError("--what-if replays the first non-finite step, which only probes find: drop --no-probes");
+  }
   if (args.count("max-memory")) {
     const std::string size = args["max-memory"].as<std::string>();
     settings.max_memory = MemoryLimit{parse_memory_size(size), "--max-memory " + size};

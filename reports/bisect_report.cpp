@@ -169,8 +169,12 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
         << phase_name(f.phase) << ", micro-batch " << or_dash(f.micro_batch) << ", rank " << or_dash(f.rank) << "\n";
     out << "  " << pad("site", 10) << pad(std::to_string(r.site_replays), 9) << pad("full, 1 block", 16) << f.site
         << (f.head >= 0 ? ", head " + std::to_string(f.head) : "") << ", element " << index_text(f.index) << "\n";
-    out << "  " << pad("samples", 10) << pad(std::to_string(r.samples.replays), 9) << pad("any-non-finite", 16);
-    if (r.samples.ran) {
+    const bool skipped = !r.samples.ran && r.samples.note.empty();
+    out << "  " << pad("samples", 10) << pad(skipped ? "-" : std::to_string(r.samples.replays), 9)
+        << pad("any-non-finite", 16);
+    if (skipped) {
+      out << "skipped (--no-samples)\n";
+    } else if (r.samples.ran) {
       out << "{" << join(r.samples.minimal) << "}: smallest set of the pass's " << r.samples.candidates.size()
           << " samples that still fails (ddmin)\n";
     } else {
