@@ -268,6 +268,8 @@ TEST_CASE("a malformed what-if is exit 2 with one line, and nothing is written",
       // Known only once the bad step is: step 103 does not read sample 100000.
       {{"run", bundle, "--out", (dir / "d").string(), "--what-if", "drop-samples=100000"},
        "sample 100000 is not read by step 103"},
+      {{"run", bundle, "--out", (dir / "e").string(), "--no-probes", "--what-if", "stable-softmax"},
+       "drop --no-probes"},
       {{"bisect", bundle, "--what-if", "damp-fp8-scale"}, "no fp8 scales to damp"},
   };
   for (const auto& [args, message] : cases) {
@@ -278,7 +280,7 @@ TEST_CASE("a malformed what-if is exit 2 with one line, and nothing is written",
     CHECK(std::count(result.err.begin(), result.err.end(), '\n') == 1);
     CHECK(result.out.empty());
   }
-  for (const char* out : {"a", "b", "c", "d"}) CHECK_FALSE(std::filesystem::exists(dir / out));
+  for (const char* out : {"a", "b", "c", "d", "e"}) CHECK_FALSE(std::filesystem::exists(dir / out));
 }
 
 TEST_CASE("bisect refuses a missing bundle with exit 2 naming it", "[cli][bisect]") {
