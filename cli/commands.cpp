@@ -5,9 +5,7 @@
 
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
-#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -19,6 +17,7 @@
 
 #include <cxxopts.hpp>
 
+#include "cli/cli_support.h"
 #include "loaders/bundle.h"
 #include "loaders/error.h"
 #include "probes/data_checks.h"
@@ -41,20 +40,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::atomic<int> g_stop_signal{0};
-
-void on_stop_signal(int signal) { g_stop_signal.store(signal); }
-
-void install_stop_handlers() {
-  struct sigaction action {};
-  action.sa_handler = on_stop_signal;
-  sigemptyset(&action.sa_mask);
-  sigaction(SIGINT, &action, nullptr);
-  sigaction(SIGTERM, &action, nullptr);
-}
-
-bool color_wanted(int fd) { return std::getenv("NO_COLOR") == nullptr && isatty(fd); }
-
 struct Command {
   const char* name;
   const char* summary;
@@ -74,6 +59,8 @@ const std::vector<Command>& command_table() {
   static const std::vector<Command> table = {
       {"run", "replay every step of a bundle with probes; write report.{json,md,html} and trace.h5",
        "nanreplay run incident-bundle/ --out triage/", run_main},
+      {"bisect", "find the first non-finite value with fewer replays (step, layer, site, samples); what-ifs",
+       "nanreplay bisect incident-bundle/ --json --what-if stable-softmax", bisect_main},
       {"demo", "write a built-in incident bundle (one attention head overflows) and replay it",
        "nanreplay demo ./nanreplay-demo", demo_main},
       {"scan-data", "scan every token shard for poisoned samples without replaying (prints GB/s)",
@@ -116,14 +103,6 @@ size_t edit_distance(const std::string& a, const std::string& b) {
     }
   }
   return row[b.size()];
-}
-
-cxxopts::ParseResult parse_or_usage(cxxopts::Options& options, int argc, char** argv) {
-  try {
-    return options.parse(argc, argv);
-  } catch (const cxxopts::exceptions::exception& e) {
-    throw UsageError(std::string(e.what()) + " (see nanreplay " + options.program().substr(10) + " --help)");
-  }
 }
 
 std::optional<std::set<int64_t>> parse_step_list(const std::string& text) {
@@ -194,14 +173,9 @@ struct RunSettings {
   std::vector<std::string> devices{"cpu"};
   bool cross_check = false;
   bool emulate_low_precision = false;
+  std::vector<WhatIf> what_ifs;           // replayed at the first non-finite step
 };
 
-std::vector<std::string> split_devices(const std::string& text) {
-  std::vector<std::string> devices;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) devices.push_back(item);
-  return devices;
-}
 
 // Replays, writes the outputs whole or not at all, prints the verdict.
 ReplayReport replay_and_write(const RunSettings& settings) {
@@ -210,6 +184,7 @@ ReplayReport replay_and_write(const RunSettings& settings) {
   set_compute_threads(settings.threads);
   validate_devices(settings.devices, settings.cross_check);
   const Bundle bundle(settings.bundle);
+  check_what_ifs(settings.what_ifs, bundle.manifest());
   size_t steps_to_replay = 0;
   for (const StepFiles& files : bundle.steps()) {
     if (!settings.steps || settings.steps->count(files.step)) ++steps_to_replay;
@@ -226,13 +201,19 @@ ReplayReport replay_and_write(const RunSettings& settings) {
   options.only_steps = settings.steps;
   options.tool_version = NANREPLAY_VERSION;
   options.on_progress = [&](const ReplayProgress& p) { progress.update(p); };
-  options.should_stop = [] { return g_stop_signal.load() != 0; };
   options.devices = settings.devices;
   options.cross_check = settings.cross_check;
   options.native_low_precision = !settings.emulate_low_precision;
+  options.should_stop = stop_requested;
   ReplayReport report;
   try {
     report = replay_bundle(bundle, options);
+    if (!settings.what_ifs.empty()) {
+      report.what_if = evaluate_what_ifs(
+          bundle, report.first_nonfinite, settings.what_ifs,
+          [&] { if (stop_requested()) throw ReplayInterrupted{steps_to_replay}; },
+          {settings.devices.front()}, !settings.emulate_low_precision);
+    }
   } catch (const ReplayInterrupted& stop) {
     progress.clear();
     out.abandon();
@@ -254,7 +235,7 @@ ReplayReport replay_and_write(const RunSettings& settings) {
   out.write_text("report.json", report_to_json(report).dump(2) + "\n");
   out.write_text("report.md", render_markdown(report));
   out.write_text("report.html", render_html(report));
-  if (g_stop_signal.load() != 0) {  // arrived while the outputs were written: keep none of them
+  if (stop_requested()) {  // arrived while the outputs were written: keep none of them
     out.abandon();
     std::fprintf(stderr, "nanreplay: interrupted after all %zu steps, while writing the outputs; "
                  "nothing was written\n", steps_to_replay);
@@ -284,11 +265,15 @@ int run_main(int argc, char** argv) {
       ("json", "print report.json to stdout instead of the verdict")
       ("q,quiet", "print nothing but errors")
       ("h,help", "show this help");
+  add_what_if_option(options);
   options.parse_positional({"bundle"});
   options.positional_help("BUNDLE");
   const auto args = parse_or_usage(options, argc, argv);
   if (args.count("help")) {
-    std::cout << options.help() << "\nexit status: 0 clean, 1 non-finite origin or error finding named, "
+    std::cout << options.help() << "\n" << what_if_help()
+              << "  e.g. nanreplay run incident-bundle/ --what-if stable-softmax --what-if fp32-layers=2,3\n"
+              << "  report.json then holds a `what_if` list: resolved or not, and the first non-finite value after\n"
+              << "\nexit status: 0 clean, 1 non-finite origin or error finding named, "
               << "2 bad input, 3 internal error, 130 interrupted\n";
     return 0;
   }
@@ -305,6 +290,10 @@ int run_main(int argc, char** argv) {
   settings.devices = split_devices(args["device"].as<std::string>());
   settings.cross_check = args.count("cross-check") > 0;
   settings.emulate_low_precision = args.count("emulate-low-precision") > 0;
+  settings.what_ifs = parse_what_if_options(args);
+  if (!settings.what_ifs.empty() && !settings.probes) {
+    throw UsageError("--what-if replays the first non-finite step, which only probes find: drop --no-probes");
+  }
   if (args.count("max-memory")) {
     const std::string size = args["max-memory"].as<std::string>();
     settings.max_memory = MemoryLimit{parse_memory_size(size), "--max-memory " + size};
@@ -403,6 +392,8 @@ int synth_main(int argc, char** argv) {
                          {"zero_token", outcome.zero_token},
                          {"zero_position", outcome.zero_position},
                          {"first_sample", outcome.first_sample},
+                         {"fault_sample", outcome.fault_sample},
+                         {"fault_token", outcome.fault_token},
                          {"fault_layer", spec.fault.layer},
                          {"fault_head", spec.fault.head}};
   std::cout << info.dump() << "\n";

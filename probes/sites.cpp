@@ -2,6 +2,7 @@
 // names, layouts and execution order.
 #include "probes/sites.h"
 
+#include <cstdlib>
 #include <stdexcept>
 
 namespace nanreplay {
@@ -125,6 +126,13 @@ std::vector<ParamSpec> expected_parameters(const ModelConfig& m) {
   params.push_back({"transformer.ln_f.weight", {hidden}});
   params.push_back({"transformer.ln_f.bias", {hidden}});
   return params;
+}
+
+int layer_of_parameter(const std::string& key) {
+  for (const std::string prefix : {"model.layers.", "transformer.h."}) {
+    if (key.compare(0, prefix.size(), prefix) == 0) return std::atoi(key.c_str() + prefix.size());
+  }
+  return -1;
 }
 
 }  // namespace nanreplay

@@ -79,5 +79,7 @@ struct ParamSpec {
   std::vector<int64_t> shape;
 };
 std::vector<ParamSpec> expected_parameters(const ModelConfig& model);
+// The block a parameter key belongs to ("model.layers.3.mlp.up_proj.weight": 3), -1 outside.
+int layer_of_parameter(const std::string& key);
 
 }  // namespace nanreplay

@@ -1,6 +1,7 @@
 // Loading a checkpoint into fp32 master tensors, in place where possible.
 #include "replay/checkpoint.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 
@@ -21,6 +22,25 @@ std::string shape_text(const std::vector<int64_t>& shape) {
 }
 
 }  // namespace
+
+ComputePlacement placement_for(const std::vector<std::string>& names, bool native_allowed, Compute compute) {
+  ComputePlacement placement;
+  placement.devices.clear();
+  for (const std::string& name : names) {
+    const bool cuda = name.rfind("cuda:", 0) == 0 && name.size() > 5 &&
+                      name.find_first_not_of("0123456789", 5) == std::string::npos;
+    if (name != "cpu" && !cuda) {
+      throw UsageError("--device " + name + ": expected cpu, cuda:N, or two of them separated by a comma");
+    }
+    placement.devices.emplace_back(name);
+  }
+  if (placement.devices.empty()) placement.devices.emplace_back(torch::kCPU);
+  const bool on_gpu = std::any_of(placement.devices.begin(), placement.devices.end(),
+                                  [](const torch::Device& d) { return d.is_cuda(); });
+  const bool reduced = compute == Compute::kBf16 || compute == Compute::kFp16;
+  placement.native_low_precision = native_allowed && on_gpu && reduced;
+  return placement;
+}
 
 int layer_of_param(const std::string& name) {
   for (const std::string prefix : {"model.layers.", "transformer.h."}) {

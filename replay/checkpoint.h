@@ -13,6 +13,17 @@
 
 namespace nanreplay {
 
+// Where a replay computes: one device, or two with the layers split.
+struct ComputePlacement {
+  std::vector<torch::Device> devices{torch::Device(torch::kCPU)};
+  bool native_low_precision = false;  // bf16/fp16 matmuls in the low type (GPU)
+};
+
+// --device names ("cpu", "cuda:N", one or two) checked and turned into a
+// placement; UsageError names a malformed value. `native_allowed`: bf16/fp16
+// run natively when a GPU is involved.
+ComputePlacement placement_for(const std::vector<std::string>& names, bool native_allowed, Compute compute);
+
 class ModelCheckpoint {
  public:
   // Opens `files.model` and validates it against `model`.
@@ -26,6 +37,7 @@ class ModelCheckpoint {
   // the rest, the final norm and the head on the second). The host tensors
   // stay for the system checks.
   void place(const std::vector<torch::Device>& devices, int num_layers);
+  void place(const ComputePlacement& placement, int num_layers) { place(placement.devices, num_layers); }
   // What the replay computes with: the placed leaves, else the host ones.
   ParamMap& compute_params() { return placed_.empty() ? params_ : placed_; }
   // Parameter names in the spec's order.

@@ -60,20 +60,70 @@ double total_grad_norm(const std::vector<torch::Tensor>& grads) {
   return total_grad_norm_tensor(grads).item<double>();
 }
 
+Numerics step_numerics(const Manifest& manifest, const std::map<std::string, Fp8ModuleScales>* fp8_scales) {
+  return manifest.precision.compute == Compute::kFp8
+             ? Numerics(Compute::kFp8, manifest.precision.fp8.value_or(Fp8Config{}), fp8_scales)
+             : Numerics(manifest.precision.compute);
+}
+
+PassOutput replay_pass(const ModelConfig& model, const TokenStream& tokens, int64_t seq_len,
+                       const PassInput& input, ParamMap& params, const Numerics& numerics,
+                       const ProbeScope& scope, const std::function<void()>& before_backward) {
+  const std::vector<int64_t>& ids = input.context.sample_ids;
+  const auto rows = static_cast<int64_t>(ids.size());
+  const torch::Tensor window = gather_tokens(tokens, ids.data(), rows, seq_len);
+  const torch::Tensor inputs = window.narrow(1, 0, seq_len);
+  const torch::Tensor targets = window.narrow(1, 1, seq_len);
+  ProbeSession probes(input.context, numerics, scope, model);
+  const ForwardResult forward = forward_loss(model, params, inputs, targets, numerics, probes);
+  PassOutput out;
+  out.loss = forward.loss.item<double>();
+  if (forward.sample_loss.defined()) {
+    for (int64_t row = 0; row < rows; ++row) {
+      out.sample_losses.push_back({ids[static_cast<size_t>(row)], input.context.rank, input.context.micro_batch,
+                                   forward.sample_loss[row].item<double>()});
+    }
+  }
+  if (before_backward) before_backward();
+  (forward.loss * input.backward_scale).backward();
+  out.norm_checks = probes.take_norm_checks();
+  out.probes = probes.take_records();
+  return out;
+}
+
+void clear_gradients(ParamMap& params, const std::vector<std::string>& order) {
+  for (const std::string& name : order) params.at(name).mutable_grad() = torch::Tensor();
+}
+
+std::vector<torch::Tensor> add_rank_gradients(const ParamMap& params, const std::vector<std::string>& order,
+                                              double inv_scale, int64_t world_size,
+                                              std::vector<torch::Tensor>& step_grads) {
+  std::vector<torch::Tensor> rank_grads;
+  rank_grads.reserve(order.size());
+  step_grads.resize(order.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    torch::Tensor grad = params.at(order[i]).grad();
+    if (!grad.defined()) grad = torch::zeros_like(params.at(order[i]));
+    rank_grads.push_back(grad * inv_scale);
+    // DDP averages: each rank's contribution divided by the world size, then summed.
+    torch::Tensor share = rank_grads.back() / world_size;
+    step_grads[i] = step_grads[i].defined() ? step_grads[i] + share : share;
+  }
+  return rank_grads;
+}
+
 StepGradients compute_step_gradients(const Manifest& manifest, const TokenStream& tokens,
                                      int64_t step, const StepBatch& batch, ParamMap& params,
                                      const std::vector<std::string>& order,
                                      const StepComputeOptions& options) {
   const DataConfig& data = manifest.data;
-  Numerics numerics =
-      manifest.precision.compute == Compute::kFp8
-          ? Numerics(Compute::kFp8, manifest.precision.fp8.value_or(Fp8Config{}), options.fp8_scales)
-          : Numerics(manifest.precision.compute);
+  Numerics numerics = step_numerics(manifest, options.fp8_scales);
   numerics.set_native(options.native_low_precision);
   const int world = static_cast<int>(data.world_size);
   const int accum = static_cast<int>(data.grad_accum_steps);
   const int64_t rows = data.micro_batch_size;
   const double inv_scale = 1.0 / options.loss_scale;  // as GradScaler.unscale_ multiplies
+  const ProbeScope scope{options.probes ? ProbeLevel::kFull : ProbeLevel::kOff, {}};
 
   // Every value the step reports stays where it was computed until the step
   // ends and is read back in one go: on a GPU the step synchronises once.
@@ -85,7 +135,7 @@ StepGradients compute_step_gradients(const Manifest& manifest, const TokenStream
   StepGradients result;
   result.grads.assign(order.size(), torch::Tensor());
   for (int rank = 0; rank < world; ++rank) {
-    for (const std::string& name : order) params.at(name).mutable_grad() = torch::Tensor();
+    clear_gradients(params, order);
     for (int micro = 0; micro < accum; ++micro) {
       if (options.before_pass) options.before_pass(rank, micro, "forward");
       const int64_t* ids = batch.samples.at(static_cast<size_t>(rank)).data() + micro * rows;
@@ -93,8 +143,7 @@ StepGradients compute_step_gradients(const Manifest& manifest, const TokenStream
       const torch::Tensor inputs = window.narrow(1, 0, data.seq_len);
       const torch::Tensor targets = window.narrow(1, 1, data.seq_len);
       BatchContext context{step, micro, rank, std::vector<int64_t>(ids, ids + rows)};
-      sessions.push_back(std::make_unique<ProbeSession>(std::move(context), numerics, options.probes,
-                                                        manifest.model));
+      sessions.push_back(std::make_unique<ProbeSession>(std::move(context), numerics, scope, manifest.model));
       const ForwardResult forward =
           forward_loss(manifest.model, params, inputs, targets, numerics, *sessions.back());
       micro_losses.push_back(forward.loss.detach());
@@ -106,19 +155,9 @@ StepGradients compute_step_gradients(const Manifest& manifest, const TokenStream
       // The rank's micro-batch loss / grad_accum_steps, times the loss scale.
       (forward.loss * (options.loss_scale / accum)).backward();
     }
-    std::vector<torch::Tensor> rank_grads;
-    rank_grads.reserve(order.size());
-    for (size_t i = 0; i < order.size(); ++i) {
-      torch::Tensor grad = params.at(order[i]).grad();
-      if (!grad.defined()) grad = torch::zeros_like(params.at(order[i]));
-      rank_grads.push_back(grad * inv_scale);
-      // DDP averages: each rank's contribution divided by the world size, then summed.
-      torch::Tensor share = rank_grads.back() / world;
-      result.grads[i] = result.grads[i].defined() ? result.grads[i] + share : share;
-    }
-    rank_norms.push_back(total_grad_norm_tensor(rank_grads));
+    rank_norms.push_back(total_grad_norm_tensor(add_rank_gradients(params, order, inv_scale, world, result.grads)));
   }
-  for (const std::string& name : order) params.at(name).mutable_grad() = torch::Tensor();
+  clear_gradients(params, order);
 
   // The one synchronisation: losses, per-sample losses, norms, then probes.
   std::vector<torch::Tensor> scalars = micro_losses;

@@ -110,9 +110,6 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
     const torch::Tensor per_head = x.view({B, T, heads, D}).transpose(1, 2);  // (B, heads, T, D)
     return apply_rotary(per_head, cos, sin).transpose(1, 2).reshape({B, T, heads * D});
   };
-  auto proj = [&](const torch::Tensor& in, const std::string& module) {
-    return numerics.linear(in, param(p, module + ".weight"), {}, module);
-  };
   const torch::Tensor embedding = param(p, "model.embed_tokens.weight");
   torch::Tensor x = probes.site({SiteId::kEmbed, -1},
                                 F::embedding(inputs.to(embedding.device()), embedding));  // (B, T, C)
@@ -126,6 +123,10 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
       cos = cos.to(device);
       sin = sin.to(device);
     }
+    const Numerics block = numerics.in_layer(layer);  // what-ifs may run a layer in fp32
+    auto proj = [&](const torch::Tensor& in, const std::string& module) {
+      return block.linear(in, param(p, module + ".weight"), {}, module);
+    };
     probes.alias({SiteId::kInput, layer}, stream);
     const torch::Tensor h = probes.site(
         {SiteId::kAttnNorm, layer},
@@ -137,7 +138,7 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
                          rope(proj(h, pre + "self_attn.k_proj"), G));
     attn.v = probes.site({SiteId::kAttnV, layer},
                          proj(h, pre + "self_attn.v_proj"));
-    const torch::Tensor context = causal_attention(m, attn, layer, numerics, probes);
+    const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
     const torch::Tensor attn_out = probes.site(
         {SiteId::kAttnOut, layer}, proj(context, pre + "self_attn.o_proj"));
     x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
@@ -186,12 +187,13 @@ ForwardResult gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch:
                                  .bias(param(p, prefix + ".bias"))
                                  .eps(m.norm_eps));
   };
-  auto linear = [&](const torch::Tensor& in, const std::string& prefix) {
-    return numerics.linear(in, param(p, prefix + ".weight"), param(p, prefix + ".bias"), prefix);
-  };
   for (int layer = 0; layer < m.num_layers; ++layer) {
     const std::string pre = "transformer.h." + std::to_string(layer) + ".";
     x = x.to(param(p, pre + "ln_1.weight").device());  // split layers: follow the weights
+    const Numerics block = numerics.in_layer(layer);  // what-ifs may run a layer in fp32
+    auto linear = [&](const torch::Tensor& in, const std::string& prefix) {
+      return block.linear(in, param(p, prefix + ".weight"), param(p, prefix + ".bias"), prefix);
+    };
     probes.alias({SiteId::kInput, layer}, stream);
     const torch::Tensor h = probes.site({SiteId::kAttnNorm, layer}, layer_norm(x, pre + "ln_1", {SiteId::kAttnNorm, layer}));
     const std::vector<torch::Tensor> qkv = linear(h, pre + "attn.c_attn").split(C, -1);  // 3 x (B, T, C)
@@ -199,7 +201,7 @@ ForwardResult gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch:
     attn.q = probes.site({SiteId::kAttnQ, layer}, qkv[0]);
     attn.k = probes.site({SiteId::kAttnK, layer}, qkv[1]);
     attn.v = probes.site({SiteId::kAttnV, layer}, qkv[2]);
-    const torch::Tensor context = causal_attention(m, attn, layer, numerics, probes);
+    const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
     const torch::Tensor attn_out =
         probes.site({SiteId::kAttnOut, layer}, linear(context, pre + "attn.c_proj"));
     x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);

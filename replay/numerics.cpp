@@ -1,6 +1,7 @@
 // Autocast emulation by rounding; see numerics.h for the rules.
 #include "replay/numerics.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <torch/torch.h>
@@ -80,6 +81,23 @@ Numerics::Numerics(Compute compute, const Fp8Config& fp8,
   fp8_scales_ = scales;
 }
 
+bool Numerics::fp32_layer(int layer) const {
+  const std::vector<int>& layers = overrides_.fp32_layers;
+  return layer >= 0 && std::find(layers.begin(), layers.end(), layer) != layers.end();
+}
+
+Numerics Numerics::in_layer(int layer) const {
+  if (!fp32_layer(layer)) return *this;
+  Numerics plain(Compute::kFp32);
+  plain.overrides_ = overrides_;
+  return plain;
+}
+
+bool Numerics::rounds_site(const SiteRef& ref) const {
+  if (!reduced_ || ref.id == SiteId::kLoss || fp32_layer(ref.layer)) return false;
+  return !(overrides_.stable_softmax && ref.id == SiteId::kAttnScores);
+}
+
 torch::Tensor Numerics::to_low(const torch::Tensor& x) const {
   return reduced_ ? x.to(low_type_) : x;
 }
@@ -117,6 +135,8 @@ torch::Tensor Numerics::matmul(const torch::Tensor& a, const torch::Tensor& b) c
 torch::Tensor Numerics::attention_scores(const torch::Tensor& q, const torch::Tensor& k) const {
   // Divided, not multiplied by the reciprocal, as eager PyTorch code writes it.
   const double divisor = std::sqrt(static_cast<double>(q.size(-1)));
+  // A fused kernel keeps the product in its fp32 accumulators: no rounding.
+  if (overrides_.stable_softmax) return torch::matmul(q, k.transpose(-2, -1)) / divisor;
   return round(round(matmul(q, k.transpose(-2, -1))) / divisor);
 }
 

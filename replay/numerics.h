@@ -7,17 +7,32 @@
 // fp8 computes in fp32 except the linear modules listed in the step's
 // fp8_scales: their inputs and weights are quantized (e4m3 by default,
 // straight-through backward) and the gradient reaching them (e5m2).
+// What-if replays may change two things here (NumericsOverrides); without
+// overrides every computation is exactly the bundle's.
 #pragma once
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include <torch/types.h>
 
 #include "loaders/manifest.h"
 #include "loaders/step_state.h"
+#include "probes/sites.h"
 
 namespace nanreplay {
+
+// What-if changes to the arithmetic (docs/bisect-and-what-if.md). Default: none.
+struct NumericsOverrides {
+  // Layers computed entirely in fp32: their sites are not rounded to the
+  // compute type and their linears neither round nor fp8-quantize.
+  std::vector<int> fp32_layers;
+  // Attention as a fused kernel computes it: q k^T accumulated, scaled and
+  // softmaxed in fp32 and never rounded to the compute type (probs still are,
+  // before probs @ v).
+  bool stable_softmax = false;
+};
 
 // dequant(saturate(round_to_nearest_even_fp8(x * scale))) / scale in fp32;
 // NaN and +-inf pass through, so a non-finite scale propagates.
@@ -38,6 +53,15 @@ class Numerics {
   bool reduced() const { return reduced_; }
   torch::ScalarType low_type() const { return low_type_; }
 
+  void set_overrides(NumericsOverrides overrides) { overrides_ = std::move(overrides); }
+  const NumericsOverrides& overrides() const { return overrides_; }
+  // The arithmetic inside block `layer`: plain fp32 when a what-if says so,
+  // otherwise this object's.
+  Numerics in_layer(int layer) const;
+  // Whether a site's tensor is held in the compute type (rounded when produced).
+  // The loss never is: cross-entropy is fp32 from the rounded logits.
+  bool rounds_site(const SiteRef& ref) const;
+
   // The value as the compute type holds it (an autograd-visible cast pair).
   torch::Tensor round(const torch::Tensor& x) const;
   // The low-precision tensor itself (for probes and gradient hooks).
@@ -47,7 +71,8 @@ class Numerics {
   // which selects its fp8 scales.
   torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
                        const torch::Tensor& bias, const std::string& module) const;
-  // Scaled attention scores round(round(q k^T) / sqrt(head_dim)); probed by the caller.
+  // Scaled attention scores round(round(q k^T) / sqrt(head_dim)), or in plain
+  // fp32 with the stable_softmax override; probed by the caller.
   torch::Tensor attention_scores(const torch::Tensor& q, const torch::Tensor& k) const;
   // a @ b of already-rounded operands: fp32, or in the low type when native.
   torch::Tensor matmul(const torch::Tensor& a, const torch::Tensor& b) const;
@@ -59,6 +84,9 @@ class Numerics {
   torch::ScalarType low_type_;
   Fp8Config fp8_;
   const std::map<std::string, Fp8ModuleScales>* fp8_scales_ = nullptr;
+  NumericsOverrides overrides_;
+
+  bool fp32_layer(int layer) const;
 };
 
 }  // namespace nanreplay

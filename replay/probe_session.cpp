@@ -81,6 +81,29 @@ void finish_norm_check(NormCheck& check, const double* values, int64_t cols,
   check.position = flat % cols;
 }
 
+// The elements a site's statistics cover: causal sites (scores, probs) drop
+// the positions the mask removes, which never reach the loss.
+torch::Tensor counted_elements(const torch::Tensor& t, const SiteDef& def) {
+  if (!def.causal || t.dim() != 4 || t.size(2) != t.size(3)) return t;
+  const int64_t T = t.size(2);
+  const torch::Tensor keep = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(t.device())).tril();
+  return t.masked_select(keep);
+}
+
+// kFlags: one all-finite test; counts only when it fails (rare, so cheap).
+std::optional<ProbeRecord> nonfinite_flag(const torch::Tensor& tensor, const SiteDef& def) {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor counted = counted_elements(tensor.detach(), def);
+  if (torch::isfinite(counted).all().item<bool>()) return std::nullopt;
+  ProbeRecord record;
+  record.shape = tensor.sizes().vec();
+  record.stats.count = counted.numel();
+  record.stats.nan_count = torch::isnan(counted).sum().item<int64_t>();
+  record.stats.inf_count = torch::isinf(counted).sum().item<int64_t>();
+  record.stats.finite_count = record.stats.count - record.stats.nan_count - record.stats.inf_count;
+  return record;
+}
+
 }  // namespace
 
 double dtype_max(ElemType type) {
@@ -166,7 +189,7 @@ struct ProbeSession::State {
   };
 
   BatchContext context;
-  bool enabled = false;
+  ProbeScope scope;
   bool defer_host = false;
   int num_forward_sites = 0;
   std::vector<int> order_of;  // (layer + 1) * kSiteCount + id -> forward order
@@ -177,11 +200,12 @@ struct ProbeSession::State {
   std::vector<std::pair<SiteRef, SiteRef>> aliases;
   std::vector<NormCheck> norm_checks;
 
-  // CPU tensors are described at once; device tensors join `pending`.
+  // Full statistics of CPU tensors are taken at once, those of device
+  // tensors join `pending`; bisection's flags are read at once anywhere.
   void probe(const torch::Tensor& tensor, const SiteRef& ref, Phase phase) {
     const SiteDef& def = site_def(ref.id);
-    if (tensor.device().is_cpu() && !defer_host) {
-      add(describe_tensor(tensor, &def, context.sample_ids), ref, phase);
+    if (scope.level != ProbeLevel::kFull || (tensor.device().is_cpu() && !defer_host)) {
+      add(describe(tensor, def), ref, phase);
       return;
     }
     const bool per_head = probed_per_head(tensor, &def);
@@ -224,6 +248,22 @@ struct ProbeSession::State {
   }
   static int site_count() { return static_cast<int>(site_table().size()); }
 
+  bool probed(const SiteRef& ref) const {
+    if (scope.level == ProbeLevel::kOff) return false;
+    if (scope.level == ProbeLevel::kFlags || !scope.layer || ref.layer == *scope.layer) return true;
+    // The residual stream entering block L is also block L's `input` site.
+    const int block = *scope.layer;
+    if (block == 0) return ref.id == SiteId::kEmbed;
+    return block > 0 && ref.id == SiteId::kOutput && ref.layer == block - 1;
+  }
+
+  // The records of one site's tensor at this level (none when flags find it finite).
+  std::vector<ProbeRecord> describe(const torch::Tensor& tensor, const SiteDef& def) const {
+    if (scope.level == ProbeLevel::kFull) return describe_tensor(tensor, &def, context.sample_ids);
+    std::optional<ProbeRecord> flag = nonfinite_flag(tensor, def);
+    return flag ? std::vector<ProbeRecord>{*flag} : std::vector<ProbeRecord>{};
+  }
+
   void add(std::vector<ProbeRecord> records, const SiteRef& ref, Phase phase) {
     const int forward_order = order(ref);
     for (ProbeRecord& record : records) {
@@ -241,9 +281,14 @@ struct ProbeSession::State {
 
 ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, bool enabled,
                            const ModelConfig& model, bool defer_host)
+    : ProbeSession(std::move(context), numerics, ProbeScope{enabled ? ProbeLevel::kFull : ProbeLevel::kOff, {}},
+                   model, defer_host) {}
+
+ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, const ProbeScope& scope,
+                           const ModelConfig& model, bool defer_host)
     : state_(std::make_shared<State>()), numerics_(numerics) {
   state_->context = std::move(context);
-  state_->enabled = enabled;
+  state_->scope = scope;
   state_->defer_host = defer_host;
   const std::vector<SiteRef> sites = forward_sites(model);
   state_->num_forward_sites = static_cast<int>(sites.size());
@@ -258,10 +303,11 @@ ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, bool 
 ProbeSession::~ProbeSession() = default;
 
 torch::Tensor ProbeSession::site(const SiteRef& ref, const torch::Tensor& value) {
-  // The loss stays fp32 (cross-entropy from the rounded logits); all else is rounded.
-  const bool rounded = numerics_.reduced() && ref.id != SiteId::kLoss;
+  // The loss stays fp32 (cross-entropy from the rounded logits); all else is
+  // rounded, unless a what-if keeps the site in fp32.
+  const bool rounded = numerics_.rounds_site(ref);
   const torch::Tensor held = rounded ? numerics_.to_low(value) : value;
-  if (state_->enabled) {
+  if (state_->probed(ref)) {
     state_->probe(held, ref, Phase::kForward);
     if (held.requires_grad()) {
       std::shared_ptr<State> state = state_;
@@ -272,14 +318,14 @@ torch::Tensor ProbeSession::site(const SiteRef& ref, const torch::Tensor& value)
 }
 
 void ProbeSession::alias(const SiteRef& ref, const SiteRef& same_as) {
-  if (!state_->enabled) return;
+  if (!state_->probed(ref)) return;
   state_->aliases.emplace_back(ref, same_as);  // copied in take_records, once all are resolved
 }
 
-bool ProbeSession::enabled() const { return state_->enabled; }
+bool ProbeSession::enabled() const { return state_->scope.level == ProbeLevel::kFull; }
 
 void ProbeSession::check_norm(const SiteRef& ref, const torch::Tensor& moment, double eps) {
-  if (!state_->enabled) return;
+  if (!enabled()) return;
   torch::NoGradGuard no_grad;
   const torch::Tensor m = moment.detach().to(torch::kFloat64).reshape({moment.size(0), -1});
   const torch::Tensor finite_m = torch::where(torch::isnan(m), torch::full_like(m, INFINITY), m);

@@ -4,9 +4,12 @@
 // it (already summed over every consumer and rounded at the cast pair).
 // With probes off, `site()` only applies the rounding: numerics are identical.
 // On a GPU nothing is read back until take_records()/take_norm_checks().
+// Bisection adds two cheaper levels: one all-finite flag per site (kFlags),
+// and full statistics on one block only (ProbeScope::layer).
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <torch/types.h>
@@ -31,6 +34,22 @@ struct BatchContext {
 std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
                                          const std::vector<int64_t>& sample_ids);
 
+enum class ProbeLevel {
+  kOff,    // no statistics, no hooks: the fast path for training
+  kFlags,  // one all-finite test per site (causal positions only for scores and
+           // probs); records only the sites holding a non-finite value, with
+           // count, nan_count and inf_count and no other statistics
+  kFull,   // every statistic of every site, per head where the site has heads
+};
+
+struct ProbeScope {
+  ProbeLevel level = ProbeLevel::kFull;
+  // kFull only: probe just the sites of this block (-1: the sites outside the
+  // layers), plus the residual-stream tensor feeding it, whose gradient is
+  // the block's `input` site in the backward. Unset: every site.
+  std::optional<int> layer;
+};
+
 class ProbeSession {
  public:
   // `enabled` false: no statistics, no hooks (the fast path for training and
@@ -40,6 +59,8 @@ class ProbeSession {
   // `defer_host` defers CPU tensors the same way (so tests can exercise that
   // path without a GPU).
   ProbeSession(BatchContext context, const Numerics& numerics, bool enabled,
+               const ModelConfig& model, bool defer_host = false);
+  ProbeSession(BatchContext context, const Numerics& numerics, const ProbeScope& scope,
                const ModelConfig& model, bool defer_host = false);
   ~ProbeSession();
   ProbeSession(const ProbeSession&) = delete;
@@ -54,6 +75,7 @@ class ProbeSession {
   // Notes a norm's per-row denominator moment (mean square or variance,
   // shape (B, T)) before eps is added, for the zero-norm check.
   void check_norm(const SiteRef& ref, const torch::Tensor& moment, double eps);
+  // Full statistics are being taken (norm checks and per-sample losses with them).
   bool enabled() const;
 
   // Forward records in execution order, then backward records in reverse

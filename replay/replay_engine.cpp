@@ -27,32 +27,6 @@ namespace {
 
 constexpr size_t kMaxTokenFindingsPerStep = 20;
 
-std::vector<torch::Device> parse_devices(const std::vector<std::string>& names) {
-  std::vector<torch::Device> devices;
-  for (const std::string& name : names) {
-    const bool cuda = name.rfind("cuda:", 0) == 0 && name.size() > 5 &&
-                      name.find_first_not_of("0123456789", 5) == std::string::npos;
-    if (name != "cpu" && !cuda) {
-      throw UsageError("--device " + name + ": expected cpu, cuda:N, or two of them separated by a comma");
-    }
-    devices.emplace_back(name);
-  }
-  return devices;
-}
-
-// Where the step's computation runs for `devices` (one, or two for a split).
-struct Placement {
-  std::vector<torch::Device> devices;
-  bool native = false;  // bf16/fp16 in the low type
-};
-
-Placement placement_for(const std::vector<torch::Device>& devices, const ReplayOptions& options,
-                        Compute compute) {
-  const bool on_gpu = std::any_of(devices.begin(), devices.end(), [](const torch::Device& d) { return d.is_cuda(); });
-  const bool reduced = compute == Compute::kBf16 || compute == Compute::kFp16;
-  return Placement{devices, on_gpu && reduced && options.native_low_precision};
-}
-
 const ProbeRecord* earliest_nonfinite(const std::vector<ProbeRecord>& records, bool include_backward) {
   const ProbeRecord* best = nullptr;
   for (const ProbeRecord& record : records) {
@@ -61,23 +35,6 @@ const ProbeRecord* earliest_nonfinite(const std::vector<ProbeRecord>& records, b
     if (best == nullptr || execution_key(record) < execution_key(*best)) best = &record;
   }
   return best;
-}
-
-FirstNonfinite to_first(const ProbeRecord& record) {
-  FirstNonfinite first;
-  first.step = record.step;
-  first.phase = record.phase;
-  first.site = record.site;
-  first.layer = record.layer;
-  first.head = record.first_head;
-  first.kind = record.stats.first_kind;
-  first.rank = record.rank;
-  first.micro_batch = record.micro_batch;
-  first.sample = record.sample;
-  first.position = record.position;
-  first.index = record.first_index;
-  first.shape = record.shape;
-  return first;
 }
 
 // Out-of-range token ids in the step's batch: the step cannot be replayed.
@@ -154,12 +111,12 @@ double loss_scale_for(const Manifest& m, const StepState& state) {
 // Every pass of one step with probes, then the parameter-gradient probes.
 StepGradients run_step(const Bundle& bundle, const StepFiles& files, const StepState& state,
                        const StepBatch& batch, ModelCheckpoint& checkpoint, bool probes,
-                       const Placement& placement,
+                       const ComputePlacement& placement,
                        const std::function<void(int, int, const char*)>& before_pass) {
   const Manifest& m = bundle.manifest();
-  checkpoint.place(placement.devices, static_cast<int>(m.model.num_layers));
+  checkpoint.place(placement, static_cast<int>(m.model.num_layers));
   StepComputeOptions compute;
-  compute.native_low_precision = placement.native;
+  compute.native_low_precision = placement.native_low_precision;
   compute.probes = probes;
   compute.loss_scale = loss_scale_for(m, state);
   compute.fp8_scales = &state.fp8_scales;
@@ -173,7 +130,7 @@ StepGradients run_step(const Bundle& bundle, const StepFiles& files, const StepS
         record.phase = Phase::kGrad;
         record.order = static_cast<int>(i);
         record.site = checkpoint.order()[i];
-        record.layer = layer_of_param(record.site);
+        record.layer = layer_of_parameter(record.site);
         step.probes.push_back(std::move(record));
       }
     }
@@ -219,7 +176,7 @@ ProbeComparison compare_probes(const std::vector<const ProbeRecord*>& before,
 }
 
 // Replays `files.step` with every probe on `placement` (probes of all phases).
-StepGradients replay_step_again(const Bundle& bundle, const StepFiles& files, const Placement& placement) {
+StepGradients replay_step_again(const Bundle& bundle, const StepFiles& files, const ComputePlacement& placement) {
   const StepState state = bundle.load_state(files);
   const StepBatch batch{bundle.sampler().samples_for(entry_for(bundle.manifest(), files.step))};
   ModelCheckpoint checkpoint(files, bundle.manifest().model);
@@ -236,7 +193,7 @@ std::vector<const ProbeRecord*> probes_of_step(const std::vector<ProbeRecord>& a
 
 // Replays `step` again and compares every probe with the first replay, bit for bit.
 DeterminismCheck check_determinism(const Bundle& bundle, const StepFiles& files,
-                                   const std::vector<ProbeRecord>& first_run, const Placement& placement) {
+                                   const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement) {
   DeterminismCheck check;
   check.checked = true;
   check.step = files.step;
@@ -250,7 +207,7 @@ DeterminismCheck check_determinism(const Bundle& bundle, const StepFiles& files,
 
 // The step on the second device, compared with the first device's replay.
 CrossDeviceCheck check_across_devices(const Bundle& bundle, const StepFiles& files,
-                                      const std::vector<ProbeRecord>& first_run, const Placement& second,
+                                      const std::vector<ProbeRecord>& first_run, const ComputePlacement& second,
                                       const std::string& name_a, const std::string& name_b) {
   CrossDeviceCheck check;
   check.device_a = name_a;
@@ -286,15 +243,15 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
   report.precision = m.precision.compute;
   report.incident = m.incident;
   validate_devices(options.devices, options.cross_check);
-  const std::vector<torch::Device> devices = parse_devices(options.devices);
   // With --cross-check the replay runs on the first device; the second
   // replays the step of interest again for the comparison.
-  const Placement placement = placement_for(
-      options.cross_check ? std::vector<torch::Device>{devices.front()} : devices, options, m.precision.compute);
+  const ComputePlacement placement =
+      placement_for(options.cross_check ? std::vector<std::string>{options.devices.front()} : options.devices,
+                    options.native_low_precision, m.precision.compute);
   report.devices = options.devices;
   report.low_precision = m.precision.compute == Compute::kFp32  ? "fp32"
                          : m.precision.compute == Compute::kFp8 ? "fp8"
-                         : placement.native                     ? "native"
+                         : placement.native_low_precision       ? "native"
                                                                 : "emulated";
 
   for (const ChecksumMismatch& bad : bundle.tokens().verify_checksums()) {
@@ -374,7 +331,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
           {{"step", files.step}, {"site", bad->site}, {"rank", bad->rank}, {"micro_batch", bad->micro_batch},
            {"before", outcome.loss_scale}, {"after", outcome.loss_scale / 2}}));
     } else if (bad != nullptr && !first) {
-      first = to_first(*bad);
+      first = first_nonfinite_of(*bad);
       for (const Finding& f : contaminated) {
         const auto steps = f.evidence["steps"].get<std::vector<int64_t>>();
         if (std::find(steps.begin(), steps.end(), files.step) != steps.end() && f.evidence["tensor"] == "parameter") {
@@ -445,7 +402,8 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     const bool replayed = std::any_of(report.steps.begin(), report.steps.end(),
                                       [&](const StepOutcome& s) { return s.step == step && s.replayed; });
     if (files != nullptr && replayed) {
-      const Placement second = placement_for({devices.back()}, options, m.precision.compute);
+      const ComputePlacement second =
+          placement_for({options.devices.back()}, options.native_low_precision, m.precision.compute);
       report.cross_check = check_across_devices(bundle, *files, report.probes, second,
                                                 options.devices.front(), options.devices.back());
       const CrossDeviceCheck& c = *report.cross_check;
@@ -471,7 +429,7 @@ void validate_devices(const std::vector<std::string>& names, bool cross_check) {
   if (names.empty() || names.size() > 2) {
     throw UsageError("--device takes one device or two separated by a comma (cpu, cuda:0, cuda:0,cuda:1)");
   }
-  const std::vector<torch::Device> devices = parse_devices(names);
+  const std::vector<torch::Device> devices = placement_for(names, false, Compute::kFp32).devices;
   if (cross_check && (devices.size() != 2 || devices[0].type() != devices[1].type())) {
     throw UsageError("--cross-check needs two devices of the same kind (--device cuda:0,cuda:1): "
                      "different kinds of device compute with different kernels by design");

@@ -200,6 +200,33 @@ void inject_head_overflow(const SyntheticSpec& spec, ParamMap& params, const Fau
   params.at(pre + "k_proj.weight").narrow(0, kv_head * D, D).copy_(rows);
 }
 
+// Makes output feature 0 of layer `f.layer`'s up projection about 1e5 in
+// magnitude (normed inputs have |h|^2 ~ hidden_size), so fp16 overflows there
+// while fp32 would not: the row a runaway update left behind.
+void inject_mlp_overflow(const SyntheticSpec& spec, ParamMap& params, const FaultSpec& f) {
+  const int64_t C = spec.model.hidden_size;
+  const double sigma = 1e5 / std::sqrt(static_cast<double>(C));
+  params.at("model.layers." + std::to_string(f.layer) + ".mlp.up_proj.weight")[0].copy_(torch::randn({C}) * sigma);
+}
+
+// Writes into `sample` (at `position`, which only its own window holds) the
+// smallest token id that no sample of the step reads: a rare "glitch" token.
+int64_t plant_glitch_token(std::vector<uint32_t>& tokens, const SyntheticSpec& spec,
+                           const std::vector<std::vector<int64_t>>& step_samples, int64_t sample, int64_t position) {
+  if (position < 1 || position >= spec.seq_len) throw std::invalid_argument("glitch token position out of range");
+  std::vector<bool> seen(static_cast<size_t>(spec.model.vocab_size), false);
+  for (const std::vector<int64_t>& rank_samples : step_samples) {
+    for (int64_t s : rank_samples) {
+      for (int64_t i = 0; i <= spec.seq_len; ++i) seen[tokens[static_cast<size_t>(s * spec.seq_len + i)]] = true;
+    }
+  }
+  const auto unused = std::find(seen.begin(), seen.end(), false);
+  if (unused == seen.end()) throw std::runtime_error("glitch token: every token id occurs in the step");
+  const auto token = static_cast<int64_t>(unused - seen.begin());
+  tokens[static_cast<size_t>(sample * spec.seq_len + position)] = static_cast<uint32_t>(token);
+  return token;
+}
+
 // Flips bit `f.bit` of the first element whose exponent field is 127
 // (|x| in [1, 2)), so that an exponent-MSB flip yields inf or NaN.
 int64_t inject_bit_flip(ParamMap& params, const FaultSpec& f) {
@@ -254,6 +281,12 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
         fault.kind == FaultKind::kNone ? -1 : sampler.randperm_samples(fault.step)[0][0];
     std::vector<uint32_t> stream = random_tokens(spec);
     if (fault_sample >= 0) poison_tokens(stream, spec, fault_sample);
+    SyntheticOutcome outcome;
+    if (fault.kind == FaultKind::kGlitchToken) {
+      const std::vector<std::vector<int64_t>> step_samples = sampler.randperm_samples(fault.step);
+      outcome.fault_sample = step_samples.at(static_cast<size_t>(fault.rank)).at(static_cast<size_t>(fault.slot));
+      outcome.fault_token = plant_glitch_token(stream, spec, step_samples, outcome.fault_sample, fault.position);
+    }
     m.data.shards = write_shards(tmp, spec, stream);
     const TokenStream tokens(tmp, m.data.shards, "manifest.json");
     std::map<std::string, Fp8ModuleScales> fp8_scales;
@@ -268,7 +301,6 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
     ParamMap params = init_params(spec, order);
     AdamWMoments moments;
     double loss_scale = spec.loss_scale;
-    SyntheticOutcome outcome;
     for (StepEntry& entry : m.steps) {
       const int64_t s = entry.step;
       StepBatch batch{sampler.randperm_samples(s)};
@@ -283,6 +315,10 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
       if (s == fault.step && fault.kind == FaultKind::kFp8ScaleJump) {
         fp8_scales.begin()->second.input = 1000.0;
       }
+      if (s == fault.step && fault.kind == FaultKind::kFp8ScaleCollapse) {
+        // Transformer Engine's scale is fp8_max / amax: an amax gone inf gives 0.
+        fp8_scales.at("model.layers.0.self_attn.q_proj").input = 0.0;
+      }
       double step_scale = loss_scale;
       if (s == fault.step && fault.kind == FaultKind::kLossScaleOverflow) step_scale = std::ldexp(1.0, 40);
       if (s == spec.fault.step) {
@@ -291,6 +327,10 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
         outcome.first_sample = batch.samples[0][0];
         const FaultSpec& f = spec.fault;
         if (f.kind == FaultKind::kHeadOverflow) inject_head_overflow(spec, params, f);
+        if (f.kind == FaultKind::kMlpOverflow) inject_mlp_overflow(spec, params, f);
+        if (f.kind == FaultKind::kGlitchToken) {
+          params.at(expected_parameters(spec.model).front().name)[outcome.fault_token].fill_(1e5);
+        }
         if (f.kind == FaultKind::kBitFlip) {
           outcome.fault_param = f.param;
           outcome.fault_element = inject_bit_flip(params, f);
@@ -385,7 +425,7 @@ std::vector<std::string> synthetic_preset_names() {
           "bit-flip",          "silent-bit-flip",  "zero-embedding",      "token-out-of-range",
           "repeat-run",        "low-entropy",      "sampler-mismatch",    "fp8-scale-jump",
           "loss-scale-overflow", "rank-mismatch",  "not-reproducible",    "checksum-mismatch",
-          "demo"};
+          "glitch-token",      "mlp-overflow",     "fp8-scale-collapse",  "demo"};
 }
 
 SyntheticSpec synthetic_preset(const std::string& name) {
@@ -477,6 +517,24 @@ SyntheticSpec synthetic_preset(const std::string& name) {
   if (name == "zero-embedding") {
     m.norm_eps = 0.0;
     spec.fault = {FaultKind::kZeroEmbedding, last, 0, 0, "", 30, 5};
+    return spec;
+  }
+  if (name == "glitch-token") {  // data-parallel: the bad sample is rank 1's last (micro-batch 1, row 3)
+    spec.compute = Compute::kFp16;
+    spec.world_size = 2;
+    spec.micro_batch_size = 4;
+    spec.fault = {FaultKind::kGlitchToken, last, 0, 0, "", 30, 9, 1, 7};
+    return spec;
+  }
+  if (name == "mlp-overflow") {  // mid-window: every step from the fault on overflows (the scaler skips them)
+    spec.compute = Compute::kFp16;
+    spec.num_steps = 6;
+    spec.fault = {FaultKind::kMlpOverflow, spec.first_step + 2, 1, 0, "", 30, 5};
+    return spec;
+  }
+  if (name == "fp8-scale-collapse") {
+    spec.compute = Compute::kFp8;
+    spec.fault = {FaultKind::kFp8ScaleCollapse, last, 0, 0, "", 30, 5};
     return spec;
   }
   if (name == "demo") {

@@ -27,6 +27,11 @@ enum class FaultKind {
   kRankMismatch,      // rank 1's logged loss disagrees with its replay
   kNotReproducible,   // the job logged loss nan at a step that replays finite
   kChecksumMismatch,  // a shard byte changed after its sha256 was recorded
+  // Built for what-ifs (docs/bisect-and-what-if.md says which one each answers):
+  kGlitchToken,       // one sample holds a token no other sample of the step reads,
+                      // whose embedding row has diverged beyond fp16's range
+  kMlpOverflow,       // one mlp.up_proj row of a layer grows until its output overflows fp16
+  kFp8ScaleCollapse,  // an fp8 input scale drops to 0 (amax went inf): dequantizing divides by 0
 };
 
 struct FaultSpec {
@@ -36,7 +41,9 @@ struct FaultSpec {
   int head = 0;           // head overflow
   std::string param;      // bit flip: parameter key
   int bit = 30;           // bit flip: bit of the fp32 encoding (30 = exponent MSB)
-  int64_t position = 5;   // zero embedding: position in the step's first sample
+  int64_t position = 5;   // zero embedding, glitch token: position in the sample
+  int rank = 0;           // glitch token: the rank reading the sample
+  int slot = 0;           // glitch token: the sample's index in that rank's list for the step
 };
 
 struct SyntheticSpec {
@@ -71,6 +78,8 @@ struct SyntheticOutcome {
   int64_t zero_token = -1;
   int64_t zero_position = -1;
   int64_t first_sample = -1;  // dataset index of rank 0's first sample at the fault step
+  int64_t fault_sample = -1;  // the sample carrying a data fault (glitch token)
+  int64_t fault_token = -1;   // the glitch token
   std::vector<double> losses;
 };
 
@@ -78,8 +87,7 @@ struct SyntheticOutcome {
 // temporary sibling directory renamed at the end.
 SyntheticOutcome write_synthetic_bundle(const std::filesystem::path& dir, const SyntheticSpec& spec);
 
-// Named presets: clean-fp32, clean-bf16, clean-fp16, clean-dp, clean-gqa, clean-gpt2,
-// head-overflow, bit-flip, zero-embedding, demo.
+// Named presets: the clean ones (clean-*), one per fault kind, and demo.
 std::vector<std::string> synthetic_preset_names();
 SyntheticSpec synthetic_preset(const std::string& name);
 

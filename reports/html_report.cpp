@@ -409,6 +409,33 @@ std::string render_steps(const ReplayReport& report) {
   return out.str();
 }
 
+std::string render_what_ifs(const ReplayReport& report) {
+  if (!report.what_if || report.what_if->empty()) return "";
+  std::ostringstream out;
+  const std::optional<int64_t> step = report.what_if->front().step;
+  out << "<h2>What-if replays</h2><p class=\"meta\">"
+      << (step ? "Step " + std::to_string(*step) + " replayed once per what-if, each with one change."
+               : std::string("Nothing went non-finite: no step to replay."))
+      << "</p>";
+  if (!step) return out.str();
+  out << "<table class=\"grid\"><tr><th class=\"l\">what-if</th><th class=\"l\">first non-finite value</th>"
+      << "<th>loss after</th><th class=\"l\">change</th></tr>";
+  for (const WhatIfOutcome& w : *report.what_if) {
+    std::string after = "gone";
+    if (w.after) {
+      after = "still there: step " + std::to_string(w.after->step) + " " + phase_name(w.after->phase) + " " +
+              w.after->site + (w.after->head >= 0 ? " head " + std::to_string(w.after->head) : "") + ", sample " +
+              or_dash(w.after->sample) + ", position " + or_dash(w.after->position);
+    }
+    out << "<tr" << (w.after ? " class=\"first\"" : "") << "><td class=\"l mono\">" << escape_html(w.what_if)
+        << "</td><td class=\"l\">" << escape_html(after) << "</td><td>"
+        << (w.loss_after ? escape_html(format_number(*w.loss_after)) : "-") << "</td><td class=\"l\">"
+        << escape_html(w.change) << "</td></tr>";
+  }
+  out << "</table>";
+  return out.str();
+}
+
 std::string render_token_window(const ReplayReport& report) {
   if (!report.first_nonfinite || report.offending_tokens.empty()) return "";
   const FirstNonfinite& f = *report.first_nonfinite;
@@ -441,7 +468,7 @@ std::string render_html(const ReplayReport& report) {
   if (report.incident && !report.incident->symptom.empty()) out << ": " << escape_html(report.incident->symptom);
   out << " &middot; nanreplay " << escape_html(report.tool_version) << "</p>" << render_verdict(report)
       << render_triage(report) << render_heatmaps(report) << render_propagation(report) << render_steps(report)
-      << render_token_window(report)
+      << render_token_window(report) << render_what_ifs(report)
       << "<footer>Files: <a href=\"report.json\">report.json</a> &middot; <a href=\"report.md\">report.md</a> &middot; "
       << "<a href=\"trace.h5\">trace.h5</a> (query it with <code>nanreplay trace trace.h5</code>)</footer></main>"
       << "<script>document.title = \"nanreplay report ok\";</script></body></html>\n";

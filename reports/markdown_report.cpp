@@ -120,6 +120,24 @@ void write_propagation(std::ostringstream& out, const ReplayReport& report) {
   }
 }
 
+void write_what_ifs(std::ostringstream& out, const ReplayReport& report) {
+  if (!report.what_if || report.what_if->empty()) return;
+  out << "\n## What-if replays\n\n";
+  const WhatIfOutcome& first = report.what_if->front();
+  if (!first.step) {
+    out << "Nothing went non-finite: no step to replay.\n";
+    return;
+  }
+  out << "Step " << *first.step << " replayed once per what-if, each with one change.\n\n"
+      << "| what-if | first non-finite value | loss after | change |\n|:---|:---|---:|:---|\n";
+  for (const WhatIfOutcome& w : *report.what_if) {
+    out << "| " << code(w.what_if) << " | "
+        << (w.after ? "still there: " + origin_coordinates(*w.after) : std::string("**gone**"))
+        << " | " << (w.loss_after ? format_number(*w.loss_after) : "-") << " | " << escape_markdown(w.change)
+        << " |\n";
+  }
+}
+
 void write_determinism_and_links(std::ostringstream& out, const ReplayReport& report) {
   out << "\n## Determinism\n\n";
   if (report.determinism.checked) {
@@ -142,6 +160,7 @@ std::string render_markdown(const ReplayReport& report) {
   write_steps(out, report);
   write_findings(out, report);
   write_propagation(out, report);
+  write_what_ifs(out, report);
   write_determinism_and_links(out, report);
   return out.str();
 }

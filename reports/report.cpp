@@ -58,6 +58,18 @@ nlohmann::json first_to_json(const FirstNonfinite& first) {
   return out;
 }
 
+nlohmann::json what_if_outcome_json(const WhatIfOutcome& w) {
+  return {{"what_if", w.what_if},
+          {"step", w.step ? nlohmann::json(*w.step) : nlohmann::json(nullptr)},
+          {"change", w.change},
+          {"first_nonfinite_before", first_nonfinite_json(w.before)},
+          {"first_nonfinite_after", first_nonfinite_json(w.after)},
+          {"resolved", w.resolved ? nlohmann::json(*w.resolved) : nlohmann::json(nullptr)},
+          {"loss_after", w.loss_after ? json_number(*w.loss_after) : nlohmann::json(nullptr)},
+          {"scaler_skipped", w.scaler_skipped},
+          {"replays", w.replays}};
+}
+
 nlohmann::json step_to_json(const StepOutcome& step) {
   nlohmann::json out = {
       {"step", step.step},
@@ -83,6 +95,33 @@ nlohmann::json step_to_json(const StepOutcome& step) {
 
 }  // namespace
 
+FirstNonfinite first_nonfinite_of(const ProbeRecord& record) {
+  FirstNonfinite first;
+  first.step = record.step;
+  first.phase = record.phase;
+  first.site = record.site;
+  first.layer = record.layer;
+  first.head = record.first_head;
+  first.kind = record.stats.first_kind;
+  first.rank = record.rank;
+  first.micro_batch = record.micro_batch;
+  first.sample = record.sample;
+  first.position = record.position;
+  first.index = record.first_index;
+  first.shape = record.shape;
+  return first;
+}
+
+nlohmann::json first_nonfinite_json(const std::optional<FirstNonfinite>& first) {
+  return first ? first_to_json(*first) : nlohmann::json(nullptr);
+}
+
+nlohmann::json what_if_json(const std::vector<WhatIfOutcome>& outcomes) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const WhatIfOutcome& w : outcomes) out.push_back(what_if_outcome_json(w));
+  return out;
+}
+
 nlohmann::json report_to_json(const ReplayReport& report) {
   nlohmann::json out;
   out["version"] = 1;
@@ -91,8 +130,7 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   out["arch"] = arch_name(report.arch);
   out["precision"] = compute_name(report.precision);
   out["reproduced"] = report.reproduced;
-  out["first_nonfinite"] =
-      report.first_nonfinite ? first_to_json(*report.first_nonfinite) : nlohmann::json(nullptr);
+  out["first_nonfinite"] = first_nonfinite_json(report.first_nonfinite);
   nlohmann::json steps = nlohmann::json::array();
   for (const StepOutcome& step : report.steps) steps.push_back(step_to_json(step));
   out["steps"] = steps;
@@ -143,6 +181,7 @@ nlohmann::json report_to_json(const ReplayReport& report) {
                                                       : nlohmann::json(nullptr)},
                        {"symptom", report.incident->symptom}};
   }
+  if (report.what_if) out["what_if"] = what_if_json(*report.what_if);
   out["elapsed_seconds"] = report.elapsed_seconds;
   return out;
 }

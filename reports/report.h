@@ -47,6 +47,23 @@ struct FirstNonfinite {
   std::vector<std::string> contaminated_params;
 };
 
+// The first non-finite value a probe record holds, as the report names it.
+FirstNonfinite first_nonfinite_of(const ProbeRecord& record);
+
+// One what-if replay (docs/bisect-and-what-if.md): the step where the
+// unmodified replay first went non-finite, replayed with one modification.
+struct WhatIfOutcome {
+  std::string what_if;           // as the user wrote it, e.g. "fp32-layers=2,3"
+  std::string change;            // what the replay changed, for people
+  std::optional<int64_t> step;   // the step replayed; none when nothing was non-finite
+  std::optional<FirstNonfinite> before;
+  std::optional<FirstNonfinite> after;  // none: the step is finite with the change
+  std::optional<bool> resolved;  // none when there was nothing to resolve
+  std::optional<double> loss_after;
+  bool scaler_skipped = false;   // fp16: the loss scaler would still skip the step
+  int64_t replays = 0;           // passes this what-if took
+};
+
 // A non-finite site after the origin, in execution order: how it spread.
 struct PropagationEntry {
   Phase phase = Phase::kForward;
@@ -125,11 +142,16 @@ struct ReplayReport {
   std::vector<int64_t> offending_tokens;
   int64_t offending_tokens_start = -1;
   double elapsed_seconds = 0.0;
+  // `run --what-if`: one outcome per what-if, in the order given.
+  std::optional<std::vector<WhatIfOutcome>> what_if;
 };
 
 // A JSON number, or "nan"/"inf"/"-inf" for non-finite values.
 nlohmann::json json_number(double value);
 nlohmann::json report_to_json(const ReplayReport& report);
+// report.json's `first_nonfinite` object (null when absent).
+nlohmann::json first_nonfinite_json(const std::optional<FirstNonfinite>& first);
+nlohmann::json what_if_json(const std::vector<WhatIfOutcome>& outcomes);
 // 1 when a non-finite origin or an error finding was named, else 0.
 int exit_status_for(const ReplayReport& report);
 

@@ -24,6 +24,39 @@ std::string pad(const std::string& text, size_t width) {
 
 }  // namespace
 
+std::string render_what_ifs(const std::vector<WhatIfOutcome>& outcomes, const TextStyle& style) {
+  std::ostringstream out;
+  if (outcomes.empty()) return "";
+  const std::optional<int64_t> step = outcomes.front().step;
+  out << "what-if";
+  if (step && outcomes.front().before) {
+    out << "  step " << *step << " replayed with one change each (before: " << phase_name(outcomes.front().before->phase)
+        << " " << outcomes.front().before->site << ")";
+  }
+  out << "\n";
+  size_t width = 0;
+  for (const WhatIfOutcome& w : outcomes) width = std::max(width, w.what_if.size());
+  for (const WhatIfOutcome& w : outcomes) {
+    out << "  " << pad(printable(w.what_if), width + 2);
+    if (!w.resolved) {
+      out << "not replayed: nothing went non-finite\n";
+      continue;
+    }
+    if (*w.resolved) {
+      out << paint(style, "1;32", "RESOLVED") << "      loss " << format_number(w.loss_after.value_or(0.0))
+          << (w.scaler_skipped ? " (the scaler still skips the step)" : "");
+    } else {
+      const FirstNonfinite& a = *w.after;
+      out << paint(style, "1;31", "NOT RESOLVED") << "  first non-finite: " << phase_name(a.phase) << " " << a.site;
+      if (a.head >= 0) out << " head " << a.head;
+      out << ", sample " << or_dash(a.sample) << ", position " << or_dash(a.position);
+    }
+    out << "  (" << w.replays << " replays)\n    " << printable(w.change) << "\n";
+  }
+  return out.str();
+}
+
+
 std::string format_number(double value) {
   if (std::isnan(value)) return "nan";
   if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
@@ -101,6 +134,7 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
                                          : "DIFFERENT at " + report.determinism.first_difference)
         << " (" << report.determinism.probes_compared << " probes)\n";
   }
+  if (report.what_if) out << "\n" << render_what_ifs(*report.what_if, style);
   if (report.root_cause) {
     out << "\n" << paint(style, "1", "most likely root cause") << " (" << triage_layer_name(report.root_cause->layer)
         << "): " << report.root_cause->summary << "\n";

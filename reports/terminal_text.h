@@ -15,6 +15,9 @@ struct TextStyle {
 
 std::string render_verdict(const ReplayReport& report, const TextStyle& style);
 
+// The what-if block (`run --what-if` and `bisect --what-if`): one entry per what-if.
+std::string render_what_ifs(const std::vector<WhatIfOutcome>& outcomes, const TextStyle& style);
+
 // A number for people: "nan", "inf", or up to 6 significant digits.
 std::string format_number(double value);
 

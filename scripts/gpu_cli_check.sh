@@ -23,6 +23,10 @@ echo "origin gpu:   $(origin "$work/gpu/report.json")"
 echo "origin split: $(origin "$work/split/report.json")"
 [[ "$(origin "$work/cpu/report.json")" == "$(origin "$work/gpu/report.json")" ]]
 [[ "$(origin "$work/cpu/report.json")" == "$(origin "$work/split/report.json")" ]]
+"$cli" bisect "$work/demo/bundle" --device cuda:0 --json >"$work/bisect.json" || [[ $? -eq 1 ]]
+bisect_origin=$(python3 -c 'import json,sys; f=json.load(open(sys.argv[1]))["origin"]; print(f["step"], f["site"], f["head"], f["sample"], f["position"])' "$work/bisect.json")
+echo "origin bisect: $bisect_origin"
+[[ "$(origin "$work/cpu/report.json")" == "$bisect_origin" ]]
 python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); c=r["cross_check"]; print("cross-check:", c); assert c["bitwise_identical"]; print("low_precision:", r["low_precision"])' "$work/cross/report.json"
 set +e
 "$cli" run "$work/demo/bundle" --out "$work/none" --device cuda:9 2>"$work/none.err"

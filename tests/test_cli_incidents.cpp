@@ -4,6 +4,7 @@
 // that was planted. Clean bundles must replay with nothing flagged.
 #include <catch2/catch.hpp>
 
+#include "tests/bisect_agreement.h"
 #include "tests/cli_harness.h"
 
 using nanreplay_test::read_json;
@@ -134,6 +135,10 @@ TEST_CASE("demo writes its bundle, replays it and names the planted head", "[cli
   CHECK(report["first_nonfinite"]["site"] == "layers.2.attn.scores");
   CHECK(report["first_nonfinite"]["head"] == 3);
   CHECK(report["first_nonfinite"]["step"] == 105);
+  // 6 steps, 1 rank x 2 micro-batches: 105 bad after 1 pass, 102 and 104 clean (2 + 2), 1 to locate.
+  const auto bisect = nanreplay_test::check_bisect_agrees_with_run(dir / "demo" / "bundle", report);
+  CHECK(bisect["replays"]["step"] == 5);
+  CHECK(bisect["replays"]["full_probe_pass"] == 12);
 }
 
 TEST_CASE("run refuses bad usage with exit 2 and one line", "[cli][usage]") {

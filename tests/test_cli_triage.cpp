@@ -3,6 +3,7 @@
 // the exit status and the root cause the report settles on.
 #include <catch2/catch.hpp>
 
+#include "tests/bisect_agreement.h"
 #include "tests/cli_harness.h"
 
 using nanreplay_test::read_json;
@@ -29,6 +30,7 @@ Triaged triage(const ScratchDir& dir, const std::string& preset) {
   t.status = run.status;
   t.verdict = run.out;
   t.report = read_json(dir / "out" / "report.json");
+  nanreplay_test::check_bisect_agrees_with_run(dir / "bundle", t.report);
   return t;
 }
 
@@ -42,7 +44,7 @@ std::vector<nlohmann::json> with_code(const nlohmann::json& report, const std::s
 
 }  // namespace
 
-TEST_CASE("DATA_TOKEN_OUT_OF_RANGE names shard and offset; the step is not replayed", "[cli][triage]") {
+TEST_CASE("DATA_TOKEN_OUT_OF_RANGE names shard and offset, and the step is not replayed", "[cli][triage]") {
   ScratchDir dir("oor");
   const Triaged t = triage(dir, "token-out-of-range");
   const auto found = with_code(t.report, "DATA_TOKEN_OUT_OF_RANGE");

@@ -1,0 +1,167 @@
+// The four stages of bisection; see bisect.h. Only one checkpoint is open at a
+// time: the binary search keeps the bad step's scan (its flags and the rows of
+// the pass that holds the first one), not its checkpoint, and reopens it for
+// the later stages.
+#include "replay/bisect.h"
+
+#include <chrono>
+#include <cmath>
+#include <stdexcept>
+
+#include <torch/torch.h>
+
+#include "replay/ddmin.h"
+#include "replay/replay_engine.h"
+#include "replay/step_scan.h"
+
+namespace nanreplay {
+
+namespace {
+
+class Bisection {
+ public:
+  Bisection(const Bundle& bundle, const BisectOptions& options, BisectReport& report)
+      : bundle_(bundle), options_(options), report_(report) {}
+
+  // Stage 1: the first bad step, or none. Tests the last step first: most
+  // bundles end at the failure, and a clean last step means a clean bundle.
+  std::optional<int64_t> first_bad_step() {
+    const std::vector<StepFiles>& steps = bundle_.steps();
+    if (steps.empty() || !test_step(steps.size() - 1)) return std::nullopt;
+    size_t lo = 0, hi = steps.size() - 1;  // steps[hi] is bad; every step before lo is clean
+    while (lo < hi) {
+      const size_t mid = lo + (hi - lo) / 2;
+      if (test_step(mid)) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    // lo only ever rose past a step tested clean, so steps[hi - 1] was tested.
+    if (hi > 0) {
+      for (const BisectStepTest& t : report_.step_tests) {
+        if (t.step == steps[hi - 1].step && t.replayed && !t.bad) report_.clean_predecessor = t.step;
+      }
+    }
+    if (!bad_scan_ || bad_scan_->step != steps[hi].step) throw std::logic_error("bisect: lost the bad step's scan");
+    return steps[hi].step;
+  }
+
+  // Stages 3 and 4 on the bad step (stage 2 is the scan's flags).
+  FirstNonfinite locate_and_minimize(int64_t step) {
+    LoadedStep loaded(bundle_, step, placement());
+    stage_ = "site";
+    FirstNonfinite origin = locate_first(loaded, {}, *bad_scan_, report_.site_replays, hook());
+    origin.contaminated_params = loaded.nonfinite_params();
+    if (options_.minimize_samples) minimize_samples(loaded, origin);
+    return origin;
+  }
+
+  // Runs before every pass: interrupts and progress.
+  std::function<void()> hook() {
+    return [this] {
+      if (options_.should_stop && options_.should_stop()) throw ReplayInterrupted{report_.step_tests.size()};
+      if (options_.on_progress) options_.on_progress({stage_, current_step_, passes_});
+      ++passes_;
+    };
+  }
+
+  // Every pass computes where --device says.
+  ComputePlacement placement() const {
+    return placement_for(options_.devices, options_.native_low_precision, bundle_.manifest().precision.compute);
+  }
+
+  void set_stage(const std::string& stage, int64_t step) {
+    stage_ = stage;
+    current_step_ = step;
+  }
+
+ private:
+  bool test_step(size_t index) {
+    BisectStepTest test;
+    test.step = bundle_.steps()[index].step;
+    set_stage("step", test.step);
+    if (const std::optional<std::string> why = unreplayable_reason(bundle_, batch_of_step(bundle_, test.step))) {
+      test.replayed = false;  // as in `run`: no value of this step can be non-finite
+      test.not_replayed_reason = *why;
+      report_.step_tests.push_back(test);
+      return false;
+    }
+    LoadedStep loaded(bundle_, test.step, placement());
+    StepScan scan = scan_step(loaded, {}, /*stop_at_first_bad=*/true, hook());
+    test.bad = scan.bad;
+    test.handled_overflow = scan.handled_overflow;
+    test.replays = scan.passes;
+    report_.step_tests.push_back(test);
+    if (scan.bad) bad_scan_ = std::move(scan);
+    return test.bad;
+  }
+
+  // Stage 4: ddmin over the samples of the pass that holds the origin. That
+  // pass is known to fail as it stands, except for an fp16 backward origin
+  // (the loss scaler's verdict depends on the whole step), which is tested.
+  void minimize_samples(LoadedStep& loaded, const FirstNonfinite& origin) {
+    BisectSampleStage& stage = report_.samples;
+    set_stage("samples", loaded.step());
+    if (origin.phase == Phase::kGrad) {
+      stage.note = "not run: the origin is a parameter gradient, summed over every pass of the step";
+      return;
+    }
+    stage.candidates = bad_scan_->first_pass_samples;
+    const std::function<void()> before_pass = hook();
+    const std::function<bool(const std::vector<int64_t>&)> fails = [&](const std::vector<int64_t>& subset) {
+      ++stage.replays;
+      return pass_fails(loaded, subset, before_pass);
+    };
+    const bool fp16_backward = bundle_.manifest().precision.compute == Compute::kFp16 && origin.phase != Phase::kForward;
+    if (fp16_backward && !fails(stage.candidates)) {
+      stage.note = "not run: the origin's pass does not fail on its own (the loss scaler absorbs it)";
+      return;
+    }
+    stage.minimal = ddmin<int64_t>(stage.candidates, fails).minimal;
+    stage.ran = true;
+  }
+
+  const Bundle& bundle_;
+  const BisectOptions& options_;
+  BisectReport& report_;
+  std::optional<StepScan> bad_scan_;
+  std::string stage_ = "step";
+  int64_t current_step_ = 0;
+  int64_t passes_ = 0;
+};
+
+}  // namespace
+
+BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options) {
+  const auto started = std::chrono::steady_clock::now();
+  const Manifest& m = bundle.manifest();
+  BisectReport report;
+  report.bundle = bundle.root().string();
+  report.tool_version = options.tool_version;
+  report.arch = m.model.arch;
+  report.precision = m.precision.compute;
+  report.steps_in_bundle = static_cast<int64_t>(bundle.steps().size());
+  report.passes_per_step = m.data.world_size * m.data.grad_accum_steps;
+  for (const StepFiles& files : bundle.steps()) {
+    if (!unreplayable_reason(bundle, batch_of_step(bundle, files.step))) {
+      report.full_probe_pass_replays += report.passes_per_step;
+    }
+    const std::optional<double> logged = bundle.load_state(files).logged.loss;
+    if (logged && !std::isfinite(*logged)) report.logged_nonfinite_steps.push_back(files.step);
+  }
+
+  Bisection bisection(bundle, options, report);
+  if (const std::optional<int64_t> step = bisection.first_bad_step()) {
+    report.origin = bisection.locate_and_minimize(*step);
+  }
+  if (!options.what_ifs.empty()) {
+    bisection.set_stage("what-if", report.origin ? report.origin->step : 0);
+    report.what_if = evaluate_what_ifs(bundle, report.origin, options.what_ifs, bisection.hook(),
+                                       options.devices, options.native_low_precision);
+  }
+  report.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return report;
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,40 @@
+// Bisection: names the same origin as `nanreplay run`'s full probe pass with
+// fewer replays, coarse to fine. (1) step: binary search over the steps with
+// the cheap any-non-finite pass, assuming a step after the first bad one
+// stays bad; (2) layer: read off that pass's per-site flags; (3) site, head and
+// element: full probes on that block of the one pass holding it; (4) samples:
+// delta debugging over that pass's samples, down to a 1-minimal set whose
+// presence still makes a non-finite value. Algorithm and replay unit:
+// docs/bisect-and-what-if.md. No LibTorch types here.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "loaders/bundle.h"
+#include "replay/what_if.h"
+#include "reports/bisect_report.h"
+
+namespace nanreplay {
+
+struct BisectProgress {
+  std::string stage;  // "step", "site", "samples", "what-if"
+  int64_t step = 0;
+  int64_t replays = 0;  // passes so far, all stages
+};
+
+struct BisectOptions {
+  bool minimize_samples = true;  // stage 4
+  std::vector<WhatIf> what_ifs;  // replayed at the first bad step, after the stages
+  std::function<void(const BisectProgress&)> on_progress;
+  std::function<bool()> should_stop;  // polled before every pass; throws ReplayInterrupted
+  std::string tool_version;
+  // --device: where every pass computes (one device, or two with the layers split).
+  std::vector<std::string> devices{"cpu"};
+  bool native_low_precision = true;  // bf16/fp16 natively on a GPU
+};
+
+BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options);
+
+}  // namespace nanreplay

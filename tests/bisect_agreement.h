@@ -1,0 +1,68 @@
+// The check behind "bisect names the same origin as the full probe pass":
+// given a bundle and the report.json `nanreplay run` wrote for it, runs
+// `nanreplay bisect --json` (samples stage off: ddmin has its own tests) and
+// requires the same first non-finite value, fewer replays than the full
+// pass, and the exit status run's rules give. The triage and incident tests
+// call it on every bundle they replay, so every incident preset is covered.
+#pragma once
+
+#include <filesystem>
+#include <set>
+
+#include <catch2/catch.hpp>
+
+#include "tests/cli_harness.h"
+
+namespace nanreplay_test {
+
+// Returns bisect's JSON for further checks.
+inline nlohmann::json check_bisect_agrees_with_run(const std::filesystem::path& bundle, const nlohmann::json& run_report) {
+  const CliResult result = run_cli({"bisect", bundle.string(), "--json", "--no-samples"});
+  INFO("bisect " << bundle.string() << ": " << result.err);
+  REQUIRE((result.status == 0 || result.status == 1));
+  const nlohmann::json bisect = nlohmann::json::parse(result.out);
+  const nlohmann::json& first = run_report["first_nonfinite"];
+  const nlohmann::json& origin = bisect["origin"];
+  if (first.is_null()) {
+    CHECK(origin.is_null());
+  } else {
+    REQUIRE(origin.is_object());
+    for (const char* key : {"step", "phase", "site", "layer", "head", "rank", "micro_batch", "sample", "position",
+                            "index", "kind", "shape", "producer"}) {
+      INFO(key);
+      CHECK(origin[key] == first[key]);
+    }
+    if (first.contains("checkpoint_nonfinite_params")) {
+      CHECK(origin["checkpoint_nonfinite_params"] == first["checkpoint_nonfinite_params"]);
+    }
+    CHECK(bisect["replays"]["origin"].get<int>() < bisect["replays"]["full_probe_pass"].get<int>());
+  }
+  CHECK(bisect["reproduced"] == run_report["reproduced"]);
+  CHECK(bisect["stages"]["samples"].is_null());  // --no-samples
+  CHECK(bisect["replays"]["samples"] == 0);
+  // Steps bisect could not replay are steps run could not replay either.
+  std::set<int64_t> unreplayed_by_run;
+  int64_t replayed_by_run = 0;
+  for (const auto& step : run_report["steps"]) {
+    if (step["replayed"] == false) unreplayed_by_run.insert(step["step"].get<int64_t>());
+    replayed_by_run += step["replayed"] == true;
+  }
+  for (const auto& skipped : bisect["not_replayed"]) CHECK(unreplayed_by_run.count(skipped["step"].get<int64_t>()) == 1);
+  CHECK(bisect["replays"]["full_probe_pass"] == replayed_by_run * bisect["passes_per_step"].get<int64_t>());
+  CHECK(result.status == (origin.is_object() || !bisect["not_replayed"].empty() ? 1 : 0));
+  // The binary search saw what run saw: steps before the origin clean, from it on bad.
+  for (const auto& tested : bisect["stages"]["step"]["tested"]) {
+    INFO("tested step " << tested["step"]);
+    CHECK(tested["bad"] == (origin.is_object() && tested["step"].get<int64_t>() >= first["step"].get<int64_t>()));
+  }
+  if (origin.is_null()) {  // only the last step is tested: P passes, or none when it cannot be replayed
+    const bool last_replayed = run_report["steps"].back()["replayed"] == true;
+    CHECK(bisect["replays"]["step"] == (last_replayed ? bisect["passes_per_step"].get<int64_t>() : 0));
+  } else {
+    CHECK(bisect["stages"]["step"]["first_bad_step"] == first["step"]);
+    CHECK(bisect["replays"]["site"] == (first["phase"] == "grad" ? 0 : 1));
+  }
+  return bisect;
+}
+
+}  // namespace nanreplay_test
