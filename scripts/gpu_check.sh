@@ -72,11 +72,19 @@ run() {
     -DOPENSSL_INCLUDE_DIR="$prefix/usr/include" \
     -DOPENSSL_CRYPTO_LIBRARY="$arch_lib/libcrypto.so" -DOPENSSL_SSL_LIBRARY="$arch_lib/libssl.so" \
     -DCMAKE_CXX_FLAGS="-isystem $prefix/usr/include/x86_64-linux-gnu" \
-    -DNANREPLAY_PYTHON="$python" -DNANREPLAY_CUDA=ON
+    -DNANREPLAY_PYTHON="$python" -DNANREPLAY_CUDA=ON -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
   local started=$SECONDS
   # The CLI and the GPU tests only: the CPU suite runs in CI, not on the GPU's time.
   cmake --build "$build" -j "$jobs" --target nanreplay nanreplay_gpu_tests
   echo "gpu_check: build took $((SECONDS - started))s"
+  # The flags that decide struct layouts, per target: they must agree.
+  "$python" - "$build/compile_commands.json" <<'PY'
+import json, re, sys
+for entry in json.load(open(sys.argv[1])):
+    if re.search(r"(synthetic_bundle|replay_engine|test_gpu_replay)\.cpp$", entry["file"]):
+        flags = sorted(set(re.findall(r"(-std=\S+|-D_GLIBCXX\S*|-fsanitize\S*|-m\S+)", entry["command"])))
+        print(entry["file"].split("/")[-1], " ".join(flags))
+PY
 
   echo "== tests tagged gpu"
   local failed=0
