@@ -96,6 +96,7 @@ PY
     while IFS= read -r name; do
       [[ -n "$name" ]] || continue
       echo "-- $name"
+      name="${name//,/\\,}"  # a comma separates Catch test specs
       if ! "$build/tests/nanreplay_gpu_tests" "$name"; then
         command -v cuda-gdb >/dev/null &&
           cuda-gdb -batch -ex run -ex bt --args "$build/tests/nanreplay_gpu_tests" "$name" 2>&1 | tail -n 40
