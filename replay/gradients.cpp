@@ -82,21 +82,26 @@ StepGradients compute_step_gradients(const Manifest& manifest, const TokenStream
     result.rank_losses.push_back(rank_loss);
     loss_sum += rank_loss;
 
+    // Multiplying by 1 and dividing by 1 are exact, so they are skipped: a
+    // whole pass over the parameters each, for bit-identical results.
     std::vector<torch::Tensor> rank_grads;
     rank_grads.reserve(order.size());
     for (size_t i = 0; i < order.size(); ++i) {
       torch::Tensor grad = params.at(order[i]).grad();
       if (!grad.defined()) grad = torch::zeros_like(params.at(order[i]));
-      rank_grads.push_back(grad * inv_scale);
+      rank_grads.push_back(inv_scale == 1.0 ? grad : grad * inv_scale);
       // DDP averages: each rank's contribution divided by the world size, then summed.
-      torch::Tensor share = rank_grads.back() / world;
+      torch::Tensor share = world == 1 ? rank_grads.back() : rank_grads.back() / world;
       result.grads[i] = result.grads[i].defined() ? result.grads[i] + share : share;
     }
     result.rank_grad_norms.push_back(total_grad_norm(rank_grads));
   }
+  // The autograd .grad tensors now belong to result.grads (one rank) or were
+  // only read; detaching them keeps the next step's accumulation fresh.
   for (const std::string& name : order) params.at(name).mutable_grad() = torch::Tensor();
   result.loss = loss_sum / world;
-  result.grad_norm = total_grad_norm(result.grads);
+  // One rank: the global gradient is that rank's, and so is its norm.
+  result.grad_norm = world == 1 ? result.rank_grad_norms.front() : total_grad_norm(result.grads);
   return result;
 }
 

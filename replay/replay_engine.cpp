@@ -17,6 +17,7 @@
 #include "replay/checkpoint.h"
 #include "replay/gradients.h"
 #include "replay/probe_session.h"
+#include "replay/step_replay.h"
 #include "replay/system_checks.h"
 #include "reports/terminal_text.h"
 
@@ -25,13 +26,6 @@ namespace nanreplay {
 namespace {
 
 constexpr size_t kMaxTokenFindingsPerStep = 20;
-
-int layer_of_param(const std::string& name) {
-  for (const std::string prefix : {"model.layers.", "transformer.h."}) {
-    if (name.compare(0, prefix.size(), prefix) == 0) return std::atoi(name.c_str() + prefix.size());
-  }
-  return -1;
-}
 
 const ProbeRecord* earliest_nonfinite(const std::vector<ProbeRecord>& records, bool include_backward) {
   const ProbeRecord* best = nullptr;
@@ -131,33 +125,6 @@ double loss_scale_for(const Manifest& m, const StepState& state) {
   return m.precision.compute == Compute::kFp16 ? state.loss_scale : 1.0;
 }
 
-// Every pass of one step with probes, then the parameter-gradient probes.
-StepGradients run_step(const Bundle& bundle, const StepFiles& files, const StepState& state,
-                       const StepBatch& batch, ModelCheckpoint& checkpoint, bool probes,
-                       const std::function<void(int, int, const char*)>& before_pass) {
-  const Manifest& m = bundle.manifest();
-  StepComputeOptions compute;
-  compute.probes = probes;
-  compute.loss_scale = loss_scale_for(m, state);
-  compute.fp8_scales = &state.fp8_scales;
-  compute.before_pass = before_pass;
-  StepGradients step = compute_step_gradients(m, bundle.tokens(), files.step, batch,
-                                              checkpoint.params(), checkpoint.order(), compute);
-  if (probes) {
-    for (size_t i = 0; i < step.grads.size(); ++i) {
-      for (ProbeRecord& record : describe_tensor(step.grads[i], nullptr, {})) {
-        record.step = files.step;
-        record.phase = Phase::kGrad;
-        record.order = static_cast<int>(i);
-        record.site = checkpoint.order()[i];
-        record.layer = layer_of_param(record.site);
-        step.probes.push_back(std::move(record));
-      }
-    }
-  }
-  return step;
-}
-
 bool same_stats(const TensorStats& a, const TensorStats& b) {
   auto bits_equal = [](double x, double y) { return std::memcmp(&x, &y, sizeof x) == 0; };
   return a.count == b.count && a.nan_count == b.nan_count && a.inf_count == b.inf_count &&
@@ -173,9 +140,9 @@ DeterminismCheck check_determinism(const Bundle& bundle, const StepFiles& files,
   check.checked = true;
   check.step = files.step;
   const StepState state = bundle.load_state(files);
-  const StepBatch batch{bundle.sampler().samples_for(entry_for(bundle.manifest(), files.step))};
+  const StepBatch batch = step_batch(bundle, files.step);
   ModelCheckpoint checkpoint(files, bundle.manifest().model);
-  const StepGradients again = run_step(bundle, files, state, batch, checkpoint, true, {});
+  const StepGradients again = replay_step(bundle, files, state, batch, checkpoint, true);
   std::vector<const ProbeRecord*> before;
   for (const ProbeRecord& r : first_run) {
     if (r.step == files.step) before.push_back(&r);
@@ -261,7 +228,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     report.findings.insert(report.findings.end(), data_findings.begin(), data_findings.end());
 
     ModelCheckpoint checkpoint(files, m.model);
-    StepGradients step = run_step(bundle, files, state, batch, checkpoint, options.probes, [&](int rank, int micro, const char* phase) {
+    StepGradients step = replay_step(bundle, files, state, batch, checkpoint, options.probes, [&](int rank, int micro, const char* phase) {
       if (options.should_stop && options.should_stop()) throw ReplayInterrupted{index};
       if (options.on_progress) options.on_progress({index, todo.size(), files.step, rank, micro, phase});
     });
