@@ -198,6 +198,7 @@ ReplayReport replay_and_write(const RunSettings& settings) {
   // First, so a signal from here on stops the run cleanly instead of killing it mid-write.
   install_stop_handlers();
   set_compute_threads(settings.threads);
+  tune_heap_for_replay();
   const Bundle bundle(settings.bundle);
   size_t steps_to_replay = 0;
   for (const StepFiles& files : bundle.steps()) {
