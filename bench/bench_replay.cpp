@@ -46,6 +46,7 @@ struct BenchConfig {
   int repetitions = 7;
   int threads = 2;
   bool eager = true, memory = true;
+  std::string only;  // "on" or "off": time that side alone (for a profiler)
   fs::path work, cli, python, eager_script;
 };
 
@@ -177,6 +178,8 @@ BenchConfig parse(int argc, char** argv) {
       ("python", "Python with torch", cxxopts::value<std::string>()->default_value("/usr/bin/python3"))
       ("skip-eager", "leave out the eager comparison")
       ("skip-memory", "leave out the peak RSS comparison")
+      ("only", "run only the probes 'on' or 'off' replay, --reps times, no ratios (to profile it)",
+       cxxopts::value<std::string>())
       ("h,help", "show this help");
   const auto args = options.parse(argc, argv);
   if (args.count("help")) {
@@ -196,6 +199,10 @@ BenchConfig parse(int argc, char** argv) {
   c.python = args["python"].as<std::string>();
   c.eager = args.count("skip-eager") == 0;
   c.memory = args.count("skip-memory") == 0;
+  if (args.count("only")) {
+    c.only = args["only"].as<std::string>();
+    if (c.only != "on" && c.only != "off") throw std::invalid_argument("--only takes on or off");
+  }
   c.eager_script = fs::path(NANREPLAY_SOURCE_DIR) / "bench" / "bench_eager.py";
   return c;
 }
@@ -206,6 +213,7 @@ int main(int argc, char** argv) {
   const BenchConfig c = parse(argc, argv);
   fs::create_directories(c.work);
   nanreplay::set_compute_threads(c.threads);
+  nanreplay::tune_heap_for_replay();  // as `nanreplay run` does
 
   const fs::path ten = bundle_for(c, 10);
   const nanreplay::Bundle bundle(ten);
@@ -224,6 +232,16 @@ int main(int argc, char** argv) {
               static_cast<long long>(c.heads), static_cast<long long>(c.vocab), double(parameters) / 1e6,
               static_cast<long long>(c.batch), static_cast<long long>(c.seq), c.threads, c.repetitions);
   std::printf("checkpoint load (mmap, validate, fp32 in place): %.3f s, not in the step times\n", load_seconds);
+
+  if (!c.only.empty()) {
+    for (int r = 0; r < c.repetitions; ++r) {
+      const auto start = Clock::now();
+      nanreplay::replay_step(bundle, files, state, batch, checkpoint, c.only == "on");
+      std::printf("replay step, probes %s  %.3f s\n", c.only.c_str(), seconds_since(start));
+
+    }
+    return 0;
+  }
 
   std::unique_ptr<EagerPeer> eager;
   if (c.eager) eager = std::make_unique<EagerPeer>(c, ten, files.step);
