@@ -25,9 +25,10 @@ build() {
   "$nvcc" -std=c++17 -O3 "${arch[@]}" -I. -c kernels/tensor_stats_cuda.cu -o "$out/tensor_stats_cuda.o" &&
     "$nvcc" -std=c++17 -O3 "${arch[@]}" -I. -c bench/bench_stats_cuda.cu -o "$out/bench_stats_cuda.o" &&
     "${cxx[@]}" -fopenmp -c kernels/tensor_stats.cpp -o "$out/tensor_stats.o" &&
+    "${cxx[@]}" -c tests/catch/catch_session.cpp -o "$out/catch_session.o" &&
     "${cxx[@]}" -I"$cuda/include" -c tests/gpu/gpu_main.cpp -o "$out/gpu_main.o" &&
     "${cxx[@]}" -I"$cuda/include" -c tests/gpu/test_gpu_tensor_stats.cpp -o "$out/test_gpu.o" &&
-    g++ -fopenmp "$out"/{gpu_main,test_gpu,tensor_stats_cuda,tensor_stats}.o -o "$out/nanreplay_gpu_tests" "${link[@]}" &&
+    g++ -fopenmp "$out"/{catch_session,gpu_main,test_gpu,tensor_stats_cuda,tensor_stats}.o -o "$out/nanreplay_gpu_tests" "${link[@]}" &&
     g++ -fopenmp "$out"/{bench_stats_cuda,tensor_stats_cuda,tensor_stats}.o -o "$out/bench_stats_cuda" "${link[@]}"
 }
 
