@@ -183,6 +183,7 @@ ReplayReport replay_and_write(const RunSettings& settings) {
   install_stop_handlers();
   set_compute_threads(settings.threads);
   validate_devices(settings.devices, settings.cross_check);
+  tune_heap_for_replay();
   const Bundle bundle(settings.bundle);
   check_what_ifs(settings.what_ifs, bundle.manifest());
   size_t steps_to_replay = 0;

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -74,6 +75,18 @@ void MappedFile::prefault(size_t offset, size_t length) const {
   (void)offset;
   (void)length;
 #endif
+}
+
+void MappedFile::release_pages(size_t offset, size_t length) const {
+  if (data_ == nullptr || offset >= size_) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(data_) + offset;
+  const uintptr_t end = begin + std::min(length, size_ - offset);
+  // Only pages wholly inside the range: the edges may hold a neighbour's bytes.
+  const uintptr_t first = (begin + page - 1) / page * page;
+  const uintptr_t last = end / page * page;
+  // Advice only: a failure leaves the pages resident, which is merely slower to free.
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
 }
 
 MappedFile::MappedFile(MappedFile&& other) noexcept

@@ -21,6 +21,11 @@ class MappedFile {
 
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
+  // Drops the whole pages of [offset, offset + length) from this process's
+  // resident memory (madvise MADV_DONTNEED). The mapping stays valid: a later
+  // read faults the unchanged bytes back in from the page cache. Lets a pass
+  // over a large file keep only the tensor it is reading resident.
+  void release_pages(size_t offset, size_t length) const;
   const std::string& label() const { return label_; }
   // Maps in the pages of [offset, offset + length) in one call (reading them
   // from disk if needed) instead of one page fault per page: streaming scans

@@ -395,4 +395,8 @@ void SafetensorsWriter::write(const std::string& path) const {
   }
 }
 
+void SafetensorsFile::release(const TensorInfo& info) const {
+  map_.release_pages(static_cast<size_t>(info.data - map_.data()), info.nbytes());
+}
+
 }  // namespace nanreplay

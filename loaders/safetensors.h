@@ -49,6 +49,9 @@ class SafetensorsFile {
   const TensorInfo& at(const std::string& name) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   const std::string& label() const { return map_.label(); }
+  // Drops `info`'s pages from resident memory once a pass is done with them
+  // (MappedFile::release_pages); its data stays readable.
+  void release(const TensorInfo& info) const;
 
  private:
   MappedFile map_;

@@ -115,7 +115,10 @@ ModelCheckpoint::ModelCheckpoint(const StepFiles& files, const ModelConfig& mode
                          " model: " + text);
   }
   for (const ParamSpec& spec : expected) {
-    torch::Tensor master = tensor_from_safetensors(file_.at(spec.name), file_.label());
+    const TensorInfo& info = file_.at(spec.name);
+    torch::Tensor master = tensor_from_safetensors(info, file_.label());
+    // An upcast (or realigned) copy never reads the mapping again.
+    if (master.data_ptr() != static_cast<const void*>(info.data)) file_.release(info);
     master.requires_grad_(true);
     params_.emplace(spec.name, master);
     order_.push_back(spec.name);

@@ -104,9 +104,11 @@ std::vector<torch::Tensor> add_rank_gradients(const ParamMap& params, const std:
   for (size_t i = 0; i < order.size(); ++i) {
     torch::Tensor grad = params.at(order[i]).grad();
     if (!grad.defined()) grad = torch::zeros_like(params.at(order[i]));
-    rank_grads.push_back(grad * inv_scale);
+    // Multiplying by 1 and dividing by 1 are exact, so they are skipped: a
+    // whole pass over the parameters each, for bit-identical results.
+    rank_grads.push_back(inv_scale == 1.0 ? grad : grad * inv_scale);
     // DDP averages: each rank's contribution divided by the world size, then summed.
-    torch::Tensor share = rank_grads.back() / world_size;
+    torch::Tensor share = world_size == 1 ? rank_grads.back() : rank_grads.back() / world_size;
     step_grads[i] = step_grads[i].defined() ? step_grads[i] + share : share;
   }
   return rank_grads;
@@ -162,7 +164,8 @@ StepGradients compute_step_gradients(const Manifest& manifest, const TokenStream
   // The one synchronisation: losses, per-sample losses, norms, then probes.
   std::vector<torch::Tensor> scalars = micro_losses;
   scalars.insert(scalars.end(), rank_norms.begin(), rank_norms.end());
-  scalars.push_back(total_grad_norm_tensor(result.grads));
+  // One rank: the global gradient is that rank's, and so is its norm.
+  scalars.push_back(world == 1 ? rank_norms.front() : total_grad_norm_tensor(result.grads));
   scalars.insert(scalars.end(), sample_losses.begin(), sample_losses.end());
   const std::vector<double> values = read_back(scalars);
   size_t next = 0;

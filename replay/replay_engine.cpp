@@ -11,6 +11,10 @@
 #include <cstring>
 #include <thread>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <torch/torch.h>
 #include <torch/cuda.h>
 
@@ -18,6 +22,7 @@
 #include "replay/checkpoint.h"
 #include "replay/gradients.h"
 #include "replay/probe_session.h"
+#include "replay/step_replay.h"
 #include "replay/system_checks.h"
 #include "reports/terminal_text.h"
 
@@ -108,34 +113,14 @@ double loss_scale_for(const Manifest& m, const StepState& state) {
   return m.precision.compute == Compute::kFp16 ? state.loss_scale : 1.0;
 }
 
-// Every pass of one step with probes, then the parameter-gradient probes.
-StepGradients run_step(const Bundle& bundle, const StepFiles& files, const StepState& state,
-                       const StepBatch& batch, ModelCheckpoint& checkpoint, bool probes,
-                       const ComputePlacement& placement,
-                       const std::function<void(int, int, const char*)>& before_pass) {
-  const Manifest& m = bundle.manifest();
-  checkpoint.place(placement, static_cast<int>(m.model.num_layers));
-  StepComputeOptions compute;
-  compute.native_low_precision = placement.native_low_precision;
-  compute.probes = probes;
-  compute.loss_scale = loss_scale_for(m, state);
-  compute.fp8_scales = &state.fp8_scales;
-  compute.before_pass = before_pass;
-  StepGradients step = compute_step_gradients(m, bundle.tokens(), files.step, batch,
-                                              checkpoint.compute_params(), checkpoint.order(), compute);
-  if (probes) {
-    for (size_t i = 0; i < step.grads.size(); ++i) {
-      for (ProbeRecord& record : describe_tensor(step.grads[i], nullptr, {})) {
-        record.step = files.step;
-        record.phase = Phase::kGrad;
-        record.order = static_cast<int>(i);
-        record.site = checkpoint.order()[i];
-        record.layer = layer_of_parameter(record.site);
-        step.probes.push_back(std::move(record));
-      }
-    }
-  }
-  return step;
+// glibc keeps freed heap memory for reuse, and the activations and gradients
+// of one step, freed in a different order than allocated, fragment its heap:
+// without handing the free pages back, the resident set creeps up step after
+// step. Called between steps, so a 10-step replay peaks where one step does.
+void return_freed_memory() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
 }
 
 bool same_stats(const TensorStats& a, const TensorStats& b) {
@@ -180,7 +165,7 @@ StepGradients replay_step_again(const Bundle& bundle, const StepFiles& files, co
   const StepState state = bundle.load_state(files);
   const StepBatch batch{bundle.sampler().samples_for(entry_for(bundle.manifest(), files.step))};
   ModelCheckpoint checkpoint(files, bundle.manifest().model);
-  return run_step(bundle, files, state, batch, checkpoint, true, placement, {});
+  return replay_step(bundle, files, state, batch, checkpoint, true, {}, placement);
 }
 
 std::vector<const ProbeRecord*> probes_of_step(const std::vector<ProbeRecord>& all, int64_t step) {
@@ -303,10 +288,10 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     report.findings.insert(report.findings.end(), data_findings.begin(), data_findings.end());
 
     ModelCheckpoint checkpoint(files, m.model);
-    StepGradients step = run_step(bundle, files, state, batch, checkpoint, options.probes, placement, [&](int rank, int micro, const char* phase) {
+    StepGradients step = replay_step(bundle, files, state, batch, checkpoint, options.probes, [&](int rank, int micro, const char* phase) {
       if (options.should_stop && options.should_stop()) throw ReplayInterrupted{index};
       if (options.on_progress) options.on_progress({index, todo.size(), files.step, rank, micro, phase});
-    });
+    }, placement);
     outcome.replayed = true;
     outcome.loss = step.loss;
     outcome.grad_norm = step.grad_norm;
@@ -366,6 +351,8 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     report.steps.push_back(outcome);
     report.probes.insert(report.probes.end(), std::make_move_iterator(step.probes.begin()),
                          std::make_move_iterator(step.probes.end()));
+    step = StepGradients{};
+    return_freed_memory();
   }
 
   for (Finding& f : fp8_scale_jump_findings(states, thresholds)) {
@@ -449,6 +436,16 @@ void validate_devices(const std::vector<std::string>& names, bool cross_check) {
                        " CUDA device(s) visible");
     }
   }
+}
+
+void tune_heap_for_replay() {
+#if defined(__GLIBC__)
+  // glibc's own ceiling for its adaptive mmap threshold (DEFAULT_MMAP_THRESHOLD_MAX
+  // on 64-bit), and the trim threshold it pairs with it (twice as much).
+  constexpr int kMmapThreshold = 32 << 20;
+  mallopt(M_MMAP_THRESHOLD, kMmapThreshold);
+  mallopt(M_TRIM_THRESHOLD, 2 * kMmapThreshold);
+#endif
 }
 
 void set_compute_threads(int threads) {

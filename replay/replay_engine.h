@@ -60,4 +60,12 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options);
 namespace nanreplay {
 // Threads LibTorch uses for the replay's tensor math (0: all cores).
 void set_compute_threads(int threads);
+
+// Process-wide heap settings for replaying (glibc; elsewhere a no-op): the
+// steady state glibc's adaptive thresholds reach only after LibTorch has freed
+// a few large tensors (blocks below 32 MiB from the heap, up to 64 MiB of free
+// top kept) set from the start. The first step then does not map and fault in
+// every activation afresh, and every step peaks alike, so memory is the same
+// for one step or many. Call once, before the first replay.
+void tune_heap_for_replay();
 }  // namespace nanreplay

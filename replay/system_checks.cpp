@@ -1,6 +1,7 @@
 // Checkpoint contamination and flipped-bit detection; see system_checks.h.
 #include "replay/system_checks.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -68,6 +69,104 @@ double decode(uint32_t bits, DType dtype) {
 
 int bit_width(DType dtype) { return dtype == DType::kF32 ? 32 : 16; }
 
+// Drops a tensor's mapped pages when the scope ends, early exits included.
+struct ReleaseWhenDone {
+  const SafetensorsFile& file;
+  const TensorInfo& info;
+  ReleaseWhenDone(const SafetensorsFile& f, const TensorInfo& i) : file(f), info(i) {}
+  ~ReleaseWhenDone() { file.release(info); }
+  ReleaseWhenDone(const ReleaseWhenDone&) = delete;
+  ReleaseWhenDone& operator=(const ReleaseWhenDone&) = delete;
+};
+
+// Beyond this many deviating elements a parameter was not hit by flipped
+// bits: its whole update differs.
+int64_t bulk_limit(int64_t numel) { return std::max<int64_t>(1024, numel / 100); }
+
+// Rows of one parameter predicted per pass: about 256 Ki elements, so the
+// AdamW temporaries stay a few MiB even for the embedding.
+constexpr int64_t kSliceElements = int64_t{1} << 18;
+
+struct PredictionInput {
+  torch::Tensor param;       // model(s), fp32
+  torch::Tensor grad;        // averaged, unscaled, before clipping
+  const torch::Tensor* coef;  // clip coefficient
+  const TensorInfo* exp_avg;     // null: the scaler skipped the step (no update)
+  const TensorInfo* exp_avg_sq;
+  const TensorInfo* actual;      // model(s+1) as stored
+  const std::string& optimizer_label;
+  const std::string& next_label;
+  int64_t updates_before;
+  double lr;
+  const OptimizerConfig* config;
+  bool decay;
+};
+
+// Elements of model(s+1) that differ from AdamW applied to model(s) by more
+// than rounding, with the predicted values (kept up to bulk_limit + 1).
+struct Deviations {
+  int64_t count = 0;
+  std::vector<int64_t> flat;
+  std::vector<double> want;
+};
+
+// Rows [row, row + rows) of a stored tensor, as a TensorInfo of its own.
+TensorInfo rows_of(const TensorInfo& info, int64_t row, int64_t rows) {
+  TensorInfo slice = info;
+  if (info.shape.empty()) return slice;
+  const uint64_t row_bytes = info.nbytes() / static_cast<uint64_t>(std::max<int64_t>(1, info.shape[0]));
+  slice.shape[0] = rows;
+  slice.data = info.data + static_cast<uint64_t>(row) * row_bytes;
+  slice.begin = info.begin + static_cast<uint64_t>(row) * row_bytes;
+  slice.end = slice.begin + static_cast<uint64_t>(rows) * row_bytes;
+  return slice;
+}
+
+// Predicts model(s+1) slice by slice of rows (elementwise, so slicing changes
+// nothing) and compares it with the stored one.
+Deviations predict_and_compare(const PredictionInput& in) {
+  Deviations out;
+  const int64_t numel = in.actual->numel();
+  const int64_t rows = in.actual->shape.empty() ? 1 : in.actual->shape[0];
+  const int64_t row_elements = rows > 0 ? numel / rows : 0;
+  const int64_t rows_per_slice = std::max<int64_t>(1, kSliceElements / std::max<int64_t>(1, row_elements));
+  const int64_t limit = bulk_limit(numel);
+  const torch::Tensor param_rows = in.actual->shape.empty() ? in.param.reshape({1}) : in.param;
+  const torch::Tensor grad_rows = in.actual->shape.empty() ? in.grad.reshape({1}) : in.grad;
+  for (int64_t row = 0; row < rows; row += rows_per_slice) {
+    const int64_t count = std::min(rows_per_slice, rows - row);
+    torch::Tensor expected = param_rows.narrow(0, row, count).clone();
+    if (in.exp_avg != nullptr) {
+      torch::Tensor exp_avg = tensor_from_safetensors(rows_of(*in.exp_avg, row, count), in.optimizer_label).clone();
+      torch::Tensor exp_avg_sq =
+          tensor_from_safetensors(rows_of(*in.exp_avg_sq, row, count), in.optimizer_label).clone();
+      adamw_step_one(expected, grad_rows.narrow(0, row, count) * *in.coef, exp_avg, exp_avg_sq,
+                     in.updates_before, in.lr, *in.config, in.decay);
+    }
+    if (in.actual->dtype == DType::kBF16) expected = expected.to(torch::kBFloat16).to(torch::kFloat32);
+    if (in.actual->dtype == DType::kF16) expected = expected.to(torch::kHalf).to(torch::kFloat32);
+    const torch::Tensor actual = tensor_from_safetensors(rows_of(*in.actual, row, count), in.next_label);
+    // Far more than rounding: beyond what any sign noise in a near-zero
+    // gradient could move Adam's normalized step (a few lr), and 0.1%.
+    const torch::Tensor threshold = torch::clamp_min(expected.abs() * 1e-3, 8.0 * in.lr);
+    const torch::Tensor deviant =
+        torch::isfinite(expected) &
+        (((actual - expected).abs() > threshold) | ~torch::isfinite(actual));
+    const torch::Tensor where = deviant.reshape({-1}).nonzero().reshape({-1}).contiguous();
+    const int64_t found = where.numel();
+    if (found == 0) continue;
+    const int64_t* local = where.data_ptr<int64_t>();
+    const torch::Tensor flat_expected = expected.reshape({-1}).contiguous();
+    const float* e = flat_expected.data_ptr<float>();
+    for (int64_t k = 0; k < found && out.count + k <= limit; ++k) {
+      out.flat.push_back(row * row_elements + local[k]);
+      out.want.push_back(e[local[k]]);
+    }
+    out.count += found;
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<Finding> checkpoint_nonfinite_findings(const Bundle& bundle) {
@@ -88,6 +187,7 @@ std::vector<Finding> checkpoint_nonfinite_findings(const Bundle& bundle) {
       const SafetensorsFile file = SafetensorsFile::open(path, files.label(leaf));
       for (const TensorInfo& info : file.tensors()) {
         const TensorStats stats = stats_of(info);
+        file.release(info);  // resident: one tensor at a time, not the whole file
         if (stats.all_finite()) continue;
         auto [it, fresh] = tensors.try_emplace(info.name);
         Seen& seen = it->second;
@@ -141,42 +241,38 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
   for (size_t i = 0; i < names.size(); ++i) {
     const std::string& name = names[i];
     const TensorInfo& actual_info = next.at(name);
-    torch::Tensor expected = in.checkpoint->params().at(name).detach().clone();
-    if (!in.skipped_by_scaler) {
-      torch::Tensor exp_avg = tensor_from_safetensors(optimizer.at(name + ".exp_avg"), optimizer_label).clone();
-      torch::Tensor exp_avg_sq =
-          tensor_from_safetensors(optimizer.at(name + ".exp_avg_sq"), optimizer_label).clone();
-      adamw_step_one(expected, in.grads->grads[i] * coef, exp_avg, exp_avg_sq, updates_before, in.lr,
-                     config, !excluded_from_decay(config, name));
+    // The next checkpoint and the moments are read one slice at a time and
+    // their pages dropped after each parameter, so the check holds one slice's
+    // temporaries and no whole file resident beyond what the replay holds.
+    const ReleaseWhenDone release_actual{next, actual_info};
+    const TensorInfo* avg_info = in.skipped_by_scaler ? nullptr : &optimizer.at(name + ".exp_avg");
+    const TensorInfo* avg_sq_info = in.skipped_by_scaler ? nullptr : &optimizer.at(name + ".exp_avg_sq");
+    const Deviations deviations = predict_and_compare(
+        {in.checkpoint->params().at(name).detach(), in.grads->grads[i], &coef, avg_info, avg_sq_info,
+         &actual_info, optimizer_label, next.label(), updates_before, in.lr, &config,
+         !excluded_from_decay(config, name)});
+    if (avg_info != nullptr) {
+      optimizer.release(*avg_info);
+      optimizer.release(*avg_sq_info);
     }
-    if (actual_info.dtype == DType::kBF16) expected = expected.to(torch::kBFloat16).to(torch::kFloat32);
-    if (actual_info.dtype == DType::kF16) expected = expected.to(torch::kHalf).to(torch::kFloat32);
-    const torch::Tensor actual = tensor_from_safetensors(actual_info, next.label());
-    // Far more than rounding: beyond what any sign noise in a near-zero
-    // gradient could move Adam's normalized step (a few lr), and 0.1%.
-    const torch::Tensor threshold = torch::clamp_min(expected.abs() * 1e-3, 8.0 * in.lr);
-    const torch::Tensor deviant =
-        torch::isfinite(expected) &
-        (((actual - expected).abs() > threshold) | ~torch::isfinite(actual));
-    const torch::Tensor where = deviant.reshape({-1}).nonzero().reshape({-1});
-    const int64_t count = where.numel();
+    const int64_t count = deviations.count;
     if (count == 0) continue;
-    if (count > std::max<int64_t>(1024, actual.numel() / 100)) {
+    const int64_t numel = actual_info.numel();
+    if (count > bulk_limit(numel)) {
       // Too many to be flipped bits: the update itself differs (lr, betas, a different optimizer).
       findings.push_back(make_finding(
           TriageLayer::kSystem, "SYSTEM_UPDATE_MISMATCH", Severity::kWarning,
-          name + ": " + std::to_string(count) + " of " + std::to_string(actual.numel()) +
+          name + ": " + std::to_string(count) + " of " + std::to_string(numel) +
               " elements of " + next.label() + " differ from AdamW applied to step " +
               std::to_string(in.current->step) + ": the recorded update is not the spec's AdamW",
           {{"step", in.next->step}, {"param", name}, {"length", count}}));
       continue;
     }
-    const float* e = expected.contiguous().data_ptr<float>();
     std::vector<int64_t> unexplained;
     std::vector<Finding> flips;
-    for (int64_t k = 0; k < count; ++k) {
-      const int64_t flat = where[k].item<int64_t>();
-      const double want = e[flat];
+    for (size_t k = 0; k < deviations.flat.size(); ++k) {
+      const int64_t flat = deviations.flat[k];
+      const double want = deviations.want[k];
       const uint32_t bits = stored_bits(actual_info, flat);
       // A flip restores the job's own value, which the recomputation matches to
       // rounding: relative 1e-4, plus a sliver of lr for gradient noise. Looser

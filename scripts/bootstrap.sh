@@ -71,7 +71,13 @@ cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
 if [[ "$mode" == test && "$sanitize" != 0 ]]; then
   # The Catch2 suite is built and run in the sanitizer tree below; building it
   # twice would not fit CI's budget on two cores.
-  cmake --build "$build_dir" -j "$jobs" --target nanreplay
+  release_targets=(nanreplay)
+  # The CUDA statistics kernel and its tests compile wherever nvcc was found
+  # (they run only on a GPU: scripts/gpu_check.sh).
+  if ninja -C "$build_dir" -t targets all | grep -q '^nanreplay_gpu_tests:'; then
+    release_targets+=(nanreplay_gpu_tests)
+  fi
+  cmake --build "$build_dir" -j "$jobs" --target "${release_targets[@]}"
 else
   cmake --build "$build_dir" -j "$jobs"
 fi

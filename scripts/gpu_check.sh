@@ -75,7 +75,10 @@ run() {
     -DNANREPLAY_PYTHON="$python" -DNANREPLAY_CUDA=ON -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
   local started=$SECONDS
   # The CLI and the GPU tests only: the CPU suite runs in CI, not on the GPU's time.
-  cmake --build "$build" -j "$jobs" --target nanreplay nanreplay_gpu_tests
+  local targets=(nanreplay nanreplay_gpu_replay_tests)
+  # The CUDA statistics kernel's own tests exist when nvcc was found.
+  ninja -C "$build" -t targets all | grep -q '^nanreplay_gpu_tests:' && targets+=(nanreplay_gpu_tests)
+  cmake --build "$build" -j "$jobs" --target "${targets[@]}"
   echo "gpu_check: build took $((SECONDS - started))s"
   # The flags that decide struct layouts, per target: they must agree.
   "$python" - "$build/compile_commands.json" <<'PY'
@@ -97,11 +100,11 @@ PY
       [[ -n "$name" ]] || continue
       echo "-- $name"
       name="${name//,/\\,}"  # a comma separates Catch test specs
-      if ! "$build/tests/nanreplay_gpu_tests" "$name"; then
+      if ! "$build/tests/nanreplay_gpu_replay_tests" "$name"; then
         command -v cuda-gdb >/dev/null &&
-          cuda-gdb -batch -ex run -ex bt --args "$build/tests/nanreplay_gpu_tests" "$name" 2>&1 | tail -n 40
+          cuda-gdb -batch -ex run -ex bt --args "$build/tests/nanreplay_gpu_replay_tests" "$name" 2>&1 | tail -n 40
       fi
-    done < <("$build/tests/nanreplay_gpu_tests" --list-test-names-only | grep -v '^ *$' | grep -v 'matching test')
+    done < <("$build/tests/nanreplay_gpu_replay_tests" --list-test-names-only | grep -v '^ *$' | grep -v 'matching test')
   fi
 
   echo "== the CLI on the GPU, end to end"

@@ -1,3 +1,4 @@
-// Catch2's main, in a translation unit of its own so it is compiled once.
-#define CATCH_CONFIG_MAIN
-#include <catch2/catch.hpp>
+// The CPU suite's main: Catch2 as usual.
+#include "tests/catch/catch_session.h"
+
+int main(int argc, char** argv) { return nanreplay_test::run_catch_session(argc, argv); }

@@ -147,3 +147,37 @@ TEST_CASE("a step whose batch holds an out-of-range token is reported, not repla
   CHECK(report.findings[0].evidence["shard"] == before.tokens().spec(where.shard).path);
   CHECK(exit_status_for(report) == 1);
 }
+
+TEST_CASE("the update check finds a flipped bit in a parameter it predicts in several slices",
+          "[torch][replay]") {
+  // An embedding of 8192 x 64 = 512 Ki elements is predicted in two slices of
+  // rows; the flipped element sits in the second.
+  ScratchDir dir("sliced-flip");
+  SyntheticSpec spec = tiny("clean-fp32");
+  spec.model.vocab_size = 8192;
+  write_synthetic_bundle(dir / "b", spec);
+  const std::string name = "model.embed_tokens.weight";
+  const int64_t row = 6000, col = 3;
+  rewrite_checkpoint(dir / "b" / "steps" / "101" / "model.safetensors",
+                     [&](SafetensorsWriter& writer, const TensorInfo& t) {
+                       std::vector<uint8_t> bytes(t.data, t.data + t.nbytes());
+                       if (t.name == name) {
+                         // |x| < 1: the exponent's top bit is clear; setting it keeps x finite.
+                         bytes[static_cast<size_t>((row * 64 + col) * 4 + 3)] ^= 0x40;
+                       }
+                       writer.add(t.name, t.dtype, t.shape, bytes.data(), bytes.size());
+                     });
+  const Bundle bundle(dir / "b");
+  ReplayOptions options;
+  options.check_determinism = false;
+  const ReplayReport report = replay_bundle(bundle, options);
+  std::vector<const Finding*> flips;
+  for (const Finding& f : report.findings) {
+    if (f.code == "SYSTEM_BIT_FLIP") flips.push_back(&f);
+  }
+  REQUIRE(flips.size() == 1);
+  CHECK(flips[0]->evidence["param"] == name);
+  CHECK(flips[0]->evidence["bit"] == 30);
+  CHECK(flips[0]->evidence["step"] == 101);
+  CHECK(flips[0]->evidence["index"] == nlohmann::json::array({row, col}));
+}
