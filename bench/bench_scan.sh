@@ -67,7 +67,7 @@ for round in 1 2 3; do
   start=$(date +%s.%N)
   for f in "${shards[@]}"; do dd if="$f" of=/dev/null bs=8M status=none; done
   end=$(date +%s.%N)
-  disk=$(echo "$bytes / ($end - $start) / 1e9" | bc -l)
+  disk=$(echo "$bytes / ($end - $start) / 1000000000" | bc -l)
   drop_cache
   cold=$(scan_gbps)
   warm=$(scan_gbps)
@@ -77,6 +77,6 @@ for round in 1 2 3; do
   best_warm=$(echo "if ($warm > $best_warm) $warm else $best_warm" | bc -l)
 done
 printf 'best of 3 over %.0f MB (threads %s, %s cores): disk %.2f, cold scan %.2f, warm scan %.2f GB/s\n' \
-  "$(echo "$bytes / 1e6" | bc -l)" "$threads" "$(nproc)" "$best_disk" "$best_cold" "$best_warm"
+  "$(echo "$bytes / 1000000" | bc -l)" "$threads" "$(nproc)" "$best_disk" "$best_cold" "$best_warm"
 printf 'ratio warm scan / disk read = %.2f (>= 1: the disk is the limit)\n' "$(echo "$best_warm / $best_disk" | bc -l)"
 printf 'ratio cold scan / disk read = %.2f\n' "$(echo "$best_cold / $best_disk" | bc -l)"
