@@ -9,7 +9,11 @@
 // inner loop, with the checkpoint already mapped (loading is timed apart).
 // The eager side is bench/bench_eager.py in Debian's python3 (the same
 // LibTorch), kept running and asked for one step at a time, so repetitions
-// interleave: on, off, eager, rotating which goes first; figures are medians.
+// interleave: on, off, eager, eager as PyTorch starts by default, rotating
+// which goes first; figures are medians. Like `nanreplay run`, this program
+// re-executes itself with a short OpenMP spin (cli/openmp_wait.h); one eager
+// peer runs in that same environment, the other in the user's own (libgomp's
+// default spin unless the user set one).
 // Bundles are synthesized once into --work and reused.
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -25,11 +29,13 @@
 #include <iostream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <cxxopts.hpp>
 #include <torch/torch.h>
 
+#include "cli/openmp_wait.h"
 #include "loaders/bundle.h"
 #include "replay/checkpoint.h"
 #include "replay/replay_engine.h"
@@ -93,15 +99,21 @@ fs::path bundle_for(const BenchConfig& c, int64_t steps) {
 // bench_eager.py, kept running; one timed eager step per request.
 class EagerPeer {
  public:
-  EagerPeer(const BenchConfig& c, const fs::path& bundle, int64_t step) {
+  // `users_environment`: drop the OpenMP spin this program set for itself.
+  EagerPeer(const BenchConfig& c, const fs::path& bundle, int64_t step, bool users_environment) {
     int to_child[2], from_child[2];
     if (pipe(to_child) != 0 || pipe(from_child) != 0) throw std::runtime_error("pipe failed");
+    std::fflush(stdout);  // or the child's stdio would print our buffered lines again
     pid_ = fork();
     if (pid_ == 0) {
       dup2(to_child[0], 0);
       dup2(from_child[1], 1);
       close(to_child[1]);
       close(from_child[0]);
+      if (users_environment && std::getenv(nanreplay::kSpinSetByNanreplay) != nullptr) {
+        unsetenv("GOMP_SPINCOUNT");
+        unsetenv(nanreplay::kSpinSetByNanreplay);
+      }
       const std::string threads = std::to_string(c.threads), step_text = std::to_string(step);
       execl(c.python.c_str(), c.python.c_str(), c.eager_script.c_str(), "--bundle", bundle.c_str(),
             "--step", step_text.c_str(), "--threads", threads.c_str(), static_cast<char*>(nullptr));
@@ -145,6 +157,7 @@ class EagerPeer {
 double peak_rss_mib(const BenchConfig& c, const fs::path& bundle, int* exit_code) {
   const fs::path out = c.work / ("rss-" + bundle.filename().string());
   const std::string threads = std::to_string(c.threads);
+  std::fflush(stdout);  // or the child's freopen would print our buffered lines again
   const pid_t pid = fork();
   if (pid == 0) {
     if (std::freopen("/dev/null", "w", stdout) == nullptr) _exit(127);
@@ -210,6 +223,7 @@ BenchConfig parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  nanreplay::reexec_with_short_openmp_spin(argv);  // as `nanreplay run` does
   const BenchConfig c = parse(argc, argv);
   fs::create_directories(c.work);
   nanreplay::set_compute_threads(c.threads);
@@ -243,12 +257,22 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  std::unique_ptr<EagerPeer> eager;
-  if (c.eager) eager = std::make_unique<EagerPeer>(c, ten, files.step);
+  std::unique_ptr<EagerPeer> eager, eager_default;
+  if (c.eager) {
+    eager = std::make_unique<EagerPeer>(c, ten, files.step, false);
+    eager_default = std::make_unique<EagerPeer>(c, ten, files.step, true);
+  }
+  const char* spin = std::getenv("GOMP_SPINCOUNT");
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  const bool spin_is_ours = std::getenv(nanreplay::kSpinSetByNanreplay) != nullptr;
+  std::printf("OpenMP wait: GOMP_SPINCOUNT=%s OMP_WAIT_POLICY=%s (%s)\n", spin ? spin : "unset",
+              policy ? policy : "unset",
+              spin_is_ours ? "set by nanreplay; the default-environment eager peer runs without it"
+                           : "as the user set it; both eager peers run with it");
 
   size_t probe_count = 0;
   double loss_on = 0, loss_off = 0;
-  EagerPeer::Reply eager_reply;
+  EagerPeer::Reply eager_reply, eager_default_reply;
   std::vector<std::function<double()>> sides = {
       [&] {
         const auto start = Clock::now();
@@ -268,28 +292,49 @@ int main(int argc, char** argv) {
       [&] {
         eager_reply = eager->step();
         return eager_reply.seconds;
+      },
+      [&] {
+        eager_default_reply = eager_default->step();
+        return eager_default_reply.seconds;
       }};
-  const size_t side_count = eager ? 3 : 2;
+  const size_t side_count = eager ? 4 : 2;
   for (size_t s = 0; s < side_count; ++s) sides[s]();  // warm up: page in, thread pools, allocator
   std::vector<std::vector<double>> times(side_count);
   for (int r = 0; r < c.repetitions; ++r) {
     for (size_t k = 0; k < side_count; ++k) {
       const size_t s = (static_cast<size_t>(r) + k) % side_count;
+      // Idle threads of the side before (OpenBLAS workers yield-spin for about
+      // 0.1 s, libgomp's spin) would take cores from this one: let them park.
+      std::this_thread::sleep_for(std::chrono::milliseconds(400));
       times[s].push_back(sides[s]());
     }
   }
-  const double on = median(times[0]), off = median(times[1]);
-  std::printf("replay step, probes on   %.3f s  (%zu probe records, loss %.9g)\n", on, probe_count, loss_on);
-  std::printf("replay step, probes off  %.3f s  (loss %.9g)\n", off, loss_off);
+  // Medians, and the best repetition of each side: on a shared machine
+  // interference only ever adds time, so the fastest runs are the most
+  // comparable when the medians of one run drift apart.
+  struct Summary {
+    double median, best;
+  };
+  std::vector<Summary> sum;
+  for (const std::vector<double>& t : times) sum.push_back({median(t), *std::min_element(t.begin(), t.end())});
+  const char* names[] = {"replay step, probes on", "replay step, probes off",
+                         "eager PyTorch, same OpenMP wait as the replay", "eager PyTorch, the user's environment"};
+  std::printf("%-46s %8s %8s\n", "seconds per step", "median", "best");
+  for (size_t s = 0; s < side_count; ++s) std::printf("%-46s %8.3f %8.3f\n", names[s], sum[s].median, sum[s].best);
+  std::printf("losses: probes on %.9g, probes off %.9g", loss_on, loss_off);
+  if (eager) std::printf(", eager %.9g and %.9g", eager_reply.loss, eager_default_reply.loss);
+  std::printf("; %zu probe records\n", probe_count);
+  auto ratio = [&](const char* label, size_t a, size_t b, const char* target) {
+    std::printf("RATIO %-44s median %.3f  best %.3f  %s\n", label, sum[a].median / sum[b].median,
+                sum[a].best / sum[b].best, target);
+  };
+  ratio("probes on / probes off", 0, 1, "(target <= 1.10)");
   if (eager) {
-    const double eager_seconds = median(times[2]);
-    std::printf("eager PyTorch step       %.3f s  (loss %.9g)\n", eager_seconds, eager_reply.loss);
     eager.reset();
-    std::printf("RATIO probes on / off            %.3f  (target <= 1.10)\n", on / off);
-    std::printf("RATIO replay / eager PyTorch     %.3f probes off, %.3f probes on  (target <= 1.0)\n",
-                off / eager_seconds, on / eager_seconds);
-  } else {
-    std::printf("RATIO probes on / off            %.3f  (target <= 1.10)\n", on / off);
+    eager_default.reset();
+    ratio("replay (probes on) / eager, user's env", 0, 3, "(target <= 1.0)");
+    ratio("replay (probes on) / eager, same OpenMP wait", 0, 2, "(target <= 1.0)");
+    ratio("replay (probes off) / eager, same OpenMP wait", 1, 2, "");
   }
 
   if (c.memory) {

@@ -28,7 +28,7 @@ if [[ -z "$bundle" ]]; then
   bundle="${TMPDIR:-/tmp}/nanreplay-bench-scan"
   if [[ ! -f "$bundle/manifest.json" ]]; then
     mkdir -p "$bundle"
-    "$cli" synth clean-fp32 "$bundle.base" -q >/dev/null
+    "$cli" synth clean-fp32 "$bundle.base" >/dev/null
     rm -rf "$bundle" && mv "$bundle.base" "$bundle"
     /usr/bin/python3 - "$bundle" <<'EOF'
 import json, sys, numpy as np

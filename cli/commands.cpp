@@ -18,6 +18,7 @@
 #include <cxxopts.hpp>
 
 #include "cli/cli_support.h"
+#include "cli/openmp_wait.h"
 #include "loaders/bundle.h"
 #include "loaders/error.h"
 #include "probes/data_checks.h"
@@ -45,6 +46,7 @@ struct Command {
   const char* summary;
   const char* example;
   int (*handler)(int argc, char** argv);
+  bool replays = false;  // runs forward/backward passes: wants the short OpenMP spin
 };
 
 int run_main(int argc, char** argv);
@@ -58,15 +60,15 @@ int trace_main(int argc, char** argv);
 const std::vector<Command>& command_table() {
   static const std::vector<Command> table = {
       {"run", "replay every step of a bundle with probes; write report.{json,md,html} and trace.h5",
-       "nanreplay run incident-bundle/ --out triage/", run_main},
+       "nanreplay run incident-bundle/ --out triage/", run_main, true},
       {"bisect", "find the first non-finite value with fewer replays (step, layer, site, samples); what-ifs",
-       "nanreplay bisect incident-bundle/ --json --what-if stable-softmax", bisect_main},
+       "nanreplay bisect incident-bundle/ --json --what-if stable-softmax", bisect_main, true},
       {"demo", "write a built-in incident bundle (one attention head overflows) and replay it",
-       "nanreplay demo ./nanreplay-demo", demo_main},
+       "nanreplay demo ./nanreplay-demo", demo_main, true},
       {"scan-data", "scan every token shard for poisoned samples without replaying (prints GB/s)",
        "nanreplay scan-data incident-bundle/ --json", scan_data_main},
       {"synth", "write a synthetic bundle from a named preset (for tests and training)",
-       "nanreplay synth head-overflow ./bundle", synth_main},
+       "nanreplay synth head-overflow ./bundle", synth_main, true},
       {"inspect", "validate and summarize a bundle without replaying (model, steps, shards, sampler)",
        "nanreplay inspect incident-bundle/ --json", inspect_main},
       {"trace", "query a trace.h5 in the terminal: filter by step, phase, site, head; sort; first NaN/Inf",
@@ -573,7 +575,9 @@ int dispatch(int argc, char** argv) {
   const std::string name = argv[1];
   if (name == "--version") return version_main(argc - 1, argv + 1);
   for (const Command& command : command_table()) {
-    if (name == command.name) return command.handler(argc - 1, argv + 1);
+    if (name != command.name) continue;
+    if (command.replays) reexec_with_short_openmp_spin(argv);
+    return command.handler(argc - 1, argv + 1);
   }
   std::string suggestion;
   size_t best = 3;

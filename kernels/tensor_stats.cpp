@@ -7,6 +7,10 @@
 #include "kernels/tensor_stats.h"
 
 #include <omp.h>
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(NANREPLAY_NO_SIMD_CLONES)
+#include <immintrin.h>
+#define NANREPLAY_F16C_DECODE 1
+#endif
 
 #include <algorithm>
 #include <cfloat>
@@ -14,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 
 // NaN and inf detection below relies on IEEE semantics (x != x, sums turning
 // non-finite); -ffast-math would let the compiler assume them away.
@@ -99,6 +104,25 @@ struct F16Elem {
   static float load(uint16_t raw) { return decode_f16(raw); }
 };
 
+#ifdef NANREPLAY_F16C_DECODE
+// Halves to floats eight at a time with the F16C instruction: the portable
+// decode_f16 costs more than the statistics themselves (a third of the f32
+// throughput). Exact, like decode_f16, so the statistics do not change.
+__attribute__((target("avx,f16c"))) void decode_f16_f16c(const uint16_t* p, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(halves));
+  }
+  for (; i < n; ++i) out[i] = decode_f16(p[i]);
+}
+
+bool f16c_available() {
+  static const bool available = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return available;
+}
+#endif
+
 // A contiguous stretch of elements starting at `offset` (row-major index).
 struct Run {
   int64_t offset;
@@ -157,12 +181,35 @@ NANREPLAY_SIMD_CLONES void accumulate_run_exact(const typename Elem::Raw* p, int
   sums = ExactSums{nan_count, inf_count, max_abs, min_nonzero, sum, sum_sq};
 }
 
+// Runs `accumulate(values, n)` on floats: f16 on a CPU with F16C is first
+// decoded into an L1-resident buffer (runs are at most kBlock elements), so
+// the float loop reads the same values in the same order as Elem::load would.
+template <class Elem, class Accumulate>
+void with_float_values(const typename Elem::Raw* p, int64_t n, const Accumulate& accumulate) {
+#ifdef NANREPLAY_F16C_DECODE
+  if constexpr (std::is_same_v<Elem, F16Elem>) {
+    if (f16c_available()) {
+      alignas(32) float decoded[kBlock];
+      for (int64_t done = 0; done < n; done += kBlock) {
+        const int64_t count = std::min(kBlock, n - done);
+        decode_f16_f16c(p + done, count, decoded);
+        accumulate(static_cast<const float*>(decoded), count, F32Elem{});
+      }
+      return;
+    }
+  }
+#endif
+  accumulate(p, n, Elem{});
+}
+
 // Exact path: doubles throughout, every element classified; then, if this is
 // the first non-finite element seen, a scalar search for where it is.
 template <class Elem>
 void scan_exact(const typename Elem::Raw* data, const Run& run, TensorStats& out) {
   ExactSums sums;
-  accumulate_run_exact<Elem>(data + run.offset, run.length, sums);
+  with_float_values<Elem>(data + run.offset, run.length, [&](const auto* values, int64_t n, auto elem) {
+    accumulate_run_exact<decltype(elem)>(values, n, sums);
+  });
   const int64_t nonfinite = sums.nan_count + sums.inf_count;
   out.count += run.length;
   out.finite_count += run.length - nonfinite;
@@ -223,6 +270,49 @@ NANREPLAY_SIMD_CLONES void accumulate_run(const typename Elem::Raw* p, int64_t n
   sums = FastSums{max_abs, min_nonzero, sum, sum_sq};
 }
 
+#ifdef NANREPLAY_F16C_DECODE
+// accumulate_run for f16 with F16C: the conversion inside the loop, two
+// sets of eight float lanes. Same accumulators and semantics as
+// accumulate(); only the grouping of the partial sums differs.
+__attribute__((target("avx,f16c"))) void accumulate_run_f16c(const uint16_t* p, int64_t n, FastSums& sums) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps(), inf = _mm256_set1_ps(kInf);
+  __m256 max_abs[2] = {zero, zero}, min_nonzero[2] = {inf, inf}, sum[2] = {zero, zero}, sum_sq[2] = {zero, zero};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    for (int k = 0; k < 2; ++k) {
+      const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i + 8 * k)));
+      const __m256 magnitude = _mm256_andnot_ps(sign, x);
+      max_abs[k] = _mm256_max_ps(magnitude, max_abs[k]);  // NaN keeps the accumulator, as std::max does
+      // Zeros become inf (0 + inf; others + 0 are unchanged): arithmetic, not a
+      // blend, which GCC 12 turns back into one branch per lane.
+      const __m256 nonzero = _mm256_add_ps(magnitude, _mm256_and_ps(_mm256_cmp_ps(magnitude, zero, _CMP_EQ_OQ), inf));
+      min_nonzero[k] = _mm256_min_ps(nonzero, min_nonzero[k]);
+      sum[k] = _mm256_add_ps(sum[k], x);
+      sum_sq[k] = _mm256_add_ps(sum_sq[k], _mm256_mul_ps(x, x));
+    }
+  }
+  alignas(32) float lanes[4][16];
+  _mm256_store_ps(lanes[0], max_abs[0]);
+  _mm256_store_ps(lanes[0] + 8, max_abs[1]);
+  _mm256_store_ps(lanes[1], min_nonzero[0]);
+  _mm256_store_ps(lanes[1] + 8, min_nonzero[1]);
+  _mm256_store_ps(lanes[2], sum[0]);
+  _mm256_store_ps(lanes[2] + 8, sum[1]);
+  _mm256_store_ps(lanes[3], sum_sq[0]);
+  _mm256_store_ps(lanes[3] + 8, sum_sq[1]);
+  float total = 0.0f, total_sq = 0.0f;
+  for (int l = 0; l < 16; ++l) {
+    sums.max_abs = std::max(sums.max_abs, lanes[0][l]);
+    sums.min_nonzero = std::min(sums.min_nonzero, lanes[1][l]);
+    total += lanes[2][l];
+    total_sq += lanes[3][l];
+  }
+  sums.sum += total;
+  sums.sum_sq += total_sq;
+  for (; i < n; ++i) accumulate(decode_f16(p[i]), sums.max_abs, sums.min_nonzero, sums.sum, sums.sum_sq);
+}
+#endif
+
 // Fast path over a group of runs (at most kBlock elements). Returns false,
 // leaving `out` untouched, when the group holds a non-finite element (its
 // float sum of squares is then inf or NaN), when finite squares overflowed
@@ -233,6 +323,15 @@ bool scan_fast(const typename Elem::Raw* data, const Run* runs, int run_count, T
   FastSums sums;
   int64_t element_count = 0;
   for (int r = 0; r < run_count; ++r) {
+#ifdef NANREPLAY_F16C_DECODE
+    if constexpr (std::is_same_v<Elem, F16Elem>) {
+      if (f16c_available()) {
+        accumulate_run_f16c(data + runs[r].offset, runs[r].length, sums);
+        element_count += runs[r].length;
+        continue;
+      }
+    }
+#endif
     accumulate_run<Elem>(data + runs[r].offset, runs[r].length, sums);
     element_count += runs[r].length;
   }

@@ -77,6 +77,14 @@ void MappedFile::prefault(size_t offset, size_t length) const {
 #endif
 }
 
+void MappedFile::read_ahead(size_t offset, size_t length) const {
+  if (data_ == nullptr || offset >= size_) return;
+  length = std::min(length, size_ - offset);
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t first = offset / page * page;
+  (void)::madvise(const_cast<uint8_t*>(data_) + first, length + (offset - first), MADV_WILLNEED);
+}
+
 void MappedFile::release_pages(size_t offset, size_t length) const {
   if (data_ == nullptr || offset >= size_) return;
   const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));

@@ -31,6 +31,10 @@ class MappedFile {
   // from disk if needed) instead of one page fault per page: streaming scans
   // call it per block. Only a hint: errors (an old kernel) are ignored.
   void prefault(size_t offset, size_t length) const;
+  // Starts reading [offset, offset + length) into the page cache in the
+  // background (MADV_WILLNEED) and returns at once: a streaming scan asks
+  // for the block after next while it works on the current one.
+  void read_ahead(size_t offset, size_t length) const;
 
  private:
   void release();

@@ -292,6 +292,18 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
       const int64_t range_begin = std::min(result.tokens, first_sample * seq_len);
       const int64_t range_end = block + 1 == blocks ? result.tokens : end_sample * seq_len;
       const int64_t window_end = std::min(result.tokens, end_sample * seq_len + 1);
+      // The disk reads the block `threads` ahead (the next one this thread is
+      // likely to take) while this block is mapped in and profiled.
+      const int64_t ahead = block + threads;
+      if (ahead < blocks) {
+        const int64_t ahead_end = ahead + 1 == blocks ? result.tokens
+                                                      : std::min(samples, (ahead + 1) * samples_per_block) * seq_len + 1;
+        for_each_piece(stream, std::min(result.tokens, ahead * samples_per_block * seq_len),
+                       std::min(result.tokens, ahead_end),
+                       [](const MappedFile& map, size_t byte_begin, size_t byte_count) {
+                         map.read_ahead(byte_begin, byte_count);
+                       });
+      }
       for_each_piece(stream, range_begin, std::max(range_end, window_end),
                      [](const MappedFile& map, size_t byte_begin, size_t byte_count) {
                        map.prefault(byte_begin, byte_count);

@@ -81,20 +81,21 @@ torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, 
 }
 
 // Cross-entropy in fp32 from the (rounded) logits; the loss site itself.
+// Written as the two ops cross_entropy is made of (log_softmax, then
+// nll_loss: the same values bit for bit) so the per-sample losses of the
+// outlier check reuse the log-probabilities instead of a second log_softmax
+// over the whole (tokens, vocab) logits.
 ForwardResult next_token_loss(const torch::Tensor& logits, const torch::Tensor& all_targets,
                               ProbeSession& probes) {
-  const torch::Tensor targets = all_targets.to(logits.device());
+  const torch::Tensor targets = all_targets.to(logits.device()).reshape({-1});
   const int64_t V = logits.size(-1);
+  const torch::Tensor log_probs = torch::log_softmax(logits.reshape({-1, V}), 1);
   ForwardResult result;
-  result.loss = probes.site({SiteId::kLoss, -1},
-                            F::cross_entropy(logits.reshape({-1, V}), targets.reshape({-1})));
+  result.loss = probes.site({SiteId::kLoss, -1}, torch::nll_loss(log_probs, targets));
   if (probes.enabled()) {  // per-sample losses for the outlier check
     torch::NoGradGuard no_grad;
     result.sample_loss =
-        F::cross_entropy(logits.detach().reshape({-1, V}), targets.reshape({-1}),
-                         F::CrossEntropyFuncOptions().reduction(torch::kNone))
-            .view({targets.size(0), -1})
-            .mean(1);
+        -log_probs.detach().gather(1, targets.unsqueeze(1)).view({all_targets.size(0), -1}).mean(1);
   }
   return result;
 }

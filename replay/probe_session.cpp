@@ -2,18 +2,22 @@
 // in gradient hooks. Records are ordered by execution order afterwards, so the
 // backward order is the strict reverse of the forward order whatever order
 // autograd happens to schedule its nodes in. Host tensors go through the CPU
-// kernel at once; device tensors leave a row of statistics on the device
-// (device_stats.h) that is decoded when the records are taken.
+// kernel at once; device tensors leave their statistics on the device (the
+// CUDA kernel's slots, cuda_probe_stats.h, or LibTorch reductions,
+// device_stats.h), read back and decoded when the records are taken.
 #include "replay/probe_session.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <stdexcept>
 
 #include <torch/torch.h>
 
 #include "kernels/tensor_stats.h"
+#include "replay/cuda_probe_stats.h"
 #include "replay/device_stats.h"
 
 namespace nanreplay {
@@ -175,7 +179,8 @@ struct ProbeSession::State {
   // A probe of a tensor that lives on an accelerator: its statistics rows
   // stay there until resolve() reads every pending row back at once.
   struct PendingProbe {
-    torch::Tensor rows;  // (1 or heads, kDeviceStatsColumns) float64 on the device
+    torch::Tensor rows;  // (1 or heads, kDeviceStatsColumns) float64 on the device,
+    std::optional<CudaProbeStats::Ticket> ticket;  // or the CUDA kernel's results
     std::vector<int64_t> shape;
     ElemType type;
     bool per_head;
@@ -197,6 +202,7 @@ struct ProbeSession::State {
   std::vector<ProbeRecord> backward;
   std::vector<PendingProbe> pending;
   std::vector<PendingNorm> pending_norms;
+  std::unique_ptr<CudaProbeStats> cuda_stats;  // made for the first CUDA tensor the kernel takes
   std::vector<std::pair<SiteRef, SiteRef>> aliases;
   std::vector<NormCheck> norm_checks;
 
@@ -209,21 +215,37 @@ struct ProbeSession::State {
       return;
     }
     const bool per_head = probed_per_head(tensor, &def);
-    pending.push_back({device_stats_rows(tensor, per_head, per_head && def.causal),
-                       tensor.sizes().vec(), elem_type_of(tensor), per_head, ref, phase});
+    const bool causal = per_head && def.causal;
+    PendingProbe p{{}, std::nullopt, tensor.sizes().vec(), elem_type_of(tensor), per_head, ref, phase};
+    if (CudaProbeStats::accepts(tensor) && CudaProbeStats::available()) {
+      if (!cuda_stats) cuda_stats = std::make_unique<CudaProbeStats>();
+      p.ticket = cuda_stats->add(tensor, per_head, causal);
+    } else {
+      p.rows = device_stats_rows(tensor, per_head, causal);
+    }
+    pending.push_back(std::move(p));
   }
 
   // Reads every pending row back (one copy per device) and decodes it.
   void resolve() {
     if (!pending.empty()) {
+      const std::vector<TensorStats> kernel_results = cuda_stats ? cuda_stats->collect() : std::vector<TensorStats>{};
       std::vector<torch::Tensor> parts;
-      for (const PendingProbe& p : pending) parts.push_back(p.rows);
-      const torch::Tensor host = gather_to_host(parts);
+      for (const PendingProbe& p : pending) {
+        if (!p.ticket) parts.push_back(p.rows);
+      }
+      const torch::Tensor host = parts.empty() ? torch::Tensor() : gather_to_host(parts);
       int64_t row = 0;
       for (PendingProbe& p : pending) {
-        const int64_t n = p.rows.size(0);
-        const std::vector<TensorStats> stats = stats_from_rows(host.narrow(0, row, n));
-        row += n;
+        std::vector<TensorStats> stats;
+        if (p.ticket) {
+          const auto first = kernel_results.begin() + p.ticket->first;
+          stats.assign(first, first + p.ticket->count);
+        } else {
+          const int64_t n = p.rows.size(0);
+          stats = stats_from_rows(host.narrow(0, row, n));
+          row += n;
+        }
         add(records_from_stats(stats, p.per_head, std::move(p.shape), p.type, &site_def(p.ref.id),
                                context.sample_ids),
             p.ref, p.phase);

@@ -89,6 +89,11 @@ for entry in json.load(open(sys.argv[1])):
         print(entry["file"].split("/")[-1], " ".join(flags))
 PY
 
+  # Two OpenMP runtimes in one process (the compiler's libgomp and the wheel's
+  # own) crash at teardown; CMake links the wheel's. Exactly one should show.
+  echo "OpenMP runtimes the replay tests load:"
+  ldd "$build/tests/nanreplay_gpu_replay_tests" | grep -Ei 'gomp|libomp' || echo "  (none found by ldd)"
+
   echo "== tests tagged gpu"
   local failed=0
   (cd "$build" && ctest -L gpu --output-on-failure --timeout 300) || failed=1
@@ -101,6 +106,9 @@ PY
       echo "-- $name"
       name="${name//,/\\,}"  # a comma separates Catch test specs
       if ! "$build/tests/nanreplay_gpu_replay_tests" "$name"; then
+        # With one OpenMP thread no runtime starts a pool: does it pass then?
+        echo "-- $name, again with OMP_NUM_THREADS=1"
+        OMP_NUM_THREADS=1 "$build/tests/nanreplay_gpu_replay_tests" "$name" && echo "   passes with one OpenMP thread"
         command -v cuda-gdb >/dev/null &&
           cuda-gdb -batch -ex run -ex bt --args "$build/tests/nanreplay_gpu_replay_tests" "$name" 2>&1 | tail -n 40
       fi

@@ -55,12 +55,13 @@ class ScratchDir {
   std::filesystem::path path_;
 };
 
-// Runs `nanreplay <args...>` with NO_COLOR set and stdin closed.
-inline CliResult run_cli(const std::vector<std::string>& args) {
+// Runs `nanreplay <args...>` with NO_COLOR set and stdin closed; `env` is a
+// shell prefix that changes the environment ("env -u VAR NAME=value").
+inline CliResult run_cli(const std::vector<std::string>& args, const std::string& env = "") {
   static int counter = 0;
   const auto base = std::filesystem::temp_directory_path() /
                     ("nanreplay-cli-" + std::to_string(getpid()) + "-" + std::to_string(counter++));
-  std::string cmd = "NO_COLOR=1 " + shell_quote(NANREPLAY_CLI_PATH);
+  std::string cmd = env + (env.empty() ? "" : " ") + "NO_COLOR=1 " + shell_quote(NANREPLAY_CLI_PATH);
   for (const std::string& a : args) cmd += " " + shell_quote(a);
   cmd += " </dev/null >" + shell_quote(base.string() + ".out") + " 2>" + shell_quote(base.string() + ".err");
   const int raw = std::system(cmd.c_str());

@@ -1,0 +1,44 @@
+// LibTorch runs element-wise ops on libgomp's OpenMP pool while Debian's
+// OpenBLAS runs matmuls on a pthread pool of its own. By default libgomp's
+// idle threads spin for about 300000 iterations after each parallel region,
+// holding the cores OpenBLAS's threads need next: a replay step of a
+// hidden-512, 8-layer llama took 2.1 s on 2 cores instead of 0.8 s with a short
+// spin (docs/performance.md). libgomp reads GOMP_SPINCOUNT only in its
+// initializer, which has run before main() (and before .preinit_array
+// functions could make a setenv stick, since libc resets environ after them),
+// so the only way to choose is to exec the program again with the variable
+// set. That costs one more start of the executable (about 0.5 s of dynamic
+// loading), so only the commands that replay call it, and only when both
+// pools exist. OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the user win.
+#include "cli/openmp_wait.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <cstdlib>
+
+namespace nanreplay {
+
+namespace {
+
+// OpenBLAS reports its threading model: 0 sequential, 1 pthreads, 2 OpenMP.
+bool blas_has_its_own_thread_pool() {
+  using GetParallel = int (*)();
+  const auto get_parallel = reinterpret_cast<GetParallel>(dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
+  return get_parallel != nullptr && get_parallel() == 1;
+}
+
+}  // namespace
+
+void reexec_with_short_openmp_spin(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) return;
+  if (std::getenv("NANREPLAY_KEEP_OPENMP_SPIN") != nullptr) return;  // to measure the default
+  if (!blas_has_its_own_thread_pool()) return;
+  if (setenv("GOMP_SPINCOUNT", kShortSpinCount, 1) != 0 || setenv(kSpinSetByNanreplay, "1", 1) != 0) return;
+  execv("/proc/self/exe", argv);
+  // exec failed (no /proc?): carry on with libgomp's default spin.
+  unsetenv("GOMP_SPINCOUNT");
+  unsetenv(kSpinSetByNanreplay);
+}
+
+}  // namespace nanreplay
