@@ -20,37 +20,37 @@ namespace nanreplay {
 namespace {
 
 // Token counts of one window at a time, for its entropy. Ids below
-// kDirectLimit count into a direct table that is zeroed again by a second pass
-// over the (L1-resident) window, so nothing is cleared or stamped per id.
-// Larger ids (rare: only uint32 shards with huge vocabularies) are sorted and
-// counted in runs.
+// kDirectLimit count into a direct table; the same pass adds each increment's
+// change of sum(c * log2 c) (a table lookup by the old count), and a second,
+// store-only pass over the (L1-resident) window zeroes the table again, so
+// nothing is cleared or stamped per id. Larger ids (rare: only uint32 shards
+// with huge vocabularies) are sorted and counted in runs.
 class TokenHistogram {
  public:
   template <typename Token>
   double entropy(const Token* tokens, int64_t count) {
     if (count <= 0) return 0.0;
-    grow_table(count);
-    // Pass 1 only counts; pass 2 adds c*log2(c) once per distinct id (at its
-    // first occurrence, zeroing the count behind it) over four accumulators,
-    // so no floating-point add waits on the previous one.
+    grow_tables(count);
+    // uint16 ids all fit a 65536-entry table: no bounds check per token.
+    constexpr bool kSmallIds = sizeof(Token) <= 2;
+    if (kSmallIds && direct_.size() < 65536) direct_.resize(65536, 0);
     large_.clear();
+    // Four accumulators, so no floating-point add waits on the previous one.
+    double sums[4] = {0.0, 0.0, 0.0, 0.0};
     for (int64_t i = 0; i < count; ++i) {
       const uint64_t id = static_cast<uint64_t>(tokens[i]);
-      if (id < kDirectLimit) {
-        if (id >= direct_.size()) direct_.resize(std::max<size_t>(id + 1, 65536), 0);
-        ++direct_[id];
+      if (kSmallIds || id < kDirectLimit) {
+        if (!kSmallIds && id >= direct_.size()) direct_.resize(std::max<size_t>(id + 1, 65536), 0);
+        sums[i & 3] += c_log_c_step_[direct_[id]++];
       } else {
         large_.push_back(id);
       }
     }
-    double even = 0.0, odd = 0.0;  // c_log_c_[0] == 0 after an id's first occurrence
-    int64_t pair = 0;
-    for (; pair + 1 < count; pair += 2) {
-      even += take_c_log_c(tokens[pair]);
-      odd += take_c_log_c(tokens[pair + 1]);
+    for (int64_t i = 0; i < count; ++i) {
+      const uint64_t id = static_cast<uint64_t>(tokens[i]);
+      if (kSmallIds || id < kDirectLimit) direct_[id] = 0;
     }
-    if (pair < count) even += take_c_log_c(tokens[pair]);
-    double sum_c_log_c = even + odd;
+    double sum_c_log_c = (sums[0] + sums[1]) + (sums[2] + sums[3]);
     if (!large_.empty()) {
       std::sort(large_.begin(), large_.end());
       size_t run_start = 0;
@@ -68,33 +68,52 @@ class TokenHistogram {
  private:
   static constexpr uint64_t kDirectLimit = 1u << 20;
 
-  // The id's c*log2(c) the first time it is seen in pass 2, then 0.
-  double take_c_log_c(uint64_t id) {
-    if (id >= kDirectLimit) return 0.0;
-    uint32_t& c = direct_[id];
-    const double value = c_log_c_[c];
-    c = 0;
-    return value;
-  }
-
-  // c_log_c_[c] = c * log2(c), for every count a window can reach.
-  void grow_table(int64_t count) {
-    if (c_log_c_.size() > static_cast<size_t>(count)) return;
-    c_log_c_.resize(static_cast<size_t>(count) + 1);
-    for (size_t c = 0; c < c_log_c_.size(); ++c) {
-      c_log_c_[c] = c ? static_cast<double>(c) * std::log2(static_cast<double>(c)) : 0.0;
+  // c_log_c_step_[c] = (c + 1) log2(c + 1) - c log2(c): what one more
+  // occurrence of an id seen c times adds, for every count a window can reach.
+  void grow_tables(int64_t count) {
+    if (c_log_c_step_.size() >= static_cast<size_t>(count)) return;
+    c_log_c_step_.resize(static_cast<size_t>(count));
+    auto c_log_c = [](double c) { return c > 0 ? c * std::log2(c) : 0.0; };
+    for (size_t c = 0; c < c_log_c_step_.size(); ++c) {
+      c_log_c_step_[c] = c_log_c(static_cast<double>(c + 1)) - c_log_c(static_cast<double>(c));
     }
   }
 
   std::vector<uint32_t> direct_;
-  std::vector<double> c_log_c_;
+  std::vector<double> c_log_c_step_;
   std::vector<uint64_t> large_;
 };
 
+// Whether the window may hold a run of `min_run` (>= 4) equal tokens: such a
+// run starting at i makes tokens[i] equal tokens[i + k] for every k below
+// min_run, so a window where no i passes four of those equalities (spread
+// over the run) has none. Vectorizes (compares and ors, no branch); on text
+// almost no window passes, which leaves the exact run count to the rare one
+// that does. (Eight equalities filter more but cost more than they save.)
 template <typename Token>
-SampleProfile profile_with(TokenHistogram& histogram, const Token* tokens, int64_t count) {
+bool may_hold_run(const Token* tokens, int64_t count, int64_t min_run) {
+  const int64_t last = min_run - 1;
+  if (count < min_run) return false;
+  const int64_t a = last / 4, b = last / 2, c = last - last / 4;
+  unsigned hit = 0;
+  for (int64_t i = 0; i + last < count; ++i) {
+    const Token t = tokens[i];
+    hit |= static_cast<unsigned>((t == tokens[i + a]) & (t == tokens[i + b]) & (t == tokens[i + c]) &
+                                 (t == tokens[i + last]));
+  }
+  return hit != 0;
+}
+
+// Longest run and entropy of one window. With `report_runs_from` > 0 the run
+// is only counted when the window may hold one at least that long; otherwise
+// longest_run is left 0 ("shorter than that"), which is all a scan needs.
+template <typename Token>
+SampleProfile profile_with(TokenHistogram& histogram, const Token* tokens, int64_t count,
+                           int64_t report_runs_from = 0) {
   SampleProfile p;
   if (count <= 0) return p;
+  p.entropy_bits = histogram.entropy(tokens, count);
+  if (report_runs_from >= 4 && !may_hold_run(tokens, count, report_runs_from)) return p;
   // Branch-free: on real text a run ends at almost every token, but not
   // predictably enough for a branch per token.
   int64_t run = 1, longest = 1, longest_end = 0;
@@ -107,7 +126,6 @@ SampleProfile profile_with(TokenHistogram& histogram, const Token* tokens, int64
   p.longest_run = longest;
   p.run_position = longest_end - longest + 1;
   p.run_token = static_cast<int64_t>(tokens[longest_end]);
-  p.entropy_bits = histogram.entropy(tokens, count);
   return p;
 }
 
@@ -179,7 +197,8 @@ void count_out_of_range(const TokenStream& stream, int64_t begin, int64_t end, i
 // window lies inside one shard (the common case); through `window` when it
 // straddles two shards.
 SampleProfile profile_in_place(const TokenStream& stream, int64_t sample, int64_t seq_len,
-                               TokenHistogram& histogram, std::vector<int64_t>& window) {
+                               TokenHistogram& histogram, std::vector<int64_t>& window,
+                               int64_t report_runs_from) {
   const int64_t count = seq_len + 1;
   const ShardLocation where = stream.locate(sample * seq_len);
   const ShardSpec& spec = stream.spec(where.shard);
@@ -187,12 +206,14 @@ SampleProfile profile_in_place(const TokenStream& stream, int64_t sample, int64_
     // mmap returns page-aligned memory, so every token is naturally aligned.
     const uint8_t* base = stream.mapping(where.shard).data();
     if (spec.dtype == TokenDtype::kUint16) {
-      return profile_with(histogram, reinterpret_cast<const uint16_t*>(base) + where.offset, count);
+      return profile_with(histogram, reinterpret_cast<const uint16_t*>(base) + where.offset, count,
+                          report_runs_from);
     }
-    return profile_with(histogram, reinterpret_cast<const uint32_t*>(base) + where.offset, count);
+    return profile_with(histogram, reinterpret_cast<const uint32_t*>(base) + where.offset, count,
+                        report_runs_from);
   }
   stream.read(sample * seq_len, count, window.data());
-  return profile_with(histogram, window.data(), count);
+  return profile_with(histogram, window.data(), count, report_runs_from);
 }
 
 }  // namespace
@@ -311,7 +332,7 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
       count_out_of_range(stream, range_begin, range_end, vocab_size, kMaxListed,
                          local_out_of_range_count, local_out_of_range);
       for (int64_t sample = first_sample; sample < end_sample; ++sample) {
-        SampleProfile p = profile_in_place(stream, sample, seq_len, histogram, window);
+        SampleProfile p = profile_in_place(stream, sample, seq_len, histogram, window, threshold);
         p.sample = sample;
         entropies[static_cast<size_t>(sample)] = static_cast<float>(p.entropy_bits);
         if (p.longest_run >= threshold) local_runs.push_back(p);
