@@ -58,7 +58,7 @@ TEST_CASE("site names parse back to the same site", "[sites]") {
   CHECK_FALSE(parse_site_name("nonsense"));
 }
 
-TEST_CASE("per-head sites are scores, probs and context; causal only scores and probs", "[sites]") {
+TEST_CASE("per-head sites are scores, probs and context, and only scores and probs are causal", "[sites]") {
   std::set<std::string> per_head, causal;
   for (const auto& def : site_table()) {
     if (is_per_head(def.id)) per_head.insert(def.name);

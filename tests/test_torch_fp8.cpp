@@ -32,7 +32,7 @@ TEST_CASE("e5m2 rounds to its 2-bit mantissa grid and saturates at 57344", "[tor
   CHECK(qdq(3.4f, 1.0, "e5m2") == 3.5f);
 }
 
-TEST_CASE("the scale multiplies before and divides after; non-finite passes through", "[torch][fp8]") {
+TEST_CASE("the scale multiplies before and divides after, and non-finite passes through", "[torch][fp8]") {
   CHECK(qdq(0.3f, 16.0, "e4m3") == 0.3125f);  // 4.8 -> 5 / 16
   CHECK(qdq(100.0f, 16.0, "e4m3") == 28.0f);    // 1600 saturates to 448 / 16
   CHECK(std::isinf(qdq(INFINITY, 1.0, "e4m3")));

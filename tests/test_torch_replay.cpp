@@ -99,7 +99,7 @@ TEST_CASE("a checkpoint missing a parameter or with a wrong shape names them all
                           Catch::Contains("model.layers.1.mlp.up_proj.weight has shape [64, 172], expected [172, 64]"));
 }
 
-TEST_CASE("fp32 tensors are used in place from the mapping; bf16 is upcast", "[torch][checkpoint]") {
+TEST_CASE("fp32 tensors are used in place from the mapping, and bf16 is upcast", "[torch][checkpoint]") {
   ScratchDir dir("inplace");
   write_synthetic_bundle(dir / "b", tiny("clean-fp32"));
   const auto file = (dir / "b" / "steps" / "100" / "model.safetensors").string();
