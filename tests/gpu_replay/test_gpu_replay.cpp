@@ -11,6 +11,7 @@
 
 #include "kernels/tensor_stats.h"
 #include "loaders/bundle.h"
+#include "replay/cuda_probe_stats.h"
 #include "replay/device_stats.h"
 #include "replay/replay_engine.h"
 #include "replay/synthetic_bundle.h"
@@ -35,8 +36,23 @@ std::string second_gpu() { return torch::cuda::device_count() > 1 ? "cuda:1" : "
 
 }  // namespace
 
+static void check_same_stats(const TensorStats& gpu, const TensorStats& cpu) {
+  CHECK(gpu.count == cpu.count);
+  CHECK(gpu.nan_count == cpu.nan_count);
+  CHECK(gpu.inf_count == cpu.inf_count);
+  CHECK(gpu.max_abs == cpu.max_abs);
+  CHECK(gpu.min_nonzero_abs == cpu.min_nonzero_abs);
+  CHECK(gpu.first_nonfinite == cpu.first_nonfinite);
+  CHECK(gpu.first_kind == cpu.first_kind);
+  CHECK(gpu.sum == Approx(cpu.sum).epsilon(1e-5).margin(1e-4));
+  CHECK(gpu.sum_sq == Approx(cpu.sum_sq).epsilon(1e-5).margin(1e-4));
+}
+
+// Both GPU paths of a probe: LibTorch reductions (device_stats.h) and, where
+// built, the CUDA statistics kernel (cuda_probe_stats.h), which replays use.
 TEST_CASE("statistics taken on the GPU equal the CPU kernel's", "[gpu]") {
   torch::manual_seed(11);
+  INFO("CUDA statistics kernel in this build: " << (CudaProbeStats::available() ? "yes" : "no"));
   for (const torch::ScalarType type : {torch::kFloat32, torch::kBFloat16, torch::kHalf}) {
     CAPTURE(c10::toString(type));
     torch::Tensor host = (torch::randn({2, 4, 16, 16}) * 30).to(type);
@@ -45,18 +61,26 @@ TEST_CASE("statistics taken on the GPU equal the CPU kernel's", "[gpu]") {
     const ElemType elem = type == torch::kFloat32 ? ElemType::kF32 : type == torch::kBFloat16 ? ElemType::kBF16 : ElemType::kF16;
     const torch::Tensor device = host.to(torch::Device("cuda:0"));
     for (const bool causal : {false, true}) {
+      CAPTURE(causal);
       const std::vector<TensorStats> gpu = stats_from_rows(device_stats_rows(device, true, causal).cpu());
       const std::vector<TensorStats> cpu = compute_head_stats(host.data_ptr(), elem, 2, 4, 16, 16, causal);
       REQUIRE(gpu.size() == cpu.size());
-      for (size_t h = 0; h < cpu.size(); ++h) {
-        CHECK(gpu[h].count == cpu[h].count);
-        CHECK(gpu[h].nan_count == cpu[h].nan_count);
-        CHECK(gpu[h].inf_count == cpu[h].inf_count);
-        CHECK(gpu[h].max_abs == cpu[h].max_abs);
-        CHECK(gpu[h].min_nonzero_abs == cpu[h].min_nonzero_abs);
-        CHECK(gpu[h].first_nonfinite == cpu[h].first_nonfinite);
-        CHECK(gpu[h].sum == Approx(cpu[h].sum).epsilon(1e-5).margin(1e-4));
-      }
+      for (size_t h = 0; h < cpu.size(); ++h) check_same_stats(gpu[h], cpu[h]);
+      if (!CudaProbeStats::available()) continue;
+      // The kernel: per head, whole, and a non-contiguous view, queued then read back once.
+      CudaProbeStats kernel;
+      const CudaProbeStats::Ticket heads = kernel.add(device, true, causal);
+      const CudaProbeStats::Ticket whole = kernel.add(device, false, false);
+      const torch::Tensor transposed = device.transpose(2, 3);
+      const CudaProbeStats::Ticket strided = kernel.add(transposed, false, false);
+      const std::vector<TensorStats> results = kernel.collect();
+      REQUIRE(heads.count == 4);
+      REQUIRE(results.size() == 6);
+      for (size_t h = 0; h < cpu.size(); ++h) check_same_stats(results[heads.first + h], cpu[h]);
+      check_same_stats(results[whole.first], compute_stats(host.data_ptr(), elem, host.numel()));
+      const torch::Tensor host_transposed = host.transpose(2, 3).contiguous();
+      check_same_stats(results[strided.first], compute_stats(host_transposed.data_ptr(), elem, host.numel()));
+      CHECK(kernel.collect().empty());  // collect() empties the queue
     }
   }
 }
