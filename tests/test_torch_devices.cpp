@@ -16,6 +16,7 @@
 #include "replay/replay_engine.h"
 #include "replay/synthetic_bundle.h"
 #include "tests/cli_harness.h"
+#include "tests/stats_compare.h"
 
 using namespace nanreplay;
 using nanreplay_test::ScratchDir;
@@ -24,20 +25,6 @@ namespace {
 
 ElemType elem_of(torch::ScalarType type) {
   return type == torch::kBFloat16 ? ElemType::kBF16 : type == torch::kHalf ? ElemType::kF16 : ElemType::kF32;
-}
-
-void check_same(const TensorStats& device, const TensorStats& kernel) {
-  CHECK(device.count == kernel.count);
-  CHECK(device.finite_count == kernel.finite_count);
-  CHECK(device.nan_count == kernel.nan_count);
-  CHECK(device.inf_count == kernel.inf_count);
-  CHECK(device.max_abs == kernel.max_abs);
-  CHECK(device.min_nonzero_abs == kernel.min_nonzero_abs);
-  CHECK(device.first_nonfinite == kernel.first_nonfinite);
-  CHECK(device.first_kind == kernel.first_kind);
-  // The kernel accumulates f32 blocks in float before folding them into double.
-  CHECK(device.sum == Approx(kernel.sum).epsilon(1e-5).margin(1e-6));
-  CHECK(device.sum_sq == Approx(kernel.sum_sq).epsilon(1e-5));
 }
 
 torch::Tensor planted(torch::ScalarType type, std::vector<int64_t> shape) {
@@ -59,7 +46,7 @@ TEST_CASE("device statistics equal the CPU kernel's, whole and per head with the
     const torch::Tensor whole = planted(type, {3, 5, 7});
     const std::vector<TensorStats> rows = stats_from_rows(device_stats_rows(whole, false, false));
     REQUIRE(rows.size() == 1);
-    check_same(rows[0], compute_stats(whole.data_ptr(), elem_of(type), whole.numel()));
+    nanreplay_test::check_same_stats(rows[0], compute_stats(whole.data_ptr(), elem_of(type), whole.numel()));
 
     const torch::Tensor heads = planted(type, {2, 3, 6, 6});  // [batch, heads, rows, cols]
     for (const bool causal : {false, true}) {
@@ -67,7 +54,7 @@ TEST_CASE("device statistics equal the CPU kernel's, whole and per head with the
       const std::vector<TensorStats> kernel =
           compute_head_stats(heads.data_ptr(), elem_of(type), 2, 3, 6, 6, causal);
       REQUIRE(device.size() == kernel.size());
-      for (size_t h = 0; h < kernel.size(); ++h) check_same(device[h], kernel[h]);
+      for (size_t h = 0; h < kernel.size(); ++h) nanreplay_test::check_same_stats(device[h], kernel[h]);
     }
   }
   const torch::Tensor empty = torch::zeros({0, 4});
@@ -112,7 +99,7 @@ TEST_CASE("a deferred probe session records what an immediate one does", "[torch
     CHECK(deferred[i].sample == immediate[i].sample);
     CHECK(deferred[i].position == immediate[i].position);
     CHECK(deferred[i].first_index == immediate[i].first_index);
-    check_same(deferred[i].stats, immediate[i].stats);
+    nanreplay_test::check_same_stats(deferred[i].stats, immediate[i].stats);
     nonfinite += !immediate[i].stats.all_finite();
   }
   CHECK(nonfinite > 0);  // the planted overflow was seen on both paths

@@ -16,6 +16,7 @@
 #include "replay/replay_engine.h"
 #include "replay/synthetic_bundle.h"
 #include "tests/cli_harness.h"
+#include "tests/stats_compare.h"
 
 using namespace nanreplay;
 using nanreplay_test::ScratchDir;
@@ -36,18 +37,6 @@ std::string second_gpu() { return torch::cuda::device_count() > 1 ? "cuda:1" : "
 
 }  // namespace
 
-static void check_same_stats(const TensorStats& gpu, const TensorStats& cpu) {
-  CHECK(gpu.count == cpu.count);
-  CHECK(gpu.nan_count == cpu.nan_count);
-  CHECK(gpu.inf_count == cpu.inf_count);
-  CHECK(gpu.max_abs == cpu.max_abs);
-  CHECK(gpu.min_nonzero_abs == cpu.min_nonzero_abs);
-  CHECK(gpu.first_nonfinite == cpu.first_nonfinite);
-  CHECK(gpu.first_kind == cpu.first_kind);
-  CHECK(gpu.sum == Approx(cpu.sum).epsilon(1e-5).margin(1e-4));
-  CHECK(gpu.sum_sq == Approx(cpu.sum_sq).epsilon(1e-5).margin(1e-4));
-}
-
 // Both GPU paths of a probe: LibTorch reductions (device_stats.h) and, where
 // built, the CUDA statistics kernel (cuda_probe_stats.h), which replays use.
 TEST_CASE("statistics taken on the GPU equal the CPU kernel's", "[gpu]") {
@@ -65,7 +54,7 @@ TEST_CASE("statistics taken on the GPU equal the CPU kernel's", "[gpu]") {
       const std::vector<TensorStats> gpu = stats_from_rows(device_stats_rows(device, true, causal).cpu());
       const std::vector<TensorStats> cpu = compute_head_stats(host.data_ptr(), elem, 2, 4, 16, 16, causal);
       REQUIRE(gpu.size() == cpu.size());
-      for (size_t h = 0; h < cpu.size(); ++h) check_same_stats(gpu[h], cpu[h]);
+      for (size_t h = 0; h < cpu.size(); ++h) nanreplay_test::check_same_stats(gpu[h], cpu[h], 1e-4);
       if (!CudaProbeStats::available()) continue;
       // The kernel: per head, whole, and a non-contiguous view, queued then read back once.
       CudaProbeStats kernel;
@@ -76,10 +65,10 @@ TEST_CASE("statistics taken on the GPU equal the CPU kernel's", "[gpu]") {
       const std::vector<TensorStats> results = kernel.collect();
       REQUIRE(heads.count == 4);
       REQUIRE(results.size() == 6);
-      for (size_t h = 0; h < cpu.size(); ++h) check_same_stats(results[heads.first + h], cpu[h]);
-      check_same_stats(results[whole.first], compute_stats(host.data_ptr(), elem, host.numel()));
+      for (size_t h = 0; h < cpu.size(); ++h) nanreplay_test::check_same_stats(results[heads.first + h], cpu[h], 1e-4);
+      nanreplay_test::check_same_stats(results[whole.first], compute_stats(host.data_ptr(), elem, host.numel()), 1e-4);
       const torch::Tensor host_transposed = host.transpose(2, 3).contiguous();
-      check_same_stats(results[strided.first], compute_stats(host_transposed.data_ptr(), elem, host.numel()));
+      nanreplay_test::check_same_stats(results[strided.first], compute_stats(host_transposed.data_ptr(), elem, host.numel()), 1e-4);
       CHECK(kernel.collect().empty());  // collect() empties the queue
     }
   }
