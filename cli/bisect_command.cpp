@@ -50,7 +50,7 @@ int bisect_main(int argc, char** argv) {
       ("device", "cpu, cuda:N, or two devices (cuda:0,cuda:1) to split the layers across",
        cxxopts::value<std::string>()->default_value("cpu"))
       ("emulate-low-precision", "on a GPU, emulate bf16/fp16 by rounding fp32 as on CPU instead of computing natively")
-      ("threads", "compute threads (0: all cores)", cxxopts::value<int>()->default_value("0"))
+      ("threads", "compute threads, LibTorch's and OpenBLAS's (0: all cores)", cxxopts::value<int>()->default_value("0"))
       ("max-memory", "refuse a replay estimated to need more than SIZE (8G, 512M, 1.5GiB or bytes; "
                      "default: 80% of the available memory)", cxxopts::value<std::string>(), "SIZE")
       ("json", "print one JSON object (bisect_version 1) instead of the text")

@@ -258,7 +258,7 @@ int run_main(int argc, char** argv) {
       ("force", "replace results already in --out")
       ("steps", "only these steps, e.g. 104,105 or 100-105", cxxopts::value<std::string>()->default_value(""))
       ("no-probes", "loss and gradient norm only (faster, no trace detail)")
-      ("threads", "compute threads (0: all cores)", cxxopts::value<int>()->default_value("0"))
+      ("threads", "compute threads, LibTorch's and OpenBLAS's (0: all cores)", cxxopts::value<int>()->default_value("0"))
       ("device", "cpu, cuda:N, or two devices (cuda:0,cuda:1) to split the layers across",
        cxxopts::value<std::string>()->default_value("cpu"))
       ("cross-check", "with two devices: replay the step of interest on each and compare every probe bit for bit")

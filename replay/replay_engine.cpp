@@ -11,6 +11,8 @@
 #include <cstring>
 #include <thread>
 
+#include <dlfcn.h>
+
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
@@ -451,6 +453,13 @@ void tune_heap_for_replay() {
 void set_compute_threads(int threads) {
   const int count = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   torch::set_num_threads(count);
+  // LibTorch's count does not reach a BLAS with its own thread pool (Debian's
+  // OpenBLAS, pthreads), which would still use every core: cap it as well.
+  using SetBlasThreads = void (*)(int);
+  if (const auto set_blas_threads =
+          reinterpret_cast<SetBlasThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+    set_blas_threads(count);
+  }
 }
 
 }  // namespace nanreplay

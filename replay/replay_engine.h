@@ -58,7 +58,8 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options);
 }  // namespace nanreplay
 
 namespace nanreplay {
-// Threads LibTorch uses for the replay's tensor math (0: all cores).
+// Threads the replay's tensor math uses (0: all cores): LibTorch's, and a
+// BLAS thread pool of its own (OpenBLAS pthreads) where there is one.
 void set_compute_threads(int threads);
 
 // Process-wide heap settings for replaying (glibc; elsewhere a no-op): the

@@ -3,6 +3,8 @@
 // checkpoint validation and in-place use of fp32 tensors.
 #include <catch2/catch.hpp>
 
+#include <dlfcn.h>
+
 #include <functional>
 
 #include <torch/torch.h>
@@ -180,4 +182,24 @@ TEST_CASE("the update check finds a flipped bit in a parameter it predicts in se
   CHECK(flips[0]->evidence["bit"] == 30);
   CHECK(flips[0]->evidence["step"] == 101);
   CHECK(flips[0]->evidence["index"] == nlohmann::json::array({row, col}));
+}
+
+TEST_CASE("set_compute_threads caps LibTorch and a BLAS thread pool of its own", "[torch][threads]") {
+  using GetThreads = int (*)();
+  using SetThreads = void (*)(int);
+  const auto blas_threads = reinterpret_cast<GetThreads>(dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  const auto set_blas_threads = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+  const int torch_before = torch::get_num_threads();
+  const int blas_before = blas_threads ? blas_threads() : 0;
+  for (const int threads : {1, 3}) {
+    set_compute_threads(threads);
+    CHECK(torch::get_num_threads() == threads);
+    if (blas_threads) {
+      CHECK(blas_threads() == threads);
+    } else {
+      WARN("this LibTorch's BLAS is not OpenBLAS: only LibTorch's threads are set");
+    }
+  }
+  torch::set_num_threads(torch_before);
+  if (set_blas_threads) set_blas_threads(blas_before);
 }
