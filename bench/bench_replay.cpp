@@ -10,7 +10,8 @@
 // The eager side is bench/bench_eager.py in Debian's python3 (the same
 // LibTorch), kept running and asked for one step at a time, so repetitions
 // interleave: on, off, eager, eager as PyTorch starts by default, rotating
-// which goes first; figures are medians. Like `nanreplay run`, this program
+// which goes first, with a pause before each; it prints the median and the
+// best repetition of each side. Like `nanreplay run`, this program
 // re-executes itself with a short OpenMP spin (cli/openmp_wait.h); one eager
 // peer runs in that same environment, the other in the user's own (libgomp's
 // default spin unless the user set one).

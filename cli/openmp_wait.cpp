@@ -12,28 +12,18 @@
 // pools exist. OMP_WAIT_POLICY or GOMP_SPINCOUNT set by the user win.
 #include "cli/openmp_wait.h"
 
-#include <dlfcn.h>
 #include <unistd.h>
 
 #include <cstdlib>
 
+#include "replay/replay_engine.h"
+
 namespace nanreplay {
-
-namespace {
-
-// OpenBLAS reports its threading model: 0 sequential, 1 pthreads, 2 OpenMP.
-bool blas_has_its_own_thread_pool() {
-  using GetParallel = int (*)();
-  const auto get_parallel = reinterpret_cast<GetParallel>(dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
-  return get_parallel != nullptr && get_parallel() == 1;
-}
-
-}  // namespace
 
 void reexec_with_short_openmp_spin(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) return;
   if (std::getenv("NANREPLAY_KEEP_OPENMP_SPIN") != nullptr) return;  // to measure the default
-  if (!blas_has_its_own_thread_pool()) return;
+  if (!blas_has_own_thread_pool()) return;
   if (setenv("GOMP_SPINCOUNT", kShortSpinCount, 1) != 0 || setenv(kSpinSetByNanreplay, "1", 1) != 0) return;
   execv("/proc/self/exe", argv);
   // exec failed (no /proc?): carry on with libgomp's default spin.

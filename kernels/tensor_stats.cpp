@@ -9,7 +9,7 @@
 #include <omp.h>
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(NANREPLAY_NO_SIMD_CLONES)
 #include <immintrin.h>
-#define NANREPLAY_F16C_DECODE 1
+#define NANREPLAY_F16C 1
 #endif
 
 #include <algorithm>
@@ -104,25 +104,6 @@ struct F16Elem {
   static float load(uint16_t raw) { return decode_f16(raw); }
 };
 
-#ifdef NANREPLAY_F16C_DECODE
-// Halves to floats eight at a time with the F16C instruction: the portable
-// decode_f16 costs more than the statistics themselves (a third of the f32
-// throughput). Exact, like decode_f16, so the statistics do not change.
-__attribute__((target("avx,f16c"))) void decode_f16_f16c(const uint16_t* p, int64_t n, float* out) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(halves));
-  }
-  for (; i < n; ++i) out[i] = decode_f16(p[i]);
-}
-
-bool f16c_available() {
-  static const bool available = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-  return available;
-}
-#endif
-
 // A contiguous stretch of elements starting at `offset` (row-major index).
 struct Run {
   int64_t offset;
@@ -181,35 +162,12 @@ NANREPLAY_SIMD_CLONES void accumulate_run_exact(const typename Elem::Raw* p, int
   sums = ExactSums{nan_count, inf_count, max_abs, min_nonzero, sum, sum_sq};
 }
 
-// Runs `accumulate(values, n)` on floats: f16 on a CPU with F16C is first
-// decoded into an L1-resident buffer (runs are at most kBlock elements), so
-// the float loop reads the same values in the same order as Elem::load would.
-template <class Elem, class Accumulate>
-void with_float_values(const typename Elem::Raw* p, int64_t n, const Accumulate& accumulate) {
-#ifdef NANREPLAY_F16C_DECODE
-  if constexpr (std::is_same_v<Elem, F16Elem>) {
-    if (f16c_available()) {
-      alignas(32) float decoded[kBlock];
-      for (int64_t done = 0; done < n; done += kBlock) {
-        const int64_t count = std::min(kBlock, n - done);
-        decode_f16_f16c(p + done, count, decoded);
-        accumulate(static_cast<const float*>(decoded), count, F32Elem{});
-      }
-      return;
-    }
-  }
-#endif
-  accumulate(p, n, Elem{});
-}
-
 // Exact path: doubles throughout, every element classified; then, if this is
 // the first non-finite element seen, a scalar search for where it is.
 template <class Elem>
 void scan_exact(const typename Elem::Raw* data, const Run& run, TensorStats& out) {
   ExactSums sums;
-  with_float_values<Elem>(data + run.offset, run.length, [&](const auto* values, int64_t n, auto elem) {
-    accumulate_run_exact<decltype(elem)>(values, n, sums);
-  });
+  accumulate_run_exact<Elem>(data + run.offset, run.length, sums);
   const int64_t nonfinite = sums.nan_count + sums.inf_count;
   out.count += run.length;
   out.finite_count += run.length - nonfinite;
@@ -270,9 +228,15 @@ NANREPLAY_SIMD_CLONES void accumulate_run(const typename Elem::Raw* p, int64_t n
   sums = FastSums{max_abs, min_nonzero, sum, sum_sq};
 }
 
-#ifdef NANREPLAY_F16C_DECODE
-// accumulate_run for f16 with F16C: the conversion inside the loop, two
-// sets of eight float lanes. Same accumulators and semantics as
+#ifdef NANREPLAY_F16C
+bool f16c_available() {
+  static const bool available = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return available;
+}
+
+// accumulate_run for f16 with F16C: the portable decode_f16 costs more than
+// the statistics themselves (a third of the f32 throughput), so the
+// conversion instruction runs inside the loop, two sets of eight float lanes. Same accumulators and semantics as
 // accumulate(); only the grouping of the partial sums differs.
 __attribute__((target("avx,f16c"))) void accumulate_run_f16c(const uint16_t* p, int64_t n, FastSums& sums) {
   const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps(), inf = _mm256_set1_ps(kInf);
@@ -323,7 +287,7 @@ bool scan_fast(const typename Elem::Raw* data, const Run* runs, int run_count, T
   FastSums sums;
   int64_t element_count = 0;
   for (int r = 0; r < run_count; ++r) {
-#ifdef NANREPLAY_F16C_DECODE
+#ifdef NANREPLAY_F16C
     if constexpr (std::is_same_v<Elem, F16Elem>) {
       if (f16c_available()) {
         accumulate_run_f16c(data + runs[r].offset, runs[r].length, sums);

@@ -216,6 +216,29 @@ SampleProfile profile_in_place(const TokenStream& stream, int64_t sample, int64_
   return profile_with(histogram, window.data(), count, report_runs_from);
 }
 
+// A block of the scan: its samples, the tokens whose ids it checks (every
+// token in exactly one block; the last also takes the tail no sample covers)
+// and the end of the tokens its samples read (one more, into the next range).
+struct BlockSpan {
+  int64_t first_sample, end_sample;
+  int64_t begin, ids_end;
+  int64_t read_end;
+};
+
+struct BlockLayout {
+  int64_t samples, samples_per_block, blocks, tokens, seq_len;
+
+  BlockSpan span(int64_t block) const {
+    BlockSpan s;
+    s.first_sample = block * samples_per_block;
+    s.end_sample = std::min(samples, s.first_sample + samples_per_block);
+    s.begin = std::min(tokens, s.first_sample * seq_len);
+    s.ids_end = block + 1 == blocks ? tokens : s.end_sample * seq_len;
+    s.read_end = std::max(s.ids_end, std::min(tokens, s.end_sample * seq_len + 1));
+    return s;
+  }
+};
+
 }  // namespace
 
 int64_t DataCheckOptions::repeat_threshold(int64_t seq_len) const {
@@ -291,10 +314,8 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
   const int64_t samples = stream.num_samples(seq_len);
   result.samples = samples;
   const int64_t samples_per_block = std::max<int64_t>(1, kTokensPerBlock / seq_len);
-  // Every token belongs to exactly one block's range for the id check (the
-  // last block also takes the tail no sample covers); a block's samples may
-  // read one token into the next range.
   const int64_t blocks = std::max<int64_t>(1, (samples + samples_per_block - 1) / samples_per_block);
+  const BlockLayout layout{samples, samples_per_block, blocks, result.tokens, seq_len};
   std::vector<float> entropies(static_cast<size_t>(std::max<int64_t>(samples, 0)));
   std::vector<SampleProfile> runs;
   const int64_t threshold = options.repeat_threshold(seq_len);
@@ -308,36 +329,29 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
     int64_t local_out_of_range_count = 0;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t block = 0; block < blocks; ++block) {
-      const int64_t first_sample = block * samples_per_block;
-      const int64_t end_sample = std::min(samples, first_sample + samples_per_block);
-      const int64_t range_begin = std::min(result.tokens, first_sample * seq_len);
-      const int64_t range_end = block + 1 == blocks ? result.tokens : end_sample * seq_len;
-      const int64_t window_end = std::min(result.tokens, end_sample * seq_len + 1);
+      const BlockSpan span = layout.span(block);
       // The disk reads the block `threads` ahead (the next one this thread is
       // likely to take) while this block is mapped in and profiled.
-      const int64_t ahead = block + threads;
-      if (ahead < blocks) {
-        const int64_t ahead_end = ahead + 1 == blocks ? result.tokens
-                                                      : std::min(samples, (ahead + 1) * samples_per_block) * seq_len + 1;
-        for_each_piece(stream, std::min(result.tokens, ahead * samples_per_block * seq_len),
-                       std::min(result.tokens, ahead_end),
+      if (block + threads < blocks) {
+        const BlockSpan ahead = layout.span(block + threads);
+        for_each_piece(stream, ahead.begin, ahead.read_end,
                        [](const MappedFile& map, size_t byte_begin, size_t byte_count) {
                          map.read_ahead(byte_begin, byte_count);
                        });
       }
-      for_each_piece(stream, range_begin, std::max(range_end, window_end),
+      for_each_piece(stream, span.begin, span.read_end,
                      [](const MappedFile& map, size_t byte_begin, size_t byte_count) {
                        map.prefault(byte_begin, byte_count);
                      });
-      count_out_of_range(stream, range_begin, range_end, vocab_size, kMaxListed,
+      count_out_of_range(stream, span.begin, span.ids_end, vocab_size, kMaxListed,
                          local_out_of_range_count, local_out_of_range);
-      for (int64_t sample = first_sample; sample < end_sample; ++sample) {
+      for (int64_t sample = span.first_sample; sample < span.end_sample; ++sample) {
         SampleProfile p = profile_in_place(stream, sample, seq_len, histogram, window, threshold);
         p.sample = sample;
         entropies[static_cast<size_t>(sample)] = static_cast<float>(p.entropy_bits);
         if (p.longest_run >= threshold) local_runs.push_back(p);
       }
-      const int64_t finished = done += end_sample - first_sample;
+      const int64_t finished = done += span.end_sample - span.first_sample;
       if (on_progress && omp_get_thread_num() == 0 && samples > 0) {
         on_progress(static_cast<double>(finished) / static_cast<double>(samples));
       }

@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include "kernels/tensor_stats_cuda.h"
+#include "replay/device_stats.h"
 #define NANREPLAY_CUDA_PROBES 1
 #else
 #define NANREPLAY_CUDA_PROBES 0
@@ -24,14 +25,6 @@ namespace {
 
 // Slots per device buffer; a step that probes more chains another buffer.
 constexpr int64_t kSlotsPerBuffer = 4096;
-
-ElemType kernel_type(const torch::Tensor& t) {
-  switch (t.scalar_type()) {
-    case torch::kFloat32: return ElemType::kF32;
-    case torch::kBFloat16: return ElemType::kBF16;
-    default: return ElemType::kF16;
-  }
-}
 
 }  // namespace
 
@@ -61,8 +54,11 @@ struct CudaProbeStats::Impl {
 };
 
 bool CudaProbeStats::available() {
-  const char* choice = std::getenv("NANREPLAY_GPU_STATS");
-  return choice == nullptr || std::strcmp(choice, "torch") != 0;
+  static const bool available = [] {  // asked per probe: read the environment once
+    const char* choice = std::getenv("NANREPLAY_GPU_STATS");
+    return choice == nullptr || std::strcmp(choice, "torch") != 0;
+  }();
+  return available;
 }
 
 bool CudaProbeStats::accepts(const torch::Tensor& t) {
@@ -82,9 +78,9 @@ CudaProbeStats::Ticket CudaProbeStats::add(const torch::Tensor& tensor, bool per
   const int64_t slots = per_head ? t.size(1) : 1;
   const size_t index = impl_->buffer_for(device, slots);
   cuda::DeviceStatsBuffer& buffer = *impl_->buffers[index].stats;
-  const int64_t first = per_head ? buffer.add_heads(t.data_ptr(), kernel_type(t), t.size(0), t.size(1), t.size(2),
+  const int64_t first = per_head ? buffer.add_heads(t.data_ptr(), elem_type_of(t), t.size(0), t.size(1), t.size(2),
                                                     t.size(3), causal)
-                                 : buffer.add(t.data_ptr(), kernel_type(t), t.numel());
+                                 : buffer.add(t.data_ptr(), elem_type_of(t), t.numel());
   const Ticket ticket{static_cast<int64_t>(impl_->results.size()), slots};
   for (int64_t s = 0; s < slots; ++s) impl_->results.emplace_back(index, first + s);
   return ticket;

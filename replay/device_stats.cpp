@@ -5,10 +5,22 @@
 #include "replay/device_stats.h"
 
 #include <limits>
+#include <stdexcept>
+#include <string>
 
 #include <torch/torch.h>
 
 namespace nanreplay {
+
+ElemType elem_type_of(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat32: return ElemType::kF32;
+    case torch::kBFloat16: return ElemType::kBF16;
+    case torch::kHalf: return ElemType::kF16;
+    default: throw std::logic_error("probe: unsupported dtype " + std::string(c10::toString(t.scalar_type())));
+  }
+}
+
 
 torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal) {
   torch::NoGradGuard no_grad;

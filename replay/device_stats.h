@@ -23,6 +23,10 @@ constexpr int64_t kDeviceStatsColumns = 10;
 // Indices are row-major over the full tensor.
 torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal);
 
+// The statistics kernels' element type of an f32, bf16 or f16 tensor
+// (std::logic_error for any other dtype: probes never see one).
+ElemType elem_type_of(const torch::Tensor& t);
+
 // One row read back to the host.
 TensorStats stats_from_row(const double* row);
 std::vector<TensorStats> stats_from_rows(const torch::Tensor& host_rows);

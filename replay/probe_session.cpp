@@ -24,15 +24,6 @@ namespace nanreplay {
 
 namespace {
 
-ElemType elem_type_of(const torch::Tensor& t) {
-  switch (t.scalar_type()) {
-    case torch::kFloat32: return ElemType::kF32;
-    case torch::kBFloat16: return ElemType::kBF16;
-    case torch::kHalf: return ElemType::kF16;
-    default: throw std::logic_error("probe: unsupported dtype " + std::string(c10::toString(t.scalar_type())));
-  }
-}
-
 std::vector<int64_t> unravel(int64_t index, const std::vector<int64_t>& shape) {
   std::vector<int64_t> coords(shape.size(), 0);
   for (size_t d = shape.size(); d-- > 0;) {

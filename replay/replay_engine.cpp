@@ -453,13 +453,21 @@ void tune_heap_for_replay() {
 void set_compute_threads(int threads) {
   const int count = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   torch::set_num_threads(count);
-  // LibTorch's count does not reach a BLAS with its own thread pool (Debian's
-  // OpenBLAS, pthreads), which would still use every core: cap it as well.
+  // LibTorch's count does not reach a BLAS with its own thread pool, which
+  // would still use every core: cap it as well.
   using SetBlasThreads = void (*)(int);
   if (const auto set_blas_threads =
           reinterpret_cast<SetBlasThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
     set_blas_threads(count);
   }
+}
+
+bool blas_has_own_thread_pool() {
+  // Looked up at run time, so a LibTorch on another BLAS links as before.
+  // OpenBLAS reports its threading model: 0 sequential, 1 pthreads, 2 OpenMP.
+  using GetParallel = int (*)();
+  const auto get_parallel = reinterpret_cast<GetParallel>(dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
+  return get_parallel != nullptr && get_parallel() == 1;
 }
 
 }  // namespace nanreplay

@@ -62,6 +62,11 @@ namespace nanreplay {
 // BLAS thread pool of its own (OpenBLAS pthreads) where there is one.
 void set_compute_threads(int threads);
 
+// Whether LibTorch's BLAS runs matrix products on a thread pool of its own
+// (OpenBLAS built with pthreads, as Debian's libopenblas0-pthread), beside
+// LibTorch's OpenMP pool.
+bool blas_has_own_thread_pool();
+
 // Process-wide heap settings for replaying (glibc; elsewhere a no-op): the
 // steady state glibc's adaptive thresholds reach only after LibTorch has freed
 // a few large tensors (blocks below 32 MiB from the heap, up to 64 MiB of free

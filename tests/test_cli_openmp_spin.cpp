@@ -2,22 +2,15 @@
 // re-execute themselves with a short GOMP_SPINCOUNT where LibTorch's libgomp
 // pool and OpenBLAS's pthread pool share the cores, and leave a user's own
 // setting alone. libgomp prints the value it runs with under OMP_DISPLAY_ENV.
-#include <dlfcn.h>
-
 #include <catch2/catch.hpp>
 
+#include "replay/replay_engine.h"
 #include "tests/cli_harness.h"
 
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
 
 namespace {
-
-bool openblas_uses_pthreads() {
-  using GetParallel = int (*)();
-  const auto get_parallel = reinterpret_cast<GetParallel>(dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
-  return get_parallel != nullptr && get_parallel() == 1;
-}
 
 // The GOMP_SPINCOUNT libgomp reported last (the re-executed process reports after the first).
 std::string last_spin_count(const std::string& err) {
@@ -33,7 +26,7 @@ const std::string kNoUserSetting = "env -u GOMP_SPINCOUNT -u OMP_WAIT_POLICY OMP
 }  // namespace
 
 TEST_CASE("openmp spin: replaying commands run with a short spin unless the user chose one", "[cli]") {
-  if (!openblas_uses_pthreads()) {
+  if (!nanreplay::blas_has_own_thread_pool()) {
     WARN("this LibTorch's BLAS has no pthread pool of its own: the CLI keeps libgomp's default");
     return;
   }

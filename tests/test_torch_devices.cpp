@@ -23,10 +23,6 @@ using nanreplay_test::ScratchDir;
 
 namespace {
 
-ElemType elem_of(torch::ScalarType type) {
-  return type == torch::kBFloat16 ? ElemType::kBF16 : type == torch::kHalf ? ElemType::kF16 : ElemType::kF32;
-}
-
 torch::Tensor planted(torch::ScalarType type, std::vector<int64_t> shape) {
   torch::manual_seed(3);
   torch::Tensor x = torch::randn(shape) * 5;
@@ -46,13 +42,13 @@ TEST_CASE("device statistics equal the CPU kernel's, whole and per head with the
     const torch::Tensor whole = planted(type, {3, 5, 7});
     const std::vector<TensorStats> rows = stats_from_rows(device_stats_rows(whole, false, false));
     REQUIRE(rows.size() == 1);
-    nanreplay_test::check_same_stats(rows[0], compute_stats(whole.data_ptr(), elem_of(type), whole.numel()));
+    nanreplay_test::check_same_stats(rows[0], compute_stats(whole.data_ptr(), elem_type_of(whole), whole.numel()));
 
     const torch::Tensor heads = planted(type, {2, 3, 6, 6});  // [batch, heads, rows, cols]
     for (const bool causal : {false, true}) {
       const std::vector<TensorStats> device = stats_from_rows(device_stats_rows(heads, true, causal));
       const std::vector<TensorStats> kernel =
-          compute_head_stats(heads.data_ptr(), elem_of(type), 2, 3, 6, 6, causal);
+          compute_head_stats(heads.data_ptr(), elem_type_of(heads), 2, 3, 6, 6, causal);
       REQUIRE(device.size() == kernel.size());
       for (size_t h = 0; h < kernel.size(); ++h) nanreplay_test::check_same_stats(device[h], kernel[h]);
     }

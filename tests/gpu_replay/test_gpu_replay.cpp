@@ -47,7 +47,7 @@ TEST_CASE("statistics taken on the GPU equal the CPU kernel's", "[gpu]") {
     torch::Tensor host = (torch::randn({2, 4, 16, 16}) * 30).to(type);
     host.view(-1)[100] = std::nanf("");
     host.view(-1)[1000] = -INFINITY;
-    const ElemType elem = type == torch::kFloat32 ? ElemType::kF32 : type == torch::kBFloat16 ? ElemType::kBF16 : ElemType::kF16;
+    const ElemType elem = elem_type_of(host);
     const torch::Tensor device = host.to(torch::Device("cuda:0"));
     for (const bool causal : {false, true}) {
       CAPTURE(causal);
