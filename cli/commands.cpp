@@ -165,7 +165,7 @@ class ProgressLine {
 struct RunSettings {
   fs::path bundle;
   fs::path out;
-  bool force = false;
+  bool replace_existing = true;  // --no-clobber: refuse an --out that holds results
   bool probes = true;
   bool quiet = false;
   bool json = false;
@@ -195,7 +195,7 @@ ReplayReport replay_and_write(const RunSettings& settings) {
   // Refused before any checkpoint is opened or any output directory created.
   require_memory_fits(estimate_replay_memory(bundle.manifest(), steps_to_replay, settings.probes),
                       settings.max_memory ? *settings.max_memory : default_memory_limit());
-  OutputDir out(settings.out, bundle.root(), settings.force,
+  OutputDir out(settings.out, bundle.root(), settings.replace_existing,
                 {"report.json", "trace.h5", "report.md", "report.html"});
 
   ProgressLine progress(!settings.quiet && isatty(STDERR_FILENO));
@@ -255,7 +255,9 @@ int run_main(int argc, char** argv) {
   options.add_options()
       ("bundle", "incident bundle directory", cxxopts::value<std::string>())
       ("o,out", "output directory for report.json, report.md, report.html and trace.h5", cxxopts::value<std::string>()->default_value("nanreplay-out"))
-      ("force", "replace results already in --out")
+      ("no-clobber", "refuse an --out that already holds results (by default a run replaces them, "
+                     "each file whole, and a run that fails leaves them as they were)")
+      ("force", "replace results already in --out (the default; kept for older scripts)")
       ("steps", "only these steps, e.g. 104,105 or 100-105", cxxopts::value<std::string>()->default_value(""))
       ("no-probes", "loss and gradient norm only (faster, no trace detail)")
       ("threads", "compute threads, LibTorch's and OpenBLAS's (0: all cores)", cxxopts::value<int>()->default_value("0"))
@@ -284,7 +286,8 @@ int run_main(int argc, char** argv) {
   RunSettings settings;
   settings.bundle = args["bundle"].as<std::string>();
   settings.out = args["out"].as<std::string>();
-  settings.force = args.count("force") > 0;
+  if (args.count("no-clobber") && args.count("force")) throw UsageError("run: --no-clobber and --force contradict each other");
+  settings.replace_existing = args.count("no-clobber") == 0;
   settings.probes = args.count("no-probes") == 0;
   settings.quiet = args.count("quiet") > 0;
   settings.json = args.count("json") > 0;
@@ -340,7 +343,6 @@ int demo_main(int argc, char** argv) {
   RunSettings settings;
   settings.bundle = bundle;
   settings.out = dir / "report";
-  settings.force = true;
   settings.quiet = quiet;
   const ReplayReport report = replay_and_write(settings);
   const bool named = report.first_nonfinite && report.first_nonfinite->step == spec.fault.step &&

@@ -389,4 +389,10 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
   return result;
 }
 
+OutOfRangeTokens find_out_of_range_tokens(const TokenStream& stream, int64_t vocab_size, size_t max_listed) {
+  OutOfRangeTokens found;
+  count_out_of_range(stream, 0, stream.total_tokens(), vocab_size, max_listed, found.count, found.listed);
+  return found;
+}
+
 }  // namespace nanreplay

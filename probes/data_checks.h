@@ -66,6 +66,15 @@ struct DataScanResult {
   int64_t samples = 0;
 };
 
+// Every token id >= vocab_size in the stream: how many, and the first
+// `max_listed` in stream order. One pass at memory speed (a max-reduction per
+// shard; only a shard that fails it is searched token by token).
+struct OutOfRangeTokens {
+  int64_t count = 0;
+  std::vector<OutOfRangeToken> listed;
+};
+OutOfRangeTokens find_out_of_range_tokens(const TokenStream& stream, int64_t vocab_size, size_t max_listed);
+
 // Streams every shard through its mapping on `threads` threads.
 DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int64_t vocab_size,
                                  const DataCheckOptions& options, int threads,

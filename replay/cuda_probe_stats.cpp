@@ -29,26 +29,27 @@ constexpr int64_t kSlotsPerBuffer = 4096;
 }  // namespace
 
 struct CudaProbeStats::Impl {
-  // Buffers in the order they were filled; each belongs to one device and
-  // queues on that device's stream as it was when the buffer was made.
+  // Buffers in the order they were filled; each queues on one stream of one
+  // device: the stream that was current for the tensors it probes, so a
+  // probe runs after the work that wrote its tensor and before any later
+  // work on that stream reuses the memory.
   struct Buffer {
     int device;
+    CUstream_st* stream;
     std::unique_ptr<cuda::DeviceStatsBuffer> stats;
   };
   std::vector<Buffer> buffers;
   // (buffer, slot) of each result, in ticket order.
   std::vector<std::pair<size_t, int64_t>> results;
 
-  size_t buffer_for(int device, int64_t slots) {
+  size_t buffer_for(int device, CUstream_st* stream, int64_t slots) {
     for (size_t i = buffers.size(); i-- > 0;) {
-      if (buffers[i].device != device) continue;
+      if (buffers[i].device != device || buffers[i].stream != stream) continue;
       const cuda::DeviceStatsBuffer& b = *buffers[i].stats;
       if (b.capacity() - b.size() >= slots) return i;
-      break;  // the newest buffer of this device is full: chain another
+      break;  // the newest buffer of this stream is full: chain another
     }
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    CUstream_st* stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-    buffers.push_back({device, std::make_unique<cuda::DeviceStatsBuffer>(std::max(kSlotsPerBuffer, slots), stream)});
+    buffers.push_back({device, stream, std::make_unique<cuda::DeviceStatsBuffer>(std::max(kSlotsPerBuffer, slots), stream)});
     return buffers.size() - 1;
   }
 };
@@ -76,7 +77,8 @@ CudaProbeStats::Ticket CudaProbeStats::add(const torch::Tensor& tensor, bool per
   const int device = t.get_device();
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   const int64_t slots = per_head ? t.size(1) : 1;
-  const size_t index = impl_->buffer_for(device, slots);
+  CUstream_st* stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  const size_t index = impl_->buffer_for(device, stream, slots);
   cuda::DeviceStatsBuffer& buffer = *impl_->buffers[index].stats;
   const int64_t first = per_head ? buffer.add_heads(t.data_ptr(), elem_type_of(t), t.size(0), t.size(1), t.size(2),
                                                     t.size(3), causal)

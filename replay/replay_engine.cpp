@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <set>
 #include <thread>
 
 #include <dlfcn.h>
@@ -23,6 +24,7 @@
 #include "loaders/error.h"
 #include "replay/checkpoint.h"
 #include "replay/gradients.h"
+#include "replay/probe_comparison.h"
 #include "replay/probe_session.h"
 #include "replay/step_replay.h"
 #include "replay/system_checks.h"
@@ -69,6 +71,45 @@ std::vector<Finding> out_of_range_tokens(const Bundle& bundle, int64_t step, con
              {"sample", sample}, {"position", pos}, {"token", token}, {"expected", m.model.vocab_size}}));
       }
     }
+  }
+  return findings;
+}
+
+// Out-of-range ids that no replayed batch reads (those are reported per step,
+// above). report-v1 makes every out-of-range id a finding, wherever it lies:
+// a shard holding one is poisoned even where this window does not read it.
+std::vector<Finding> stray_out_of_range_tokens(const Bundle& bundle, const std::set<int64_t>& batch_samples) {
+  const Manifest& m = bundle.manifest();
+  const int64_t seq = m.data.seq_len;
+  // Listed beyond the cap, so that ids inside batches (already reported) do
+  // not crowd out the stray ones.
+  const OutOfRangeTokens found =
+      find_out_of_range_tokens(bundle.tokens(), m.model.vocab_size, 4 * kMaxTokenFindingsPerStep);
+  std::vector<Finding> findings;
+  for (const OutOfRangeToken& t : found.listed) {
+    if (findings.size() == kMaxTokenFindingsPerStep) break;
+    int64_t global = t.offset;
+    for (size_t s = 0; s < t.shard; ++s) global += bundle.tokens().spec(s).tokens;
+    // Sample i holds tokens [i*seq, i*seq + seq]: the one starting at or
+    // before the token, and the previous one when the token is its last target.
+    const int64_t sample = global / seq;
+    const bool read = batch_samples.count(sample) || (global % seq == 0 && batch_samples.count(sample - 1));
+    if (read) continue;
+    const std::string& shard = bundle.tokens().spec(t.shard).path;
+    nlohmann::json evidence = {{"shard", shard}, {"offset", t.offset}, {"token", t.token},
+                               {"expected", m.model.vocab_size}};
+    if (sample < bundle.num_samples()) {
+      evidence["sample"] = sample;
+      evidence["position"] = global % seq;
+    }
+    findings.push_back(make_finding(
+        TriageLayer::kData, "DATA_TOKEN_OUT_OF_RANGE", Severity::kError,
+        "token id " + std::to_string(t.token) + " >= vocab_size " + std::to_string(m.model.vocab_size) + " in " +
+            shard + " at offset " + std::to_string(t.offset) +
+            (sample < bundle.num_samples() ? " (sample " + std::to_string(sample) + ")" : std::string()) +
+            ", which no replayed step reads (" + std::to_string(found.count) +
+            " out-of-range ids in the shards in all)",
+        std::move(evidence)));
   }
   return findings;
 }
@@ -125,43 +166,6 @@ void return_freed_memory() {
 #endif
 }
 
-bool same_stats(const TensorStats& a, const TensorStats& b) {
-  auto bits_equal = [](double x, double y) { return std::memcmp(&x, &y, sizeof x) == 0; };
-  return a.count == b.count && a.nan_count == b.nan_count && a.inf_count == b.inf_count &&
-         a.first_nonfinite == b.first_nonfinite && bits_equal(a.max_abs, b.max_abs) &&
-         bits_equal(a.min_nonzero_abs, b.min_nonzero_abs) && bits_equal(a.sum, b.sum) &&
-         bits_equal(a.sum_sq, b.sum_sq);
-}
-
-// Where two replays of one step first differ, bit for bit.
-struct ProbeComparison {
-  int64_t compared = 0;
-  const ProbeRecord* a = nullptr;  // the first pair that differs, if any
-  const ProbeRecord* b = nullptr;
-  std::string difference;
-};
-
-ProbeComparison compare_probes(const std::vector<const ProbeRecord*>& before,
-                               const std::vector<ProbeRecord>& again) {
-  ProbeComparison result;
-  result.compared = static_cast<int64_t>(before.size());
-  if (before.size() != again.size()) {
-    result.difference = "probe count " + std::to_string(before.size()) + " vs " + std::to_string(again.size());
-    return result;
-  }
-  for (size_t i = 0; i < before.size(); ++i) {
-    const ProbeRecord& a = *before[i];
-    const ProbeRecord& b = again[i];
-    if (a.site != b.site || a.phase != b.phase || !same_stats(a.stats, b.stats)) {
-      result.a = &a;
-      result.b = &b;
-      result.difference = std::string(phase_name(a.phase)) + " " + a.site;
-      return result;
-    }
-  }
-  return result;
-}
-
 // Replays `files.step` with every probe on `placement` (probes of all phases).
 StepGradients replay_step_again(const Bundle& bundle, const StepFiles& files, const ComputePlacement& placement) {
   const StepState state = bundle.load_state(files);
@@ -189,6 +193,7 @@ DeterminismCheck check_determinism(const Bundle& bundle, const StepFiles& files,
   check.probes_compared = cmp.compared;
   check.identical = cmp.difference.empty();
   check.first_difference = cmp.difference;
+  check.where = cmp.where();
   return check;
 }
 
@@ -205,10 +210,8 @@ CrossDeviceCheck check_across_devices(const Bundle& bundle, const StepFiles& fil
   check.probes_compared = cmp.compared;
   check.identical = cmp.difference.empty();
   check.first_difference = cmp.difference;
+  check.where = cmp.where();
   if (cmp.a != nullptr) {
-    check.rank = cmp.a->rank;
-    check.micro_batch = cmp.a->micro_batch;
-    check.head = cmp.a->head;
     check.max_abs_a = cmp.a->stats.max_abs;
     check.max_abs_b = cmp.b->stats.max_abs;
     check.sum_a = cmp.a->stats.sum;
@@ -259,6 +262,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
 
   std::optional<FirstNonfinite> first;
   std::vector<StepState> states;
+  std::set<int64_t> batch_samples;  // every sample a replayed step's batch holds
   for (size_t index = 0; index < todo.size(); ++index) {
     const StepFiles& files = *todo[index];
     const StepEntry& entry = entry_for(m, files.step);
@@ -272,6 +276,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
 
     check_sampler_agreement(bundle, entry, report.findings);
     const StepBatch batch{bundle.sampler().samples_for(entry)};
+    for (const auto& rank_samples : batch.samples) batch_samples.insert(rank_samples.begin(), rank_samples.end());
     std::vector<Finding> bad_tokens = out_of_range_tokens(bundle, files.step, batch);
     if (!bad_tokens.empty()) {
       outcome.replayed = false;
@@ -315,7 +320,8 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
           "step " + std::to_string(files.step) + ": the backward overflowed at " + bad->site +
               " with loss scale " + format_number(outcome.loss_scale) +
               "; the loss scaler skips this step and halves the scale (handled, not the incident)",
-          {{"step", files.step}, {"site", bad->site}, {"rank", bad->rank}, {"micro_batch", bad->micro_batch},
+          {{"step", files.step}, {"site", bad->site}, {"head", bad->first_head >= 0 ? nlohmann::json(bad->first_head) : nlohmann::json(nullptr)},
+           {"rank", bad->rank}, {"micro_batch", bad->micro_batch},
            {"before", outcome.loss_scale}, {"after", outcome.loss_scale / 2}}));
     } else if (bad != nullptr && !first) {
       first = first_nonfinite_of(*bad);
@@ -357,6 +363,8 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     return_freed_memory();
   }
 
+  const std::vector<Finding> stray_tokens = stray_out_of_range_tokens(bundle, batch_samples);
+  report.findings.insert(report.findings.end(), stray_tokens.begin(), stray_tokens.end());
   for (Finding& f : fp8_scale_jump_findings(states, thresholds)) {
     // A jump landing on the failing step is an error: it is the likely cause.
     if (first && f.evidence["step"] == first->step) f.severity = Severity::kError;
@@ -381,7 +389,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
             TriageLayer::kSystem, "SYSTEM_NONDETERMINISTIC", Severity::kWarning,
             "replaying step " + std::to_string(step) + " twice on this machine gave different values at " +
                 report.determinism.first_difference,
-            {{"step", step}, {"site", report.determinism.first_difference}}));
+            difference_evidence(step, report.determinism.where)));
       }
     }
   }
@@ -401,10 +409,14 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
             TriageLayer::kSystem, "SYSTEM_DEVICE_MISMATCH", Severity::kError,
             "step " + std::to_string(step) + " replayed on " + c.device_a + " and " + c.device_b +
                 " from the same inputs differs first at " + c.first_difference + " (rank " +
-                std::to_string(c.rank) + ", micro-batch " + std::to_string(c.micro_batch) +
+                std::to_string(c.where.rank) + ", micro-batch " + std::to_string(c.where.micro_batch) +
                 "): one of the two devices computes wrongly",
-            {{"step", step}, {"site", c.first_difference}, {"rank", c.rank}, {"micro_batch", c.micro_batch},
-             {"before", c.max_abs_a}, {"after", c.max_abs_b}}));
+            [&] {
+              nlohmann::json evidence = difference_evidence(step, c.where);
+              evidence["before"] = c.max_abs_a;
+              evidence["after"] = c.max_abs_b;
+              return evidence;
+            }()));
       }
     }
   }

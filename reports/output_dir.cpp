@@ -26,7 +26,7 @@ bool is_inside(const fs::path& path, const fs::path& root) {
 
 }  // namespace
 
-OutputDir::OutputDir(const fs::path& dir, const fs::path& bundle_root, bool force,
+OutputDir::OutputDir(const fs::path& dir, const fs::path& bundle_root, bool replace_existing,
                      std::vector<std::string> results)
     : dir_(dir), results_(std::move(results)) {
   if (is_inside(dir, bundle_root)) {
@@ -37,9 +37,9 @@ OutputDir::OutputDir(const fs::path& dir, const fs::path& bundle_root, bool forc
   if (fs::exists(dir, ec)) {
     if (!fs::is_directory(dir, ec)) throw UsageError("--out " + dir.string() + " exists and is not a directory");
     for (const std::string& name : results_) {
-      if (!force && fs::exists(dir / name, ec)) {
+      if (!replace_existing && fs::exists(dir / name, ec)) {
         throw UsageError("--out " + dir.string() + " already holds results (" + name +
-                         "); pass --force to replace them");
+                         ") and --no-clobber was given");
       }
     }
   } else {
@@ -67,10 +67,18 @@ void OutputDir::write_text(const std::string& name, const std::string& text) con
 }
 
 void OutputDir::commit() {
+  std::vector<std::string> not_staged;
   for (const std::string& name : results_) {
     std::error_code ec;
-    if (!fs::exists(staging_path(name), ec)) continue;
+    if (!fs::exists(staging_path(name), ec)) {
+      not_staged.push_back(name);
+      continue;
+    }
     fs::rename(staging_path(name), dir_ / name);
+  }
+  for (const std::string& name : not_staged) {
+    std::error_code ec;
+    fs::remove(dir_ / name, ec);
   }
   std::error_code ec;
   fs::remove_all(staging_, ec);

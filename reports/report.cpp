@@ -169,8 +169,8 @@ nlohmann::json report_to_json(const ReplayReport& report) {
                             {"bitwise_identical", c.identical}, {"probes_compared", c.probes_compared},
                             {"first_difference", nullptr}};
     if (!c.identical) {
-      check["first_difference"] = {{"probe", c.first_difference}, {"rank", c.rank},
-                                   {"micro_batch", c.micro_batch}, {"head", optional_index(c.head)},
+      check["first_difference"] = {{"probe", c.first_difference}, {"rank", c.where.rank},
+                                   {"micro_batch", c.where.micro_batch}, {"head", optional_index(c.where.head)},
                                    {"max_abs", {json_number(c.max_abs_a), json_number(c.max_abs_b)}},
                                    {"sum", {json_number(c.sum_a), json_number(c.sum_b)}}};
     }

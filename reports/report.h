@@ -81,13 +81,21 @@ struct RootCause {
   std::string summary;  // one sentence for a person
 };
 
+// The first probe on which two replays of one step disagree.
+struct ProbeDifference {
+  std::string phase;  // "forward", "backward", "grad"; empty when the probe counts differed
+  std::string site;   // a site name as everywhere else ("layers.1.attn.scores")
+  int rank = -1, micro_batch = -1, head = -1;
+};
+
 // The same step replayed twice must give bitwise identical probes.
 struct DeterminismCheck {
   bool checked = false;
   int64_t step = 0;
   bool identical = true;
   int64_t probes_compared = 0;
-  std::string first_difference;  // the first site that differed, if any
+  std::string first_difference;  // "<phase> <site>" of the first probe that differed, if any
+  ProbeDifference where;
 };
 
 // --cross-check: one step replayed on two devices, every probe compared bit for bit.
@@ -97,7 +105,7 @@ struct CrossDeviceCheck {
   bool identical = true;
   int64_t probes_compared = 0;
   std::string first_difference;  // "<phase> <site>" of the first probe that differed
-  int rank = -1, micro_batch = -1, head = -1;
+  ProbeDifference where;
   double max_abs_a = 0.0, max_abs_b = 0.0, sum_a = 0.0, sum_b = 0.0;
 };
 

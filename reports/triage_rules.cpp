@@ -325,8 +325,12 @@ RootCause decide_root_cause(const ReplayReport& report) {
   if (const Finding* f = find_code(report, "BUNDLE_CHECKSUM_MISMATCH")) {
     return from(*f, "the bundle's data differs from what the job read (" + f->message + ")");
   }
-  if (const Finding* f = find_code(report, "DATA_TOKEN_OUT_OF_RANGE")) {
-    return from(*f, "poisoned data: " + f->message);
+  for (const Finding& f : report.findings) {
+    // One a step's batch reads stops that step; one no step reads is reported
+    // (below, as a data error) but explains nothing about the replay.
+    if (f.code == "DATA_TOKEN_OUT_OF_RANGE" && f.evidence.contains("step")) {
+      return from(f, "poisoned data: " + f.message);
+    }
   }
   if (report.first_nonfinite) {
     const FirstNonfinite& first = *report.first_nonfinite;

@@ -3,7 +3,7 @@
 // through the real CLI. The bar for every case: exit 2, exactly one line on
 // stderr naming the file and the key or byte offset, no crash, and no output
 // directory left behind. Also: SIGINT/SIGTERM mid-replay, --max-memory, and
-// outputs that stay whole when a forced re-run fails.
+// outputs that stay whole when a re-run into them fails.
 #include <catch2/catch.hpp>
 
 #include <fcntl.h>
@@ -616,7 +616,7 @@ TEST_CASE("SIGINT and SIGTERM mid-replay stop cleanly and say how far it got",
   }
 }
 
-TEST_CASE("a forced re-run that fails leaves the previous results whole", "[cli][output]") {
+TEST_CASE("a re-run that fails leaves the previous results whole", "[cli][output]") {
   ScratchDir scratch("force-atomic");
   const fs::path bundle = copy_of_good(scratch, "bundle");
   const fs::path out = scratch / "out";
@@ -626,11 +626,11 @@ TEST_CASE("a forced re-run that fails leaves the previous results whole", "[cli]
 
   // Step 101's checkpoint breaks after step 100 has replayed into the staging area.
   fs::resize_file(model_file(bundle, 101), 12);
-  const CliResult forced = run_cli({"run", bundle.string(), "--out", out.string(), "--force"});
-  INFO(forced.err);
-  CHECK(forced.status == 2);
-  CHECK(line_count(forced.err) == 1);
-  CHECK(forced.err.find(kModel101) != std::string::npos);
+  const CliResult rerun = run_cli({"run", bundle.string(), "--out", out.string()});
+  INFO(rerun.err);
+  CHECK(rerun.status == 2);
+  CHECK(line_count(rerun.err) == 1);
+  CHECK(rerun.err.find(kModel101) != std::string::npos);
   CHECK(read_bytes(out / "report.json") == report_before);
   CHECK(read_bytes(out / "trace.h5") == trace_before);
   std::vector<std::string> left;

@@ -4,6 +4,8 @@
 // that was planted. Clean bundles must replay with nothing flagged.
 #include <catch2/catch.hpp>
 
+#include <fstream>
+
 #include "tests/bisect_agreement.h"
 #include "tests/cli_harness.h"
 
@@ -154,17 +156,26 @@ TEST_CASE("run refuses bad usage with exit 2 and one line", "[cli][usage]") {
   CHECK(unknown.err.find("did you mean 'run'") != std::string::npos);
 }
 
-TEST_CASE("run never writes into the bundle and refuses to overwrite results", "[cli][output]") {
+TEST_CASE("run never writes into the bundle and replaces earlier results unless --no-clobber", "[cli][output]") {
   ScratchDir dir("outputs");
   REQUIRE(run_cli({"synth", "clean-fp32", (dir / "bundle").string()}).status == 0);
   const auto inside = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "bundle" / "out").string()});
   CHECK(inside.status == 2);
   CHECK_FALSE(std::filesystem::exists(dir / "bundle" / "out"));
 
+  // report-v1: `run --out DIR` writes DIR/report.json, DIR existing or not.
   REQUIRE(run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string()}).status == 0);
+  { std::ofstream(dir / "out" / "report.json") << "left by an earlier run"; }
   const auto again = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string()});
-  CHECK(again.status == 2);
-  CHECK(again.err.find("--force") != std::string::npos);
+  CHECK(again.status == 0);
+  CHECK(nlohmann::json::parse(nanreplay_test::slurp(dir / "out" / "report.json"))["version"] == 1);
+
+  { std::ofstream(dir / "out" / "report.json") << "kept"; }
+  const auto kept = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string(), "--no-clobber"});
+  CHECK(kept.status == 2);
+  CHECK(kept.err.find("--no-clobber") != std::string::npos);
+  CHECK(nanreplay_test::slurp(dir / "out" / "report.json") == "kept");
+  // --force, once needed to replace, still runs (older scripts pass it).
   CHECK(run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string(), "--force"}).status == 0);
   // Only the results are left: no staging directory.
   size_t entries = 0;

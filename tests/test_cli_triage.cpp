@@ -3,6 +3,10 @@
 // the exit status and the root cause the report settles on.
 #include <catch2/catch.hpp>
 
+#include <fstream>
+#include <set>
+
+#include "loaders/bundle.h"
 #include "tests/bisect_agreement.h"
 #include "tests/cli_harness.h"
 
@@ -59,6 +63,62 @@ TEST_CASE("DATA_TOKEN_OUT_OF_RANGE names shard and offset, and the step is not r
   CHECK(t.report["steps"].back()["replayed"] == false);
   CHECK(t.status == 1);
   CHECK(t.report["root_cause"]["code"] == "DATA_TOKEN_OUT_OF_RANGE");
+}
+
+TEST_CASE("DATA_TOKEN_OUT_OF_RANGE is reported where no replayed step reads it, and every step still replays",
+          "[cli][triage]") {
+  ScratchDir dir("oor-stray");
+  REQUIRE(run_cli({"synth", "clean-fp32", (dir / "bundle").string()}).status == 0);
+  // A sample no step's batch holds, and its second token (in no other sample).
+  int64_t sample = 1, global = 0, vocab = 0;
+  nanreplay::ShardLocation where;
+  std::filesystem::path shard_file;
+  std::string shard_name;
+  bool wide = false;
+  {
+    const nanreplay::Bundle bundle(dir / "bundle");
+    std::set<int64_t> read;
+    for (const nanreplay::StepEntry& entry : bundle.manifest().steps) {
+      for (const auto& rank : bundle.sampler().samples_for(entry)) read.insert(rank.begin(), rank.end());
+    }
+    while (read.count(sample)) ++sample;
+    REQUIRE(sample < bundle.num_samples());
+    global = sample * bundle.manifest().data.seq_len + 1;
+    vocab = bundle.manifest().model.vocab_size;
+    where = bundle.tokens().locate(global);
+    shard_name = bundle.tokens().spec(where.shard).path;
+    shard_file = dir / "bundle" / shard_name;
+    wide = bundle.tokens().spec(where.shard).dtype == nanreplay::TokenDtype::kUint32;
+  }
+  {
+    const uint32_t bad = static_cast<uint32_t>(vocab + 7);  // little-endian, as the shards are
+    const unsigned char bytes[4] = {static_cast<unsigned char>(bad), static_cast<unsigned char>(bad >> 8),
+                                    static_cast<unsigned char>(bad >> 16), static_cast<unsigned char>(bad >> 24)};
+    std::fstream shard(shard_file, std::ios::in | std::ios::out | std::ios::binary);
+    shard.seekp(where.offset * (wide ? 4 : 2));
+    shard.write(reinterpret_cast<const char*>(bytes), wide ? 4 : 2);
+    REQUIRE(shard.good());
+    // As if the job had read the poisoned shard: no checksum to disagree with.
+    nlohmann::json manifest = read_json(dir / "bundle" / "manifest.json");
+    for (auto& s : manifest["data"]["shards"]) s.erase("sha256");
+    std::ofstream(dir / "bundle" / "manifest.json") << manifest.dump(2);
+  }
+  const auto run = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string()});
+  INFO(run.err);
+  CHECK(run.status == 1);  // an error finding, though nothing went non-finite
+  const nlohmann::json report = read_json(dir / "out" / "report.json");
+  CHECK(report["reproduced"] == false);
+  for (const auto& step : report["steps"]) CHECK(step["replayed"] == true);
+  const auto found = with_code(report, "DATA_TOKEN_OUT_OF_RANGE");
+  REQUIRE(found.size() == 1);
+  CHECK(found[0]["severity"] == "error");
+  CHECK(found[0]["evidence"]["shard"] == shard_name);
+  CHECK(found[0]["evidence"]["offset"] == where.offset);
+  CHECK(found[0]["evidence"]["token"] == vocab + 7);
+  CHECK(found[0]["evidence"]["sample"] == sample);
+  CHECK(found[0]["evidence"]["position"] == 1);
+  CHECK_FALSE(found[0]["evidence"].contains("step"));
+  CHECK(report["root_cause"]["code"] == "DATA_TOKEN_OUT_OF_RANGE");
 }
 
 TEST_CASE("DATA_REPEAT_RUN gives the run's position and length", "[cli][triage]") {
@@ -136,6 +196,12 @@ TEST_CASE("NUMERIC_LOSS_SCALE_OVERFLOW is handled overflow, not a reproduction",
   const Triaged t = triage(dir, "loss-scale-overflow");
   REQUIRE_FALSE(with_code(t.report, "NUMERIC_LOSS_SCALE_OVERFLOW").empty());
   CHECK(with_code(t.report, "NUMERIC_LOSS_SCALE_OVERFLOW")[0]["severity"] == "info");
+  for (const auto& f : with_code(t.report, "NUMERIC_LOSS_SCALE_OVERFLOW")) {
+    // report-v1: a finding about a site carries its head (null: not a per-head site).
+    CHECK(f["evidence"]["site"] == "logits");
+    CHECK(f["evidence"].contains("head"));
+    CHECK(f["evidence"]["head"].is_null());
+  }
   CHECK(t.report["reproduced"] == false);
   CHECK(t.report["first_nonfinite"].is_null());
   CHECK(t.status == 0);

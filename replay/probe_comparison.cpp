@@ -1,0 +1,58 @@
+#include "replay/probe_comparison.h"
+
+#include <cstring>
+
+namespace nanreplay {
+
+namespace {
+
+nlohmann::json index_or_null(int v) { return v >= 0 ? nlohmann::json(v) : nlohmann::json(nullptr); }
+
+}  // namespace
+
+bool same_stats(const TensorStats& a, const TensorStats& b) {
+  auto bits_equal = [](double x, double y) { return std::memcmp(&x, &y, sizeof x) == 0; };
+  return a.count == b.count && a.finite_count == b.finite_count && a.nan_count == b.nan_count &&
+         a.inf_count == b.inf_count && a.first_nonfinite == b.first_nonfinite && a.first_kind == b.first_kind &&
+         bits_equal(a.max_abs, b.max_abs) &&
+         bits_equal(a.min_nonzero_abs, b.min_nonzero_abs) && bits_equal(a.sum, b.sum) &&
+         bits_equal(a.sum_sq, b.sum_sq);
+}
+
+ProbeDifference ProbeComparison::where() const {
+  if (a == nullptr) return {};
+  return {phase_name(a->phase), a->site, a->rank, a->micro_batch, a->head};
+}
+
+ProbeComparison compare_probes(const std::vector<const ProbeRecord*>& before, const std::vector<ProbeRecord>& again) {
+  ProbeComparison result;
+  result.compared = static_cast<int64_t>(before.size());
+  if (before.size() != again.size()) {
+    result.difference = "probe count " + std::to_string(before.size()) + " vs " + std::to_string(again.size());
+    return result;
+  }
+  for (size_t i = 0; i < before.size(); ++i) {
+    const ProbeRecord& a = *before[i];
+    const ProbeRecord& b = again[i];
+    if (a.site != b.site || a.phase != b.phase || a.head != b.head || !same_stats(a.stats, b.stats)) {
+      result.a = &a;
+      result.b = &b;
+      result.difference = std::string(phase_name(a.phase)) + " " + a.site;
+      return result;
+    }
+  }
+  return result;
+}
+
+nlohmann::json difference_evidence(int64_t step, const ProbeDifference& where) {
+  nlohmann::json evidence = {{"step", step}};
+  if (where.site.empty()) return evidence;  // the replays probed different numbers of tensors
+  evidence["phase"] = where.phase;
+  evidence["site"] = where.site;
+  evidence["rank"] = index_or_null(where.rank);
+  evidence["micro_batch"] = index_or_null(where.micro_batch);
+  evidence["head"] = index_or_null(where.head);
+  return evidence;
+}
+
+}  // namespace nanreplay
