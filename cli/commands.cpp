@@ -286,7 +286,9 @@ int run_main(int argc, char** argv) {
   RunSettings settings;
   settings.bundle = args["bundle"].as<std::string>();
   settings.out = args["out"].as<std::string>();
-  if (args.count("no-clobber") && args.count("force")) throw UsageError("run: --no-clobber and --force contradict each other");
+  if (args.count("no-clobber") && args.count("force")) {
+    throw UsageError("run: --no-clobber and --force contradict each other");
+  }
   settings.replace_existing = args.count("no-clobber") == 0;
   settings.probes = args.count("no-probes") == 0;
   settings.quiet = args.count("quiet") > 0;

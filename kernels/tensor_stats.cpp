@@ -236,8 +236,9 @@ bool f16c_available() {
 
 // accumulate_run for f16 with F16C: the portable decode_f16 costs more than
 // the statistics themselves (a third of the f32 throughput), so the
-// conversion instruction runs inside the loop, two sets of eight float lanes. Same accumulators and semantics as
-// accumulate(); only the grouping of the partial sums differs.
+// conversion instruction runs inside the loop, two sets of eight float
+// lanes. Same accumulators and semantics as accumulate(); only the grouping
+// of the partial sums differs.
 __attribute__((target("avx,f16c"))) void accumulate_run_f16c(const uint16_t* p, int64_t n, FastSums& sums) {
   const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps(), inf = _mm256_set1_ps(kInf);
   __m256 max_abs[2] = {zero, zero}, min_nonzero[2] = {inf, inf}, sum[2] = {zero, zero}, sum_sq[2] = {zero, zero};

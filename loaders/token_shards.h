@@ -38,6 +38,7 @@ class TokenStream {
   int64_t num_samples(int64_t seq_len) const;  // (total - 1) / seq_len, >= 0
   uint32_t token(int64_t global_index) const;
   ShardLocation locate(int64_t global_index) const;
+  int64_t global_index(const ShardLocation& where) const { return starts_[where.shard] + where.offset; }
   // Copies `count` tokens starting at `begin` into `out` (bounds checked).
   void read(int64_t begin, int64_t count, int64_t* out) const;
   // The seq_len + 1 tokens of sample `index` (inputs = first seq_len, targets = last seq_len).

@@ -21,7 +21,6 @@ ElemType elem_type_of(const torch::Tensor& t) {
   }
 }
 
-
 torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal) {
   torch::NoGradGuard no_grad;
   const torch::Tensor x = t.detach().to(torch::kFloat64);

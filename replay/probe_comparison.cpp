@@ -4,12 +4,6 @@
 
 namespace nanreplay {
 
-namespace {
-
-nlohmann::json index_or_null(int v) { return v >= 0 ? nlohmann::json(v) : nlohmann::json(nullptr); }
-
-}  // namespace
-
 bool same_stats(const TensorStats& a, const TensorStats& b) {
   auto bits_equal = [](double x, double y) { return std::memcmp(&x, &y, sizeof x) == 0; };
   return a.count == b.count && a.finite_count == b.finite_count && a.nan_count == b.nan_count &&
@@ -49,9 +43,9 @@ nlohmann::json difference_evidence(int64_t step, const ProbeDifference& where) {
   if (where.site.empty()) return evidence;  // the replays probed different numbers of tensors
   evidence["phase"] = where.phase;
   evidence["site"] = where.site;
-  evidence["rank"] = index_or_null(where.rank);
-  evidence["micro_batch"] = index_or_null(where.micro_batch);
-  evidence["head"] = index_or_null(where.head);
+  evidence["rank"] = optional_index(where.rank);
+  evidence["micro_batch"] = optional_index(where.micro_batch);
+  evidence["head"] = optional_index(where.head);
   return evidence;
 }
 

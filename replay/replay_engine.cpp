@@ -87,8 +87,7 @@ std::vector<Finding> stray_out_of_range_tokens(const Bundle& bundle, const std::
   std::vector<Finding> findings;
   for (const OutOfRangeToken& t : found.listed) {
     if (findings.size() == kMaxTokenFindingsPerStep) break;
-    int64_t global = t.offset;
-    for (size_t s = 0; s < t.shard; ++s) global += bundle.tokens().spec(s).tokens;
+    const int64_t global = bundle.tokens().global_index({t.shard, t.offset});
     // Sample i holds tokens [i*seq, i*seq + seq]: the one starting at or
     // before the token, and the previous one when the token is its last target.
     const int64_t sample = global / seq;
@@ -319,7 +318,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
           "step " + std::to_string(files.step) + ": the backward overflowed at " + bad->site +
               " with loss scale " + format_number(outcome.loss_scale) +
               "; the loss scaler skips this step and halves the scale (handled, not the incident)",
-          {{"step", files.step}, {"site", bad->site}, {"head", bad->first_head >= 0 ? nlohmann::json(bad->first_head) : nlohmann::json(nullptr)},
+          {{"step", files.step}, {"site", bad->site}, {"head", optional_index(bad->first_head)},
            {"rank", bad->rank}, {"micro_batch", bad->micro_batch},
            {"before", outcome.loss_scale}, {"after", outcome.loss_scale / 2}}));
     } else if (bad != nullptr && !first) {

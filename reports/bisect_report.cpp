@@ -11,8 +11,6 @@ namespace nanreplay {
 
 namespace {
 
-nlohmann::json optional_index(int64_t value) { return value >= 0 ? nlohmann::json(value) : nlohmann::json(nullptr); }
-
 std::string or_dash(int64_t value) { return value >= 0 ? std::to_string(value) : "-"; }
 
 std::string paint(const TextStyle& style, const char* code, const std::string& text) {

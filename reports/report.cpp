@@ -32,11 +32,11 @@ nlohmann::json json_number(double value) {
   return value;
 }
 
-namespace {
-
 nlohmann::json optional_index(int64_t value) {
   return value >= 0 ? nlohmann::json(value) : nlohmann::json(nullptr);
 }
+
+namespace {
 
 nlohmann::json first_to_json(const FirstNonfinite& first) {
   nlohmann::json out = {

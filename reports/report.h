@@ -156,6 +156,8 @@ struct ReplayReport {
 
 // A JSON number, or "nan"/"inf"/"-inf" for non-finite values.
 nlohmann::json json_number(double value);
+// An index (layer, head, rank, sample...), or null for -1: "does not apply".
+nlohmann::json optional_index(int64_t value);
 nlohmann::json report_to_json(const ReplayReport& report);
 // report.json's `first_nonfinite` object (null when absent).
 nlohmann::json first_nonfinite_json(const std::optional<FirstNonfinite>& first);

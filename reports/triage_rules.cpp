@@ -31,8 +31,6 @@ std::string where_text(const ProbeRecord& r) {
   return out.str();
 }
 
-nlohmann::json optional_int(int64_t v) { return v >= 0 ? nlohmann::json(v) : nlohmann::json(nullptr); }
-
 const Finding* find_code(const ReplayReport& report, const std::string& code) {
   for (const Finding& f : report.findings) {
     if (f.code == code) return &f;
@@ -83,9 +81,9 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, 
             format_number(limit) + ": " + std::to_string(first_inf->stats.inf_count) +
             " element(s) overflowed to inf",
         {{"step", step}, {"site", first_inf->site}, {"phase", phase_name(first_inf->phase)},
-         {"head", optional_int(first_inf->first_head)}, {"micro_batch", optional_int(first_inf->micro_batch)},
-         {"rank", optional_int(first_inf->rank)}, {"sample", optional_int(first_inf->sample)},
-         {"position", optional_int(first_inf->position)}, {"expected", limit}, {"after", "inf"},
+         {"head", optional_index(first_inf->first_head)}, {"micro_batch", optional_index(first_inf->micro_batch)},
+         {"rank", optional_index(first_inf->rank)}, {"sample", optional_index(first_inf->sample)},
+         {"position", optional_index(first_inf->position)}, {"expected", limit}, {"after", "inf"},
          {"length", first_inf->stats.inf_count}})};
   }
   if (tightest != nullptr && tightest->headroom_bits < t.headroom_warn_bits) {
@@ -117,7 +115,7 @@ std::vector<Finding> zero_norm_findings(const std::vector<NormCheck>& checks) {
         c.site + " " + what + " at step " + std::to_string(c.step) + " (sample " +
             std::to_string(c.sample) + ", position " + std::to_string(c.position) + ")",
         {{"step", c.step}, {"site", c.site}, {"micro_batch", c.micro_batch}, {"rank", c.rank},
-         {"sample", optional_int(c.sample)}, {"position", optional_int(c.position)},
+         {"sample", optional_index(c.sample)}, {"position", optional_index(c.position)},
          {"expected", c.eps}, {"after", json_number(c.min_moment)}, {"length", c.rows_below_eps}}));
   }
   return findings;

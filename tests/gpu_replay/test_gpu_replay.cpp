@@ -54,7 +54,7 @@ TEST_CASE("statistics taken on the GPU equal the CPU kernel's", "[gpu]") {
       const std::vector<TensorStats> gpu = stats_from_rows(device_stats_rows(device, true, causal).cpu());
       const std::vector<TensorStats> cpu = compute_head_stats(host.data_ptr(), elem, 2, 4, 16, 16, causal);
       REQUIRE(gpu.size() == cpu.size());
-      for (size_t h = 0; h < cpu.size(); ++h) nanreplay_test::check_same_stats(gpu[h], cpu[h], 1e-4);
+      for (size_t h = 0; h < cpu.size(); ++h) nanreplay_test::check_same_stats(gpu[h], cpu[h], 1e-4, 1e-4);
       if (!CudaProbeStats::available()) continue;
       // The kernel: per head, whole, and a non-contiguous view, queued then read back once.
       CudaProbeStats kernel;
@@ -65,10 +65,10 @@ TEST_CASE("statistics taken on the GPU equal the CPU kernel's", "[gpu]") {
       const std::vector<TensorStats> results = kernel.collect();
       REQUIRE(heads.count == 4);
       REQUIRE(results.size() == 6);
-      for (size_t h = 0; h < cpu.size(); ++h) nanreplay_test::check_same_stats(results[heads.first + h], cpu[h], 1e-4);
-      nanreplay_test::check_same_stats(results[whole.first], compute_stats(host.data_ptr(), elem, host.numel()), 1e-4);
+      for (size_t h = 0; h < cpu.size(); ++h) nanreplay_test::check_same_stats(results[heads.first + h], cpu[h], 1e-4, 1e-4);
+      nanreplay_test::check_same_stats(results[whole.first], compute_stats(host.data_ptr(), elem, host.numel()), 1e-4, 1e-4);
       const torch::Tensor host_transposed = host.transpose(2, 3).contiguous();
-      nanreplay_test::check_same_stats(results[strided.first], compute_stats(host_transposed.data_ptr(), elem, host.numel()), 1e-4);
+      nanreplay_test::check_same_stats(results[strided.first], compute_stats(host_transposed.data_ptr(), elem, host.numel()), 1e-4, 1e-4);
       CHECK(kernel.collect().empty());  // collect() empties the queue
     }
   }
