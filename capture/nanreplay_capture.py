@@ -1,4 +1,4 @@
-"""Capture nanreplay incident bundles (bundle format v1) from a plain PyTorch training loop.
+"""Capture nanreplay incident bundles (format v1, docs/bundle-format.md) from a plain PyTorch training loop.
 
 Copy this one file next to your training script; it needs torch and the standard
 library only. A `Recorder` keeps the last `window` steps (parameters at the start
@@ -51,10 +51,11 @@ class CaptureError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------
-# The model contract of bundle v1: parameter keys and shapes, in the spec's order.
+# The model contract of bundle v1: parameter keys and shapes, in docs/bundle-format.md's order.
 
 def expected_parameters(arch, cfg):
-    """[(safetensors key, shape)] that bundle v1 requires for `arch` and the model config `cfg`."""
+    """[(safetensors key, shape)] that bundle v1 requires for `arch` and the model config `cfg`
+    (docs/bundle-format.md, "Parameter names and shapes")."""
     C, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_layers"]
     out = []
     if arch == "llama":
@@ -176,7 +177,7 @@ def _infer_model_config(arch, model, named, given, seq_len):
 
 
 # ---------------------------------------------------------------------------
-# Files: safetensors, JSON with the spec's non-finite strings, atomic directories.
+# Files: safetensors, JSON with the bundle format's non-finite strings, atomic directories.
 
 def _tensor_bytes(t):
     """A zero-copy view of a contiguous CPU tensor's bytes (kept alive by the caller)."""
@@ -255,7 +256,8 @@ def _as_float(x):
 
 
 # ---------------------------------------------------------------------------
-# Token data: the run's shards as one stream, as bundle v1 defines it.
+# Token data: the run's shards as one stream, as bundle v1 defines it
+# (docs/bundle-format.md, "Data: samples and samplers").
 
 class _TokenSource:
     """The run's shards concatenated into one token stream (raw LE uint16/uint32, an
@@ -305,7 +307,7 @@ class _TokenSource:
 
 
 def _randperm_samples(sampler, num_samples, world, per_rank_step, step):
-    """PyTorch's DistributedSampler (shuffle, drop_last) as bundle v1 defines `randperm`."""
+    """PyTorch's DistributedSampler (shuffle, drop_last) as bundle v1 defines `randperm` (docs/bundle-format.md)."""
     g = torch.Generator()
     g.manual_seed(int(sampler["seed"]) + int(sampler.get("epoch", 0)))
     perm = torch.randperm(num_samples, generator=g).tolist()
@@ -378,7 +380,8 @@ class Recorder:
       window: steps kept (the bundle holds at most this many).
       precision: "fp32", "bf16" (autocast), "fp16" (autocast + GradScaler) or "fp8".
       grad_clip: the max_norm given to clip_grad_norm_, or None.
-      param_names: dict or callable mapping the model's parameter names to the spec's keys.
+      param_names: dict or callable mapping the model's parameter names to the bundle's keys
+        (docs/bundle-format.md).
       data_copy: "auto", "whole" or "window" (see dump()).
       whole_copy_limit: bytes of shard data up to which "auto" copies shards whole.
       pin_memory: host buffers pinned for asynchronous copies (default: when params are on CUDA).

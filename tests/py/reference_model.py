@@ -4,10 +4,10 @@ Reads manifest.json, safetensors checkpoints and token shards with nothing but
 torch and the standard library, draws each step's samples with torch.randperm
 itself, and computes the step's loss and global gradient norm the way a plain
 PyTorch DDP + gradient-accumulation training loop would. fp32 computes
-plainly; bf16 and fp16 follow the spec's autocast-by-rounding rules (bundle-v1,
-precision), written here from the spec as cast pairs at the same points, so
-autograd rounds gradients where the spec says (fp16's loss scale is not
-modelled: the cross-check runs fp32 and bf16). Used to cross-check
+plainly; bf16 and fp16 follow the bundle format's autocast-by-rounding rules
+(docs/bundle-format.md, "Precision as replayed"), written here from that page
+as cast pairs at the same points, so autograd rounds gradients where it says
+(fp16's loss scale is not modelled: the cross-check runs fp32 and bf16). Used to cross-check
 `nanreplay run` (tests/py/test_crosscheck_pytorch.py).
 """
 import json
@@ -88,7 +88,7 @@ LOW_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def rounding(compute):
-    """The spec's rounding point for `compute`: a cast pair (fp32 -> low -> fp32), whose
+    """A rounding point of docs/bundle-format.md for `compute`: a cast pair (fp32 -> low -> fp32), whose
     autograd rounds the gradient passing through it the same way; the identity for fp32."""
     low = LOW_TYPES.get(compute)
     if low is None:

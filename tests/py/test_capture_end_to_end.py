@@ -42,7 +42,7 @@ FAULT_STEP, FAULT_MICRO, FAULT_POSITION = 13, 1, 7
 WINDOW = 10
 TOLERANCE = 1e-5
 
-# Module whose output is a probe site (report-v1). q/k projections are probed after rotary,
+# Module whose output is a probe site (docs/probe-sites.md). q/k projections are probed after rotary,
 # which maps finite to finite and non-finite to non-finite, so their outputs stand for the sites.
 MODULE_SITES = [
     (r"model\.embed_tokens", "embed"),
@@ -78,7 +78,7 @@ def site_of_module(name):
 
 class FirstNonfiniteHook:
     """Forward hooks on every module: the first module output (in completion order) that holds a
-    non-finite value, decoded like report-v1 ([batch, position, features], row-major first element)."""
+    non-finite value, decoded as docs/probe-sites.md says ([batch, position, features], row-major first element)."""
 
     def __init__(self, model):
         self.where = None  # (step, micro_batch, sample ids of the batch rows)
@@ -106,7 +106,7 @@ class FirstNonfiniteHook:
 
 
 class TokenWindows(Dataset):
-    """Sample i: tokens [i*L, i*L + L + 1) of the concatenated uint16 shards (as bundle v1 reads them)."""
+    """Sample i: tokens [i*L, i*L + L + 1) of the concatenated uint16 shards (as bundle v1 reads them, docs/bundle-format.md)."""
 
     def __init__(self, shard_paths, seq_len):
         parts = [torch.frombuffer(bytearray(Path(p).read_bytes()), dtype=torch.int16).to(torch.int64) & 0xFFFF

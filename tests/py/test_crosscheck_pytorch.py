@@ -1,7 +1,7 @@
 """Cross-check: nanreplay's replayed loss and gradient norm of every step equal
 what an independent eager PyTorch implementation (reference_model.py) computes
 on the same weights and batch, to a relative error of 1e-5 in fp32. In bf16 the
-reference emulates the spec's autocast rounding itself; losses must agree to
+reference emulates the bundle format's autocast rounding (docs/bundle-format.md) itself; losses must agree to
 1e-5 as well, gradient norms to 1e-4 (autograd may sum a site's incoming
 gradients in another order, and one bf16 rounding flip moves the norm ~1e-6).
 "PRESET@bf16" replays a synthetic preset's weights with the manifest's

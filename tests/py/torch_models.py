@@ -3,7 +3,7 @@
 Written the way a training engineer would write them (nn.Module trees, HF llama
 naming, nanoGPT naming for gpt2), not as a bundle reader: the capture end-to-end
 test trains them and captures them, and bench/bench_capture.py times the capture.
-Math follows shared/spec/bundle-v1.md (rotate-half RoPE, RMSNorm as
+Math follows the bundle format's model, docs/bundle-format.md (rotate-half RoPE, RMSNorm as
 x / sqrt(mean(x^2) + eps) * w, GELU tanh for gpt2), fp32.
 """
 import math
@@ -142,7 +142,7 @@ class GPT2Block(nn.Module):
         q, k, v = self.attn.c_attn(self.ln_1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
         x = x + self.attn.c_proj(causal_attention(q, k, v).transpose(1, 2).reshape(B, T, C))
-        # The spec's gpt2 uses the tanh GELU (nanoGPT's nn.GELU() default is the erf form).
+        # Bundle v1's gpt2 (docs/bundle-format.md) uses the tanh GELU (nanoGPT's nn.GELU() default is the erf form).
         return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)), approximate="tanh"))
 
 
