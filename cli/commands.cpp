@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -353,8 +354,10 @@ int demo_main(int argc, char** argv) {
                      report.first_nonfinite->head == spec.fault.head;
   if (!quiet) {
     std::cout << render_verdict(report, {color_wanted(STDOUT_FILENO)}) << "\n"
-              << "The demo planted an fp16 overflow in layers." << spec.fault.layer << ".attn.scores, head "
-              << spec.fault.head << ", at step " << spec.fault.step << ": "
+              << "The demo's model has a head (layer " << spec.fault.layer << ", head " << spec.fault.head
+              << ") that amplifies one rare token, first read at step " << spec.fault.step
+              << ": its q k^T overflows fp16 in layers." << spec.fault.layer << ".attn.scores, head "
+              << spec.fault.head << ". "
               << (named ? "nanreplay named it." : "nanreplay did NOT name it (a bug).") << "\n"
               << "open " << (settings.out / "report.html").string() << " in a browser; also report.md, report.json and trace.h5 there\n";
   }
@@ -362,21 +365,28 @@ int demo_main(int argc, char** argv) {
 }
 
 int synth_main(int argc, char** argv) {
-  std::string presets;
-  for (const std::string& name : synthetic_preset_names()) presets += (presets.empty() ? "" : ", ") + name;
-  cxxopts::Options options("nanreplay synth", "Write a synthetic bundle from a preset: " + presets +
-                                                   ".\nPrints what was injected as JSON.\n"
-                                                   "Example: nanreplay synth bit-flip ./bundle");
+  std::string listing, names;
+  for (const SyntheticPreset& p : synthetic_presets()) {
+    listing += "  " + std::string(p.name) + std::string(std::max<size_t>(2, 21 - std::string(p.name).size()), ' ') +
+               p.plants + "\n";
+    names += (names.empty() ? "" : ", ") + std::string(p.name);
+  }
+  cxxopts::Options options("nanreplay synth", "Write a synthetic bundle from a preset (a tiny llama trained for "
+                                              "a few steps; every checkpoint is AdamW applied to the one before, "
+                                              "unless the fault is an edit between two).\n"
+                                              "Prints what was planted as JSON.\n"
+                                              "Example: nanreplay synth bit-flip ./bundle");
   options.add_options()
       ("preset", "preset name", cxxopts::value<std::string>())
       ("dir", "bundle directory to create", cxxopts::value<std::string>())
-      ("arch", "llama or gpt2", cxxopts::value<std::string>()->default_value("llama"))
+      ("corpus", "train on the bytes of FILE (byte-level tokens) instead of random tokens",
+       cxxopts::value<std::string>(), "FILE")
       ("h,help", "show this help");
   options.parse_positional({"preset", "dir"});
   options.positional_help("PRESET DIR");
   const auto args = parse_or_usage(options, argc, argv);
   if (args.count("help")) {
-    std::cout << options.help();
+    std::cout << options.help() << "\npresets:\n" << listing;
     return 0;
   }
   if (!args.count("preset") || !args.count("dir")) throw UsageError("synth: need PRESET and DIR");
@@ -384,7 +394,13 @@ int synth_main(int argc, char** argv) {
   try {
     spec = synthetic_preset(args["preset"].as<std::string>());
   } catch (const std::invalid_argument& e) {
-    throw UsageError(std::string(e.what()) + "; presets: " + presets);
+    throw UsageError(std::string(e.what()) + "; presets: " + names);
+  }
+  if (args.count("corpus")) {
+    const std::string path = args["corpus"].as<std::string>();
+    const std::string bytes = read_text_file(path, path, size_t{64} << 20);
+    if (bytes.size() < static_cast<size_t>(4 * spec.seq_len)) throw InputError(path, "", "too short for a corpus");
+    spec.corpus.assign(bytes.begin(), bytes.end());
   }
   const fs::path dir = args["dir"].as<std::string>();
   std::error_code ec;
@@ -401,6 +417,7 @@ int synth_main(int argc, char** argv) {
                          {"first_sample", outcome.first_sample},
                          {"fault_sample", outcome.fault_sample},
                          {"fault_token", outcome.fault_token},
+                         {"fault_position", outcome.fault_position},
                          {"fault_layer", spec.fault.layer},
                          {"fault_head", spec.fault.head}};
   std::cout << info.dump() << "\n";

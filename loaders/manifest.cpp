@@ -1,4 +1,4 @@
-// manifest.json (bundle format v1, shared/spec/bundle-v1.md) parsed into a
+// manifest.json (bundle format v1, docs/bundle-format.md) parsed into a
 // Manifest, one section per function. Key constraint: every value is checked
 // for type and range here, so later stages can trust the struct; each error
 // names the full key path the user wrote ("data.shards[0].tokens").
@@ -9,6 +9,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <utility>
 
 #include "loaders/bundle_paths.h"
 #include "loaders/error.h"
@@ -193,7 +194,28 @@ void apply_gpt2_rules(const JsonReader& model, ModelConfig& config) {
   config.tie_embeddings = true;
 }
 
+// The model options of later bundle formats (rotary variants, biases, QK-norm,
+// soft-capping, sliding windows, mixtures of experts). This nanreplay replays
+// none of them: a bundle that sets one describes another model than the one
+// it would replay, so it is refused rather than silently replayed wrongly.
+void refuse_unsupported_options(const JsonReader& model) {
+  // Absent and null both mean the default (JsonReader::has is false for null).
+  static const std::pair<const char*, nlohmann::json> kDefaults[] = {
+      {"rope_style", "rotate_half"},  {"rope_scaling", nullptr},        {"attention_bias", false},
+      {"qk_norm", nullptr},           {"attn_logit_softcap", nullptr},  {"final_logit_softcap", nullptr},
+      {"sliding_window", nullptr},    {"moe", nullptr},
+  };
+  for (const auto& [key, default_value] : kDefaults) {
+    if (!model.has(key) || model.json().at(key) == default_value) continue;
+    throw InputError(model.file(), model.key_path(key),
+                     "this nanreplay replays only the default (" + default_value.dump() + "), got " +
+                         json_describe(model.json().at(key)) +
+                         "; replaying the bundle without it would replay another model than the run's");
+  }
+}
+
 ModelConfig parse_model(const JsonReader& model) {
+  refuse_unsupported_options(model);
   ModelConfig config;
   config.arch = parse_arch(model);
   config.vocab_size = positive_integer(model, "vocab_size");
@@ -410,6 +432,22 @@ std::vector<std::vector<int64_t>> parse_samples(const nlohmann::json& ranks,
   return samples;
 }
 
+// original_samples / original_offsets annotate `samples` entry by entry.
+void check_same_layout(const std::optional<std::vector<std::vector<int64_t>>>& samples,
+                       const std::vector<std::vector<int64_t>>& originals, const JsonReader& entry,
+                       const std::string& key) {
+  if (!samples) {
+    throw InputError(entry.file(), entry.key_path(key),
+                     "annotates the step's samples, but the entry has no \"samples\"");
+  }
+  bool same = samples->size() == originals.size();
+  for (size_t rank = 0; same && rank < originals.size(); ++rank) same = (*samples)[rank].size() == originals[rank].size();
+  if (!same) {
+    throw InputError(entry.file(), entry.key_path(key),
+                     "expected the same layout as \"samples\" (one entry per rank and per sample)");
+  }
+}
+
 StepEntry parse_step(const JsonReader& entry, size_t index) {
   StepEntry step;
   step.manifest_index = index;
@@ -419,6 +457,12 @@ StepEntry parse_step(const JsonReader& entry, size_t index) {
   if (entry.has("samples")) {
     step.samples = parse_samples(entry.json().at("samples"), entry.file(),
                                  entry.key_path("samples"));
+  }
+  for (const char* key : {"original_samples", "original_offsets"}) {
+    if (!entry.has(key)) continue;
+    auto originals = parse_samples(entry.json().at(key), entry.file(), entry.key_path(key));
+    check_same_layout(step.samples, originals, entry, key);
+    (std::string(key) == "original_samples" ? step.original_samples : step.original_offsets) = std::move(originals);
   }
   return step;
 }
@@ -477,6 +521,21 @@ const char* compute_name(Compute compute) {
       break;
   }
   return "fp32";
+}
+
+std::optional<OriginalSample> original_of_sample(const Manifest& manifest, int64_t sample) {
+  for (const StepEntry& entry : manifest.steps) {
+    const auto& originals = entry.original_samples ? entry.original_samples : entry.original_offsets;
+    if (!entry.samples || !originals) continue;
+    for (size_t rank = 0; rank < entry.samples->size(); ++rank) {
+      const std::vector<int64_t>& list = (*entry.samples)[rank];
+      const auto at = std::find(list.begin(), list.end(), sample);
+      if (at != list.end()) {
+        return OriginalSample{!entry.original_samples.has_value(), (*originals)[rank][static_cast<size_t>(at - list.begin())]};
+      }
+    }
+  }
+  return std::nullopt;
 }
 
 Manifest parse_manifest(const std::string& json_text, const std::string& file_label) {

@@ -86,6 +86,10 @@ struct StepEntry {
   std::string dir;  // relative to the bundle
   // Explicit sample indices per rank, in the order the run read them.
   std::optional<std::vector<std::vector<int64_t>>> samples;
+  // What a compact capture recorded beside re-indexed samples, in the same
+  // layout: the run's own dataset indices, or its token offsets.
+  std::optional<std::vector<std::vector<int64_t>>> original_samples;
+  std::optional<std::vector<std::vector<int64_t>>> original_offsets;
   // Position in the manifest's "steps" array before sorting, so later errors
   // can name the key the user wrote ("steps[2].samples").
   size_t manifest_index = 0;
@@ -105,6 +109,14 @@ struct Manifest {
   std::vector<StepEntry> steps;  // sorted by step, no duplicates
   std::optional<IncidentInfo> incident;
 };
+
+// The run's own index of bundle sample `sample` (or the token offset it
+// started at), where a step entry records original_samples / original_offsets.
+struct OriginalSample {
+  bool is_offset = false;
+  int64_t value = 0;
+};
+std::optional<OriginalSample> original_of_sample(const Manifest& manifest, int64_t sample);
 
 // `file_label` names the file in errors (e.g. "bundle/manifest.json").
 // Shard paths and step dirs are checked as text only (relative, no ".."); they

@@ -259,41 +259,51 @@ SampleProfile profile_sample(const TokenStream& stream, int64_t sample, int64_t 
   return p;
 }
 
-double EntropyBaseline::z_below(double entropy) const {
+double RobustBaseline::z_below(double value) const {
   const double scale = 1.4826 * mad;
-  const double gap = median - entropy;
+  const double gap = median - value;
   if (gap <= 0) return 0.0;
   return scale > 0 ? gap / scale : std::numeric_limits<double>::infinity();
 }
 
-EntropyBaseline entropy_baseline(std::vector<double> entropies) {
-  EntropyBaseline base;
-  base.samples = static_cast<int64_t>(entropies.size());
-  if (entropies.empty()) return base;
-  base.median = median_of(entropies);
-  for (double& e : entropies) e = std::fabs(e - base.median);
-  base.mad = median_of(entropies);
+double RobustBaseline::z_above(double value) const { return RobustBaseline{-median, mad, samples}.z_below(-value); }
+
+RobustBaseline robust_baseline(std::vector<double> values) {
+  RobustBaseline base;
+  base.samples = static_cast<int64_t>(values.size());
+  if (values.empty()) return base;
+  base.median = median_of(values);
+  for (double& e : values) e = std::fabs(e - base.median);
+  base.mad = median_of(values);
   return base;
 }
 
-EntropyBaseline entropy_baseline(const TokenStream& stream, int64_t seq_len, int64_t max_samples) {
+DataBaseline data_baseline(const TokenStream& stream, int64_t seq_len, int64_t max_samples) {
   const int64_t total = stream.num_samples(seq_len);
   const int64_t count = std::min(total, std::max<int64_t>(1, max_samples));
-  std::vector<double> entropies;
+  std::vector<double> entropies, runs;
   entropies.reserve(static_cast<size_t>(count));
+  runs.reserve(static_cast<size_t>(count));
   TokenHistogram histogram;
   std::vector<int64_t> window(static_cast<size_t>(seq_len + 1));
   for (int64_t i = 0; i < count; ++i) {
     const int64_t sample = total * i / count;  // an even, deterministic spread
     stream.read(sample * seq_len, seq_len + 1, window.data());
-    entropies.push_back(profile_with(histogram, window.data(), seq_len + 1).entropy_bits);
+    const SampleProfile p = profile_with(histogram, window.data(), seq_len + 1);
+    entropies.push_back(p.entropy_bits);
+    runs.push_back(static_cast<double>(p.longest_run));
   }
-  return entropy_baseline(std::move(entropies));
+  return {robust_baseline(std::move(entropies)), robust_baseline(std::move(runs))};
 }
 
-bool is_low_entropy(const SampleProfile& p, const EntropyBaseline& base, const DataCheckOptions& o) {
+bool is_low_entropy(const SampleProfile& p, const RobustBaseline& base, const DataCheckOptions& o) {
   return base.samples >= 8 && p.entropy_bits < o.low_entropy_ratio * base.median &&
          base.z_below(p.entropy_bits) > o.low_entropy_z;
+}
+
+bool is_repeat_run(const SampleProfile& p, const RobustBaseline& runs, int64_t seq_len, const DataCheckOptions& o) {
+  return p.longest_run >= o.repeat_threshold(seq_len) &&
+         (runs.samples < 8 || runs.z_above(static_cast<double>(p.longest_run)) > o.repeat_run_z);
 }
 
 DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int64_t vocab_size,
@@ -364,6 +374,11 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
       result.out_of_range_count += local_out_of_range_count;
     }
   }
+  // Runs the stream's own samples commonly hold (indentation, rules in text) are not outliers.
+  result.run_baseline = data_baseline(stream, seq_len, options.baseline_samples).longest_run;
+  runs.erase(std::remove_if(runs.begin(), runs.end(),
+                            [&](const SampleProfile& p) { return !is_repeat_run(p, result.run_baseline, seq_len, options); }),
+             runs.end());
   std::sort(runs.begin(), runs.end(), [](const SampleProfile& a, const SampleProfile& b) {
     return a.longest_run != b.longest_run ? a.longest_run > b.longest_run : a.sample < b.sample;
   });
@@ -375,7 +390,7 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
             });
   if (result.out_of_range.size() > kMaxListed) result.out_of_range.resize(kMaxListed);
 
-  result.baseline = entropy_baseline(std::vector<double>(entropies.begin(), entropies.end()));
+  result.baseline = robust_baseline(std::vector<double>(entropies.begin(), entropies.end()));
   for (int64_t sample = 0; sample < samples; ++sample) {
     SampleProfile p;
     p.sample = sample;

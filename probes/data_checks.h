@@ -15,6 +15,7 @@ namespace nanreplay {
 
 struct DataCheckOptions {
   int64_t repeat_run_min = 0;      // 0: auto, seq_len / 4 clamped to [8, 64]
+  double repeat_run_z = 6.0;       // and a robust z-score above the typical sample's longest run
   double low_entropy_z = 6.0;      // robust z-score below the typical sample
   double low_entropy_ratio = 0.6;  // and below this fraction of the median entropy
   int64_t baseline_samples = 4096;
@@ -34,19 +35,31 @@ struct SampleProfile {
 SampleProfile profile_tokens(const int64_t* tokens, int64_t count);
 SampleProfile profile_sample(const TokenStream& stream, int64_t sample, int64_t seq_len);
 
-struct EntropyBaseline {
+// The typical value of a quantity over many samples: median and MAD.
+struct RobustBaseline {
   double median = 0.0;
   double mad = 0.0;  // median absolute deviation (unscaled)
   int64_t samples = 0;
-  // Robust z-score of how far `entropy` lies below the median (1.4826 * MAD scale).
-  double z_below(double entropy) const;
+  // Robust z-scores of how far `value` lies below / above the median
+  // (1.4826 * MAD scale; infinite past a zero MAD).
+  double z_below(double value) const;
+  double z_above(double value) const;
 };
 
-EntropyBaseline entropy_baseline(const TokenStream& stream, int64_t seq_len, int64_t max_samples);
-// From explicit profile entropies (the whole-stream scan).
-EntropyBaseline entropy_baseline(std::vector<double> entropies);
+RobustBaseline robust_baseline(std::vector<double> values);
 
-bool is_low_entropy(const SampleProfile& p, const EntropyBaseline& base, const DataCheckOptions& o);
+// What the stream's own samples look like, over an even, deterministic spread
+// of up to `max_samples` of them: a corpus of code or tables has long runs
+// and low-entropy lines everywhere, random tokens have neither.
+struct DataBaseline {
+  RobustBaseline entropy;      // bits
+  RobustBaseline longest_run;  // tokens
+};
+DataBaseline data_baseline(const TokenStream& stream, int64_t seq_len, int64_t max_samples);
+
+bool is_low_entropy(const SampleProfile& p, const RobustBaseline& base, const DataCheckOptions& o);
+// A run at least the threshold long and an outlier of the stream's own runs.
+bool is_repeat_run(const SampleProfile& p, const RobustBaseline& runs, int64_t seq_len, const DataCheckOptions& o);
 
 struct OutOfRangeToken {
   size_t shard = 0;
@@ -60,7 +73,8 @@ struct DataScanResult {
   double seconds = 0.0;
   int64_t out_of_range_count = 0;
   std::vector<OutOfRangeToken> out_of_range;  // the first ones, capped
-  EntropyBaseline baseline;
+  RobustBaseline baseline;                    // of the entropy, over every sample
+  RobustBaseline run_baseline;                // of the longest run, over a spread of samples
   std::vector<SampleProfile> repeat_runs;     // samples over the threshold
   std::vector<SampleProfile> low_entropy;     // samples flagged low-entropy
   int64_t samples = 0;

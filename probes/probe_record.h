@@ -61,6 +61,7 @@ struct NormCheck {
   int rank = 0;
   std::string site;       // the norm's output site, e.g. "layers.0.attn_norm"
   int layer = -1;
+  const char* moment = "mean square";  // what the norm divides by: "mean square" (RMSNorm) or "variance" (LayerNorm)
   double eps = 0.0;
   double min_moment = 0.0;      // smallest mean square / variance over rows
   int64_t rows_below_eps = 0;   // rows whose moment is < eps (or denominator 0)

@@ -4,13 +4,16 @@
 // the later stages.
 #include "replay/bisect.h"
 
+#include <algorithm>
 #include <chrono>
+#include <set>
 #include <cmath>
 #include <stdexcept>
 
 #include <torch/torch.h>
 
 #include "replay/ddmin.h"
+#include "replay/origin_tokens.h"
 #include "replay/replay_engine.h"
 #include "replay/step_scan.h"
 
@@ -25,10 +28,12 @@ class Bisection {
 
   // Stage 1: the first bad step, or none. Tests the last step first: most
   // bundles end at the failure, and a clean last step means a clean bundle.
-  std::optional<int64_t> first_bad_step() {
+  std::optional<int64_t> first_bad_step(const std::set<int64_t>& marked_by_log) {
     const std::vector<StepFiles>& steps = bundle_.steps();
-    if (steps.empty() || !test_step(steps.size() - 1)) return std::nullopt;
-    size_t lo = 0, hi = steps.size() - 1;  // steps[hi] is bad; every step before lo is clean
+    if (steps.empty()) return std::nullopt;
+    std::optional<size_t> bad = first_bad_of_last_or_marked(marked_by_log);
+    if (!bad) return std::nullopt;
+    size_t lo = 0, hi = *bad;  // steps[hi] is bad; every step before lo is clean
     while (lo < hi) {
       const size_t mid = lo + (hi - lo) / 2;
       if (test_step(mid)) {
@@ -45,6 +50,19 @@ class Bisection {
     }
     if (!bad_scan_ || bad_scan_->step != steps[hi].step) throw std::logic_error("bisect: lost the bad step's scan");
     return steps[hi].step;
+  }
+
+  // The last step, when it is bad (most bundles end at the failure). When it
+  // is clean the failure may have been transient (an fp16 step the scaler
+  // skipped, training then went on): the first step the log marks (a
+  // non-finite loss, or skipped) that is bad, tested in order.
+  std::optional<size_t> first_bad_of_last_or_marked(const std::set<int64_t>& marked_by_log) {
+    const std::vector<StepFiles>& steps = bundle_.steps();
+    if (test_step(steps.size() - 1)) return steps.size() - 1;
+    for (size_t i = 0; i + 1 < steps.size(); ++i) {
+      if (marked_by_log.count(steps[i].step) && test_step(i)) return i;
+    }
+    return std::nullopt;
   }
 
   // Stages 3 and 4 on the bad step (stage 2 is the scan's flags).
@@ -77,7 +95,11 @@ class Bisection {
   }
 
  private:
+  // Each step is replayed once; a second question about it reads the first answer.
   bool test_step(size_t index) {
+    for (const BisectStepTest& t : report_.step_tests) {
+      if (t.step == bundle_.steps()[index].step) return t.bad;
+    }
     BisectStepTest test;
     test.step = bundle_.steps()[index].step;
     set_stage("step", test.step);
@@ -107,11 +129,19 @@ class Bisection {
       stage.note = "not run: the origin is a parameter gradient, summed over every pass of the step";
       return;
     }
+    if (!origin.contaminated_params.empty()) {
+      stage.data_dependent = false;
+      stage.note = "not data-dependent: the checkpoint already holds non-finite parameters, so every sample fails";
+      return;
+    }
     stage.candidates = bad_scan_->first_pass_samples;
     const std::function<void()> before_pass = hook();
+    bool some_subset_passed = false;
     const std::function<bool(const std::vector<int64_t>&)> fails = [&](const std::vector<int64_t>& subset) {
       ++stage.replays;
-      return pass_fails(loaded, subset, before_pass);
+      const bool failed = pass_fails(loaded, subset, before_pass);
+      some_subset_passed = some_subset_passed || !failed;
+      return failed;
     };
     const bool fp16_backward = bundle_.manifest().precision.compute == Compute::kFp16 && origin.phase != Phase::kForward;
     if (fp16_backward && !fails(stage.candidates)) {
@@ -120,6 +150,27 @@ class Bisection {
     }
     stage.minimal = ddmin<int64_t>(stage.candidates, fails).minimal;
     stage.ran = true;
+    stage.data_dependent = some_subset_passed || !others_fail_alone(stage, fails);
+    if (!*stage.data_dependent) {
+      stage.note = "not data-dependent: every subset tried fails, single samples included; no sample is to blame";
+      stage.minimal.clear();
+    }
+  }
+
+  // Whether samples outside the minimal set fail on their own too (up to
+  // three, evenly spread): a failure every sample triggers is not the data's.
+  static bool others_fail_alone(const BisectSampleStage& stage,
+                                const std::function<bool(const std::vector<int64_t>&)>& fails) {
+    std::vector<int64_t> others;
+    for (int64_t s : stage.candidates) {
+      if (std::find(stage.minimal.begin(), stage.minimal.end(), s) == stage.minimal.end()) others.push_back(s);
+    }
+    if (others.empty()) return false;
+    const size_t tried = std::min<size_t>(3, others.size());
+    for (size_t k = 0; k < tried; ++k) {
+      if (!fails({others[k * others.size() / tried]})) return false;
+    }
+    return true;
   }
 
   const Bundle& bundle_;
@@ -143,17 +194,21 @@ BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options) {
   report.precision = m.precision.compute;
   report.steps_in_bundle = static_cast<int64_t>(bundle.steps().size());
   report.passes_per_step = m.data.world_size * m.data.grad_accum_steps;
+  std::set<int64_t> marked_by_log;  // a non-finite loss or a skipped step in state.json
   for (const StepFiles& files : bundle.steps()) {
     if (!unreplayable_reason(bundle, batch_of_step(bundle, files.step))) {
       report.full_probe_pass_replays += report.passes_per_step;
     }
-    const std::optional<double> logged = bundle.load_state(files).logged.loss;
+    const StepState state = bundle.load_state(files);
+    const std::optional<double> logged = state.logged.loss;
     if (logged && !std::isfinite(*logged)) report.logged_nonfinite_steps.push_back(files.step);
+    if ((logged && !std::isfinite(*logged)) || state.skipped.value_or(false)) marked_by_log.insert(files.step);
   }
 
   Bisection bisection(bundle, options, report);
-  if (const std::optional<int64_t> step = bisection.first_bad_step()) {
+  if (const std::optional<int64_t> step = bisection.first_bad_step(marked_by_log)) {
     report.origin = bisection.locate_and_minimize(*step);
+    report.origin_tokens = origin_tokens(bundle, *report.origin, default_thresholds(m.precision.compute));
   }
   if (!options.what_ifs.empty()) {
     bisection.set_stage("what-if", report.origin ? report.origin->step : 0);

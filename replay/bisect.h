@@ -1,10 +1,13 @@
 // Bisection: names the same origin as `nanreplay run`'s full probe pass with
-// fewer replays, coarse to fine. (1) step: binary search over the steps with
-// the cheap any-non-finite pass, assuming a step after the first bad one
-// stays bad; (2) layer: read off that pass's per-site flags; (3) site, head and
+// fewer replays, coarse to fine. (1) step: the last step with the cheap
+// any-non-finite pass, or when it is clean the steps the log marks (a
+// non-finite loss, or skipped by the fp16 scaler: a transient failure), then
+// a binary search below the first bad one, assuming a step after the first
+// bad one stays bad until there; (2) layer: read off that pass's per-site flags; (3) site, head and
 // element: full probes on that block of the one pass holding it; (4) samples:
 // delta debugging over that pass's samples, down to a 1-minimal set whose
-// presence still makes a non-finite value. Algorithm and replay unit:
+// presence still makes a non-finite value, or "not data-dependent" when
+// single samples fail broadly. Algorithm and replay unit:
 // docs/bisect-and-what-if.md. No LibTorch types here.
 #pragma once
 

@@ -25,7 +25,7 @@ const torch::Tensor& param(const ParamMap& params, const std::string& name) {
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                        ProbeSession& probes, const SiteRef& site) {
   const torch::Tensor mean_square = x.pow(2).mean(-1, /*keepdim=*/true);  // (B, T, 1)
-  probes.check_norm(site, mean_square.squeeze(-1), eps);
+  probes.check_norm(site, mean_square.squeeze(-1), eps, "mean square");
   return x / torch::sqrt(mean_square + eps) * weight;
 }
 
@@ -181,7 +181,7 @@ ForwardResult gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch:
   SiteRef stream{SiteId::kEmbed, -1};
   auto layer_norm = [&](const torch::Tensor& in, const std::string& prefix, const SiteRef& site) {
     if (probes.enabled()) {
-      probes.check_norm(site, in.detach().var(-1, /*unbiased=*/false), m.norm_eps);
+      probes.check_norm(site, in.detach().var(-1, /*unbiased=*/false), m.norm_eps, "variance");
     }
     return F::layer_norm(in, F::LayerNormFuncOptions({C})
                                  .weight(param(p, prefix + ".weight"))

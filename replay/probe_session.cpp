@@ -337,7 +337,7 @@ void ProbeSession::alias(const SiteRef& ref, const SiteRef& same_as) {
 
 bool ProbeSession::enabled() const { return state_->scope.level == ProbeLevel::kFull; }
 
-void ProbeSession::check_norm(const SiteRef& ref, const torch::Tensor& moment, double eps) {
+void ProbeSession::check_norm(const SiteRef& ref, const torch::Tensor& moment, double eps, const char* moment_name) {
   if (!enabled()) return;
   torch::NoGradGuard no_grad;
   const torch::Tensor m = moment.detach().to(torch::kFloat64).reshape({moment.size(0), -1});
@@ -355,6 +355,7 @@ void ProbeSession::check_norm(const SiteRef& ref, const torch::Tensor& moment, d
   check.site = site_name(ref);
   check.layer = ref.layer;
   check.eps = eps;
+  check.moment = moment_name;
   if (m.device().is_cpu() && !state_->defer_host) {
     finish_norm_check(check, values.contiguous().data_ptr<double>(), m.size(1), state_->context.sample_ids);
     state_->norm_checks.push_back(check);

@@ -72,9 +72,10 @@ class ProbeSession {
   // layers.0.input; layers.i.output and layers.i+1.input).
   void alias(const SiteRef& ref, const SiteRef& same_as);
 
-  // Notes a norm's per-row denominator moment (mean square or variance,
-  // shape (B, T)) before eps is added, for the zero-norm check.
-  void check_norm(const SiteRef& ref, const torch::Tensor& moment, double eps);
+  // Notes a norm's per-row denominator moment (shape (B, T)) before eps is
+  // added, for the zero-norm check; `moment_name` says which it is ("mean
+  // square" for RMSNorm, "variance" for LayerNorm).
+  void check_norm(const SiteRef& ref, const torch::Tensor& moment, double eps, const char* moment_name);
   // Full statistics are being taken (norm checks and per-sample losses with them).
   bool enabled() const;
 

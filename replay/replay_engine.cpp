@@ -23,11 +23,13 @@
 #include "loaders/error.h"
 #include "replay/checkpoint.h"
 #include "replay/gradients.h"
+#include "replay/origin_tokens.h"
 #include "replay/probe_comparison.h"
 #include "replay/probe_session.h"
 #include "replay/step_replay.h"
 #include "replay/system_checks.h"
-#include "reports/terminal_text.h"
+#include "reports/number_text.h"
+#include "reports/verdict.h"
 
 namespace nanreplay {
 
@@ -154,6 +156,22 @@ double loss_scale_for(const Manifest& m, const StepState& state) {
   return m.precision.compute == Compute::kFp16 ? state.loss_scale : 1.0;
 }
 
+// Where a compact capture recorded the run's own sample indices (or token
+// offsets), the report names them beside the bundle's.
+void annotate_original_samples(ReplayReport& report, const Manifest& m) {
+  auto original = [&](int64_t sample) { return sample >= 0 ? original_of_sample(m, sample) : std::nullopt; };
+  if (report.first_nonfinite) {
+    if (const auto o = original(report.first_nonfinite->sample)) {
+      (o->is_offset ? report.first_nonfinite->original_offset : report.first_nonfinite->original_sample) = o->value;
+    }
+  }
+  for (Finding& f : report.findings) {
+    const auto sample = f.evidence.find("sample");
+    if (sample == f.evidence.end() || !sample->is_number_integer()) continue;
+    if (const auto o = original(sample->get<int64_t>())) f.evidence[o->is_offset ? "original_offset" : "original_sample"] = o->value;
+  }
+}
+
 // glibc keeps freed heap memory for reuse, and the activations and gradients
 // of one step, freed in a different order than allocated, fragment its heap:
 // without handing the free pages back, the resident set creeps up step after
@@ -250,8 +268,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
   }
   const std::vector<Finding> contaminated = checkpoint_nonfinite_findings(bundle);
   report.findings.insert(report.findings.end(), contaminated.begin(), contaminated.end());
-  const EntropyBaseline baseline =
-      entropy_baseline(bundle.tokens(), m.data.seq_len, thresholds.data.baseline_samples);
+  const DataBaseline baseline = data_baseline(bundle.tokens(), m.data.seq_len, thresholds.data.baseline_samples);
 
   std::vector<const StepFiles*> todo;
   for (const StepFiles& files : bundle.steps()) {
@@ -311,6 +328,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     const ProbeRecord* forward_bad = earliest_nonfinite(step.probes, false);
     outcome.scaler_skipped = m.precision.compute == Compute::kFp16 && !std::isfinite(step.grad_norm);
     const bool handled = outcome.scaler_skipped && forward_bad == nullptr && std::isfinite(step.loss);
+    outcome.handled_overflow = handled;
     const ProbeRecord* bad = earliest_nonfinite(step.probes, true);
     if (handled && bad != nullptr) {
       report.findings.push_back(make_finding(
@@ -337,7 +355,6 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     add(overflow_findings(step.probes, files.step, handled, m.precision.compute, thresholds));
     add(zero_norm_findings(step.norm_checks));
     add(sample_loss_findings(step.sample_losses, files.step, thresholds));
-    add(reproducibility_findings(outcome, thresholds));
     add(rank_mismatch_findings(outcome, state, thresholds));
     if (state.skipped && m.precision.compute == Compute::kFp16 && *state.skipped != outcome.scaler_skipped) {
       report.findings.push_back(make_finding(
@@ -363,17 +380,17 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
 
   const std::vector<Finding> stray_tokens = stray_out_of_range_tokens(bundle, batch_samples);
   report.findings.insert(report.findings.end(), stray_tokens.begin(), stray_tokens.end());
-  for (Finding& f : fp8_scale_jump_findings(states, thresholds)) {
-    // A jump landing on the failing step is an error: it is the likely cause.
-    if (first && f.evidence["step"] == first->step) f.severity = Severity::kError;
-    report.findings.push_back(std::move(f));
+  const std::vector<Finding> fp8_jumps = fp8_scale_jump_findings(states, thresholds);
+  report.findings.insert(report.findings.end(), fp8_jumps.begin(), fp8_jumps.end());
+  if (first) {
+    report.origin_tokens = origin_tokens(bundle, *first, thresholds);
+    if (first->sample >= 0 && first->sample < bundle.num_samples()) {
+      report.offending_tokens = bundle.tokens().sample_tokens(first->sample, m.data.seq_len);
+      report.offending_tokens_start = first->sample * m.data.seq_len;
+    }
   }
   report.first_nonfinite = first;
   report.reproduced = first.has_value();
-  if (first && first->sample >= 0 && first->sample < bundle.num_samples()) {
-    report.offending_tokens = bundle.tokens().sample_tokens(first->sample, m.data.seq_len);
-    report.offending_tokens_start = first->sample * m.data.seq_len;
-  }
 
   if (options.check_determinism && options.probes && !report.steps.empty()) {
     const int64_t step = first ? first->step : report.steps.back().step;
@@ -418,8 +435,8 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
       }
     }
   }
-  order_findings(report.findings);
-  report.root_cause = decide_root_cause(report);
+  settle_verdict(report, thresholds);
+  annotate_original_samples(report, m);
   report.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return report;
 }

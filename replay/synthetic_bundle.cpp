@@ -45,14 +45,6 @@ void write_tensors(const fs::path& path, const std::vector<std::string>& names,
   writer.write(path.string());
 }
 
-std::vector<uint32_t> random_tokens(const SyntheticSpec& spec) {
-  std::mt19937_64 rng(spec.data_seed);
-  std::uniform_int_distribution<int64_t> token(0, spec.model.vocab_size - 1);
-  std::vector<uint32_t> tokens(static_cast<size_t>(spec.num_tokens));
-  for (uint32_t& t : tokens) t = static_cast<uint32_t>(token(rng));
-  return tokens;
-}
-
 std::vector<uint8_t> shard_bytes(const std::vector<uint32_t>& tokens, int64_t begin, int64_t count,
                                  TokenDtype dtype) {
   const size_t width = dtype == TokenDtype::kUint16 ? 2 : 4;
@@ -86,16 +78,56 @@ std::vector<ShardSpec> write_shards(const fs::path& root, const SyntheticSpec& s
   return shards;
 }
 
-// Data poisons that the job itself read: written into the stream before training.
-void poison_tokens(std::vector<uint32_t>& tokens, const SyntheticSpec& spec, int64_t sample) {
+// ---- the token stream -------------------------------------------------------
+
+std::vector<uint32_t> initial_tokens(const SyntheticSpec& spec) {
+  if (!spec.corpus.empty()) return std::vector<uint32_t>(spec.corpus.begin(), spec.corpus.end());
+  std::mt19937_64 rng(spec.data_seed);
+  std::uniform_int_distribution<int64_t> token(0, spec.model.vocab_size - 1);
+  std::vector<uint32_t> tokens(static_cast<size_t>(spec.num_tokens));
+  for (uint32_t& t : tokens) t = static_cast<uint32_t>(token(rng));
+  return tokens;
+}
+
+// Faults that plant one rare token: it occurs nowhere in the stream but where
+// the fault puts it, so no step before the fault reads it.
+bool plants_token(const FaultSpec& f) {
+  return f.kind == FaultKind::kHeadOverflow || f.kind == FaultKind::kGlitchToken ||
+         f.kind == FaultKind::kZeroEmbedding || f.kind == FaultKind::kRepeatRun;
+}
+
+// Where the planted token goes at the fault step: (sample, position) pairs.
+struct TokenSite {
+  int64_t sample;
+  int64_t position;
+};
+
+std::vector<TokenSite> planted_sites(const SyntheticSpec& spec, const std::vector<std::vector<int64_t>>& batch) {
+  const FaultSpec& f = spec.fault;
+  const std::vector<int64_t>& list = batch.at(static_cast<size_t>(f.rank));
+  std::vector<TokenSite> sites;
+  if (f.kind == FaultKind::kRepeatRun) {  // half the window, from position 4
+    for (int64_t i = 4; i < 4 + spec.seq_len / 2; ++i) sites.push_back({list.at(0), i});
+    return sites;
+  }
+  if (f.position < 0 || f.position >= spec.seq_len) throw std::invalid_argument("planted token position out of range");
+  const int occurrences = f.kind == FaultKind::kGlitchToken ? f.occurrences : 1;
+  for (int k = 0; k < occurrences; ++k) sites.push_back({list.at(static_cast<size_t>(f.slot + k)), f.position});
+  return sites;
+}
+
+// Removes `token` from the stream (it becomes its neighbour id), then writes
+// it at each site.
+void plant_token(std::vector<uint32_t>& tokens, const SyntheticSpec& spec, uint32_t token,
+                 const std::vector<TokenSite>& sites) {
+  const uint32_t stand_in = token > 0 ? token - 1 : token + 1;
+  for (uint32_t& t : tokens) t = t == token ? stand_in : t;
+  for (const TokenSite& site : sites) tokens[static_cast<size_t>(site.sample * spec.seq_len + site.position)] = token;
+}
+
+void poison_low_entropy(std::vector<uint32_t>& tokens, const SyntheticSpec& spec, int64_t sample) {
   const int64_t begin = sample * spec.seq_len;
-  const FaultKind kind = spec.fault.kind;
-  if (kind == FaultKind::kRepeatRun) {
-    for (int64_t i = 4; i < 4 + spec.seq_len / 2; ++i) tokens[static_cast<size_t>(begin + i)] = 17;
-  }
-  if (kind == FaultKind::kLowEntropy) {
-    for (int64_t i = 0; i <= spec.seq_len; ++i) tokens[static_cast<size_t>(begin + i)] = i % 2 ? 3 : 5;
-  }
+  for (int64_t i = 0; i <= spec.seq_len; ++i) tokens[static_cast<size_t>(begin + i)] = i % 2 ? 3 : 5;
 }
 
 // Rewrites one token of a written shard in place (damage after capture).
@@ -119,20 +151,135 @@ void rewrite_token(const fs::path& root, Manifest& m, int64_t global, uint32_t v
   }
 }
 
+// ---- the model and the faults planted in it -----------------------------------
+
 ParamMap init_params(const SyntheticSpec& spec, std::vector<std::string>& order) {
   torch::manual_seed(spec.init_seed);
   ParamMap params;
   for (const ParamSpec& p : expected_parameters(spec.model)) {
     const bool norm = p.name.find("norm") != std::string::npos || p.name.find("ln_") != std::string::npos;
     const bool bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
+    const bool qk = p.name.find("q_proj") != std::string::npos || p.name.find("k_proj") != std::string::npos;
     torch::Tensor t = bias   ? torch::zeros(p.shape)
                       : norm ? torch::ones(p.shape)
-                             : torch::randn(p.shape) * 0.02;
+                             : torch::randn(p.shape) * (qk ? spec.attention_init_std : 0.02);
     t.requires_grad_(true);
     params.emplace(p.name, t);
     order.push_back(p.name);
   }
   return params;
+}
+
+std::string embedding_key(const ModelConfig& m) { return expected_parameters(m).front().name; }
+
+// Head `f.head` of layer `f.layer` reads one feature of the residual stream
+// that only `token`'s embedding holds: no other embedding row, no block
+// writes it and no other weight reads it. For every other token the feature
+// and every gradient through it are exactly zero, so AdamW never moves it
+// (zero moments, zero update, decay of zero) and the head's scores stay 0.
+// For the token, q k^T exceeds fp16's range many times over wherever the token
+// meets itself (the diagonal first: rotary leaves q_i . k_i as is).
+void amplify_token_in_head(const SyntheticSpec& spec, ParamMap& params, int64_t token) {
+  const ModelConfig& m = spec.model;
+  const FaultSpec& f = spec.fault;
+  const int64_t D = m.head_dim(), C = m.hidden_size;
+  constexpr int64_t kFeature = 0;
+  torch::Tensor embedding = params.at(embedding_key(m));
+  embedding.select(1, kFeature).zero_();
+  embedding[token][kFeature] = 0.5;  // a few times the row's other entries: not an outlier row
+  auto reads = [&](const std::string& key) { params.at(key).select(1, kFeature).zero_(); };
+  auto writes = [&](const std::string& key) { params.at(key)[kFeature].zero_(); };
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    const std::string pre = "model.layers." + std::to_string(layer) + ".";
+    for (const char* in : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}) {
+      reads(pre + in + ".weight");
+    }
+    writes(pre + "self_attn.o_proj.weight");
+    writes(pre + "mlp.down_proj.weight");
+  }
+  if (!m.tie_embeddings) reads("lm_head.weight");
+  // At a normalized value of 1 (the token's is larger) q k^T is 4x fp16's maximum.
+  const double c = std::sqrt(4.0 * 65504.0 / static_cast<double>(D));
+  const torch::Tensor reads_feature = torch::zeros({D, C});
+  reads_feature.select(1, kFeature).fill_(c);
+  const std::string pre = "model.layers." + std::to_string(f.layer) + ".self_attn.";
+  const int64_t kv_head = f.head / (m.num_heads / m.num_kv_heads);
+  params.at(pre + "q_proj.weight").narrow(0, f.head * D, D).copy_(reads_feature);
+  params.at(pre + "k_proj.weight").narrow(0, kv_head * D, D).copy_(reads_feature);
+}
+
+// Faults of the model that predate the captured window (in memory, before the
+// first checkpoint): AdamW carries them from checkpoint to checkpoint.
+void plant_in_model(const SyntheticSpec& spec, ParamMap& params, int64_t token) {
+  torch::NoGradGuard no_grad;
+  const FaultSpec& f = spec.fault;
+  if (f.kind == FaultKind::kHeadOverflow || (f.kind == FaultKind::kRepeatRun && f.trigger_head)) {
+    amplify_token_in_head(spec, params, token);
+  }
+  if (f.kind == FaultKind::kGlitchToken) params.at(embedding_key(spec.model))[token].fill_(f.embedding_value);
+  if (f.kind == FaultKind::kZeroEmbedding) params.at(embedding_key(spec.model))[token].zero_();
+}
+
+// Makes output feature 0 of layer `f.layer`'s up projection about 1e5 in
+// magnitude (normed inputs have |h|^2 ~ hidden_size), so fp16 overflows there
+// while fp32 would not: the row a runaway update left behind.
+void inject_mlp_overflow(const SyntheticSpec& spec, ParamMap& params, const FaultSpec& f) {
+  const int64_t C = spec.model.hidden_size;
+  const double sigma = 1e5 / std::sqrt(static_cast<double>(C));
+  params.at("model.layers." + std::to_string(f.layer) + ".mlp.up_proj.weight")[0].copy_(torch::randn({C}) * sigma);
+}
+
+// Flips bit `f.bit` of the first element whose exponent field is 127
+// (|x| in [1, 2)), so that an exponent-MSB flip yields inf or NaN.
+int64_t inject_bit_flip(ParamMap& params, const FaultSpec& f) {
+  torch::Tensor t = params.at(f.param);
+  float* data = t.data_ptr<float>();
+  int64_t chosen = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, data + i, 4);
+    if (((bits >> 23) & 0xff) == 127) {
+      chosen = i;
+      break;
+    }
+  }
+  uint32_t bits;
+  std::memcpy(&bits, data + chosen, 4);
+  bits ^= (1u << f.bit);
+  std::memcpy(data + chosen, &bits, 4);
+  return chosen;
+}
+
+// Faults that are a change between two checkpoints, made to the parameters
+// of the fault step before its checkpoint is written.
+void edit_checkpoint(const SyntheticSpec& spec, ParamMap& params, SyntheticOutcome& outcome) {
+  torch::NoGradGuard no_grad;
+  const FaultSpec& f = spec.fault;
+  if (f.kind == FaultKind::kMlpOverflow) inject_mlp_overflow(spec, params, f);
+  if (f.kind == FaultKind::kBitFlip) {
+    outcome.fault_param = f.param;
+    outcome.fault_element = inject_bit_flip(params, f);
+  }
+}
+
+// Meta's interleaved-rotary layout of a q or k projection stored as Hugging
+// Face's rotate-half one: the inverse of convert_llama_weights_to_hf.py's
+// permute. Rows of one head go from (half, pair) order to (pair, half).
+torch::Tensor to_interleaved_layout(const torch::Tensor& w, int64_t heads) {
+  const int64_t D = w.size(0) / heads;
+  return w.reshape({heads, 2, D / 2, -1}).transpose(1, 2).reshape(w.sizes());
+}
+
+// The tensors of a checkpoint as the bundle stores them.
+std::vector<torch::Tensor> as_stored(const SyntheticSpec& spec, const std::vector<std::string>& names,
+                                     std::vector<torch::Tensor> values) {
+  if (!spec.mislabel_rope) return values;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const bool q = names[i].find("self_attn.q_proj.weight") != std::string::npos;
+    const bool k = names[i].find("self_attn.k_proj.weight") != std::string::npos;
+    if (q || k) values[i] = to_interleaved_layout(values[i], q ? spec.model.num_heads : spec.model.num_kv_heads);
+  }
+  return values;
 }
 
 nlohmann::json manifest_json(const SyntheticSpec& spec, const Manifest& m) {
@@ -162,6 +309,7 @@ nlohmann::json manifest_json(const SyntheticSpec& spec, const Manifest& m) {
                               {"eps", o.eps},           {"weight_decay", o.weight_decay},
                               {"no_decay", o.no_decay}};
   if (o.grad_clip) optimizer["grad_clip"] = *o.grad_clip;
+  const uint64_t seed = spec.manifest_sampler_seed.value_or(m.data.sampler.seed);
   nlohmann::json out = {
       {"format", "nanreplay.bundle"},
       {"version", 1},
@@ -177,8 +325,7 @@ nlohmann::json manifest_json(const SyntheticSpec& spec, const Manifest& m) {
         {"micro_batch_size", m.data.micro_batch_size},
         {"grad_accum_steps", m.data.grad_accum_steps},
         {"world_size", m.data.world_size},
-        {"sampler",
-         {{"kind", "randperm"}, {"seed", m.data.sampler.seed}, {"epoch", 0}, {"epoch_start_step", spec.first_step}}}}},
+        {"sampler", {{"kind", "randperm"}, {"seed", seed}, {"epoch", 0}, {"epoch_start_step", spec.first_step}}}}},
       {"steps", steps},
   };
   if (spec.fault.kind != FaultKind::kNone) {
@@ -187,70 +334,121 @@ nlohmann::json manifest_json(const SyntheticSpec& spec, const Manifest& m) {
   return out;
 }
 
-// Makes head `f.head` of layer `f.layer` produce q.k products beyond fp16's
-// range at position 0 (rotary leaves position 0 unrotated, so q0.k0 = |q0|^2).
-void inject_head_overflow(const SyntheticSpec& spec, ParamMap& params, const FaultSpec& f) {
-  const ModelConfig& m = spec.model;
-  const int64_t D = m.head_dim(), C = m.hidden_size;
-  const double sigma = std::sqrt(32.0 * 65520.0 / static_cast<double>(D * C));
-  const torch::Tensor rows = torch::randn({D, C}) * sigma;
-  const std::string pre = "model.layers." + std::to_string(f.layer) + ".self_attn.";
-  const int64_t kv_head = f.head / (m.num_heads / m.num_kv_heads);
-  params.at(pre + "q_proj.weight").narrow(0, f.head * D, D).copy_(rows);
-  params.at(pre + "k_proj.weight").narrow(0, kv_head * D, D).copy_(rows);
-}
+// ---- training ---------------------------------------------------------------
 
-// Makes output feature 0 of layer `f.layer`'s up projection about 1e5 in
-// magnitude (normed inputs have |h|^2 ~ hidden_size), so fp16 overflows there
-// while fp32 would not: the row a runaway update left behind.
-void inject_mlp_overflow(const SyntheticSpec& spec, ParamMap& params, const FaultSpec& f) {
-  const int64_t C = spec.model.hidden_size;
-  const double sigma = 1e5 / std::sqrt(static_cast<double>(C));
-  params.at("model.layers." + std::to_string(f.layer) + ".mlp.up_proj.weight")[0].copy_(torch::randn({C}) * sigma);
-}
+struct Trainer {
+  const SyntheticSpec& spec;
+  Manifest& m;
+  const StepSampler& sampler;
+  int64_t num_samples;
+  const TokenStream& tokens;
+  const fs::path& root;
+  SyntheticOutcome& outcome;
+  std::vector<std::string> order;
+  ParamMap params;
+  AdamWMoments moments;
+  std::map<std::string, Fp8ModuleScales> fp8_scales;
+  double loss_scale;
 
-// Writes into `sample` (at `position`, which only its own window holds) the
-// smallest token id that no sample of the step reads: a rare "glitch" token.
-int64_t plant_glitch_token(std::vector<uint32_t>& tokens, const SyntheticSpec& spec,
-                           const std::vector<std::vector<int64_t>>& step_samples, int64_t sample, int64_t position) {
-  if (position < 1 || position >= spec.seq_len) throw std::invalid_argument("glitch token position out of range");
-  std::vector<bool> seen(static_cast<size_t>(spec.model.vocab_size), false);
-  for (const std::vector<int64_t>& rank_samples : step_samples) {
-    for (int64_t s : rank_samples) {
-      for (int64_t i = 0; i <= spec.seq_len; ++i) seen[tokens[static_cast<size_t>(s * spec.seq_len + i)]] = true;
+  void write_checkpoint(const fs::path& step_dir) {
+    std::vector<torch::Tensor> values;
+    for (const std::string& name : order) values.push_back(params.at(name));
+    write_tensors(step_dir / "model.safetensors", order, as_stored(spec, order, values), std::nullopt);
+    if (!spec.write_optimizer) return;
+    std::vector<std::string> names;
+    std::vector<torch::Tensor> state;
+    const std::vector<torch::Tensor> avg = as_stored(spec, order, moments.exp_avg.empty() ? values : moments.exp_avg);
+    const std::vector<torch::Tensor> avg_sq =
+        as_stored(spec, order, moments.exp_avg_sq.empty() ? values : moments.exp_avg_sq);
+    for (size_t i = 0; i < order.size(); ++i) {
+      names.push_back(order[i] + ".exp_avg");
+      state.push_back(moments.exp_avg.empty() ? torch::zeros_like(values[i]) : avg[i]);
+      names.push_back(order[i] + ".exp_avg_sq");
+      state.push_back(moments.exp_avg_sq.empty() ? torch::zeros_like(values[i]) : avg_sq[i]);
     }
+    write_tensors(step_dir / "optimizer.safetensors", names, state, moments.step);
   }
-  const auto unused = std::find(seen.begin(), seen.end(), false);
-  if (unused == seen.end()) throw std::runtime_error("glitch token: every token id occurs in the step");
-  const auto token = static_cast<int64_t>(unused - seen.begin());
-  tokens[static_cast<size_t>(sample * spec.seq_len + position)] = static_cast<uint32_t>(token);
-  return token;
-}
 
-// Flips bit `f.bit` of the first element whose exponent field is 127
-// (|x| in [1, 2)), so that an exponent-MSB flip yields inf or NaN.
-int64_t inject_bit_flip(ParamMap& params, const FaultSpec& f) {
-  torch::Tensor t = params.at(f.param);
-  float* data = t.data_ptr<float>();
-  int64_t chosen = 0;
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, data + i, 4);
-    if (((bits >> 23) & 0xff) == 127) {
-      chosen = i;
-      break;
+  nlohmann::json logged_values(int64_t s, const StepGradients& grads) const {
+    const FaultSpec& fault = spec.fault;
+    nlohmann::json logged = {{"loss", json_number(grads.loss)},
+                             {"grad_norm", json_number(grads.grad_norm)},
+                             {"rank_losses", nlohmann::json::array()},
+                             {"rank_grad_norms", nlohmann::json::array()}};
+    for (double v : grads.rank_losses) logged["rank_losses"].push_back(json_number(v));
+    if (s == fault.step && fault.kind == FaultKind::kRankMismatch && grads.rank_losses.size() > 1) {
+      logged["rank_losses"][1] = grads.rank_losses[1] * 1.5;
     }
+    if (s == fault.step && fault.kind == FaultKind::kNotReproducible) logged["loss"] = "nan";
+    for (double v : grads.rank_grad_norms) logged["rank_grad_norms"].push_back(json_number(v));
+    return logged;
   }
-  uint32_t bits;
-  std::memcpy(&bits, data + chosen, 4);
-  bits ^= (1u << f.bit);
-  std::memcpy(data + chosen, &bits, 4);
-  return chosen;
+
+  void train_step(StepEntry& entry) {
+    const int64_t s = entry.step;
+    const FaultSpec& fault = spec.fault;
+    StepBatch batch{sampler.randperm_samples(s)};
+    if (s == fault.step && fault.kind == FaultKind::kSamplerMismatch) {
+      // The run read a different sample than randperm says (a resumed loader, say).
+      const auto& list = batch.samples[0];
+      int64_t other = list[0];
+      while (std::find(list.begin(), list.end(), other) != list.end()) other = (other + 1) % num_samples;
+      batch.samples[0][0] = other;
+    }
+    if (spec.record_samples || fault.kind == FaultKind::kSamplerMismatch) entry.samples = batch.samples;
+    if (s == fault.step && fault.kind == FaultKind::kFp8ScaleJump) fp8_scales.begin()->second.input = 1000.0;
+    if (s == fault.step && fault.kind == FaultKind::kFp8ScaleCollapse) {
+      // Transformer Engine's scale is fp8_max / amax: an amax gone inf gives 0.
+      fp8_scales.at("model.layers.0.self_attn.q_proj").input = 0.0;
+    }
+    double step_scale = loss_scale;
+    if (s == fault.step && fault.kind == FaultKind::kLossScaleOverflow) step_scale = std::ldexp(1.0, 40);
+    if (s == fault.step) {
+      outcome.fault_step = s;
+      outcome.first_sample = batch.samples[0][0];
+      edit_checkpoint(spec, params, outcome);
+    }
+    const fs::path step_dir = root / entry.dir;
+    fs::create_directories(step_dir);
+    write_checkpoint(step_dir);
+
+    StepComputeOptions options;
+    options.loss_scale = spec.compute == Compute::kFp16 ? step_scale : 1.0;
+    options.fp8_scales = &fp8_scales;
+    const StepGradients grads = compute_step_gradients(m, tokens, s, batch, params, order, options);
+    outcome.losses.push_back(grads.loss);
+    const bool skipped = spec.compute == Compute::kFp16 && !std::isfinite(grads.grad_norm);
+    nlohmann::json state = {{"step", s}, {"lr", spec.lr}, {"logged", logged_values(s, grads)}};
+    if (spec.compute == Compute::kFp16) {
+      state["loss_scale"] = step_scale;
+      state["skipped"] = skipped;
+    }
+    for (const auto& [module, sc] : fp8_scales) {
+      state["fp8_scales"][module] = {{"input", *sc.input}, {"weight", *sc.weight}, {"grad_output", *sc.grad_output}};
+    }
+    write_text(step_dir / "state.json", state.dump(2) + "\n");
+
+    if (skipped) {
+      loss_scale = step_scale / 2;
+      return;
+    }
+    std::vector<torch::Tensor> plain;
+    for (const std::string& name : order) plain.push_back(params.at(name).detach());
+    adamw_update(plain, grads.grads, grads.grad_norm, moments, spec.lr, spec.optimizer, order);
+  }
+};
+
+SyntheticSpec with_corpus_size(SyntheticSpec spec) {
+  if (spec.corpus.empty()) return spec;
+  if (spec.model.vocab_size != 256) throw std::invalid_argument("a byte corpus needs vocab_size 256");
+  spec.num_tokens = static_cast<int64_t>(spec.corpus.size());
+  return spec;
 }
 
 }  // namespace
 
-SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec& spec) {
+SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec& requested) {
+  const SyntheticSpec spec = with_corpus_size(requested);
   std::error_code ec;
   if (fs::exists(dir, ec) && !fs::is_empty(dir, ec)) {
     throw std::runtime_error(dir.string() + " exists and is not empty");
@@ -272,143 +470,54 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
     m.data.sampler.seed = spec.sampler_seed;
     m.data.sampler.epoch_start_step = spec.first_step;
     for (int64_t s = spec.first_step; s < spec.first_step + spec.num_steps; ++s) {
-      m.steps.push_back({s, "steps/" + std::to_string(s), std::nullopt});
+      StepEntry entry;
+      entry.step = s;
+      entry.dir = "steps/" + std::to_string(s);
+      m.steps.push_back(std::move(entry));
     }
     const int64_t num_samples = (spec.num_tokens - 1) / spec.seq_len;
     const StepSampler sampler(m, num_samples, "manifest.json");
     const FaultSpec& fault = spec.fault;
-    const int64_t fault_sample =
-        fault.kind == FaultKind::kNone ? -1 : sampler.randperm_samples(fault.step)[0][0];
-    std::vector<uint32_t> stream = random_tokens(spec);
-    if (fault_sample >= 0) poison_tokens(stream, spec, fault_sample);
+    const std::vector<std::vector<int64_t>> fault_batch =
+        fault.kind == FaultKind::kNone ? std::vector<std::vector<int64_t>>{} : sampler.randperm_samples(fault.step);
+    std::vector<uint32_t> stream = initial_tokens(spec);
     SyntheticOutcome outcome;
-    if (fault.kind == FaultKind::kGlitchToken) {
-      const std::vector<std::vector<int64_t>> step_samples = sampler.randperm_samples(fault.step);
-      outcome.fault_sample = step_samples.at(static_cast<size_t>(fault.rank)).at(static_cast<size_t>(fault.slot));
-      outcome.fault_token = plant_glitch_token(stream, spec, step_samples, outcome.fault_sample, fault.position);
+    const int64_t token = spec.model.vocab_size - 1;  // the planted token, when the fault has one
+    if (plants_token(fault)) {
+      const std::vector<TokenSite> sites = planted_sites(spec, fault_batch);
+      plant_token(stream, spec, static_cast<uint32_t>(token), sites);
+      outcome.fault_token = token;
+      outcome.fault_sample = sites.front().sample;
+      outcome.fault_position = sites.front().position;
+      if (fault.kind == FaultKind::kZeroEmbedding) {
+        outcome.zero_token = token;
+        outcome.zero_position = sites.front().position;
+      }
     }
+    if (fault.kind == FaultKind::kLowEntropy) poison_low_entropy(stream, spec, fault_batch[0][0]);
     m.data.shards = write_shards(tmp, spec, stream);
     const TokenStream tokens(tmp, m.data.shards, "manifest.json");
-    std::map<std::string, Fp8ModuleScales> fp8_scales;
+
+    Trainer trainer{spec, m, sampler, num_samples, tokens, tmp, outcome, {}, {}, {}, {}, spec.loss_scale};
+    trainer.params = init_params(spec, trainer.order);
+    plant_in_model(spec, trainer.params, token);
     if (spec.compute == Compute::kFp8) {
       for (const char* module : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}) {
-        fp8_scales["model.layers.0." + std::string(module)] = {1.0, 1.0, 1.0};
+        trainer.fp8_scales["model.layers.0." + std::string(module)] = {1.0, 1.0, 1.0};
       }
     }
-
-    std::vector<std::string> order;
-    ParamMap params = init_params(spec, order);
-    AdamWMoments moments;
-    double loss_scale = spec.loss_scale;
-    for (StepEntry& entry : m.steps) {
-      const int64_t s = entry.step;
-      StepBatch batch{sampler.randperm_samples(s)};
-      if (s == fault.step && fault.kind == FaultKind::kSamplerMismatch) {
-        // The run read a different sample than randperm says (a resumed loader, say).
-        const auto& list = batch.samples[0];
-        int64_t other = list[0];
-        while (std::find(list.begin(), list.end(), other) != list.end()) other = (other + 1) % num_samples;
-        batch.samples[0][0] = other;
-      }
-      if (spec.record_samples || fault.kind == FaultKind::kSamplerMismatch) entry.samples = batch.samples;
-      if (s == fault.step && fault.kind == FaultKind::kFp8ScaleJump) {
-        fp8_scales.begin()->second.input = 1000.0;
-      }
-      if (s == fault.step && fault.kind == FaultKind::kFp8ScaleCollapse) {
-        // Transformer Engine's scale is fp8_max / amax: an amax gone inf gives 0.
-        fp8_scales.at("model.layers.0.self_attn.q_proj").input = 0.0;
-      }
-      double step_scale = loss_scale;
-      if (s == fault.step && fault.kind == FaultKind::kLossScaleOverflow) step_scale = std::ldexp(1.0, 40);
-      if (s == spec.fault.step) {
-        torch::NoGradGuard no_grad;
-        outcome.fault_step = s;
-        outcome.first_sample = batch.samples[0][0];
-        const FaultSpec& f = spec.fault;
-        if (f.kind == FaultKind::kHeadOverflow) inject_head_overflow(spec, params, f);
-        if (f.kind == FaultKind::kMlpOverflow) inject_mlp_overflow(spec, params, f);
-        if (f.kind == FaultKind::kGlitchToken) {
-          params.at(expected_parameters(spec.model).front().name)[outcome.fault_token].fill_(1e5);
-        }
-        if (f.kind == FaultKind::kBitFlip) {
-          outcome.fault_param = f.param;
-          outcome.fault_element = inject_bit_flip(params, f);
-        }
-        if (f.kind == FaultKind::kZeroEmbedding) {
-          const std::vector<int64_t> first = tokens.sample_tokens(batch.samples[0][0], spec.seq_len);
-          int64_t pos = f.position;
-          while (pos + 1 < spec.seq_len &&
-                 std::find(first.begin(), first.begin() + pos, first[static_cast<size_t>(pos)]) !=
-                     first.begin() + pos) {
-            ++pos;
-          }
-          outcome.zero_token = first[static_cast<size_t>(pos)];
-          outcome.zero_position = pos;
-          params.at("model.embed_tokens.weight")[outcome.zero_token].zero_();
-        }
-      }
-      const fs::path step_dir = tmp / entry.dir;
-      fs::create_directories(step_dir);
-      std::vector<torch::Tensor> values;
-      for (const std::string& name : order) values.push_back(params.at(name));
-      write_tensors(step_dir / "model.safetensors", order, values, std::nullopt);
-      if (spec.write_optimizer) {
-        std::vector<std::string> names;
-        std::vector<torch::Tensor> state;
-        for (size_t i = 0; i < order.size(); ++i) {
-          names.push_back(order[i] + ".exp_avg");
-          state.push_back(moments.exp_avg.empty() ? torch::zeros_like(values[i]) : moments.exp_avg[i]);
-          names.push_back(order[i] + ".exp_avg_sq");
-          state.push_back(moments.exp_avg_sq.empty() ? torch::zeros_like(values[i])
-                                                     : moments.exp_avg_sq[i]);
-        }
-        write_tensors(step_dir / "optimizer.safetensors", names, state, moments.step);
-      }
-
-      StepComputeOptions options;
-      options.loss_scale = spec.compute == Compute::kFp16 ? step_scale : 1.0;
-      options.fp8_scales = &fp8_scales;
-      const StepGradients grads = compute_step_gradients(m, tokens, s, batch, params, order, options);
-      outcome.losses.push_back(grads.loss);
-      const bool skipped = spec.compute == Compute::kFp16 && !std::isfinite(grads.grad_norm);
-      nlohmann::json logged = {{"loss", json_number(grads.loss)},
-                               {"grad_norm", json_number(grads.grad_norm)},
-                               {"rank_losses", nlohmann::json::array()},
-                               {"rank_grad_norms", nlohmann::json::array()}};
-      for (double v : grads.rank_losses) logged["rank_losses"].push_back(json_number(v));
-      if (s == fault.step && fault.kind == FaultKind::kRankMismatch && grads.rank_losses.size() > 1) {
-        logged["rank_losses"][1] = grads.rank_losses[1] * 1.5;
-      }
-      if (s == fault.step && fault.kind == FaultKind::kNotReproducible) logged["loss"] = "nan";
-      for (double v : grads.rank_grad_norms) logged["rank_grad_norms"].push_back(json_number(v));
-      nlohmann::json state = {{"step", s}, {"lr", spec.lr}, {"logged", logged}};
-      if (spec.compute == Compute::kFp16) {
-        state["loss_scale"] = step_scale;
-        state["skipped"] = skipped;
-      }
-      if (!fp8_scales.empty()) {
-        for (const auto& [module, sc] : fp8_scales) {
-          state["fp8_scales"][module] = {{"input", *sc.input}, {"weight", *sc.weight}, {"grad_output", *sc.grad_output}};
-        }
-      }
-      write_text(step_dir / "state.json", state.dump(2) + "\n");
-
-      if (skipped) {
-        loss_scale = step_scale / 2;
-      } else {
-        std::vector<torch::Tensor> plain;
-        for (const std::string& name : order) plain.push_back(params.at(name).detach());
-        adamw_update(plain, grads.grads, grads.grad_norm, moments, spec.lr, spec.optimizer, order);
-      }
+    for (StepEntry& entry : m.steps) trainer.train_step(entry);
+    if (spec.manifest_sampler_seed) {
+      for (StepEntry& entry : m.steps) entry.samples.reset();  // nothing to contradict the claimed seed
     }
+
     // Damage after the capture: the replay reads what the job did not.
+    const int64_t first_sample = fault_batch.empty() ? 0 : fault_batch[0][0];
     if (fault.kind == FaultKind::kTokenOutOfRange) {
-      rewrite_token(tmp, m, fault_sample * spec.seq_len + 3, static_cast<uint32_t>(spec.model.vocab_size + 7), true);
+      rewrite_token(tmp, m, first_sample * spec.seq_len + 3, static_cast<uint32_t>(spec.model.vocab_size + 7), true);
     }
-    if (fault.kind == FaultKind::kChecksumMismatch) {
-      rewrite_token(tmp, m, fault_sample * spec.seq_len + 3, 1, false);
-    }
+    if (fault.kind == FaultKind::kChecksumMismatch) rewrite_token(tmp, m, first_sample * spec.seq_len + 3, 1, false);
     write_text(tmp / "manifest.json", manifest_json(spec, m).dump(2) + "\n");
     fs::remove(dir, ec);  // an empty directory the caller made
     fs::rename(tmp, dir);
@@ -419,16 +528,182 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
   }
 }
 
-std::vector<std::string> synthetic_preset_names() {
-  return {"clean-fp32",        "clean-bf16",       "clean-fp16",          "clean-dp",
-          "clean-accum",       "clean-gqa",        "clean-gpt2",          "head-overflow",
-          "bit-flip",          "silent-bit-flip",  "zero-embedding",      "token-out-of-range",
-          "repeat-run",        "low-entropy",      "sampler-mismatch",    "fp8-scale-jump",
-          "loss-scale-overflow", "rank-mismatch",  "not-reproducible",    "checksum-mismatch",
-          "glitch-token",      "mlp-overflow",     "fp8-scale-collapse",  "demo"};
+// ---- presets -------------------------------------------------------------------
+
+namespace {
+
+struct PresetDef {
+  SyntheticPreset info;
+  void (*configure)(SyntheticSpec&);
+};
+
+int64_t last_step(const SyntheticSpec& spec) { return spec.first_step + spec.num_steps - 1; }
+
+void fault_at_last(SyntheticSpec& spec, FaultKind kind) {
+  spec.fault.kind = kind;
+  spec.fault.step = last_step(spec);
 }
 
-SyntheticSpec synthetic_preset(const std::string& name) {
+// fp16: a token whose embedding row has diverged to 1e5, read at three
+// isolated places (three samples of the step, one position each): no run, no
+// odd entropy, only the token.
+void poisoned_token(SyntheticSpec& spec) {
+  spec.compute = Compute::kFp16;
+  fault_at_last(spec, FaultKind::kGlitchToken);
+  spec.fault.occurrences = 3;
+  spec.fault.position = 9;
+  spec.micro_batch_size = 4;
+}
+
+// fp32 and norm_eps 0: a token whose embedding row is zero gives 0/0 in the
+// first norm.
+void zero_embedding(SyntheticSpec& spec) {
+  spec.model.norm_eps = 0.0;
+  fault_at_last(spec, FaultKind::kZeroEmbedding);
+}
+
+void head_overflow(SyntheticSpec& spec) {
+  spec.compute = Compute::kFp16;
+  fault_at_last(spec, FaultKind::kHeadOverflow);
+  spec.fault.layer = 1;
+  spec.fault.head = 2;
+  spec.fault.position = 0;
+}
+
+const std::vector<PresetDef>& preset_table() {
+  static const std::vector<PresetDef> table = {
+      {{"clean-fp32", "nothing: 4 healthy fp32 steps"}, [](SyntheticSpec&) {}},
+      {{"clean-bf16", "nothing, in bf16"}, [](SyntheticSpec& s) { s.compute = Compute::kBf16; }},
+      {{"clean-fp16", "nothing, in fp16 with a loss scale"}, [](SyntheticSpec& s) { s.compute = Compute::kFp16; }},
+      {{"clean-dp", "nothing, 2 data-parallel ranks"}, [](SyntheticSpec& s) { s.world_size = 2; }},
+      {{"clean-accum", "nothing, 4 micro-batches of 1 sample"},
+       [](SyntheticSpec& s) {
+         s.micro_batch_size = 1;
+         s.grad_accum_steps = 4;
+       }},
+      {{"clean-gqa", "nothing, grouped-query attention and a tied head"},
+       [](SyntheticSpec& s) {
+         s.model.num_kv_heads = 2;
+         s.model.tie_embeddings = true;
+       }},
+      {{"clean-gpt2", "nothing, nanoGPT's gpt2 (LayerNorm, biases, learned positions, tied head)"},
+       [](SyntheticSpec& s) {
+         s.model.arch = Arch::kGpt2;
+         s.model.intermediate_size = 4 * s.model.hidden_size;
+         s.model.tie_embeddings = true;
+         s.optimizer.no_decay = {"*.bias", "*ln_*.weight"};  // nanoGPT decays only 2-D weights
+       }},
+      {{"head-overflow", "fp16: head 2 of layer 1 amplifies a rare token, read first at the last step"},
+       head_overflow},
+      {{"bit-flip", "a flipped exponent bit in a norm weight of the last checkpoint (NaN)"},
+       [](SyntheticSpec& s) {
+         fault_at_last(s, FaultKind::kBitFlip);
+         s.fault.param = "model.layers.1.post_attention_layernorm.weight";
+       }},
+      {{"silent-bit-flip", "a flipped exponent bit that never shows up as NaN"},
+       [](SyntheticSpec& s) {
+         fault_at_last(s, FaultKind::kBitFlip);
+         s.fault.param = "model.layers.0.mlp.up_proj.weight";
+         s.fault.bit = 29;
+       }},
+      {{"zero-embedding", "norm_eps 0 and a rare token whose embedding row is zero"}, zero_embedding},
+      {{"token-out-of-range", "a token id >= vocab_size in the last step's batch"},
+       [](SyntheticSpec& s) { fault_at_last(s, FaultKind::kTokenOutOfRange); }},
+      {{"repeat-run", "fp16: a run of one token a head amplifies, in the last step's first sample"},
+       [](SyntheticSpec& s) {
+         head_overflow(s);
+         s.fault.kind = FaultKind::kRepeatRun;
+         s.fault.trigger_head = true;
+       }},
+      {{"low-entropy", "a sample alternating two tokens, which nothing else implicates"},
+       [](SyntheticSpec& s) { fault_at_last(s, FaultKind::kLowEntropy); }},
+      {{"sampler-mismatch", "recorded samples that disagree with randperm"},
+       [](SyntheticSpec& s) { fault_at_last(s, FaultKind::kSamplerMismatch); }},
+      {{"fp8-scale-jump", "fp8: an input scale that jumps 1000x"},
+       [](SyntheticSpec& s) {
+         s.compute = Compute::kFp8;
+         fault_at_last(s, FaultKind::kFp8ScaleJump);
+       }},
+      {{"loss-scale-overflow", "fp16: a loss scale so large the backward overflows (handled by the scaler)"},
+       [](SyntheticSpec& s) {
+         s.compute = Compute::kFp16;
+         s.fault.kind = FaultKind::kLossScaleOverflow;
+         s.fault.step = s.first_step + 1;
+       }},
+      {{"rank-mismatch", "2 ranks: rank 1's logged loss disagrees with its replay"},
+       [](SyntheticSpec& s) {
+         s.world_size = 2;
+         fault_at_last(s, FaultKind::kRankMismatch);
+       }},
+      {{"not-reproducible", "a logged NaN at a step that replays finite"},
+       [](SyntheticSpec& s) { fault_at_last(s, FaultKind::kNotReproducible); }},
+      {{"checksum-mismatch", "a shard byte changed after its sha256 was recorded"},
+       [](SyntheticSpec& s) { fault_at_last(s, FaultKind::kChecksumMismatch); }},
+      {{"glitch-token", "fp16, 2 ranks: a rare token whose embedding row is 1e5, in rank 1's last sample"},
+       [](SyntheticSpec& s) {
+         s.compute = Compute::kFp16;
+         s.world_size = 2;
+         s.micro_batch_size = 4;
+         fault_at_last(s, FaultKind::kGlitchToken);
+         s.fault.position = 9;
+         s.fault.rank = 1;
+         s.fault.slot = 7;
+       }},
+      {{"poisoned-token", "fp16: a token whose embedding row is 1e5, at three isolated places"}, poisoned_token},
+      {{"cascade", "fp32: the zero embedding at step 101 of 5; training goes on and AdamW spreads the NaN"},
+       [](SyntheticSpec& s) {
+         s.num_steps = 5;
+         zero_embedding(s);
+         s.fault.step = s.first_step + 1;
+       }},
+      {{"transient-fp16", "fp16: a glitch token at step 101 of 5; the scaler skips it and later steps are clean"},
+       [](SyntheticSpec& s) {
+         s.compute = Compute::kFp16;
+         s.num_steps = 5;
+         s.fault.kind = FaultKind::kGlitchToken;
+         s.fault.step = s.first_step + 1;
+         s.fault.position = 9;
+       }},
+      {{"mlp-overflow", "fp16, 6 steps: an up_proj row edited at step 102 overflows every step from there"},
+       [](SyntheticSpec& s) {
+         s.compute = Compute::kFp16;
+         s.num_steps = 6;
+         s.fault.kind = FaultKind::kMlpOverflow;
+         s.fault.step = s.first_step + 2;
+         s.fault.layer = 1;
+       }},
+      {{"fp8-scale-collapse", "fp8: an input scale that drops to 0"},
+       [](SyntheticSpec& s) {
+         s.compute = Compute::kFp8;
+         fault_at_last(s, FaultKind::kFp8ScaleCollapse);
+       }},
+      {{"mislabeled-rope", "fp32: q/k stored in Meta's interleaved layout under rotate-half names, "
+                           "and the zero embedding at the last step"},
+       [](SyntheticSpec& s) {
+         zero_embedding(s);
+         s.mislabel_rope = true;
+         s.attention_init_std = 0.3;  // attention that depends on positions, so the layout matters
+       }},
+      {{"wrong-seed", "fp32: the manifest names another sampler seed than the run used"},
+       [](SyntheticSpec& s) { s.manifest_sampler_seed = s.sampler_seed + 1; }},
+      {{"demo", "fp16, 4 layers, 6 steps: head 3 of layer 2 amplifies a rare token first read at step 105"},
+       [](SyntheticSpec& s) {
+         s.model.hidden_size = 128;
+         s.model.num_layers = 4;
+         s.model.intermediate_size = 344;
+         s.model.max_seq_len = 128;
+         s.seq_len = 64;
+         s.num_tokens = 32768;
+         s.num_steps = 6;
+         head_overflow(s);
+         s.fault.layer = 2;
+         s.fault.head = 3;
+       }},
+  };
+  return table;
+}
+
+SyntheticSpec base_spec() {
   SyntheticSpec spec;
   ModelConfig& m = spec.model;
   m.arch = Arch::kLlama;
@@ -444,109 +719,31 @@ SyntheticSpec synthetic_preset(const std::string& name) {
   spec.optimizer.weight_decay = 0.1;
   spec.optimizer.grad_clip = 1.0;
   spec.optimizer.no_decay = {"*norm.weight"};
-  const int64_t last = spec.first_step + spec.num_steps - 1;
-  if (name == "clean-fp32") return spec;
-  if (name == "clean-bf16") {
-    spec.compute = Compute::kBf16;
-    return spec;
-  }
-  if (name == "clean-fp16") {
-    spec.compute = Compute::kFp16;
-    return spec;
-  }
-  if (name == "clean-dp") {
-    spec.world_size = 2;
-    return spec;
-  }
-  if (name == "clean-gqa") {
-    m.num_kv_heads = 2;
-    m.tie_embeddings = true;
-    return spec;
-  }
-  if (name == "clean-gpt2") {  // nanoGPT: LayerNorm + biases, learned positions, tied head
-    m.arch = Arch::kGpt2;
-    m.intermediate_size = 4 * m.hidden_size;
-    m.tie_embeddings = true;
-    // nanoGPT's configure_optimizers decays only the 2-D weights.
-    spec.optimizer.no_decay = {"*.bias", "*ln_*.weight"};
-    return spec;
-  }
-  if (name == "clean-accum") {
-    spec.micro_batch_size = 1;
-    spec.grad_accum_steps = 4;
-    return spec;
-  }
-  // One fault each, at the last step unless the fault needs steps after it.
-  const std::map<std::string, FaultKind> simple_faults = {
-      {"token-out-of-range", FaultKind::kTokenOutOfRange}, {"repeat-run", FaultKind::kRepeatRun},
-      {"low-entropy", FaultKind::kLowEntropy},             {"sampler-mismatch", FaultKind::kSamplerMismatch},
-      {"not-reproducible", FaultKind::kNotReproducible},   {"checksum-mismatch", FaultKind::kChecksumMismatch}};
-  if (const auto it = simple_faults.find(name); it != simple_faults.end()) {
-    spec.fault.kind = it->second;
-    spec.fault.step = last;
-    return spec;
-  }
-  if (name == "rank-mismatch") {
-    spec.world_size = 2;
-    spec.fault = {FaultKind::kRankMismatch, last, 0, 0, "", 30, 5};
-    return spec;
-  }
-  if (name == "fp8-scale-jump") {
-    spec.compute = Compute::kFp8;
-    spec.fault = {FaultKind::kFp8ScaleJump, last, 0, 0, "", 30, 5};
-    return spec;
-  }
-  if (name == "loss-scale-overflow") {
-    spec.compute = Compute::kFp16;
-    spec.fault = {FaultKind::kLossScaleOverflow, spec.first_step + 1, 0, 0, "", 30, 5};
-    return spec;
-  }
-  if (name == "silent-bit-flip") {  // a flipped exponent bit that never shows up as NaN
-    spec.fault = {FaultKind::kBitFlip, last, 0, 0, "model.layers.0.mlp.up_proj.weight", 29, 5};
-    return spec;
-  }
-  if (name == "head-overflow") {
-    spec.compute = Compute::kFp16;
-    spec.fault = {FaultKind::kHeadOverflow, last, 1, 2, "", 30, 5};
-    return spec;
-  }
-  if (name == "bit-flip") {
-    spec.fault = {FaultKind::kBitFlip, last, 0, 0, "model.layers.1.post_attention_layernorm.weight", 30, 5};
-    return spec;
-  }
-  if (name == "zero-embedding") {
-    m.norm_eps = 0.0;
-    spec.fault = {FaultKind::kZeroEmbedding, last, 0, 0, "", 30, 5};
-    return spec;
-  }
-  if (name == "glitch-token") {  // data-parallel: the bad sample is rank 1's last (micro-batch 1, row 3)
-    spec.compute = Compute::kFp16;
-    spec.world_size = 2;
-    spec.micro_batch_size = 4;
-    spec.fault = {FaultKind::kGlitchToken, last, 0, 0, "", 30, 9, 1, 7};
-    return spec;
-  }
-  if (name == "mlp-overflow") {  // mid-window: every step from the fault on overflows (the scaler skips them)
-    spec.compute = Compute::kFp16;
-    spec.num_steps = 6;
-    spec.fault = {FaultKind::kMlpOverflow, spec.first_step + 2, 1, 0, "", 30, 5};
-    return spec;
-  }
-  if (name == "fp8-scale-collapse") {
-    spec.compute = Compute::kFp8;
-    spec.fault = {FaultKind::kFp8ScaleCollapse, last, 0, 0, "", 30, 5};
-    return spec;
-  }
-  if (name == "demo") {
-    m.hidden_size = 128;
-    m.num_layers = 4;
-    m.intermediate_size = 344;
-    m.max_seq_len = 128;
-    spec.seq_len = 64;
-    spec.num_tokens = 32768;
-    spec.num_steps = 6;
-    spec.compute = Compute::kFp16;
-    spec.fault = {FaultKind::kHeadOverflow, spec.first_step + spec.num_steps - 1, 2, 3, "", 30, 5};
+  return spec;
+}
+
+}  // namespace
+
+const std::vector<SyntheticPreset>& synthetic_presets() {
+  static const std::vector<SyntheticPreset> presets = [] {
+    std::vector<SyntheticPreset> out;
+    for (const PresetDef& def : preset_table()) out.push_back(def.info);
+    return out;
+  }();
+  return presets;
+}
+
+std::vector<std::string> synthetic_preset_names() {
+  std::vector<std::string> names;
+  for (const SyntheticPreset& p : synthetic_presets()) names.push_back(p.name);
+  return names;
+}
+
+SyntheticSpec synthetic_preset(const std::string& name) {
+  for (const PresetDef& def : preset_table()) {
+    if (name != def.info.name) continue;
+    SyntheticSpec spec = base_spec();
+    def.configure(spec);
     return spec;
   }
   throw std::invalid_argument("unknown preset '" + name + "'");

@@ -1,11 +1,19 @@
 // Synthetic incident bundles: a small model trained for a few steps on random
-// tokens (with the replay's own gradient code and PyTorch's AdamW), every
-// checkpoint written as a real v1 bundle, and optionally one injected fault.
-// They back `nanreplay demo`, `nanreplay synth` and the end-to-end tests.
+// tokens (or the bytes of a text corpus) with the replay's own gradient code
+// and PyTorch's AdamW, every checkpoint written as a real v1 bundle, and
+// optionally one planted fault. They back `nanreplay demo`, `nanreplay synth`
+// and the end-to-end tests.
+//
+// Each bundle is a consistent training trajectory: every checkpoint is AdamW
+// applied to the one before, unless the fault *is* a change between two
+// checkpoints (a flipped bit, a runaway row). Faults of the model are planted
+// in memory before the first captured step and triggered by data: a token
+// that no earlier step reads.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,9 +23,9 @@ namespace nanreplay {
 
 enum class FaultKind {
   kNone,
-  kHeadOverflow,   // one attention head's q/k weights grow until q k^T overflows
-  kBitFlip,        // one weight element gets a flipped exponent bit
-  kZeroEmbedding,  // one token's embedding row is zero (with norm_eps = 0)
+  kHeadOverflow,   // one attention head's q/k amplify a rare token's direction until q k^T overflows fp16
+  kBitFlip,        // one weight element gets a flipped exponent bit (an edit between two checkpoints)
+  kZeroEmbedding,  // one rare token's embedding row is zero (with norm_eps = 0)
   kTokenOutOfRange,   // a token id >= vocab_size in the step's first sample
   kRepeatRun,         // the step's first sample repeats one token for half its length
   kLowEntropy,        // the step's first sample alternates between two tokens
@@ -28,22 +36,26 @@ enum class FaultKind {
   kNotReproducible,   // the job logged loss nan at a step that replays finite
   kChecksumMismatch,  // a shard byte changed after its sha256 was recorded
   // Built for what-ifs (docs/bisect-and-what-if.md says which one each answers):
-  kGlitchToken,       // one sample holds a token no other sample of the step reads,
-                      // whose embedding row has diverged beyond fp16's range
-  kMlpOverflow,       // one mlp.up_proj row of a layer grows until its output overflows fp16
+  kGlitchToken,       // a rare token whose embedding row has diverged (fp16: beyond its range)
+  kMlpOverflow,       // one mlp.up_proj row of a layer grows until its output overflows fp16 (an edit)
   kFp8ScaleCollapse,  // an fp8 input scale drops to 0 (amax went inf): dequantizing divides by 0
 };
 
 struct FaultSpec {
   FaultKind kind = FaultKind::kNone;
-  int64_t step = -1;      // first checkpoint carrying the fault
-  int layer = 0;          // head overflow
+  int64_t step = -1;      // the step whose data (or checkpoint) carries the fault
+  int layer = 0;          // head overflow, mlp overflow
   int head = 0;           // head overflow
   std::string param;      // bit flip: parameter key
   int bit = 30;           // bit flip: bit of the fp32 encoding (30 = exponent MSB)
-  int64_t position = 5;   // zero embedding, glitch token: position in the sample
-  int rank = 0;           // glitch token: the rank reading the sample
-  int slot = 0;           // glitch token: the sample's index in that rank's list for the step
+  int64_t position = 5;   // planted token: position in the sample
+  int rank = 0;           // planted token: the rank reading the sample
+  int slot = 0;           // planted token: the sample's index in that rank's list for the step
+  int occurrences = 1;    // glitch token: samples holding it (slots slot, slot + 1, ...)
+  double embedding_value = 1e5;  // glitch token: every element of its embedding row
+  // Repeat run: one head of `layer` also amplifies the repeated token, so
+  // the poisoned sample holds the first non-finite value.
+  bool trigger_head = false;
 };
 
 struct SyntheticSpec {
@@ -67,6 +79,15 @@ struct SyntheticSpec {
   bool record_samples = true;   // write explicit samples into each step entry too
   bool write_optimizer = true;
   bool checksums = true;
+  // Bytes of a text corpus as the token stream (byte-level tokens: the
+  // model's vocab_size must be 256); empty: random tokens.
+  std::vector<uint8_t> corpus;
+  // Bundles that do not describe the run they claim to (for the faithfulness
+  // check): q/k weights stored in Meta's interleaved-rotary layout while the
+  // manifest says rotate-half, or a manifest naming another sampler seed.
+  bool mislabel_rope = false;
+  double attention_init_std = 0.02;  // q/k weights at initialisation (others: 0.02)
+  std::optional<uint64_t> manifest_sampler_seed;
   FaultSpec fault;
 };
 
@@ -78,8 +99,9 @@ struct SyntheticOutcome {
   int64_t zero_token = -1;
   int64_t zero_position = -1;
   int64_t first_sample = -1;  // dataset index of rank 0's first sample at the fault step
-  int64_t fault_sample = -1;  // the sample carrying a data fault (glitch token)
-  int64_t fault_token = -1;   // the glitch token
+  int64_t fault_sample = -1;  // the (first) sample carrying a planted token
+  int64_t fault_token = -1;   // the planted token
+  int64_t fault_position = -1;
   std::vector<double> losses;
 };
 
@@ -88,6 +110,11 @@ struct SyntheticOutcome {
 SyntheticOutcome write_synthetic_bundle(const std::filesystem::path& dir, const SyntheticSpec& spec);
 
 // Named presets: the clean ones (clean-*), one per fault kind, and demo.
+struct SyntheticPreset {
+  const char* name;
+  const char* plants;  // what the bundle holds, for `synth --help`
+};
+const std::vector<SyntheticPreset>& synthetic_presets();
 std::vector<std::string> synthetic_preset_names();
 SyntheticSpec synthetic_preset(const std::string& name);
 

@@ -11,7 +11,7 @@
 #include "kernels/tensor_stats.h"
 #include "loaders/error.h"
 #include "replay/adamw.h"
-#include "reports/terminal_text.h"
+#include "reports/number_text.h"
 #include "reports/triage_rules.h"
 
 namespace nanreplay {

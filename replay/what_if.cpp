@@ -11,7 +11,7 @@
 
 #include "loaders/error.h"
 #include "replay/step_scan.h"
-#include "reports/terminal_text.h"
+#include "reports/number_text.h"
 
 namespace nanreplay {
 

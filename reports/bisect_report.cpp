@@ -57,7 +57,10 @@ nlohmann::json stages_json(const BisectReport& r) {
     stages["samples"] = {{"method", "ddmin"},
                          {"replays", r.samples.replays},
                          {"candidates", r.samples.candidates},
-                         {"minimal", r.samples.ran ? nlohmann::json(r.samples.minimal) : nlohmann::json(nullptr)},
+                         {"minimal", r.samples.ran && r.samples.data_dependent.value_or(true)
+                                         ? nlohmann::json(r.samples.minimal) : nlohmann::json(nullptr)},
+                         {"data_dependent", r.samples.data_dependent ? nlohmann::json(*r.samples.data_dependent)
+                                                                    : nlohmann::json(nullptr)},
                          {"note", r.samples.note}};
   }
   return stages;
@@ -108,6 +111,7 @@ nlohmann::json bisect_to_json(const BisectReport& r) {
   out["precision"] = compute_name(r.precision);
   out["reproduced"] = r.origin.has_value();
   out["origin"] = first_nonfinite_json(r.origin);
+  out["origin_tokens"] = origin_tokens_json(r.origin_tokens);
   out["replay_unit"] = "pass";
   out["passes_per_step"] = r.passes_per_step;
   out["stages"] = stages_json(r);
@@ -172,7 +176,7 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
         << pad("any-non-finite", 16);
     if (skipped) {
       out << "skipped (--no-samples)\n";
-    } else if (r.samples.ran) {
+    } else if (r.samples.ran && r.samples.data_dependent.value_or(true)) {
       out << "{" << join(r.samples.minimal) << "}: smallest set of the pass's " << r.samples.candidates.size()
           << " samples that still fails (ddmin)\n";
     } else {

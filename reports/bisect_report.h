@@ -32,7 +32,11 @@ struct BisectStepTest {
 struct BisectSampleStage {
   bool ran = false;
   std::vector<int64_t> candidates;  // the samples of the pass holding the origin, in batch order
-  std::vector<int64_t> minimal;     // 1-minimal subset that still fails (ddmin)
+  std::vector<int64_t> minimal;     // 1-minimal subset that still fails (ddmin); empty when not data-dependent
+  // Whether the failure depends on which samples the pass holds: false when
+  // single samples fail broadly (a weight that makes every sample fail), so
+  // no sample is named. None when the stage did not run.
+  std::optional<bool> data_dependent;
   int64_t replays = 0;
   std::string note;                 // why the stage did not run or found nothing
 };
@@ -47,6 +51,7 @@ struct BisectReport {
   int64_t full_probe_pass_replays = 0;  // what `run` replays: every pass of every replayable step
 
   std::optional<FirstNonfinite> origin;  // equals `run`'s first_nonfinite
+  std::vector<OriginToken> origin_tokens;  // as `run` reports them
   // Stage 1, step: binary search with the any-non-finite pass, in test order.
   std::vector<BisectStepTest> step_tests;
   std::optional<int64_t> clean_predecessor;  // the step before the first bad one, tested clean

@@ -240,6 +240,14 @@ std::string render_legend(const Scale& forward, const Scale& backward) {
 
 std::string render_verdict(const ReplayReport& report) {
   std::ostringstream out;
+  const ReproductionCheck& r = report.reproduction;
+  if (r.reproduces && !*r.reproduces) {
+    out << "<section class=\"verdict bad\" id=\"reproduction\"><div class=\"site\">DOES NOT REPRODUCE THE RUN</div>"
+        << "<div class=\"coords\">" << (r.checked_steps - r.matching_steps) << " of " << r.checked_steps
+        << " healthy step(s) miss what the job logged (up to " << format_number(100 * r.max_gap)
+        << "% off, tolerance " << format_number(r.tolerance)
+        << "): every verdict below is about another model or data order</div></section>";
+  }
   if (report.first_nonfinite) {
     const FirstNonfinite& f = *report.first_nonfinite;
     out << "<section class=\"verdict bad\" id=\"verdict\"><div>REPRODUCED: first non-finite value</div>"
@@ -247,8 +255,18 @@ std::string render_verdict(const ReplayReport& report) {
         << "<span>step " << f.step << "</span><span>" << phase_name(f.phase) << "</span><span>"
         << nonfinite_kind_name(f.kind) << "</span><span>layer " << or_dash(f.layer) << "</span><span>head "
         << or_dash(f.head) << "</span><span>rank " << or_dash(f.rank) << "</span><span>micro-batch "
-        << or_dash(f.micro_batch) << "</span><span>sample " << or_dash(f.sample) << "</span><span>position "
-        << or_dash(f.position) << "</span></div>";
+        << or_dash(f.micro_batch) << "</span><span>sample " << or_dash(f.sample)
+        << (f.original_sample ? " (run's " + std::to_string(*f.original_sample) + ")" : "")
+        << (f.original_offset ? " (run's offset " + std::to_string(*f.original_offset) + ")" : "")
+        << "</span><span>position " << or_dash(f.position) << "</span>"
+        << (f.token >= 0 ? "<span>token " + std::to_string(f.token) + "</span>" : "") << "</div>";
+    for (const OriginToken& t : report.origin_tokens) {
+      if (t.outlier) {
+        out << "<div class=\"coords\">token " << t.token << " at position " << t.position
+            << ": embedding row norm " << escape_html(format_number(t.norm)) << ", typical "
+            << escape_html(format_number(t.typical_norm)) << " (an outlier)</div>";
+      }
+    }
     if (!f.contaminated_params.empty()) {
       out << "<div class=\"coords\">the checkpoint already held non-finite parameters: this site propagated them</div>";
     }

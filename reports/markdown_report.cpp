@@ -40,16 +40,35 @@ std::string origin_coordinates(const FirstNonfinite& f) {
   std::ostringstream out;
   out << "step " << f.step << ", " << phase_name(f.phase) << ", " << code(f.site) << " (" << nonfinite_kind_name(f.kind)
       << "): layer " << or_dash(f.layer) << ", head " << or_dash(f.head) << ", rank " << or_dash(f.rank)
-      << ", micro-batch " << or_dash(f.micro_batch) << ", sample " << or_dash(f.sample) << ", position "
-      << or_dash(f.position);
+      << ", micro-batch " << or_dash(f.micro_batch) << ", sample " << or_dash(f.sample);
+  if (f.original_sample) out << " (the run's sample " << *f.original_sample << ")";
+  if (f.original_offset) out << " (the run's token offset " << *f.original_offset << ")";
+  out << ", position " << or_dash(f.position);
   return out.str();
 }
 
+// Leads the page when the healthy steps do not replay to what the job logged.
+void write_reproduction(std::ostringstream& out, const ReplayReport& report) {
+  const ReproductionCheck& r = report.reproduction;
+  if (!r.reproduces || *r.reproduces) return;
+  out << "# nanreplay: DOES NOT REPRODUCE THE RUN\n\n**The replay does not reproduce the run.** "
+      << (r.checked_steps - r.matching_steps) << " of " << r.checked_steps
+      << " healthy step(s) miss what the job logged (up to " << format_percent(r.max_gap) << " off, tolerance "
+      << format_number(r.tolerance) << "): every verdict below is about another model or data order. See "
+      << code("BUNDLE_DOES_NOT_REPRODUCE") << " under Findings for the gaps and what to check.\n\n";
+}
+
 void write_verdict(std::ostringstream& out, const ReplayReport& report) {
+  write_reproduction(out, report);
   if (report.first_nonfinite) {
     const FirstNonfinite& f = *report.first_nonfinite;
     out << "# nanreplay: REPRODUCED at step " << f.step << ", " << code(f.site) << "\n\n"
         << "**Verdict: reproduced.** First non-finite value: " << origin_coordinates(f) << ".\n";
+    for (const OriginToken& t : report.origin_tokens) {
+      out << "\nToken " << t.token << " at position " << t.position << ": embedding row norm "
+          << format_number(t.norm) << " (typical " << format_number(t.typical_norm) << ")"
+          << (t.outlier ? ", **an outlier**" : "") << ".\n";
+    }
     if (!f.contaminated_params.empty()) {
       out << "\nThe checkpoint of step " << f.step << " already held non-finite parameters (";
       for (size_t i = 0; i < f.contaminated_params.size(); ++i) {

@@ -55,8 +55,20 @@ nlohmann::json first_to_json(const FirstNonfinite& first) {
       {"producer", first.contaminated_params.empty()},
   };
   if (!first.contaminated_params.empty()) out["checkpoint_nonfinite_params"] = first.contaminated_params;
+  out["token"] = optional_index(first.token);
+  if (first.original_sample) out["original_sample"] = *first.original_sample;
+  if (first.original_offset) out["original_offset"] = *first.original_offset;
   return out;
 }
+
+nlohmann::json reproduction_json(const ReproductionCheck& r) {
+  return {{"checked_steps", r.checked_steps},
+          {"matching_steps", r.matching_steps},
+          {"tolerance", r.tolerance},
+          {"max_relative_gap", r.max_gap},
+          {"reproduces", r.reproduces ? nlohmann::json(*r.reproduces) : nlohmann::json(nullptr)}};
+}
+
 
 nlohmann::json what_if_outcome_json(const WhatIfOutcome& w) {
   return {{"what_if", w.what_if},
@@ -82,6 +94,7 @@ nlohmann::json step_to_json(const StepOutcome& step) {
       {"replayed", step.replayed},
       {"loss_scale", json_number(step.loss_scale)},
       {"scaler_skipped", step.scaler_skipped},
+      {"handled_overflow", step.handled_overflow},
   };
   if (!step.replayed) out["not_replayed_reason"] = step.not_replayed_reason;
   nlohmann::json rank_losses = nlohmann::json::array();
@@ -122,6 +135,15 @@ nlohmann::json what_if_json(const std::vector<WhatIfOutcome>& outcomes) {
   return out;
 }
 
+nlohmann::json origin_tokens_json(const std::vector<OriginToken>& tokens) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const OriginToken& t : tokens) {
+    out.push_back({{"token", t.token}, {"position", t.position}, {"embedding_norm", json_number(t.norm)},
+                   {"typical_norm", t.typical_norm}, {"outlier", t.outlier}});
+  }
+  return out;
+}
+
 nlohmann::json report_to_json(const ReplayReport& report) {
   nlohmann::json out;
   out["version"] = 1;
@@ -131,6 +153,8 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   out["precision"] = compute_name(report.precision);
   out["reproduced"] = report.reproduced;
   out["first_nonfinite"] = first_nonfinite_json(report.first_nonfinite);
+  out["reproduction"] = reproduction_json(report.reproduction);
+  out["origin_tokens"] = origin_tokens_json(report.origin_tokens);
   nlohmann::json steps = nlohmann::json::array();
   for (const StepOutcome& step : report.steps) steps.push_back(step_to_json(step));
   out["steps"] = steps;

@@ -45,6 +45,33 @@ struct FirstNonfinite {
   // Parameters already non-finite in this step's checkpoint: the site only
   // propagates them, the checkpoint is where the values came from.
   std::vector<std::string> contaminated_params;
+  int64_t token = -1;  // the input token id at (sample, position), -1: none
+  // What a compact capture recorded for `sample`: the run's own dataset
+  // index, or its token offset (docs/bundle-format.md, original_samples).
+  std::optional<int64_t> original_sample;
+  std::optional<int64_t> original_offset;
+};
+
+// A token of the origin's sample, and how its embedding row compares with
+// the embedding matrix's own rows (the origin step's checkpoint).
+struct OriginToken {
+  int64_t token = -1;
+  int64_t position = -1;   // in the sample
+  double norm = 0.0;       // 2-norm of its embedding row
+  double typical_norm = 0.0;  // median row norm of the matrix
+  double norm_spread = 0.0;   // median absolute deviation of the row norms
+  bool outlier = false;
+};
+
+// Whether the healthy steps replay to what the job logged (losses, gradient
+// norms) within the precision's tolerance: a replay proves it replays the
+// run before its verdict means anything.
+struct ReproductionCheck {
+  int64_t checked_steps = 0;   // replayed and logged finite
+  int64_t matching_steps = 0;
+  double tolerance = 0.0;      // relative
+  double max_gap = 0.0;        // largest relative gap seen
+  std::optional<bool> reproduces;  // none: nothing to compare
 };
 
 // The first non-finite value a probe record holds, as the report names it.
@@ -119,6 +146,8 @@ struct StepOutcome {
   std::optional<double> logged_grad_norm;
   bool finite = true;
   bool scaler_skipped = false;  // fp16: the loss scaler would skip this step
+  // fp16: only the backward overflowed and the scaler skips the step: handled, not the incident.
+  bool handled_overflow = false;
   double loss_scale = 1.0;
   std::vector<double> rank_losses;
   std::vector<double> rank_grad_norms;
@@ -149,6 +178,10 @@ struct ReplayReport {
   // Empty when the origin names no sample.
   std::vector<int64_t> offending_tokens;
   int64_t offending_tokens_start = -1;
+  // The token at the origin's position, then every token of its sample up to
+  // there whose embedding row is an outlier. Empty when the origin names no sample.
+  std::vector<OriginToken> origin_tokens;
+  ReproductionCheck reproduction;
   double elapsed_seconds = 0.0;
   // `run --what-if`: one outcome per what-if, in the order given.
   std::optional<std::vector<WhatIfOutcome>> what_if;
@@ -162,6 +195,7 @@ nlohmann::json report_to_json(const ReplayReport& report);
 // report.json's `first_nonfinite` object (null when absent).
 nlohmann::json first_nonfinite_json(const std::optional<FirstNonfinite>& first);
 nlohmann::json what_if_json(const std::vector<WhatIfOutcome>& outcomes);
+nlohmann::json origin_tokens_json(const std::vector<OriginToken>& tokens);
 // 1 when a non-finite origin or an error finding was named, else 0.
 int exit_status_for(const ReplayReport& report);
 

@@ -57,26 +57,55 @@ std::string render_what_ifs(const std::vector<WhatIfOutcome>& outcomes, const Te
 }
 
 
-std::string format_number(double value) {
-  if (std::isnan(value)) return "nan";
-  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
-  char buffer[32];
-  std::snprintf(buffer, sizeof(buffer), "%.6g", value);
-  return buffer;
+
+namespace {
+
+std::string original_text(const FirstNonfinite& f) {
+  if (f.original_sample) return " (run's sample " + std::to_string(*f.original_sample) + ")";
+  if (f.original_offset) return " (run's offset " + std::to_string(*f.original_offset) + ")";
+  return "";
 }
+
+// Leads the verdict when the healthy steps do not replay to what the job logged.
+std::string reproduction_line(const ReplayReport& report, const TextStyle& style) {
+  const ReproductionCheck& r = report.reproduction;
+  if (!r.reproduces) {
+    return report.steps.empty() ? "" : "  (not checked against the run: no healthy step has a logged loss)\n";
+  }
+  if (*r.reproduces) return "";
+  std::ostringstream out;
+  out << paint(style, "1;31", "DOES NOT REPRODUCE THE RUN") << "  " << (r.checked_steps - r.matching_steps) << " of "
+      << r.checked_steps << " healthy step(s) miss what the job logged (up to " << format_percent(r.max_gap)
+      << " off, tolerance " << format_number(r.tolerance) << "): every verdict below is about another model "
+      << "or data order; see BUNDLE_DOES_NOT_REPRODUCE\n";
+  return out.str();
+}
+
+std::string token_lines(const ReplayReport& report) {
+  std::ostringstream out;
+  for (const OriginToken& t : report.origin_tokens) {
+    out << "  token " << t.token << " at position " << t.position << ": embedding row norm " << format_number(t.norm)
+        << " (typical " << format_number(t.typical_norm) << ")" << (t.outlier ? ", an OUTLIER" : "") << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace
 
 std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
   std::ostringstream out;
   out << "bundle  " << report.bundle << "  (" << arch_name(report.arch) << ", "
       << compute_name(report.precision) << ", " << report.steps.size() << " steps)\n";
+  out << reproduction_line(report, style);
   if (report.first_nonfinite) {
     const FirstNonfinite& f = *report.first_nonfinite;
     out << paint(style, "1;31", "REPRODUCED") << "  first non-finite value: step " << f.step << ", "
         << phase_name(f.phase) << ", " << paint(style, "1", f.site) << "\n";
     out << "  kind " << nonfinite_kind_name(f.kind) << " | layer " << or_dash(f.layer) << " | head "
         << or_dash(f.head) << " | rank " << or_dash(f.rank) << " | micro-batch "
-        << or_dash(f.micro_batch) << " | sample " << or_dash(f.sample) << " | position "
+        << or_dash(f.micro_batch) << " | sample " << or_dash(f.sample) << original_text(f) << " | position "
         << or_dash(f.position) << "\n";
+    out << token_lines(report);
   } else {
     out << paint(style, "1;32", "NOT REPRODUCED") << "  every replayed value is finite\n";
   }

@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "reports/number_text.h"
 #include "reports/report.h"
 
 namespace nanreplay {
@@ -18,7 +19,5 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style);
 // The what-if block (`run --what-if` and `bisect --what-if`): one entry per what-if.
 std::string render_what_ifs(const std::vector<WhatIfOutcome>& outcomes, const TextStyle& style);
 
-// A number for people: "nan", "inf", or up to 6 significant digits.
-std::string format_number(double value);
 
 }  // namespace nanreplay

@@ -6,7 +6,7 @@
 #include <map>
 #include <sstream>
 
-#include "reports/terminal_text.h"
+#include "reports/number_text.h"
 
 namespace nanreplay {
 
@@ -38,6 +38,14 @@ const Finding* find_code(const ReplayReport& report, const std::string& code) {
   return nullptr;
 }
 
+// The first finding of `code` that is an error, not context.
+const Finding* find_error(const ReplayReport& report, const std::string& code) {
+  for (const Finding& f : report.findings) {
+    if (f.code == code && f.severity == Severity::kError) return &f;
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 TriageThresholds default_thresholds(Compute compute) {
@@ -55,6 +63,18 @@ Finding make_finding(TriageLayer layer, const std::string& code, Severity severi
   f.message = message;
   f.evidence = std::move(evidence);
   return f;
+}
+
+// The per-head record of `whole`'s first head: its own counts.
+const ProbeRecord* head_record(const std::vector<ProbeRecord>& records, const ProbeRecord& whole) {
+  if (whole.first_head < 0) return nullptr;
+  for (const ProbeRecord& r : records) {
+    if (r.head == whole.first_head && r.step == whole.step && r.phase == whole.phase && r.order == whole.order &&
+        r.rank == whole.rank && r.micro_batch == whole.micro_batch) {
+      return &r;
+    }
+  }
+  return nullptr;
 }
 
 std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, int64_t step,
@@ -75,16 +95,21 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, 
   const double limit = dtype_limit(compute);
   if (first_inf != nullptr) {
     if (handled_by_scaler) return {};  // the loss scaler's business, reported as such
+    // A per-head site: the count of the head named, and the site's total beside it.
+    const ProbeRecord* head = head_record(records, *first_inf);
+    const int64_t count = head != nullptr ? head->stats.inf_count : first_inf->stats.inf_count;
+    const std::string total = head != nullptr && count != first_inf->stats.inf_count
+                                  ? " (" + std::to_string(first_inf->stats.inf_count) + " over all heads)"
+                                  : "";
     return {make_finding(
         TriageLayer::kNumeric, "NUMERIC_OVERFLOW", Severity::kError,
         where_text(*first_inf) + " reached the " + compute_name(compute) + " limit " +
-            format_number(limit) + ": " + std::to_string(first_inf->stats.inf_count) +
-            " element(s) overflowed to inf",
+            format_number(limit) + ": " + std::to_string(count) + " element(s) overflowed to inf" + total,
         {{"step", step}, {"site", first_inf->site}, {"phase", phase_name(first_inf->phase)},
          {"head", optional_index(first_inf->first_head)}, {"micro_batch", optional_index(first_inf->micro_batch)},
          {"rank", optional_index(first_inf->rank)}, {"sample", optional_index(first_inf->sample)},
          {"position", optional_index(first_inf->position)}, {"expected", limit}, {"after", "inf"},
-         {"length", first_inf->stats.inf_count}})};
+         {"length", count}, {"site_length", first_inf->stats.inf_count}})};
   }
   if (tightest != nullptr && tightest->headroom_bits < t.headroom_warn_bits) {
     return {make_finding(
@@ -106,17 +131,19 @@ std::vector<Finding> zero_norm_findings(const std::vector<NormCheck>& checks) {
     if (!c.zero_denominator && c.rows_below_eps == 0) continue;
     if (!seen.emplace(std::make_pair(c.step, c.site), true).second) continue;
     const Severity severity = c.zero_denominator ? Severity::kError : Severity::kWarning;
+    const std::string moment = c.moment;
     const std::string what = c.zero_denominator
-                                 ? "has a zero denominator (mean square + eps = 0): 0/0 gives NaN"
-                                 : "has " + std::to_string(c.rows_below_eps) +
-                                       " row(s) whose mean square is below eps " + format_number(c.eps);
+                                 ? "has a zero denominator (" + moment + " + eps = 0): 0/0 gives NaN"
+                                 : "has " + std::to_string(c.rows_below_eps) + " row(s) whose " + moment +
+                                       " is below eps " + format_number(c.eps);
     findings.push_back(make_finding(
         TriageLayer::kNumeric, "NUMERIC_ZERO_NORM", severity,
         c.site + " " + what + " at step " + std::to_string(c.step) + " (sample " +
             std::to_string(c.sample) + ", position " + std::to_string(c.position) + ")",
         {{"step", c.step}, {"site", c.site}, {"micro_batch", c.micro_batch}, {"rank", c.rank},
          {"sample", optional_index(c.sample)}, {"position", optional_index(c.position)},
-         {"expected", c.eps}, {"after", json_number(c.min_moment)}, {"length", c.rows_below_eps}}));
+         {"expected", c.eps}, {"after", json_number(c.min_moment)}, {"length", c.rows_below_eps},
+         {"tensor", c.moment}}));
   }
   return findings;
 }
@@ -150,48 +177,6 @@ std::vector<Finding> fp8_scale_jump_findings(const std::vector<StepState>& state
              {"before", json_number(a)}, {"after", json_number(b)}}));
       }
     }
-  }
-  return findings;
-}
-
-std::vector<Finding> reproducibility_findings(const StepOutcome& s, const TriageThresholds& t) {
-  std::vector<Finding> findings;
-  if (!s.replayed) return findings;
-  const bool replay_finite = std::isfinite(s.loss);
-  if (s.logged_loss) {
-    const double logged = *s.logged_loss;
-    nlohmann::json evidence = {{"step", s.step}, {"tensor", "loss"}, {"expected", json_number(s.loss)},
-                               {"after", json_number(logged)}};
-    if (!std::isfinite(logged) && replay_finite) {
-      findings.push_back(make_finding(
-          TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kError,
-          "step " + std::to_string(s.step) + ": the job logged loss " + format_number(logged) +
-              " but the deterministic replay computes " + format_number(s.loss) +
-              " with every value finite: suspect the machine, not the model",
-          evidence));
-    } else if (std::isfinite(logged) && !replay_finite) {
-      findings.push_back(make_finding(
-          TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kWarning,
-          "step " + std::to_string(s.step) + ": the replay goes non-finite where the job logged loss " +
-              format_number(logged),
-          evidence));
-    } else if (replay_finite && relative_difference(s.loss, logged) > t.loss_rel_tol) {
-      findings.push_back(make_finding(
-          TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kWarning,
-          "step " + std::to_string(s.step) + ": replayed loss " + format_number(s.loss) +
-              " is far from the logged " + format_number(logged) + " (relative difference " +
-              format_number(relative_difference(s.loss, logged)) + ")",
-          evidence));
-    }
-  }
-  if (s.logged_grad_norm && std::isfinite(*s.logged_grad_norm) && std::isfinite(s.grad_norm) &&
-      relative_difference(s.grad_norm, *s.logged_grad_norm) > t.loss_rel_tol) {
-    findings.push_back(make_finding(
-        TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kWarning,
-        "step " + std::to_string(s.step) + ": replayed gradient norm " + format_number(s.grad_norm) +
-            " is far from the logged " + format_number(*s.logged_grad_norm),
-        {{"step", s.step}, {"tensor", "grad_norm"}, {"expected", s.grad_norm},
-         {"after", *s.logged_grad_norm}}));
   }
   return findings;
 }
@@ -240,7 +225,7 @@ std::vector<Finding> sample_loss_findings(const std::vector<SampleLoss>& losses,
         {{"step", step}, {"sample", nonfinite.front()}, {"samples", listed},
          {"length", nonfinite.size()}}));
   }
-  const EntropyBaseline base = entropy_baseline(finite);  // median and MAD of the losses
+  const RobustBaseline base = robust_baseline(finite);  // median and MAD of the losses
   if (base.samples < 8) return findings;
   for (const SampleLoss& l : losses) {
     if (!std::isfinite(l.loss)) continue;
@@ -260,28 +245,31 @@ std::vector<Finding> sample_loss_findings(const std::vector<SampleLoss>& losses,
 }
 
 std::vector<Finding> sample_profile_findings(const std::vector<SampleProfile>& profiles,
-                                             const EntropyBaseline& baseline, int64_t step,
+                                             const DataBaseline& baseline, int64_t step,
                                              int64_t seq_len, const DataCheckOptions& o) {
+  // Info until the verdict knows whether the sample is implicated (settle_verdict).
   std::vector<Finding> findings;
   const int64_t threshold = o.repeat_threshold(seq_len);
   for (const SampleProfile& p : profiles) {
-    if (p.longest_run >= threshold) {
+    if (is_repeat_run(p, baseline.longest_run, seq_len, o)) {
       findings.push_back(make_finding(
-          TriageLayer::kData, "DATA_REPEAT_RUN", Severity::kError,
+          TriageLayer::kData, "DATA_REPEAT_RUN", Severity::kInfo,
           "sample " + std::to_string(p.sample) + " (step " + std::to_string(step) + ") repeats token " +
               std::to_string(p.run_token) + " " + std::to_string(p.longest_run) +
-              " times from position " + std::to_string(p.run_position),
+              " times from position " + std::to_string(p.run_position) + " (the stream's samples typically " +
+              format_number(baseline.longest_run.median) + ")",
           {{"step", step}, {"sample", p.sample}, {"position", p.run_position},
-           {"length", p.longest_run}, {"token", p.run_token}, {"expected", threshold}}));
+           {"length", p.longest_run}, {"token", p.run_token}, {"expected", threshold},
+           {"typical", baseline.longest_run.median}}));
     }
-    if (is_low_entropy(p, baseline, o)) {
+    if (is_low_entropy(p, baseline.entropy, o)) {
       findings.push_back(make_finding(
-          TriageLayer::kData, "DATA_LOW_ENTROPY", Severity::kError,
+          TriageLayer::kData, "DATA_LOW_ENTROPY", Severity::kInfo,
           "sample " + std::to_string(p.sample) + " (step " + std::to_string(step) + ") has token entropy " +
-              format_number(p.entropy_bits) + " bits against a typical " + format_number(baseline.median) +
-              " (robust z " + format_number(baseline.z_below(p.entropy_bits)) + ")",
-          {{"step", step}, {"sample", p.sample}, {"expected", baseline.median},
-           {"after", p.entropy_bits}, {"z", baseline.z_below(p.entropy_bits)}}));
+              format_number(p.entropy_bits) + " bits against a typical " + format_number(baseline.entropy.median) +
+              " (robust z " + format_number(baseline.entropy.z_below(p.entropy_bits)) + ")",
+          {{"step", step}, {"sample", p.sample}, {"expected", baseline.entropy.median},
+           {"after", p.entropy_bits}, {"z", baseline.entropy.z_below(p.entropy_bits)}}));
     }
   }
   return findings;
@@ -311,17 +299,24 @@ RootCause decide_root_cause(const ReplayReport& report) {
   auto from = [](const Finding& f, const std::string& summary) {
     return RootCause{f.layer, f.code, summary};
   };
+  if (const Finding* f = find_code(report, "BUNDLE_CHECKSUM_MISMATCH")) {
+    return from(*f, "the bundle's data differs from what the job read (" + f->message + ")");
+  }
+  // Nothing else holds when the replay does not replay the run.
+  if (const Finding* f = find_code(report, "BUNDLE_DOES_NOT_REPRODUCE")) {
+    return from(*f, "the bundle does not describe the run: " + std::to_string(f->evidence.value("length", 0)) +
+                        " of " + std::to_string(f->evidence.value("checked_steps", 0)) +
+                        " healthy step(s) miss what the job logged, so no verdict about the failure holds until "
+                        "the bundle matches the job (see the finding for what to check)");
+  }
   if (const Finding* f = find_code(report, "SYSTEM_BIT_FLIP")) {
     return from(*f, "hardware: a single flipped bit in " + f->evidence.value("param", std::string("a weight")) +
                         " (bit " + f->evidence["bit"].dump() + ", first held by the checkpoint of step " +
                         f->evidence["step"].dump() + "): silent data corruption, not the model or the data");
   }
-  if (const Finding* f = find_code(report, "CHECKPOINT_NONFINITE")) {
+  if (const Finding* f = find_error(report, "CHECKPOINT_NONFINITE")) {
     return from(*f, "the checkpoint itself already holds non-finite values (" + f->message +
                         "): the replay only propagates them");
-  }
-  if (const Finding* f = find_code(report, "BUNDLE_CHECKSUM_MISMATCH")) {
-    return from(*f, "the bundle's data differs from what the job read (" + f->message + ")");
   }
   for (const Finding& f : report.findings) {
     // One a step's batch reads stops that step; one no step reads is reported
@@ -334,10 +329,13 @@ RootCause decide_root_cause(const ReplayReport& report) {
     const FirstNonfinite& first = *report.first_nonfinite;
     for (const Finding& f : report.findings) {
       const bool poison = f.code == "DATA_REPEAT_RUN" || f.code == "DATA_LOW_ENTROPY";
-      if (poison && f.evidence.value("sample", int64_t{-2}) == first.sample) {
+      if (poison && f.severity == Severity::kError && f.evidence.value("sample", int64_t{-2}) == first.sample) {
         return from(f, "poisoned sample " + std::to_string(first.sample) + " (" + f.message +
                            ") drives the first non-finite value at " + first.site);
       }
+    }
+    if (const Finding* f = find_code(report, "DATA_TOKEN_EMBEDDING_OUTLIER")) {
+      return from(*f, "poisoned token: " + f->message + "; it drives the first non-finite value at " + first.site);
     }
     for (const Finding& f : report.findings) {
       if (f.code == "NUMERIC_ZERO_NORM" && f.severity == Severity::kError &&
@@ -350,17 +348,15 @@ RootCause decide_root_cause(const ReplayReport& report) {
         return from(f, "an fp8 scaling factor jumped into the failing step: " + f.message);
       }
     }
-    if (const Finding* f = find_code(report, "NUMERIC_OVERFLOW")) {
+    if (const Finding* f = find_error(report, "NUMERIC_OVERFLOW")) {
       return from(*f, "numeric overflow: " + f->message);
     }
     return RootCause{TriageLayer::kNumeric, "NONFINITE",
                      "a non-finite value is first produced at " + first.site + " (step " +
                          std::to_string(first.step) + ", " + phase_name(first.phase) + ")"};
   }
-  if (const Finding* f = find_code(report, "SYSTEM_NOT_REPRODUCIBLE")) {
-    if (f->severity == Severity::kError) {
-      return from(*f, "not reproducible: " + f->message);
-    }
+  if (const Finding* f = find_error(report, "SYSTEM_NOT_REPRODUCIBLE")) {
+    return from(*f, "not reproducible: " + f->message);
   }
   if (const Finding* f = find_code(report, "SYSTEM_RANK_MISMATCH")) {
     return from(*f, "one rank disagrees with its own replay: " + f->message);

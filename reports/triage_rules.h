@@ -20,6 +20,10 @@ struct TriageThresholds {
   double loss_outlier_nats = 1.0;    // ... and at least this far above it
   double fp8_scale_jump = 3.0;       // ratio between adjacent steps
   double headroom_warn_bits = 1.0;   // a finite site this close to its dtype max
+  // A token's embedding row is an outlier at this many times the median row
+  // norm and this robust z above it (docs/triage.md).
+  double embedding_outlier_ratio = 10.0;
+  double embedding_outlier_z = 10.0;
   DataCheckOptions data;
 };
 
@@ -37,13 +41,14 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& step_reco
 std::vector<Finding> zero_norm_findings(const std::vector<NormCheck>& checks);
 std::vector<Finding> fp8_scale_jump_findings(const std::vector<StepState>& states,
                                              const TriageThresholds& t);
-std::vector<Finding> reproducibility_findings(const StepOutcome& step, const TriageThresholds& t);
 std::vector<Finding> rank_mismatch_findings(const StepOutcome& step, const StepState& state,
                                             const TriageThresholds& t);
 std::vector<Finding> sample_loss_findings(const std::vector<SampleLoss>& losses, int64_t step,
                                           const TriageThresholds& t);
+// DATA_REPEAT_RUN and DATA_LOW_ENTROPY, judged against the stream's own
+// samples; severity info until settle_verdict knows whether they are implicated.
 std::vector<Finding> sample_profile_findings(const std::vector<SampleProfile>& profiles,
-                                             const EntropyBaseline& baseline, int64_t step,
+                                             const DataBaseline& baseline, int64_t step,
                                              int64_t seq_len, const DataCheckOptions& options);
 
 // The non-finite records after `origin` in the same step, micro-batch and rank

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <filesystem>
+#include <map>
 #include <set>
 
 #include <catch2/catch.hpp>
@@ -28,7 +29,7 @@ inline nlohmann::json check_bisect_agrees_with_run(const std::filesystem::path& 
   } else {
     REQUIRE(origin.is_object());
     for (const char* key : {"step", "phase", "site", "layer", "head", "rank", "micro_batch", "sample", "position",
-                            "index", "kind", "shape", "producer"}) {
+                            "index", "kind", "shape", "producer", "token"}) {
       INFO(key);
       CHECK(origin[key] == first[key]);
     }
@@ -50,14 +51,26 @@ inline nlohmann::json check_bisect_agrees_with_run(const std::filesystem::path& 
   for (const auto& skipped : bisect["not_replayed"]) CHECK(unreplayed_by_run.count(skipped["step"].get<int64_t>()) == 1);
   CHECK(bisect["replays"]["full_probe_pass"] == replayed_by_run * bisect["passes_per_step"].get<int64_t>());
   CHECK(result.status == (origin.is_object() || !bisect["not_replayed"].empty() ? 1 : 0));
-  // The binary search saw what run saw: steps before the origin clean, from it on bad.
-  for (const auto& tested : bisect["stages"]["step"]["tested"]) {
-    INFO("tested step " << tested["step"]);
-    CHECK(tested["bad"] == (origin.is_object() && tested["step"].get<int64_t>() >= first["step"].get<int64_t>()));
+  // The step search saw what run saw: a step is bad exactly where run's
+  // replay of it holds a non-finite value the loss scaler does not absorb.
+  std::map<int64_t, bool> bad_by_run;
+  for (const auto& step : run_report["steps"]) {
+    bad_by_run[step["step"].get<int64_t>()] =
+        step["replayed"] == true && step["finite"] == false && step["handled_overflow"] == false;
   }
-  if (origin.is_null()) {  // only the last step is tested: P passes, or none when it cannot be replayed
-    const bool last_replayed = run_report["steps"].back()["replayed"] == true;
-    CHECK(bisect["replays"]["step"] == (last_replayed ? bisect["passes_per_step"].get<int64_t>() : 0));
+  const nlohmann::json& tested_steps = bisect["stages"]["step"]["tested"];
+  int64_t replayed_tests = 0;
+  for (const auto& tested : tested_steps) {
+    INFO("tested step " << tested["step"]);
+    CHECK(tested["bad"] == bad_by_run.at(tested["step"].get<int64_t>()));
+    replayed_tests += tested["replayed"] == true;
+  }
+  if (origin.is_null()) {
+    // The last step first, then only the steps the log marks: P passes each
+    // (none for a step that cannot be replayed).
+    REQUIRE_FALSE(tested_steps.empty());
+    CHECK(tested_steps[0]["step"] == run_report["steps"].back()["step"]);
+    CHECK(bisect["replays"]["step"] == replayed_tests * bisect["passes_per_step"].get<int64_t>());
   } else {
     CHECK(bisect["stages"]["step"]["first_bad_step"] == first["step"]);
     CHECK(bisect["replays"]["site"] == (first["phase"] == "grad" ? 0 : 1));

@@ -73,7 +73,7 @@ void check_same_origin(const Bisected& b) {
   REQUIRE(run.is_object());
   REQUIRE(origin.is_object());
   for (const char* key : {"step", "phase", "site", "layer", "head", "rank", "micro_batch", "sample", "position",
-                          "index", "kind", "shape", "producer"}) {
+                          "index", "kind", "shape", "producer", "token"}) {
     INFO(key);
     CHECK(origin[key] == run[key]);
   }
@@ -130,7 +130,9 @@ TEST_CASE("bisect names run's origin for an fp16 head overflow, with what-ifs on
                                             "fp32-layers=0", "--what-if", "norm-eps=1e-3"}));
   check_same_origin(b);
   CHECK(b.bisect["origin"]["site"] == "layers.1.attn.scores");
-  check_replays(b, 5, 1, 1, 8);
+  // ddmin's one test ({a} fails) proves nothing about data: the other sample is tested alone too.
+  check_replays(b, 5, 1, 2, 8);
+  CHECK(b.bisect["stages"]["samples"]["data_dependent"] == true);
   CHECK(tested(b) == std::vector<std::pair<int64_t, bool>>{{103, true}, {101, false}, {102, false}});
   CHECK(b.bisect["stages"]["step"]["clean_predecessor"] == 102);
   CHECK(b.bisect["stages"]["layer"]["layer"] == 1);
@@ -145,7 +147,7 @@ TEST_CASE("bisect names run's origin for an fp16 head overflow, with what-ifs on
   check_resolved(b, "norm-eps=1e-3", false, 3);
   CHECK(what_if(b, "fp32-layers=0")["first_nonfinite_after"]["site"] == "layers.1.attn.scores");
   CHECK(b.bisect["replays"]["what_if"] == 10);
-  CHECK(b.bisect["replays"]["total"] == 6 + 1 + 10);
+  CHECK(b.bisect["replays"]["total"] == 6 + 2 + 10);
   CHECK_FALSE(b.run.contains("what_if"));  // run without --what-if: report v1 readers see nothing new
 
   const auto text = run_cli({"bisect", (dir / "bundle").string(), "--no-samples"});
@@ -165,7 +167,8 @@ TEST_CASE("bisect names a zero-norm NaN, run and bisect agree that norm-eps remo
   const Bisected b = synth_run_bisect(dir, "zero-embedding", with(what_ifs), what_ifs);
   check_same_origin(b);
   CHECK(b.bisect["origin"]["site"] == "layers.0.attn_norm");
-  check_replays(b, 5, 1, 1, 8);
+  check_replays(b, 5, 1, 2, 8);
+  CHECK(b.bisect["stages"]["samples"]["data_dependent"] == true);
   CHECK(b.bisect["stages"]["samples"]["minimal"] == nlohmann::json::array({b.planted["first_sample"]}));
   check_resolved(b, "norm-eps=1e-5", true, 2);
   check_resolved(b, "stable-softmax", false, 3);  // an fp32 bundle: nothing to change
@@ -186,7 +189,10 @@ TEST_CASE("bisect blames the checkpoint of a flipped bit like run does", "[cli][
   check_same_origin(b);
   CHECK(b.bisect["origin"]["producer"] == false);
   CHECK(b.bisect["origin"]["checkpoint_nonfinite_params"] == b.run["first_nonfinite"]["checkpoint_nonfinite_params"]);
-  check_replays(b, 5, 1, 1, 8);
+  // A NaN weight makes every sample fail: no sample is named, and none is replayed to say so.
+  check_replays(b, 5, 1, 0, 8);
+  CHECK(b.bisect["stages"]["samples"]["data_dependent"] == false);
+  CHECK(b.bisect["stages"]["samples"]["minimal"].is_null());
 }
 
 TEST_CASE("bisect on data parallel: the glitch-token sample on rank 1, found by ddmin, and dropping it", "[cli][bisect][what-if]") {
@@ -210,6 +216,7 @@ TEST_CASE("bisect on data parallel: the glitch-token sample on rank 1, found by 
   REQUIRE(samples["candidates"].size() == 4);
   CHECK(samples["candidates"][3] == bad);
   CHECK(samples["minimal"] == nlohmann::json::array({bad}));
+  CHECK(samples["data_dependent"] == true);  // {a, b} passed
   check_resolved(b, "drop-samples=" + std::to_string(bad), true, 4);
   check_resolved(b, "stable-softmax", false, 5);
 }
@@ -223,7 +230,9 @@ TEST_CASE("bisect searches a 6-step window whose failure starts mid-way, and fp3
   CHECK(b.bisect["origin"]["step"] == 102);
   CHECK(b.bisect["origin"]["site"] == "layers.1.mlp.up");
   // 105 bad (1 pass), 102 bad (1), 101 clean (2): 4 against run's 12.
-  check_replays(b, 4, 1, 1, 12);
+  // The edited row overflows on every sample: both fail alone, not data-dependent.
+  check_replays(b, 4, 1, 2, 12);
+  CHECK(b.bisect["stages"]["samples"]["data_dependent"] == false);
   CHECK(tested(b) == std::vector<std::pair<int64_t, bool>>{{105, true}, {102, true}, {101, false}});
   check_resolved(b, "fp32-layers=1", true, 2);
   check_resolved(b, "fp32-layers=0", false, 3);
@@ -237,7 +246,8 @@ TEST_CASE("bisect names an fp8 scale collapse, and damping the scale change remo
                                             "--what-if", "fp32-layers=0"}));
   check_same_origin(b);
   CHECK(b.bisect["origin"]["site"] == "layers.0.attn.q");
-  check_replays(b, 5, 1, 1, 8);
+  check_replays(b, 5, 1, 2, 8);  // a scale of 0 fails every sample: not data-dependent
+  CHECK(b.bisect["stages"]["samples"]["data_dependent"] == false);
   check_resolved(b, "damp-fp8-scale=3", true, 2);
   CHECK(what_if(b, "damp-fp8-scale=3")["change"].get<std::string>().find(
             "model.layers.0.self_attn.q_proj input 0 -> 0.333333") != std::string::npos);

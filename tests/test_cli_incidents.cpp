@@ -137,6 +137,15 @@ TEST_CASE("demo writes its bundle, replays it and names the planted head", "[cli
   CHECK(report["first_nonfinite"]["site"] == "layers.2.attn.scores");
   CHECK(report["first_nonfinite"]["head"] == 3);
   CHECK(report["first_nonfinite"]["step"] == 105);
+  // A consistent trajectory (every checkpoint AdamW's update of the one before): the
+  // report says nothing about the demo's own bundle, and its healthy steps match the log.
+  for (const auto& f : report["findings"]) {
+    INFO(f["code"] << ": " << f["message"]);
+    CHECK(f["severity"] != "warning");
+    CHECK(f["layer"] != "system");
+  }
+  CHECK(report["reproduction"]["reproduces"] == true);
+  CHECK(report["reproduction"]["checked_steps"] == 5);
   // 6 steps, 1 rank x 2 micro-batches: 105 bad after 1 pass, 102 and 104 clean (2 + 2), 1 to locate.
   const auto bisect = nanreplay_test::check_bisect_agrees_with_run(dir / "demo" / "bundle", report);
   CHECK(bisect["replays"]["step"] == 5);

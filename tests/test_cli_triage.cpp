@@ -7,46 +7,15 @@
 #include <set>
 
 #include "loaders/bundle.h"
-#include "tests/bisect_agreement.h"
-#include "tests/cli_harness.h"
+#include "tests/triage_harness.h"
 
 using nanreplay_test::read_json;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
 
-namespace {
-
-struct Triaged {
-  nlohmann::json planted;
-  nlohmann::json report;
-  int status = -1;
-  std::string verdict;
-};
-
-Triaged triage(const ScratchDir& dir, const std::string& preset) {
-  const auto synth = run_cli({"synth", preset, (dir / "bundle").string()});
-  INFO(synth.err);
-  REQUIRE(synth.status == 0);
-  Triaged t;
-  t.planted = nlohmann::json::parse(synth.out);
-  const auto run = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string()});
-  INFO(run.err);
-  t.status = run.status;
-  t.verdict = run.out;
-  t.report = read_json(dir / "out" / "report.json");
-  nanreplay_test::check_bisect_agrees_with_run(dir / "bundle", t.report);
-  return t;
-}
-
-std::vector<nlohmann::json> with_code(const nlohmann::json& report, const std::string& code) {
-  std::vector<nlohmann::json> found;
-  for (const auto& f : report["findings"]) {
-    if (f["code"] == code) found.push_back(f);
-  }
-  return found;
-}
-
-}  // namespace
+using nanreplay_test::Triaged;
+using nanreplay_test::triage;
+using nanreplay_test::with_code;
 
 TEST_CASE("DATA_TOKEN_OUT_OF_RANGE names shard and offset, and the step is not replayed", "[cli][triage]") {
   ScratchDir dir("oor");
@@ -129,6 +98,11 @@ TEST_CASE("DATA_REPEAT_RUN gives the run's position and length", "[cli][triage]"
   CHECK(found[0]["evidence"]["sample"] == t.planted["first_sample"]);
   CHECK(found[0]["evidence"]["position"] == 4);
   CHECK(found[0]["evidence"]["length"] == 16);
+  // The run holds the first non-finite value (one head amplifies its token): implicated.
+  CHECK(found[0]["severity"] == "error");
+  CHECK(found[0]["evidence"]["implicated"] == "origin");
+  CHECK(t.report["first_nonfinite"]["sample"] == t.planted["first_sample"]);
+  CHECK(t.report["root_cause"]["code"] == "DATA_REPEAT_RUN");
   CHECK(t.status == 1);
 }
 
@@ -140,6 +114,10 @@ TEST_CASE("DATA_LOW_ENTROPY compares against the shard's typical sample", "[cli]
   CHECK(found[0]["evidence"]["sample"] == t.planted["first_sample"]);
   CHECK(found[0]["evidence"]["after"].get<double>() == Approx(1.0).epsilon(0.01));
   CHECK(found[0]["evidence"]["expected"].get<double>() > 4.0);
+  // Nothing implicates the sample (no origin, an ordinary loss): context, not an error.
+  CHECK(found[0]["severity"] == "info");
+  CHECK(found[0]["evidence"]["implicated"].is_null());
+  CHECK(t.status == 0);
 }
 
 TEST_CASE("DATA_SAMPLER_MISMATCH when recorded samples disagree with randperm", "[cli][triage]") {
@@ -228,6 +206,7 @@ TEST_CASE("a checkpoint already holding NaN is reported before replay and blamed
   const Triaged t = triage(dir, "bit-flip");
   const auto found = with_code(t.report, "CHECKPOINT_NONFINITE");
   REQUIRE(found.size() == 1);
+  CHECK(found[0]["severity"] == "error");  // before the first non-finite replayed value: a cause
   CHECK(found[0]["evidence"]["param"] == "model.layers.1.post_attention_layernorm.weight");
   CHECK(found[0]["evidence"]["step"] == t.planted["fault_step"]);
   CHECK(found[0]["evidence"]["length"] == 1);

@@ -32,7 +32,7 @@ TEST_CASE("profile_tokens entropy is Shannon's in bits, for small and huge ids",
 }
 
 TEST_CASE("entropy baseline: median, MAD and robust z below it", "[data]") {
-  const EntropyBaseline b = entropy_baseline(std::vector<double>{4.0, 4.1, 4.2, 4.3, 4.4});
+  const RobustBaseline b = robust_baseline(std::vector<double>{4.0, 4.1, 4.2, 4.3, 4.4});
   CHECK(b.median == Approx(4.2));
   CHECK(b.mad == Approx(0.1));
   CHECK(b.z_below(4.2) == 0.0);
@@ -43,7 +43,7 @@ TEST_CASE("entropy baseline: median, MAD and robust z below it", "[data]") {
 TEST_CASE("low entropy needs both the z-score and the ratio", "[data]") {
   std::vector<double> typical(100, 5.0);
   for (size_t i = 0; i < typical.size(); ++i) typical[i] += 0.01 * static_cast<double>(i % 7);
-  const EntropyBaseline base = entropy_baseline(typical);
+  const RobustBaseline base = robust_baseline(typical);
   DataCheckOptions options;
   SampleProfile p;
   p.entropy_bits = 1.0;

@@ -93,7 +93,7 @@ void check_scan_against_profiles(TokenDtype dtype, bool two_shards) {
   for (int64_t s = 0; s < stream.num_samples(kSeqLen); ++s) {
     exact_entropies.push_back(nanreplay::profile_sample(stream, s, kSeqLen).entropy_bits);
   }
-  const nanreplay::EntropyBaseline exact = nanreplay::entropy_baseline(exact_entropies);
+  const nanreplay::RobustBaseline exact = nanreplay::robust_baseline(exact_entropies);
   // The scan keeps entropies as float: equal to the exact ones to float precision.
   CHECK(scan.baseline.median == Approx(exact.median).epsilon(1e-6));
   CHECK(scan.baseline.mad == Approx(exact.mad).epsilon(1e-4).margin(1e-6));

@@ -1,0 +1,358 @@
+// The verdict stages over a whole replay; see verdict.h. The thresholds are
+// TriageThresholds' and docs/triage.md explains each rule.
+#include "reports/verdict.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "reports/number_text.h"
+
+namespace nanreplay {
+
+namespace {
+
+double relative_gap(double replayed, double logged) {
+  return std::fabs(replayed - logged) / std::max(std::fabs(logged), 1e-12);
+}
+
+std::string step_range(int64_t first, int64_t last) {
+  return first == last ? "step " + std::to_string(first) : "steps " + std::to_string(first) + "-" + std::to_string(last);
+}
+
+int64_t evidence_step(const Finding& f) { return f.evidence.value("step", int64_t{-1}); }
+
+// A logged value the replay contradicts outright: NaN logged where the replay
+// is finite (an error: suspect the machine), or the other way round.
+std::vector<Finding> logged_nonfinite_findings(const StepOutcome& s) {
+  if (!s.replayed || !s.logged_loss) return {};
+  const double logged = *s.logged_loss;
+  const nlohmann::json evidence = {{"step", s.step}, {"tensor", "loss"}, {"expected", json_number(s.loss)},
+                                   {"after", json_number(logged)}};
+  if (!std::isfinite(logged) && std::isfinite(s.loss)) {
+    return {make_finding(TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kError,
+                         "step " + std::to_string(s.step) + ": the job logged loss " + format_number(logged) +
+                             " but the deterministic replay computes " + format_number(s.loss) +
+                             " with every value finite: suspect the machine, not the model",
+                         evidence)};
+  }
+  if (std::isfinite(logged) && !std::isfinite(s.loss)) {
+    return {make_finding(TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kWarning,
+                         "step " + std::to_string(s.step) + ": the replay goes non-finite where the job logged loss " +
+                             format_number(logged),
+                         evidence)};
+  }
+  return {};
+}
+
+struct Gap {
+  int64_t step;
+  const char* tensor;  // "loss" or "grad_norm"
+  double logged, replayed, relative;
+};
+
+nlohmann::json gap_json(const Gap& g) {
+  return {{"step", g.step}, {"tensor", g.tensor}, {"expected", g.logged}, {"after", g.replayed},
+          {"relative", g.relative}};
+}
+
+// What usually makes a bundle describe another run than the one it claims.
+const std::vector<std::string>& typical_mismatches() {
+  static const std::vector<std::string> causes = {
+      "the sampler seed, epoch and epoch_start_step, or the recorded sample lists",
+      "the rotary convention (rope_style): Meta, torchtitan and llama2.c checkpoints rotate adjacent pairs, "
+      "Hugging Face rotates halves, and renaming the weights is not enough",
+      "norm_eps", "rope_theta", "the MLP's activation (SwiGLU for llama, tanh-GELU for gpt2)",
+      "the architecture options (tied embeddings, num_kv_heads, biases)"};
+  return causes;
+}
+
+Finding does_not_reproduce(const ReplayReport& report, const std::vector<Gap>& gaps, int64_t off,
+                           const ReproductionCheck& check) {
+  const Gap& widest = *std::max_element(gaps.begin(), gaps.end(),
+                                        [](const Gap& a, const Gap& b) { return a.relative < b.relative; });
+  std::ostringstream text;
+  text << off << " of " << check.checked_steps << " healthy step(s) miss what the job logged beyond the "
+       << compute_name(report.precision) << " tolerance " << format_number(check.tolerance) << ", up to "
+       << format_percent(widest.relative) << " (step " << widest.step << " " << widest.tensor << ": "
+       << format_number(widest.replayed) << " replayed, " << format_number(widest.logged)
+       << " logged): the bundle describes another model or data order than the run's. Check ";
+  nlohmann::json causes = nlohmann::json::array();
+  for (size_t i = 0; i < typical_mismatches().size(); ++i) {
+    text << (i ? "; " : "") << typical_mismatches()[i];
+    causes.push_back(typical_mismatches()[i]);
+  }
+  nlohmann::json listed = nlohmann::json::array();
+  for (const Gap& g : gaps) listed.push_back(gap_json(g));
+  const Gap& first = gaps.front();
+  return make_finding(TriageLayer::kSystem, "BUNDLE_DOES_NOT_REPRODUCE", Severity::kError, text.str(),
+                      {{"step", first.step}, {"tensor", first.tensor}, {"expected", first.logged},
+                       {"after", first.replayed}, {"length", off}, {"checked_steps", check.checked_steps},
+                       {"tolerance", check.tolerance}, {"max_relative_gap", check.max_gap}, {"gaps", listed},
+                       {"causes", causes}});
+}
+
+Finding odd_step(const Gap& g) {
+  const bool loss = std::string(g.tensor) == "loss";
+  return make_finding(TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kWarning,
+                      "step " + std::to_string(g.step) + ": replayed " + (loss ? "loss " : "gradient norm ") +
+                          format_number(g.replayed) + " is far from the logged " + format_number(g.logged) +
+                          " (relative difference " + format_number(g.relative) + ")",
+                      {{"step", g.step}, {"tensor", g.tensor}, {"expected", g.replayed}, {"after", g.logged}});
+}
+
+// ---- consequences ----------------------------------------------------------
+
+// The steps a set of findings covers, and the finding that stands for them.
+struct Fold {
+  std::vector<size_t> members;  // indices into report.findings
+  std::set<int64_t> steps;
+  int64_t count = 0;            // tensors or samples
+  std::vector<std::string> names;
+};
+
+// The first step at or after the origin, before `checkpoint_step`, whose
+// update applied non-finite gradients (no loss scaler skipped it), or -1.
+int64_t update_that_spread(const ReplayReport& report, int64_t origin, int64_t checkpoint_step) {
+  for (const StepOutcome& s : report.steps) {
+    if (s.replayed && s.step >= origin && s.step < checkpoint_step && !std::isfinite(s.grad_norm) &&
+        !s.scaler_skipped) {
+      return s.step;
+    }
+  }
+  return -1;
+}
+
+// The latest replayed step before `before` whose checkpoint holds nothing non-finite.
+std::optional<int64_t> last_clean_checkpoint(const ReplayReport& report, int64_t before) {
+  std::set<int64_t> contaminated;
+  for (const Finding& f : report.findings) {
+    if (f.code != "CHECKPOINT_NONFINITE" || !f.evidence.contains("steps")) continue;
+    for (const auto& s : f.evidence["steps"]) contaminated.insert(s.get<int64_t>());
+  }
+  std::optional<int64_t> clean;
+  for (const StepOutcome& s : report.steps) {
+    if (s.step < before && !contaminated.count(s.step)) clean = s.step;
+  }
+  return clean;
+}
+
+Finding checkpoint_consequence(const ReplayReport& report, const Fold& fold, int64_t update_step) {
+  const int64_t first = *fold.steps.begin(), last = *fold.steps.rbegin();
+  const std::optional<int64_t> clean = last_clean_checkpoint(report, first);
+  bool params = false, moments = false;
+  for (size_t i : fold.members) {
+    const std::string kind = report.findings[i].evidence.value("tensor", std::string());
+    (kind == "parameter" ? params : moments) = true;
+  }
+  const std::string kind_text = params && moments ? "parameters and optimizer moments"
+                                : params          ? "parameters"
+                                                  : "optimizer moments";
+  return make_finding(
+      TriageLayer::kSystem, "CHECKPOINT_NONFINITE", Severity::kInfo,
+      step_range(first, last) + ": " + std::to_string(fold.members.size()) + " tensor(s) of the checkpoints (" +
+          kind_text + ") hold non-finite values because the update of step " + std::to_string(update_step) +
+          " applied non-finite gradients: consequences of the first non-finite value, not causes" +
+          (clean ? "; the last clean checkpoint is step " + std::to_string(*clean) + ", the one to resume from"
+                 : ""),
+      {{"step", first}, {"last_step", last}, {"steps", fold.steps}, {"length", fold.members.size()},
+       {"tensor", kind_text}, {"params", fold.names}, {"last_clean_step", clean ? nlohmann::json(*clean) : nullptr},
+       {"consequence", true}});
+}
+
+Finding step_consequence(const ReplayReport& report, const std::string& code, const Fold& fold) {
+  const Finding& sample = report.findings[fold.members.front()];
+  const int64_t first = *fold.steps.begin(), last = *fold.steps.rbegin();
+  const int64_t origin = report.first_nonfinite->step;
+  return make_finding(sample.layer, code, Severity::kInfo,
+                      step_range(first, last) + " go non-finite too (" + code + " in " +
+                          std::to_string(fold.steps.size()) + " step(s), first: " + sample.message +
+                          "): they follow the first non-finite value at step " + std::to_string(origin),
+                      {{"step", first}, {"last_step", last}, {"steps", fold.steps}, {"length", fold.steps.size()},
+                       {"site", sample.evidence.value("site", std::string())}, {"consequence", true}});
+}
+
+Finding sample_loss_consequence(const ReplayReport& report, const Fold& fold) {
+  const int64_t first = *fold.steps.begin(), last = *fold.steps.rbegin();
+  const FirstNonfinite& origin = *report.first_nonfinite;
+  nlohmann::json samples = nlohmann::json::array();
+  for (size_t i : fold.members) {
+    for (const auto& s : report.findings[i].evidence["samples"]) {
+      if (samples.size() < 16) samples.push_back(s);
+    }
+  }
+  return make_finding(TriageLayer::kData, "DATA_LOSS_OUTLIER", Severity::kInfo,
+                      step_range(first, last) + ": " + std::to_string(fold.count) +
+                          " per-sample loss(es) are non-finite downstream of the first non-finite value (step " +
+                          std::to_string(origin.step) + ", sample " + std::to_string(origin.sample) +
+                          "): consequences, not properties of those samples",
+                      {{"step", first}, {"last_step", last}, {"steps", fold.steps}, {"length", fold.count},
+                       {"sample", optional_index(origin.sample)}, {"samples", samples}, {"consequence", true}});
+}
+
+// Replaces each fold's members by the one finding that stands for them, at the first member's place.
+void replace_folds(ReplayReport& report, const std::vector<std::pair<Fold, Finding>>& folds) {
+  std::map<size_t, const Finding*> stand_in;
+  std::set<size_t> dropped;
+  for (const auto& [fold, finding] : folds) {
+    if (fold.members.empty()) continue;
+    stand_in[fold.members.front()] = &finding;
+    dropped.insert(fold.members.begin(), fold.members.end());
+  }
+  std::vector<Finding> kept;
+  for (size_t i = 0; i < report.findings.size(); ++i) {
+    if (stand_in.count(i)) kept.push_back(*stand_in.at(i));
+    else if (!dropped.count(i)) kept.push_back(std::move(report.findings[i]));
+  }
+  report.findings = std::move(kept);
+}
+
+// A data finding's sample is implicated by the failure: how, or null.
+const char* implicated_by(const ReplayReport& report, const Finding& f) {
+  const int64_t step = evidence_step(f), sample = f.evidence.value("sample", int64_t{-1});
+  const auto& first = report.first_nonfinite;
+  if (first && first->step == step && first->sample == sample) return "origin";
+  for (const Finding& other : report.findings) {
+    const bool finite_outlier = other.code == "DATA_LOSS_OUTLIER" && !other.evidence.contains("samples");
+    if (finite_outlier && evidence_step(other) == step && other.evidence.value("sample", int64_t{-2}) == sample) {
+      return "loss";
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+void judge_reproduction(ReplayReport& report, const TriageThresholds& t) {
+  ReproductionCheck& check = report.reproduction;
+  check = ReproductionCheck{};
+  check.tolerance = t.loss_rel_tol;
+  std::vector<Finding> found;
+  std::vector<Gap> gaps;  // of the steps that miss
+  for (const StepOutcome& s : report.steps) {
+    for (Finding& f : logged_nonfinite_findings(s)) found.push_back(std::move(f));
+    if (!s.replayed || !s.logged_loss || !std::isfinite(*s.logged_loss) || !std::isfinite(s.loss)) continue;
+    ++check.checked_steps;
+    std::vector<Gap> step_gaps;
+    const double loss_gap = relative_gap(s.loss, *s.logged_loss);
+    check.max_gap = std::max(check.max_gap, loss_gap);
+    if (loss_gap > t.loss_rel_tol) step_gaps.push_back({s.step, "loss", *s.logged_loss, s.loss, loss_gap});
+    if (s.logged_grad_norm && std::isfinite(*s.logged_grad_norm) && std::isfinite(s.grad_norm)) {
+      const double norm_gap = relative_gap(s.grad_norm, *s.logged_grad_norm);
+      check.max_gap = std::max(check.max_gap, norm_gap);
+      if (norm_gap > t.loss_rel_tol) {
+        step_gaps.push_back({s.step, "grad_norm", *s.logged_grad_norm, s.grad_norm, norm_gap});
+      }
+    }
+    if (step_gaps.empty()) ++check.matching_steps;
+    gaps.insert(gaps.end(), step_gaps.begin(), step_gaps.end());
+  }
+  const int64_t off = check.checked_steps - check.matching_steps;
+  // One odd step among matching ones is that step's problem; more, or every
+  // step, say the bundle describes another run.
+  const bool whole_bundle = off >= 2 || (off >= 1 && off == check.checked_steps);
+  if (check.checked_steps > 0) check.reproduces = !whole_bundle;
+  if (whole_bundle) {
+    found.push_back(does_not_reproduce(report, gaps, off, check));
+  } else {
+    for (const Gap& g : gaps) found.push_back(odd_step(g));
+  }
+  report.findings.insert(report.findings.end(), found.begin(), found.end());
+}
+
+void fold_consequences(ReplayReport& report) {
+  if (!report.first_nonfinite) return;
+  const int64_t origin = report.first_nonfinite->step;
+  Fold checkpoints, sample_losses;
+  std::map<std::string, Fold> later_steps;
+  int64_t spreading_update = -1;
+  for (size_t i = 0; i < report.findings.size(); ++i) {
+    const Finding& f = report.findings[i];
+    const int64_t step = evidence_step(f);
+    if (f.code == "CHECKPOINT_NONFINITE" && f.severity == Severity::kError && step > origin) {
+      const int64_t update = update_that_spread(report, origin, step);
+      if (update < 0) continue;  // no update explains it: a cause of its own
+      spreading_update = spreading_update < 0 ? update : std::min(spreading_update, update);
+      checkpoints.members.push_back(i);
+      for (const auto& held : f.evidence.value("steps", nlohmann::json::array({step}))) {
+        checkpoints.steps.insert(held.get<int64_t>());
+      }
+      if (checkpoints.names.size() < 16) checkpoints.names.push_back(f.evidence.value("param", std::string()));
+    } else if (f.code == "DATA_LOSS_OUTLIER" && f.evidence.contains("samples") && step >= origin) {
+      sample_losses.members.push_back(i);
+      sample_losses.steps.insert(step);
+      sample_losses.count += f.evidence.value("length", int64_t{0});
+    } else if ((f.code == "NUMERIC_OVERFLOW" || f.code == "NUMERIC_ZERO_NORM") && step > origin) {
+      Fold& fold = later_steps[f.code];
+      fold.members.push_back(i);
+      fold.steps.insert(step);
+    }
+  }
+  std::vector<std::pair<Fold, Finding>> folds;
+  if (!checkpoints.members.empty()) {
+    folds.emplace_back(checkpoints, checkpoint_consequence(report, checkpoints, spreading_update));
+  }
+  if (!sample_losses.members.empty()) folds.emplace_back(sample_losses, sample_loss_consequence(report, sample_losses));
+  for (const auto& [code, fold] : later_steps) folds.emplace_back(fold, step_consequence(report, code, fold));
+  replace_folds(report, folds);
+}
+
+void calibrate_data_findings(ReplayReport& report) {
+  for (Finding& f : report.findings) {
+    if (f.code != "DATA_REPEAT_RUN" && f.code != "DATA_LOW_ENTROPY") continue;
+    const char* how = implicated_by(report, f);
+    f.evidence["implicated"] = how ? nlohmann::json(how) : nlohmann::json(nullptr);
+    if (how == nullptr) {
+      f.severity = Severity::kInfo;
+      f.message += "; nothing implicates it (text, code and tables hold such samples)";
+    } else {
+      f.severity = Severity::kError;
+      f.message += std::string("; it ") +
+                   (std::string(how) == "origin" ? "holds the first non-finite value" : "has an outlier loss");
+    }
+  }
+}
+
+bool is_embedding_outlier(double norm, double typical, double spread, const TriageThresholds& t) {
+  if (!std::isfinite(norm)) return true;
+  if (norm < t.embedding_outlier_ratio * typical) return false;
+  const double scale = 1.4826 * spread;
+  return scale > 0 ? (norm - typical) / scale >= t.embedding_outlier_z : norm > typical;
+}
+
+void token_findings(ReplayReport& report) {
+  if (!report.first_nonfinite) return;
+  const FirstNonfinite& origin = *report.first_nonfinite;
+  std::set<int64_t> named;
+  for (const OriginToken& t : report.origin_tokens) {
+    if (!t.outlier || !named.insert(t.token).second) continue;
+    report.findings.push_back(make_finding(
+        TriageLayer::kData, "DATA_TOKEN_EMBEDDING_OUTLIER", Severity::kError,
+        "token " + std::to_string(t.token) + " at position " + std::to_string(t.position) + " of sample " +
+            std::to_string(origin.sample) + " has an embedding row of norm " + format_number(t.norm) + ", " +
+            format_number(t.typical_norm > 0 ? t.norm / t.typical_norm : INFINITY) +
+            "x the typical row (median " + format_number(t.typical_norm) + ")",
+        {{"step", origin.step}, {"token", t.token}, {"sample", optional_index(origin.sample)},
+         {"position", t.position}, {"norm", json_number(t.norm)}, {"typical_norm", t.typical_norm},
+         {"after", json_number(t.norm)}, {"expected", t.typical_norm}}));
+  }
+}
+
+void settle_verdict(ReplayReport& report, const TriageThresholds& thresholds) {
+  judge_reproduction(report, thresholds);
+  fold_consequences(report);
+  calibrate_data_findings(report);
+  token_findings(report);
+  for (Finding& f : report.findings) {
+    // A jump landing on the failing step is an error: it is the likely cause.
+    if (f.code == "NUMERIC_FP8_SCALE_JUMP" && report.first_nonfinite && evidence_step(f) == report.first_nonfinite->step) {
+      f.severity = Severity::kError;
+    }
+  }
+  order_findings(report.findings);
+  report.root_cause = decide_root_cause(report);
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,214 @@
+// The verdict stages and triage rules on hand-built reports: which findings
+// stand, which fold into one consequence, when a bundle does not reproduce
+// its run, and the counts and words findings carry.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+
+#include "reports/triage_rules.h"
+#include "reports/verdict.h"
+
+using namespace nanreplay;
+
+namespace {
+
+StepOutcome step(int64_t number, double loss, double logged, double grad_norm = 1.0) {
+  StepOutcome s;
+  s.step = number;
+  s.replayed = true;
+  s.loss = loss;
+  s.logged_loss = logged;
+  s.grad_norm = grad_norm;
+  s.logged_grad_norm = grad_norm;
+  s.finite = std::isfinite(loss) && std::isfinite(grad_norm);
+  return s;
+}
+
+Finding checkpoint_nonfinite(const std::string& param, int64_t first, std::vector<int64_t> steps) {
+  return make_finding(TriageLayer::kSystem, "CHECKPOINT_NONFINITE", Severity::kError, "held NaN",
+                      {{"param", param}, {"step", first}, {"steps", steps}, {"tensor", "parameter"}});
+}
+
+std::vector<const Finding*> with_code(const ReplayReport& r, const std::string& code) {
+  std::vector<const Finding*> out;
+  for (const Finding& f : r.findings) {
+    if (f.code == code) out.push_back(&f);
+  }
+  return out;
+}
+
+FirstNonfinite origin_at(int64_t step, int64_t sample = 7) {
+  FirstNonfinite f;
+  f.step = step;
+  f.site = "layers.0.attn_norm";
+  f.sample = sample;
+  f.position = 3;
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("verdict: every healthy step off is a bundle that does not reproduce, one odd step is not", "[verdict]") {
+  const TriageThresholds t = default_thresholds(Compute::kFp32);
+  ReplayReport all_off;
+  all_off.steps = {step(1, 3.00, 3.10), step(2, 2.90, 3.00)};
+  judge_reproduction(all_off, t);
+  REQUIRE(with_code(all_off, "BUNDLE_DOES_NOT_REPRODUCE").size() == 1);
+  CHECK(with_code(all_off, "SYSTEM_NOT_REPRODUCIBLE").empty());
+  CHECK(all_off.reproduction.reproduces == false);
+  CHECK(all_off.reproduction.max_gap == Approx(0.1 / 3.0));
+
+  ReplayReport one_odd;
+  one_odd.steps = {step(1, 3.0, 3.0), step(2, 2.9, 3.0), step(3, 2.8, 2.8)};
+  judge_reproduction(one_odd, t);
+  CHECK(with_code(one_odd, "BUNDLE_DOES_NOT_REPRODUCE").empty());
+  REQUIRE(with_code(one_odd, "SYSTEM_NOT_REPRODUCIBLE").size() == 1);
+  CHECK(with_code(one_odd, "SYSTEM_NOT_REPRODUCIBLE")[0]->severity == Severity::kWarning);
+  CHECK(one_odd.reproduction.reproduces == true);
+  CHECK(one_odd.reproduction.matching_steps == 2);
+
+  ReplayReport within;  // bf16's tolerance is looser than fp32's
+  within.steps = {step(1, 3.0, 3.0 * (1 + 5e-3)), step(2, 2.9, 2.9)};
+  judge_reproduction(within, default_thresholds(Compute::kBf16));
+  CHECK(within.findings.empty());
+  CHECK(within.reproduction.reproduces == true);
+
+  ReplayReport nothing_logged;
+  nothing_logged.steps = {step(1, 3.0, 3.0)};
+  nothing_logged.steps[0].logged_loss.reset();
+  judge_reproduction(nothing_logged, t);
+  CHECK_FALSE(nothing_logged.reproduction.reproduces.has_value());
+}
+
+TEST_CASE("verdict: a logged NaN the replay does not reproduce is an error, the reverse a warning", "[verdict]") {
+  ReplayReport r;
+  r.steps = {step(1, 3.0, NAN), step(2, NAN, 3.0, NAN)};
+  judge_reproduction(r, default_thresholds(Compute::kFp32));
+  const auto found = with_code(r, "SYSTEM_NOT_REPRODUCIBLE");
+  REQUIRE(found.size() == 2);
+  CHECK(found[0]->severity == Severity::kError);
+  CHECK(found[1]->severity == Severity::kWarning);
+}
+
+TEST_CASE("verdict: later non-finite checkpoints fold into one consequence naming the clean checkpoint", "[verdict]") {
+  ReplayReport r;
+  r.first_nonfinite = origin_at(5);
+  r.steps = {step(4, 3.0, 3.0), step(5, NAN, NAN, NAN), step(6, NAN, NAN, NAN), step(7, NAN, NAN, NAN)};
+  r.findings = {checkpoint_nonfinite("a", 6, {6, 7}), checkpoint_nonfinite("b", 6, {6, 7}),
+                checkpoint_nonfinite("c", 7, {7})};
+  fold_consequences(r);
+  REQUIRE(r.findings.size() == 1);
+  const Finding& f = r.findings[0];
+  CHECK(f.severity == Severity::kInfo);
+  CHECK(f.evidence["steps"] == nlohmann::json::array({6, 7}));
+  CHECK(f.evidence["length"] == 3);
+  CHECK(f.evidence["last_clean_step"] == 5);
+  CHECK(f.message.find("the update of step 5") != std::string::npos);
+}
+
+TEST_CASE("verdict: a non-finite checkpoint at or before the origin, or no update to explain it, stays an error",
+          "[verdict]") {
+  ReplayReport r;
+  r.first_nonfinite = origin_at(5);
+  r.steps = {step(5, NAN, NAN, NAN), step(6, 3.0, 3.0)};
+  r.steps[0].scaler_skipped = true;  // fp16: the scaler skipped step 5, nothing was applied
+  r.findings = {checkpoint_nonfinite("cause", 5, {5}), checkpoint_nonfinite("unexplained", 6, {6})};
+  fold_consequences(r);
+  REQUIRE(r.findings.size() == 2);
+  CHECK(r.findings[0].severity == Severity::kError);
+  CHECK(r.findings[1].severity == Severity::kError);
+}
+
+TEST_CASE("verdict: non-finite per-sample losses and later overflows are context, finite outliers stay",
+          "[verdict]") {
+  ReplayReport r;
+  r.first_nonfinite = origin_at(5);
+  r.steps = {step(4, 3.0, 3.0), step(5, NAN, NAN, NAN), step(6, NAN, NAN, NAN)};
+  auto nonfinite_losses = [](int64_t s, int64_t n) {
+    return make_finding(TriageLayer::kData, "DATA_LOSS_OUTLIER", Severity::kWarning, "",
+                        {{"step", s}, {"sample", 1}, {"samples", {1, 2}}, {"length", n}});
+  };
+  r.findings = {make_finding(TriageLayer::kData, "DATA_LOSS_OUTLIER", Severity::kWarning, "finite outlier",
+                             {{"step", 4}, {"sample", 9}, {"after", 9.0}}),
+                nonfinite_losses(5, 2), nonfinite_losses(6, 8),
+                make_finding(TriageLayer::kNumeric, "NUMERIC_OVERFLOW", Severity::kError, "origin", {{"step", 5}}),
+                make_finding(TriageLayer::kNumeric, "NUMERIC_OVERFLOW", Severity::kError, "again", {{"step", 6}})};
+  fold_consequences(r);
+  REQUIRE(r.findings.size() == 4);
+  CHECK(r.findings[0].severity == Severity::kWarning);  // step 4's finite outlier is evidence
+  CHECK(r.findings[1].severity == Severity::kInfo);
+  CHECK(r.findings[1].evidence["length"] == 10);
+  CHECK(r.findings[2].severity == Severity::kError);  // the origin's own overflow
+  CHECK(r.findings[3].severity == Severity::kInfo);
+  CHECK(r.findings[3].evidence["steps"] == nlohmann::json::array({6}));
+}
+
+TEST_CASE("verdict: repeat runs and low entropy are errors only when the sample is implicated", "[verdict]") {
+  ReplayReport r;
+  r.first_nonfinite = origin_at(5, 7);
+  auto run = [](int64_t s, int64_t sample) {
+    return make_finding(TriageLayer::kData, "DATA_REPEAT_RUN", Severity::kInfo, "run",
+                        {{"step", s}, {"sample", sample}});
+  };
+  r.findings = {run(5, 7), run(5, 8), run(4, 9), run(4, 7),
+                make_finding(TriageLayer::kData, "DATA_LOSS_OUTLIER", Severity::kWarning, "",
+                             {{"step", 4}, {"sample", 9}, {"after", 12.0}})};
+  calibrate_data_findings(r);
+  CHECK(r.findings[0].severity == Severity::kError);  // holds the origin
+  CHECK(r.findings[0].evidence["implicated"] == "origin");
+  CHECK(r.findings[1].severity == Severity::kInfo);
+  CHECK(r.findings[2].severity == Severity::kError);  // its own loss is the outlier
+  CHECK(r.findings[2].evidence["implicated"] == "loss");
+  CHECK(r.findings[3].severity == Severity::kInfo);   // the origin's sample, but another step
+}
+
+TEST_CASE("verdict: an embedding row is an outlier against the matrix's own rows", "[verdict]") {
+  const TriageThresholds t = default_thresholds(Compute::kFp32);
+  CHECK(is_embedding_outlier(1e5, 0.2, 0.02, t));
+  CHECK(is_embedding_outlier(INFINITY, 0.2, 0.02, t));
+  CHECK_FALSE(is_embedding_outlier(0.6, 0.2, 0.02, t));  // 3x the median: an ordinary spread
+  CHECK_FALSE(is_embedding_outlier(0.0, 0.2, 0.02, t));
+  ReplayReport r;
+  r.first_nonfinite = origin_at(5, 7);
+  r.origin_tokens = {{12, 3, 0.3, 0.2, 0.02, false}, {99, 1, 5e4, 0.2, 0.02, true}};
+  token_findings(r);
+  REQUIRE(r.findings.size() == 1);
+  CHECK(r.findings[0].code == "DATA_TOKEN_EMBEDDING_OUTLIER");
+  CHECK(r.findings[0].evidence["token"] == 99);
+  CHECK(r.findings[0].evidence["position"] == 1);
+  CHECK(r.findings[0].evidence["sample"] == 7);
+  CHECK(r.findings[0].evidence["typical_norm"] == 0.2);
+}
+
+TEST_CASE("triage: a per-head overflow counts the head it names, a LayerNorm says variance", "[verdict]") {
+  ProbeRecord whole;
+  whole.step = 3;
+  whole.site = "layers.1.attn.scores";
+  whole.micro_batch = 0;
+  whole.rank = 0;
+  whole.order = 9;
+  whole.first_head = 1;
+  whole.stats.inf_count = 29576;
+  ProbeRecord head0 = whole, head1 = whole;
+  head0.head = 0;
+  head0.stats.inf_count = 23108;
+  head1.head = 1;
+  head1.stats.inf_count = 6468;
+  const auto found = overflow_findings({whole, head0, head1}, 3, false, Compute::kFp16,
+                                       default_thresholds(Compute::kFp16));
+  REQUIRE(found.size() == 1);
+  CHECK(found[0].evidence["length"] == 6468);
+  CHECK(found[0].evidence["site_length"] == 29576);
+  CHECK(found[0].message.find("(head 1)") != std::string::npos);
+  CHECK(found[0].message.find("6468 element(s) overflowed to inf (29576 over all heads)") != std::string::npos);
+
+  NormCheck ln;
+  ln.site = "layers.0.attn_norm";
+  ln.moment = "variance";
+  ln.rows_below_eps = 2;
+  ln.eps = 1e-5;
+  const auto zero = zero_norm_findings({ln});
+  REQUIRE(zero.size() == 1);
+  CHECK(zero[0].message.find("whose variance is below eps") != std::string::npos);
+  CHECK(zero[0].evidence["tensor"] == "variance");
+}
