@@ -4,6 +4,8 @@
 
 namespace nanreplay {
 
+using K = EvidenceKey;
+
 bool same_stats(const TensorStats& a, const TensorStats& b) {
   auto bits_equal = [](double x, double y) { return std::memcmp(&x, &y, sizeof x) == 0; };
   return a.count == b.count && a.finite_count == b.finite_count && a.nan_count == b.nan_count &&
@@ -38,15 +40,14 @@ ProbeComparison compare_probes(const std::vector<const ProbeRecord*>& before, co
   return result;
 }
 
-nlohmann::json difference_evidence(int64_t step, const ProbeDifference& where) {
-  nlohmann::json evidence = {{"step", step}};
+Evidence difference_evidence(int64_t step, const ProbeDifference& where) {
+  Evidence evidence = {{K::kStep, step}};
   if (where.site.empty()) return evidence;  // the replays probed different numbers of tensors
-  evidence["phase"] = where.phase;
-  evidence["site"] = where.site;
-  evidence["rank"] = optional_index(where.rank);
-  evidence["micro_batch"] = optional_index(where.micro_batch);
-  evidence["head"] = optional_index(where.head);
-  return evidence;
+  return evidence.set(K::kPhase, where.phase)
+      .set(K::kSite, where.site)
+      .set(K::kRank, optional_index_value(where.rank))
+      .set(K::kMicroBatch, optional_index_value(where.micro_batch))
+      .set(K::kHead, optional_index_value(where.head));
 }
 
 }  // namespace nanreplay

@@ -32,6 +32,6 @@ ProbeComparison compare_probes(const std::vector<const ProbeRecord*>& before, co
 // Evidence of a finding about two replays that disagree: `step`, then the
 // site under its own name (as in every other finding), its `phase`, `rank`,
 // `micro_batch` and `head` (null where they do not apply).
-nlohmann::json difference_evidence(int64_t step, const ProbeDifference& where);
+Evidence difference_evidence(int64_t step, const ProbeDifference& where);
 
 }  // namespace nanreplay

@@ -33,6 +33,8 @@
 
 namespace nanreplay {
 
+using K = EvidenceKey;
+
 namespace {
 
 constexpr size_t kMaxTokenFindingsPerStep = 20;
@@ -62,14 +64,13 @@ std::vector<Finding> out_of_range_tokens(const Bundle& bundle, int64_t step, con
         if (findings.size() == kMaxTokenFindingsPerStep) return findings;
         const ShardLocation where = bundle.tokens().locate(sample * seq + pos);
         const std::string& shard = bundle.tokens().spec(where.shard).path;
-        findings.push_back(make_finding(
-            TriageLayer::kData, "DATA_TOKEN_OUT_OF_RANGE", Severity::kError,
+        findings.push_back(make_finding(FindingCode::kDataTokenOutOfRange, Severity::kError,
             "token id " + std::to_string(token) + " >= vocab_size " + std::to_string(m.model.vocab_size) +
                 " in " + shard + " at offset " + std::to_string(where.offset) + " (sample " +
                 std::to_string(sample) + ", position " + std::to_string(pos) + "); step " +
                 std::to_string(step) + " cannot be replayed",
-            {{"shard", shard}, {"offset", where.offset}, {"step", step}, {"rank", rank},
-             {"sample", sample}, {"position", pos}, {"token", token}, {"expected", m.model.vocab_size}}));
+            {{K::kShard, shard}, {K::kOffset, where.offset}, {K::kStep, step}, {K::kRank, rank},
+             {K::kSample, sample}, {K::kPosition, pos}, {K::kToken, token}, {K::kExpected, m.model.vocab_size}}));
       }
     }
   }
@@ -96,14 +97,13 @@ std::vector<Finding> stray_out_of_range_tokens(const Bundle& bundle, const std::
     const bool read = batch_samples.count(sample) || (global % seq == 0 && batch_samples.count(sample - 1));
     if (read) continue;
     const std::string& shard = bundle.tokens().spec(t.shard).path;
-    nlohmann::json evidence = {{"shard", shard}, {"offset", t.offset}, {"token", t.token},
-                               {"expected", m.model.vocab_size}};
+    Evidence evidence = {{K::kShard, shard}, {K::kOffset, t.offset}, {K::kToken, t.token},
+                         {K::kExpected, m.model.vocab_size}};
     if (sample < bundle.num_samples()) {
-      evidence["sample"] = sample;
-      evidence["position"] = global % seq;
+      evidence.set(K::kSample, sample);
+      evidence.set(K::kPosition, global % seq);
     }
-    findings.push_back(make_finding(
-        TriageLayer::kData, "DATA_TOKEN_OUT_OF_RANGE", Severity::kError,
+    findings.push_back(make_finding(FindingCode::kDataTokenOutOfRange, Severity::kError,
         "token id " + std::to_string(t.token) + " >= vocab_size " + std::to_string(m.model.vocab_size) + " in " +
             shard + " at offset " + std::to_string(t.offset) +
             (sample < bundle.num_samples() ? " (sample " + std::to_string(sample) + ")" : std::string()) +
@@ -126,14 +126,13 @@ void check_sampler_agreement(const Bundle& bundle, const StepEntry& entry, std::
     auto diff = std::mismatch(a.begin(), a.end(), b.begin(), b.end());
     if (diff.first == a.end()) continue;
     const auto at = static_cast<int64_t>(diff.first - a.begin());
-    findings.push_back(make_finding(
-        TriageLayer::kData, "DATA_SAMPLER_MISMATCH", Severity::kError,
+    findings.push_back(make_finding(FindingCode::kDataSamplerMismatch, Severity::kError,
         "step " + std::to_string(entry.step) + " rank " + std::to_string(rank) +
             ": the recorded samples disagree with randperm at batch position " + std::to_string(at) +
             " (recorded " + std::to_string(*diff.second) + ", randperm " + std::to_string(*diff.first) +
             "); replaying the recorded samples",
-        {{"step", entry.step}, {"rank", rank}, {"index", {at}}, {"expected", *diff.first},
-         {"sample", *diff.second}}));
+        {{K::kStep, entry.step}, {K::kRank, rank}, {K::kIndex, {at}}, {K::kExpected, *diff.first},
+         {K::kSample, *diff.second}}));
     return;
   }
 }
@@ -166,9 +165,9 @@ void annotate_original_samples(ReplayReport& report, const Manifest& m) {
     }
   }
   for (Finding& f : report.findings) {
-    const auto sample = f.evidence.find("sample");
-    if (sample == f.evidence.end() || !sample->is_number_integer()) continue;
-    if (const auto o = original(sample->get<int64_t>())) f.evidence[o->is_offset ? "original_offset" : "original_sample"] = o->value;
+    const std::optional<int64_t> sample = f.evidence.integer(K::kSample);
+    if (!sample) continue;
+    if (const auto o = original(*sample)) f.evidence.set(o->is_offset ? K::kOriginalOffset : K::kOriginalSample, o->value);
   }
 }
 
@@ -261,10 +260,9 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
                                                                 : "emulated";
 
   for (const ChecksumMismatch& bad : bundle.tokens().verify_checksums()) {
-    report.findings.push_back(make_finding(
-        TriageLayer::kSystem, "BUNDLE_CHECKSUM_MISMATCH", Severity::kError,
+    report.findings.push_back(make_finding(FindingCode::kBundleChecksumMismatch, Severity::kError,
         bad.shard + ": sha256 is " + bad.actual + ", the manifest says " + bad.expected,
-        {{"shard", bad.shard}, {"expected", bad.expected}, {"after", bad.actual}}));
+        {{K::kShard, bad.shard}, {K::kExpected, bad.expected}, {K::kAfter, bad.actual}}));
   }
   const std::vector<Finding> contaminated = checkpoint_nonfinite_findings(bundle);
   report.findings.insert(report.findings.end(), contaminated.begin(), contaminated.end());
@@ -331,20 +329,20 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     outcome.handled_overflow = handled;
     const ProbeRecord* bad = earliest_nonfinite(step.probes, true);
     if (handled && bad != nullptr) {
-      report.findings.push_back(make_finding(
-          TriageLayer::kNumeric, "NUMERIC_LOSS_SCALE_OVERFLOW", Severity::kInfo,
+      report.findings.push_back(make_finding(FindingCode::kNumericLossScaleOverflow, Severity::kInfo,
           "step " + std::to_string(files.step) + ": the backward overflowed at " + bad->site +
               " with loss scale " + format_number(outcome.loss_scale) +
               "; the loss scaler skips this step and halves the scale (handled, not the incident)",
-          {{"step", files.step}, {"site", bad->site}, {"head", optional_index(bad->first_head)},
-           {"rank", bad->rank}, {"micro_batch", bad->micro_batch},
-           {"before", outcome.loss_scale}, {"after", outcome.loss_scale / 2}}));
+          {{K::kStep, files.step}, {K::kSite, bad->site}, {K::kHead, optional_index_value(bad->first_head)},
+           {K::kRank, bad->rank}, {K::kMicroBatch, bad->micro_batch},
+           {K::kBefore, outcome.loss_scale}, {K::kAfter, outcome.loss_scale / 2}}));
     } else if (bad != nullptr && !first) {
       first = first_nonfinite_of(*bad);
       for (const Finding& f : contaminated) {
-        const auto steps = f.evidence["steps"].get<std::vector<int64_t>>();
-        if (std::find(steps.begin(), steps.end(), files.step) != steps.end() && f.evidence["tensor"] == "parameter") {
-          first->contaminated_params.push_back(f.evidence["param"].get<std::string>());
+        const std::vector<int64_t>* steps = f.evidence.integers(K::kSteps);
+        const bool holds = steps != nullptr && std::find(steps->begin(), steps->end(), files.step) != steps->end();
+        if (holds && f.evidence.text(K::kTensor) == "parameter") {
+          first->contaminated_params.push_back(f.evidence.text(K::kParam).value_or(""));
         }
       }
       report.propagation = propagation_after(step.probes, *bad);
@@ -357,11 +355,10 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     add(sample_loss_findings(step.sample_losses, files.step, thresholds));
     add(rank_mismatch_findings(outcome, state, thresholds));
     if (state.skipped && m.precision.compute == Compute::kFp16 && *state.skipped != outcome.scaler_skipped) {
-      report.findings.push_back(make_finding(
-          TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kWarning,
+      report.findings.push_back(make_finding(FindingCode::kSystemNotReproducible, Severity::kWarning,
           "step " + std::to_string(files.step) + ": the job logged skipped=" + (*state.skipped ? "true" : "false") +
               " but the replay's gradients say the scaler " + (outcome.scaler_skipped ? "skips" : "does not skip") + " it",
-          {{"step", files.step}, {"expected", outcome.scaler_skipped}, {"after", *state.skipped}}));
+          {{K::kStep, files.step}, {K::kExpected, outcome.scaler_skipped}, {K::kAfter, *state.skipped}}));
     }
 
     // System layer: does the next checkpoint follow from this one by AdamW?
@@ -400,8 +397,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
     if (files != nullptr && replayed) {
       report.determinism = check_determinism(bundle, *files, report.probes, placement);
       if (!report.determinism.identical) {
-        report.findings.push_back(make_finding(
-            TriageLayer::kSystem, "SYSTEM_NONDETERMINISTIC", Severity::kWarning,
+        report.findings.push_back(make_finding(FindingCode::kSystemNondeterministic, Severity::kWarning,
             "replaying step " + std::to_string(step) + " twice on this machine gave different values at " +
                 report.determinism.first_difference,
             difference_evidence(step, report.determinism.where)));
@@ -420,18 +416,12 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
                                                 options.devices.front(), options.devices.back());
       const CrossDeviceCheck& c = *report.cross_check;
       if (!c.identical) {
-        report.findings.push_back(make_finding(
-            TriageLayer::kSystem, "SYSTEM_DEVICE_MISMATCH", Severity::kError,
+        report.findings.push_back(make_finding(FindingCode::kSystemDeviceMismatch, Severity::kError,
             "step " + std::to_string(step) + " replayed on " + c.device_a + " and " + c.device_b +
                 " from the same inputs differs first at " + c.first_difference + " (rank " +
                 std::to_string(c.where.rank) + ", micro-batch " + std::to_string(c.where.micro_batch) +
                 "): one of the two devices computes wrongly",
-            [&] {
-              nlohmann::json evidence = difference_evidence(step, c.where);
-              evidence["before"] = c.max_abs_a;
-              evidence["after"] = c.max_abs_b;
-              return evidence;
-            }()));
+            difference_evidence(step, c.where).set(K::kBefore, c.max_abs_a).set(K::kAfter, c.max_abs_b)));
       }
     }
   }

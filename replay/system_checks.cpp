@@ -16,6 +16,8 @@
 
 namespace nanreplay {
 
+using K = EvidenceKey;
+
 namespace {
 
 constexpr size_t kMaxFlipsPerParam = 64;
@@ -206,13 +208,12 @@ std::vector<Finding> checkpoint_nonfinite_findings(const Bundle& bundle) {
   std::vector<Finding> findings;
   for (const std::string& name : order) {
     const Seen& s = tensors.at(name);
-    findings.push_back(make_finding(
-        TriageLayer::kSystem, "CHECKPOINT_NONFINITE", Severity::kError,
+    findings.push_back(make_finding(FindingCode::kCheckpointNonfinite, Severity::kError,
         s.kind + " " + name + " already holds " + std::to_string(s.count) +
             " non-finite element(s) in " + s.file + " (from step " + std::to_string(s.first_step) +
             " on, before any replay)",
-        {{"param", name}, {"step", s.first_step}, {"length", s.count}, {"index", s.index},
-         {"steps", s.steps}, {"tensor", s.kind}}));
+        {{K::kParam, name}, {K::kStep, s.first_step}, {K::kLength, s.count}, {K::kIndex, s.index},
+         {K::kSteps, s.steps}, {K::kTensor, s.kind}}));
   }
   return findings;
 }
@@ -260,12 +261,11 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
     const int64_t numel = actual_info.numel();
     if (count > bulk_limit(numel)) {
       // Too many to be flipped bits: the update itself differs (lr, betas, a different optimizer).
-      findings.push_back(make_finding(
-          TriageLayer::kSystem, "SYSTEM_UPDATE_MISMATCH", Severity::kWarning,
+      findings.push_back(make_finding(FindingCode::kSystemUpdateMismatch, Severity::kWarning,
           name + ": " + std::to_string(count) + " of " + std::to_string(numel) +
               " elements of " + next.label() + " differ from AdamW applied to step " +
               std::to_string(in.current->step) + ": the recorded update is not the spec's AdamW",
-          {{"step", in.next->step}, {"param", name}, {"length", count}}));
+          {{K::kStep, in.next->step}, {K::kParam, name}, {K::kLength, count}}));
       continue;
     }
     std::vector<int64_t> unexplained;
@@ -293,15 +293,14 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
       }
       const double before = decode(bits ^ (1u << best_bit), actual_info.dtype);
       const double after = decode(bits, actual_info.dtype);
-      flips.push_back(make_finding(
-          TriageLayer::kSystem, "SYSTEM_BIT_FLIP", Severity::kError,
+      flips.push_back(make_finding(FindingCode::kSystemBitFlip, Severity::kError,
           name + " element " + std::to_string(flat) + " in " + next.label() + ": bit " +
               std::to_string(best_bit) + " flipped, " + format_number(before) + " became " +
               format_number(after) + " (AdamW from step " + std::to_string(in.current->step) +
               " predicts " + format_number(want) + ")",
-          {{"step", in.next->step}, {"param", name}, {"index", unravel(flat, actual_info.shape)},
-           {"bit", best_bit}, {"before", json_number(before)}, {"after", json_number(after)},
-           {"expected", json_number(want)}}));
+          {{K::kStep, in.next->step}, {K::kParam, name}, {K::kIndex, unravel(flat, actual_info.shape)},
+           {K::kBit, best_bit}, {K::kBefore, (before)}, {K::kAfter, (after)},
+           {K::kExpected, (want)}}));
     }
     // Silent corruption flips a few bits; when most deviations of a parameter
     // have no single-bit explanation the tensor was rewritten, and the odd
@@ -313,13 +312,12 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
     }
     const size_t deviating = unexplained.size() + (bulk_change ? flips.size() : 0);
     if (!unexplained.empty()) {
-      findings.push_back(make_finding(
-          TriageLayer::kSystem, "SYSTEM_UPDATE_MISMATCH", Severity::kWarning,
+      findings.push_back(make_finding(FindingCode::kSystemUpdateMismatch, Severity::kWarning,
           name + ": " + std::to_string(deviating) + " element(s) of " + next.label() +
               " differ from AdamW applied to step " + std::to_string(in.current->step) +
               " by more than rounding, and no single flipped bit explains them",
-          {{"step", in.next->step}, {"param", name}, {"length", deviating},
-           {"index", unravel(unexplained.front(), actual_info.shape)}}));
+          {{K::kStep, in.next->step}, {K::kParam, name}, {K::kLength, deviating},
+           {K::kIndex, unravel(unexplained.front(), actual_info.shape)}}));
     }
   }
   return findings;

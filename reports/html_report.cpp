@@ -277,7 +277,7 @@ std::string render_verdict(const ReplayReport& report) {
   }
   if (report.root_cause) {
     out << "<div class=\"cause\"><b>Most likely root cause</b> (" << triage_layer_name(report.root_cause->layer)
-        << ", <code>" << escape_html(report.root_cause->code) << "</code>): "
+        << ", <code>" << escape_html(root_cause_code(*report.root_cause, report.reproduced)) << "</code>): "
         << escape_html(report.root_cause->summary) << "</div>";
   }
   return out.str();
@@ -290,17 +290,18 @@ std::string render_triage(const ReplayReport& report) {
     std::ostringstream body;
     std::string worst = "clean";
     for (const Finding& f : report.findings) {
-      if (f.layer != layer) continue;
+      if (f.layer() != layer) continue;
       if (f.severity == Severity::kError) worst = "error";
       if (f.severity == Severity::kWarning && worst != "error") worst = "warning";
       if (f.severity == Severity::kInfo && worst == "clean") worst = "info";
       body << "<div class=\"finding\"><span class=\"sev " << severity_name(f.severity) << "\">"
-           << severity_name(f.severity) << "</span><code>" << escape_html(f.code) << "</code><div>"
+           << severity_name(f.severity) << "</span><code>" << escape_html(f.name()) << "</code><div>"
            << escape_html(f.message) << "</div>";
-      if (f.evidence.is_object() && !f.evidence.empty()) {
+      const nlohmann::json evidence = evidence_json(f.evidence);
+      if (!evidence.empty()) {
         body << "<div class=\"evidence mono\">";
         bool first = true;
-        for (const auto& [key, value] : f.evidence.items()) {
+        for (const auto& [key, value] : evidence.items()) {
           body << (first ? "" : " &middot; ") << escape_html(key) << "="
                << escape_html(value.is_string() ? value.get<std::string>() : value.dump());
           first = false;

@@ -81,7 +81,7 @@ void write_verdict(std::ostringstream& out, const ReplayReport& report) {
   }
   if (report.root_cause) {
     out << "\n**Root cause** (" << triage_layer_name(report.root_cause->layer) << ", "
-        << code(report.root_cause->code) << "): " << escape_markdown(report.root_cause->summary) << "\n";
+        << code(root_cause_code(*report.root_cause, report.reproduced)) << "): " << escape_markdown(report.root_cause->summary) << "\n";
   }
   out << "\nBundle " << code(report.bundle) << ": " << arch_name(report.arch) << ", "
       << compute_name(report.precision) << ", " << report.steps.size() << " steps";
@@ -114,10 +114,10 @@ void write_findings(std::ostringstream& out, const ReplayReport& report) {
     out << "\n### " << triage_layer_name(layer) << "\n\n";
     bool any = false;
     for (const Finding& f : report.findings) {
-      if (f.layer != layer) continue;
+      if (f.layer() != layer) continue;
       if (!any) out << "| severity | code | finding |\n|:---|:---|:---|\n";
       any = true;
-      out << "| " << severity_name(f.severity) << " | " << code(f.code) << " | " << escape_markdown(f.message)
+      out << "| " << severity_name(f.severity) << " | " << code(f.name()) << " | " << escape_markdown(f.message)
           << " |\n";
     }
     if (!any) out << "Nothing found.\n";

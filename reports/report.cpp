@@ -8,22 +8,9 @@
 
 namespace nanreplay {
 
-const char* triage_layer_name(TriageLayer layer) {
-  switch (layer) {
-    case TriageLayer::kData: return "data";
-    case TriageLayer::kNumeric: return "numeric";
-    case TriageLayer::kSystem: return "system";
-  }
-  return "numeric";
-}
-
-const char* severity_name(Severity severity) {
-  switch (severity) {
-    case Severity::kError: return "error";
-    case Severity::kWarning: return "warning";
-    case Severity::kInfo: return "info";
-  }
-  return "info";
+std::string root_cause_code(const RootCause& cause, bool reproduced) {
+  if (cause.code) return code_name(*cause.code);
+  return reproduced ? "NONFINITE" : "NONE";
 }
 
 nlohmann::json json_number(double value) {
@@ -160,11 +147,11 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   out["steps"] = steps;
   nlohmann::json findings = nlohmann::json::array();
   for (const Finding& finding : report.findings) {
-    findings.push_back({{"layer", triage_layer_name(finding.layer)},
-                        {"code", finding.code},
+    findings.push_back({{"layer", triage_layer_name(finding.layer())},
+                        {"code", finding.name()},
                         {"severity", severity_name(finding.severity)},
                         {"message", finding.message},
-                        {"evidence", finding.evidence}});
+                        {"evidence", evidence_json(finding.evidence)}});
   }
   out["findings"] = findings;
   nlohmann::json path = nlohmann::json::array();
@@ -177,7 +164,7 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   out["propagation"] = path;
   if (report.root_cause) {
     out["root_cause"] = {{"layer", triage_layer_name(report.root_cause->layer)},
-                         {"code", report.root_cause->code},
+                         {"code", root_cause_code(*report.root_cause, report.reproduced)},
                          {"summary", report.root_cause->summary}};
   }
   const DeterminismCheck& d = report.determinism;

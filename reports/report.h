@@ -13,21 +13,10 @@
 #include "kernels/tensor_stats.h"
 #include "loaders/manifest.h"
 #include "probes/probe_record.h"
+#include "reports/finding.h"
 
 namespace nanreplay {
 
-enum class TriageLayer { kData, kNumeric, kSystem };
-enum class Severity { kError, kWarning, kInfo };
-const char* triage_layer_name(TriageLayer layer);
-const char* severity_name(Severity severity);
-
-struct Finding {
-  TriageLayer layer = TriageLayer::kNumeric;
-  std::string code;  // stable upper-case identifier
-  Severity severity = Severity::kInfo;
-  std::string message;
-  nlohmann::json evidence = nlohmann::json::object();
-};
 
 struct FirstNonfinite {
   int64_t step = 0;
@@ -104,9 +93,11 @@ struct PropagationEntry {
 
 struct RootCause {
   TriageLayer layer = TriageLayer::kNumeric;
-  std::string code;     // the finding code it rests on, or "NONE"
-  std::string summary;  // one sentence for a person
+  std::optional<FindingCode> code;  // the finding it rests on; none: "NONFINITE" with an origin, else "NONE"
+  std::string summary;              // one sentence for a person
 };
+// The root cause's code as report.json writes it.
+std::string root_cause_code(const RootCause& cause, bool reproduced);
 
 // The first probe on which two replays of one step disagree.
 struct ProbeDifference {

@@ -140,12 +140,12 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
   out << "\ntriage\n";
   for (TriageLayer layer : {TriageLayer::kData, TriageLayer::kNumeric, TriageLayer::kSystem}) {
     size_t count = 0;
-    for (const Finding& finding : report.findings) count += finding.layer == layer;
+    for (const Finding& finding : report.findings) count += finding.layer() == layer;
     out << "  " << paint(style, "1", pad(triage_layer_name(layer), 8))
         << (count ? std::to_string(count) + " finding(s)" : "nothing found") << "\n";
     size_t shown = 0;
     for (const Finding& finding : report.findings) {
-      if (finding.layer != layer) continue;
+      if (finding.layer() != layer) continue;
       if (++shown > 8) {
         out << "    ... " << (count - 8) << " more in report.json\n";
         break;
@@ -153,7 +153,7 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
       const char* color = finding.severity == Severity::kError     ? "31"
                           : finding.severity == Severity::kWarning ? "33"
                                                                    : "36";
-      out << "    " << paint(style, color, pad(severity_name(finding.severity), 8)) << finding.code
+      out << "    " << paint(style, color, pad(severity_name(finding.severity), 8)) << finding.name()
           << ": " << printable(finding.message) << "\n";  // may quote bundle text
     }
   }

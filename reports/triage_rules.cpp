@@ -10,6 +10,8 @@
 
 namespace nanreplay {
 
+using K = EvidenceKey;
+
 namespace {
 
 double relative_difference(double a, double b) {
@@ -31,38 +33,12 @@ std::string where_text(const ProbeRecord& r) {
   return out.str();
 }
 
-const Finding* find_code(const ReplayReport& report, const std::string& code) {
-  for (const Finding& f : report.findings) {
-    if (f.code == code) return &f;
-  }
-  return nullptr;
-}
-
-// The first finding of `code` that is an error, not context.
-const Finding* find_error(const ReplayReport& report, const std::string& code) {
-  for (const Finding& f : report.findings) {
-    if (f.code == code && f.severity == Severity::kError) return &f;
-  }
-  return nullptr;
-}
-
 }  // namespace
 
 TriageThresholds default_thresholds(Compute compute) {
   TriageThresholds t;
   if (compute != Compute::kFp32) t.loss_rel_tol = 1e-2;
   return t;
-}
-
-Finding make_finding(TriageLayer layer, const std::string& code, Severity severity,
-                     const std::string& message, nlohmann::json evidence) {
-  Finding f;
-  f.layer = layer;
-  f.code = code;
-  f.severity = severity;
-  f.message = message;
-  f.evidence = std::move(evidence);
-  return f;
 }
 
 // The per-head record of `whole`'s first head: its own counts.
@@ -101,25 +77,23 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, 
     const std::string total = head != nullptr && count != first_inf->stats.inf_count
                                   ? " (" + std::to_string(first_inf->stats.inf_count) + " over all heads)"
                                   : "";
-    return {make_finding(
-        TriageLayer::kNumeric, "NUMERIC_OVERFLOW", Severity::kError,
+    return {make_finding(FindingCode::kNumericOverflow, Severity::kError,
         where_text(*first_inf) + " reached the " + compute_name(compute) + " limit " +
             format_number(limit) + ": " + std::to_string(count) + " element(s) overflowed to inf" + total,
-        {{"step", step}, {"site", first_inf->site}, {"phase", phase_name(first_inf->phase)},
-         {"head", optional_index(first_inf->first_head)}, {"micro_batch", optional_index(first_inf->micro_batch)},
-         {"rank", optional_index(first_inf->rank)}, {"sample", optional_index(first_inf->sample)},
-         {"position", optional_index(first_inf->position)}, {"expected", limit}, {"after", "inf"},
-         {"length", count}, {"site_length", first_inf->stats.inf_count}})};
+        {{K::kStep, step}, {K::kSite, first_inf->site}, {K::kPhase, phase_name(first_inf->phase)},
+         {K::kHead, optional_index_value(first_inf->first_head)}, {K::kMicroBatch, optional_index_value(first_inf->micro_batch)},
+         {K::kRank, optional_index_value(first_inf->rank)}, {K::kSample, optional_index_value(first_inf->sample)},
+         {K::kPosition, optional_index_value(first_inf->position)}, {K::kExpected, limit}, {K::kAfter, "inf"},
+         {K::kLength, count}, {K::kSiteLength, first_inf->stats.inf_count}})};
   }
   if (tightest != nullptr && tightest->headroom_bits < t.headroom_warn_bits) {
-    return {make_finding(
-        TriageLayer::kNumeric, "NUMERIC_HEADROOM_LOW", Severity::kWarning,
+    return {make_finding(FindingCode::kNumericHeadroomLow, Severity::kWarning,
         where_text(*tightest) + " came within " + format_number(tightest->headroom_bits) +
             " bits of the " + compute_name(compute) + " limit (max |x| " +
             format_number(tightest->stats.max_abs) + "): a near miss",
-        {{"step", step}, {"site", tightest->site}, {"micro_batch", tightest->micro_batch},
-         {"rank", tightest->rank}, {"after", tightest->stats.max_abs}, {"expected", limit},
-         {"headroom_bits", tightest->headroom_bits}})};
+        {{K::kStep, step}, {K::kSite, tightest->site}, {K::kMicroBatch, tightest->micro_batch},
+         {K::kRank, tightest->rank}, {K::kAfter, tightest->stats.max_abs}, {K::kExpected, limit},
+         {K::kHeadroomBits, tightest->headroom_bits}})};
   }
   return {};
 }
@@ -136,14 +110,13 @@ std::vector<Finding> zero_norm_findings(const std::vector<NormCheck>& checks) {
                                  ? "has a zero denominator (" + moment + " + eps = 0): 0/0 gives NaN"
                                  : "has " + std::to_string(c.rows_below_eps) + " row(s) whose " + moment +
                                        " is below eps " + format_number(c.eps);
-    findings.push_back(make_finding(
-        TriageLayer::kNumeric, "NUMERIC_ZERO_NORM", severity,
+    findings.push_back(make_finding(FindingCode::kNumericZeroNorm, severity,
         c.site + " " + what + " at step " + std::to_string(c.step) + " (sample " +
             std::to_string(c.sample) + ", position " + std::to_string(c.position) + ")",
-        {{"step", c.step}, {"site", c.site}, {"micro_batch", c.micro_batch}, {"rank", c.rank},
-         {"sample", optional_index(c.sample)}, {"position", optional_index(c.position)},
-         {"expected", c.eps}, {"after", json_number(c.min_moment)}, {"length", c.rows_below_eps},
-         {"tensor", c.moment}}));
+        {{K::kStep, c.step}, {K::kSite, c.site}, {K::kMicroBatch, c.micro_batch}, {K::kRank, c.rank},
+         {K::kSample, optional_index_value(c.sample)}, {K::kPosition, optional_index_value(c.position)},
+         {K::kExpected, c.eps}, {K::kAfter, (c.min_moment)}, {K::kLength, c.rows_below_eps},
+         {K::kTensor, c.moment}}));
   }
   return findings;
 }
@@ -167,14 +140,13 @@ std::vector<Finding> fp8_scale_jump_findings(const std::vector<StepState>& state
         const bool sane = std::isfinite(a) && std::isfinite(b) && a > 0 && b > 0;
         const double ratio = sane ? b / a : std::nan("");
         if (sane && ratio <= t.fp8_scale_jump && ratio >= 1.0 / t.fp8_scale_jump) continue;
-        findings.push_back(make_finding(
-            TriageLayer::kNumeric, "NUMERIC_FP8_SCALE_JUMP", Severity::kWarning,
+        findings.push_back(make_finding(FindingCode::kNumericFp8ScaleJump, Severity::kWarning,
             module + " " + tensor + " scale jumped from " + format_number(a) + " at step " +
                 std::to_string(before.step) + " to " + format_number(b) + " at step " +
                 std::to_string(after.step) +
                 (sane ? " (x" + format_number(ratio) + ")" : " (not a finite positive scale)"),
-            {{"param", module}, {"tensor", tensor}, {"step", after.step},
-             {"before", json_number(a)}, {"after", json_number(b)}}));
+            {{K::kParam, module}, {K::kTensor, tensor}, {K::kStep, after.step},
+             {K::kBefore, (a)}, {K::kAfter, (b)}}));
       }
     }
   }
@@ -194,12 +166,11 @@ std::vector<Finding> rank_mismatch_findings(const StepOutcome& s, const StepStat
                          (std::isfinite(ours) && std::isfinite(theirs) &&
                           relative_difference(ours, theirs) <= t.loss_rel_tol);
       if (agree) continue;
-      findings.push_back(make_finding(
-          TriageLayer::kSystem, "SYSTEM_RANK_MISMATCH", Severity::kError,
+      findings.push_back(make_finding(FindingCode::kSystemRankMismatch, Severity::kError,
           "step " + std::to_string(s.step) + ": rank " + std::to_string(r) + " logged " + what + " " +
               format_number(theirs) + " but replaying its share gives " + format_number(ours),
-          {{"step", s.step}, {"rank", r}, {"tensor", what}, {"expected", json_number(ours)},
-           {"after", json_number(theirs)}}));
+          {{K::kStep, s.step}, {K::kRank, r}, {K::kTensor, what}, {K::kExpected, (ours)},
+           {K::kAfter, (theirs)}}));
     }
   };
   compare("loss", s.rank_losses, state.logged.rank_losses);
@@ -218,12 +189,11 @@ std::vector<Finding> sample_loss_findings(const std::vector<SampleLoss>& losses,
   std::vector<Finding> findings;
   if (!nonfinite.empty()) {
     std::vector<int64_t> listed(nonfinite.begin(), nonfinite.begin() + std::min<size_t>(nonfinite.size(), 16));
-    findings.push_back(make_finding(
-        TriageLayer::kData, "DATA_LOSS_OUTLIER", Severity::kWarning,
+    findings.push_back(make_finding(FindingCode::kDataLossOutlier, Severity::kWarning,
         "step " + std::to_string(step) + ": " + std::to_string(nonfinite.size()) +
             " sample(s) have a non-finite loss, first sample " + std::to_string(nonfinite.front()),
-        {{"step", step}, {"sample", nonfinite.front()}, {"samples", listed},
-         {"length", nonfinite.size()}}));
+        {{K::kStep, step}, {K::kSample, nonfinite.front()}, {K::kSamples, listed},
+         {K::kLength, nonfinite.size()}}));
   }
   const RobustBaseline base = robust_baseline(finite);  // median and MAD of the losses
   if (base.samples < 8) return findings;
@@ -233,12 +203,11 @@ std::vector<Finding> sample_loss_findings(const std::vector<SampleLoss>& losses,
     const double scale = 1.4826 * base.mad;
     const double z = scale > 0 ? above / scale : (above > 0 ? INFINITY : 0.0);
     if (z > t.loss_outlier_z && above > t.loss_outlier_nats) {
-      findings.push_back(make_finding(
-          TriageLayer::kData, "DATA_LOSS_OUTLIER", Severity::kWarning,
+      findings.push_back(make_finding(FindingCode::kDataLossOutlier, Severity::kWarning,
           "step " + std::to_string(step) + ": sample " + std::to_string(l.sample) + " has loss " +
               format_number(l.loss) + ", far above the median " + format_number(base.median),
-          {{"step", step}, {"sample", l.sample}, {"rank", l.rank}, {"micro_batch", l.micro_batch},
-           {"expected", base.median}, {"after", l.loss}}));
+          {{K::kStep, step}, {K::kSample, l.sample}, {K::kRank, l.rank}, {K::kMicroBatch, l.micro_batch},
+           {K::kExpected, base.median}, {K::kAfter, l.loss}}));
     }
   }
   return findings;
@@ -252,24 +221,22 @@ std::vector<Finding> sample_profile_findings(const std::vector<SampleProfile>& p
   const int64_t threshold = o.repeat_threshold(seq_len);
   for (const SampleProfile& p : profiles) {
     if (is_repeat_run(p, baseline.longest_run, seq_len, o)) {
-      findings.push_back(make_finding(
-          TriageLayer::kData, "DATA_REPEAT_RUN", Severity::kInfo,
+      findings.push_back(make_finding(FindingCode::kDataRepeatRun, Severity::kInfo,
           "sample " + std::to_string(p.sample) + " (step " + std::to_string(step) + ") repeats token " +
               std::to_string(p.run_token) + " " + std::to_string(p.longest_run) +
               " times from position " + std::to_string(p.run_position) + " (the stream's samples typically " +
               format_number(baseline.longest_run.median) + ")",
-          {{"step", step}, {"sample", p.sample}, {"position", p.run_position},
-           {"length", p.longest_run}, {"token", p.run_token}, {"expected", threshold},
-           {"typical", baseline.longest_run.median}}));
+          {{K::kStep, step}, {K::kSample, p.sample}, {K::kPosition, p.run_position},
+           {K::kLength, p.longest_run}, {K::kToken, p.run_token}, {K::kExpected, threshold},
+           {K::kTypical, baseline.longest_run.median}}));
     }
     if (is_low_entropy(p, baseline.entropy, o)) {
-      findings.push_back(make_finding(
-          TriageLayer::kData, "DATA_LOW_ENTROPY", Severity::kInfo,
+      findings.push_back(make_finding(FindingCode::kDataLowEntropy, Severity::kInfo,
           "sample " + std::to_string(p.sample) + " (step " + std::to_string(step) + ") has token entropy " +
               format_number(p.entropy_bits) + " bits against a typical " + format_number(baseline.entropy.median) +
               " (robust z " + format_number(baseline.entropy.z_below(p.entropy_bits)) + ")",
-          {{"step", step}, {"sample", p.sample}, {"expected", baseline.entropy.median},
-           {"after", p.entropy_bits}, {"z", baseline.entropy.z_below(p.entropy_bits)}}));
+          {{K::kStep, step}, {K::kSample, p.sample}, {K::kExpected, baseline.entropy.median},
+           {K::kAfter, p.entropy_bits}, {K::kZ, baseline.entropy.z_below(p.entropy_bits)}}));
     }
   }
   return findings;
@@ -295,89 +262,118 @@ std::vector<PropagationEntry> propagation_after(const std::vector<ProbeRecord>& 
   return path;
 }
 
-RootCause decide_root_cause(const ReplayReport& report) {
-  auto from = [](const Finding& f, const std::string& summary) {
-    return RootCause{f.layer, f.code, summary};
+namespace {
+
+// One rule of the root-cause choice: the first finding it accepts, and the
+// sentence a person reads. Rules are tried in table order (docs/triage.md).
+struct RootCauseRule {
+  FindingCode code;
+  enum class When { kAlways, kWithOrigin, kWithoutOrigin } when;
+  bool (*accepts)(const Finding& f, const ReplayReport& report);
+  std::string (*summary)(const Finding& f, const ReplayReport& report);
+};
+
+bool is_error(const Finding& f, const ReplayReport&) { return f.severity == Severity::kError; }
+bool any(const Finding&, const ReplayReport&) { return true; }
+bool at_origin_step(const Finding& f, const ReplayReport& r) {
+  return f.evidence.integer(K::kStep) == r.first_nonfinite->step;
+}
+std::string origin_site(const ReplayReport& r) { return r.first_nonfinite->site; }
+std::string poisoned_sample_summary(const Finding& f, const ReplayReport& r) {
+  return "poisoned sample " + std::to_string(r.first_nonfinite->sample) + " (" + f.message +
+         ") drives the first non-finite value at " + r.first_nonfinite->site;
+}
+
+const std::vector<RootCauseRule>& root_cause_rules() {
+  using C = FindingCode;
+  using W = RootCauseRule::When;
+  static const std::vector<RootCauseRule> rules = {
+      {C::kBundleChecksumMismatch, W::kAlways, any,
+       [](const Finding& f, const ReplayReport&) { return "the bundle's data differs from what the job read (" + f.message + ")"; }},
+      // Nothing else holds when the replay does not replay the run.
+      {C::kBundleDoesNotReproduce, W::kAlways, any,
+       [](const Finding& f, const ReplayReport&) {
+         return "the bundle does not describe the run: " + std::to_string(f.evidence.integer(K::kLength).value_or(0)) +
+                " of " + std::to_string(f.evidence.integer(K::kCheckedSteps).value_or(0)) +
+                " healthy step(s) miss what the job logged, so no verdict about the failure holds until the bundle "
+                "matches the job (see the finding for what to check)";
+       }},
+      {C::kSystemBitFlip, W::kAlways, any,
+       [](const Finding& f, const ReplayReport&) {
+         return "hardware: a single flipped bit in " + f.evidence.text(K::kParam).value_or("a weight") + " (bit " +
+                std::to_string(f.evidence.integer(K::kBit).value_or(-1)) + ", first held by the checkpoint of step " +
+                std::to_string(f.evidence.integer(K::kStep).value_or(-1)) +
+                "): silent data corruption, not the model or the data";
+       }},
+      {C::kCheckpointNonfinite, W::kAlways, is_error,
+       [](const Finding& f, const ReplayReport&) {
+         return "the checkpoint itself already holds non-finite values (" + f.message + "): the replay only propagates them";
+       }},
+      // One a step's batch reads stops that step; one no step reads explains nothing about the replay.
+      {C::kDataTokenOutOfRange, W::kAlways, [](const Finding& f, const ReplayReport&) { return f.evidence.has(K::kStep); },
+       [](const Finding& f, const ReplayReport&) { return "poisoned data: " + f.message; }},
+      {C::kDataRepeatRun, W::kWithOrigin,
+       [](const Finding& f, const ReplayReport& r) { return is_error(f, r) && f.evidence.integer(K::kSample) == r.first_nonfinite->sample; },
+       [](const Finding& f, const ReplayReport& r) { return poisoned_sample_summary(f, r); }},
+      {C::kDataLowEntropy, W::kWithOrigin,
+       [](const Finding& f, const ReplayReport& r) { return is_error(f, r) && f.evidence.integer(K::kSample) == r.first_nonfinite->sample; },
+       [](const Finding& f, const ReplayReport& r) { return poisoned_sample_summary(f, r); }},
+      {C::kDataTokenEmbeddingOutlier, W::kWithOrigin, any,
+       [](const Finding& f, const ReplayReport& r) {
+         return "poisoned token: " + f.message + "; it drives the first non-finite value at " + origin_site(r);
+       }},
+      {C::kNumericZeroNorm, W::kWithOrigin,
+       [](const Finding& f, const ReplayReport& r) { return is_error(f, r) && at_origin_step(f, r); },
+       [](const Finding& f, const ReplayReport&) { return "zero-norm denominator: " + f.message; }},
+      {C::kNumericFp8ScaleJump, W::kWithOrigin, at_origin_step,
+       [](const Finding& f, const ReplayReport&) { return "an fp8 scaling factor jumped into the failing step: " + f.message; }},
+      {C::kNumericOverflow, W::kWithOrigin, is_error,
+       [](const Finding& f, const ReplayReport&) { return "numeric overflow: " + f.message; }},
+      {C::kSystemNotReproducible, W::kWithoutOrigin, is_error,
+       [](const Finding& f, const ReplayReport&) { return "not reproducible: " + f.message; }},
+      {C::kSystemRankMismatch, W::kWithoutOrigin, any,
+       [](const Finding& f, const ReplayReport&) { return "one rank disagrees with its own replay: " + f.message; }},
   };
-  if (const Finding* f = find_code(report, "BUNDLE_CHECKSUM_MISMATCH")) {
-    return from(*f, "the bundle's data differs from what the job read (" + f->message + ")");
-  }
-  // Nothing else holds when the replay does not replay the run.
-  if (const Finding* f = find_code(report, "BUNDLE_DOES_NOT_REPRODUCE")) {
-    return from(*f, "the bundle does not describe the run: " + std::to_string(f->evidence.value("length", 0)) +
-                        " of " + std::to_string(f->evidence.value("checked_steps", 0)) +
-                        " healthy step(s) miss what the job logged, so no verdict about the failure holds until "
-                        "the bundle matches the job (see the finding for what to check)");
-  }
-  if (const Finding* f = find_code(report, "SYSTEM_BIT_FLIP")) {
-    return from(*f, "hardware: a single flipped bit in " + f->evidence.value("param", std::string("a weight")) +
-                        " (bit " + f->evidence["bit"].dump() + ", first held by the checkpoint of step " +
-                        f->evidence["step"].dump() + "): silent data corruption, not the model or the data");
-  }
-  if (const Finding* f = find_error(report, "CHECKPOINT_NONFINITE")) {
-    return from(*f, "the checkpoint itself already holds non-finite values (" + f->message +
-                        "): the replay only propagates them");
-  }
-  for (const Finding& f : report.findings) {
-    // One a step's batch reads stops that step; one no step reads is reported
-    // (below, as a data error) but explains nothing about the replay.
-    if (f.code == "DATA_TOKEN_OUT_OF_RANGE" && f.evidence.contains("step")) {
-      return from(f, "poisoned data: " + f.message);
+  return rules;
+}
+
+}  // namespace
+
+RootCause decide_root_cause(const ReplayReport& report) {
+  const bool origin = report.first_nonfinite.has_value();
+  for (const RootCauseRule& rule : root_cause_rules()) {
+    if (rule.when == RootCauseRule::When::kWithOrigin && !origin) continue;
+    if (rule.when == RootCauseRule::When::kWithoutOrigin && origin) continue;
+    for (const Finding& f : report.findings) {
+      if (f.code == rule.code && rule.accepts(f, report)) return {f.layer(), f.code, rule.summary(f, report)};
     }
   }
-  if (report.first_nonfinite) {
+  if (origin) {
     const FirstNonfinite& first = *report.first_nonfinite;
-    for (const Finding& f : report.findings) {
-      const bool poison = f.code == "DATA_REPEAT_RUN" || f.code == "DATA_LOW_ENTROPY";
-      if (poison && f.severity == Severity::kError && f.evidence.value("sample", int64_t{-2}) == first.sample) {
-        return from(f, "poisoned sample " + std::to_string(first.sample) + " (" + f.message +
-                           ") drives the first non-finite value at " + first.site);
-      }
-    }
-    if (const Finding* f = find_code(report, "DATA_TOKEN_EMBEDDING_OUTLIER")) {
-      return from(*f, "poisoned token: " + f->message + "; it drives the first non-finite value at " + first.site);
-    }
-    for (const Finding& f : report.findings) {
-      if (f.code == "NUMERIC_ZERO_NORM" && f.severity == Severity::kError &&
-          f.evidence.value("step", int64_t{-1}) == first.step) {
-        return from(f, "zero-norm denominator: " + f.message);
-      }
-    }
-    for (const Finding& f : report.findings) {
-      if (f.code == "NUMERIC_FP8_SCALE_JUMP" && f.evidence.value("step", int64_t{-1}) == first.step) {
-        return from(f, "an fp8 scaling factor jumped into the failing step: " + f.message);
-      }
-    }
-    if (const Finding* f = find_error(report, "NUMERIC_OVERFLOW")) {
-      return from(*f, "numeric overflow: " + f->message);
-    }
-    return RootCause{TriageLayer::kNumeric, "NONFINITE",
-                     "a non-finite value is first produced at " + first.site + " (step " +
-                         std::to_string(first.step) + ", " + phase_name(first.phase) + ")"};
+    return {TriageLayer::kNumeric, std::nullopt,
+            "a non-finite value is first produced at " + first.site + " (step " + std::to_string(first.step) + ", " +
+                phase_name(first.phase) + ")"};
   }
-  if (const Finding* f = find_error(report, "SYSTEM_NOT_REPRODUCIBLE")) {
-    return from(*f, "not reproducible: " + f->message);
-  }
-  if (const Finding* f = find_code(report, "SYSTEM_RANK_MISMATCH")) {
-    return from(*f, "one rank disagrees with its own replay: " + f->message);
-  }
+  // Nothing went non-finite: any data error, then any error or warning, then handled fp16 overflow.
   for (const Finding& f : report.findings) {
-    if (f.layer == TriageLayer::kData && f.severity == Severity::kError) return from(f, f.message);
+    if (f.layer() == TriageLayer::kData && f.severity == Severity::kError) return {f.layer(), f.code, f.message};
   }
   for (const Severity severity : {Severity::kError, Severity::kWarning}) {
     for (const Finding& f : report.findings) {
-      if (f.severity == severity) return from(f, "nothing went non-finite, but: " + f.message);
+      if (f.severity == severity) return {f.layer(), f.code, "nothing went non-finite, but: " + f.message};
     }
   }
-  if (const Finding* f = find_code(report, "NUMERIC_LOSS_SCALE_OVERFLOW")) {
-    return from(*f, "only handled fp16 overflow: the loss scaler skips those steps");
+  for (const Finding& f : report.findings) {
+    if (f.code == FindingCode::kNumericLossScaleOverflow) {
+      return {f.layer(), f.code, "only handled fp16 overflow: the loss scaler skips those steps"};
+    }
   }
-  return RootCause{TriageLayer::kNumeric, "NONE", "no fault found in the replayed window"};
+  return {TriageLayer::kNumeric, std::nullopt, "no fault found in the replayed window"};
 }
 
 void order_findings(std::vector<Finding>& findings) {
   std::stable_sort(findings.begin(), findings.end(), [](const Finding& a, const Finding& b) {
-    return static_cast<int>(a.layer) < static_cast<int>(b.layer);
+    return static_cast<int>(a.layer()) < static_cast<int>(b.layer());
   });
 }
 

@@ -30,8 +30,6 @@ struct TriageThresholds {
 // Defaults for the bundle's precision: reduced precision compares looser.
 TriageThresholds default_thresholds(Compute compute);
 
-Finding make_finding(TriageLayer layer, const std::string& code, Severity severity,
-                     const std::string& message, nlohmann::json evidence);
 
 // First site of the step (execution order) holding an inf: where the value
 // reached its type's limit. Also a near-miss warning when nothing overflowed.

@@ -12,6 +12,8 @@
 
 namespace nanreplay {
 
+using K = EvidenceKey;
+
 namespace {
 
 double relative_gap(double replayed, double logged) {
@@ -22,24 +24,23 @@ std::string step_range(int64_t first, int64_t last) {
   return first == last ? "step " + std::to_string(first) : "steps " + std::to_string(first) + "-" + std::to_string(last);
 }
 
-int64_t evidence_step(const Finding& f) { return f.evidence.value("step", int64_t{-1}); }
+int64_t evidence_step(const Finding& f) { return f.evidence.integer(K::kStep).value_or(-1); }
 
 // A logged value the replay contradicts outright: NaN logged where the replay
 // is finite (an error: suspect the machine), or the other way round.
 std::vector<Finding> logged_nonfinite_findings(const StepOutcome& s) {
   if (!s.replayed || !s.logged_loss) return {};
   const double logged = *s.logged_loss;
-  const nlohmann::json evidence = {{"step", s.step}, {"tensor", "loss"}, {"expected", json_number(s.loss)},
-                                   {"after", json_number(logged)}};
+  const Evidence evidence = {{K::kStep, s.step}, {K::kTensor, "loss"}, {K::kExpected, s.loss}, {K::kAfter, logged}};
   if (!std::isfinite(logged) && std::isfinite(s.loss)) {
-    return {make_finding(TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kError,
+    return {make_finding(FindingCode::kSystemNotReproducible, Severity::kError,
                          "step " + std::to_string(s.step) + ": the job logged loss " + format_number(logged) +
                              " but the deterministic replay computes " + format_number(s.loss) +
                              " with every value finite: suspect the machine, not the model",
                          evidence)};
   }
   if (std::isfinite(logged) && !std::isfinite(s.loss)) {
-    return {make_finding(TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kWarning,
+    return {make_finding(FindingCode::kSystemNotReproducible, Severity::kWarning,
                          "step " + std::to_string(s.step) + ": the replay goes non-finite where the job logged loss " +
                              format_number(logged),
                          evidence)};
@@ -53,9 +54,9 @@ struct Gap {
   double logged, replayed, relative;
 };
 
-nlohmann::json gap_json(const Gap& g) {
-  return {{"step", g.step}, {"tensor", g.tensor}, {"expected", g.logged}, {"after", g.replayed},
-          {"relative", g.relative}};
+Evidence gap_evidence(const Gap& g) {
+  return {{K::kStep, g.step}, {K::kTensor, g.tensor}, {K::kExpected, g.logged}, {K::kAfter, g.replayed},
+          {K::kRelative, g.relative}};
 }
 
 // What usually makes a bundle describe another run than the one it claims.
@@ -79,28 +80,24 @@ Finding does_not_reproduce(const ReplayReport& report, const std::vector<Gap>& g
        << format_percent(widest.relative) << " (step " << widest.step << " " << widest.tensor << ": "
        << format_number(widest.replayed) << " replayed, " << format_number(widest.logged)
        << " logged): the bundle describes another model or data order than the run's. Check ";
-  nlohmann::json causes = nlohmann::json::array();
-  for (size_t i = 0; i < typical_mismatches().size(); ++i) {
-    text << (i ? "; " : "") << typical_mismatches()[i];
-    causes.push_back(typical_mismatches()[i]);
-  }
-  nlohmann::json listed = nlohmann::json::array();
-  for (const Gap& g : gaps) listed.push_back(gap_json(g));
+  for (size_t i = 0; i < typical_mismatches().size(); ++i) text << (i ? "; " : "") << typical_mismatches()[i];
+  std::vector<Evidence> listed;
+  for (const Gap& g : gaps) listed.push_back(gap_evidence(g));
   const Gap& first = gaps.front();
-  return make_finding(TriageLayer::kSystem, "BUNDLE_DOES_NOT_REPRODUCE", Severity::kError, text.str(),
-                      {{"step", first.step}, {"tensor", first.tensor}, {"expected", first.logged},
-                       {"after", first.replayed}, {"length", off}, {"checked_steps", check.checked_steps},
-                       {"tolerance", check.tolerance}, {"max_relative_gap", check.max_gap}, {"gaps", listed},
-                       {"causes", causes}});
+  return make_finding(FindingCode::kBundleDoesNotReproduce, Severity::kError, text.str(),
+                      {{K::kStep, first.step}, {K::kTensor, first.tensor}, {K::kExpected, first.logged},
+                       {K::kAfter, first.replayed}, {K::kLength, off}, {K::kCheckedSteps, check.checked_steps},
+                       {K::kTolerance, check.tolerance}, {K::kMaxRelativeGap, check.max_gap}, {K::kGaps, listed},
+                       {K::kCauses, typical_mismatches()}});
 }
 
 Finding odd_step(const Gap& g) {
   const bool loss = std::string(g.tensor) == "loss";
-  return make_finding(TriageLayer::kSystem, "SYSTEM_NOT_REPRODUCIBLE", Severity::kWarning,
+  return make_finding(FindingCode::kSystemNotReproducible, Severity::kWarning,
                       "step " + std::to_string(g.step) + ": replayed " + (loss ? "loss " : "gradient norm ") +
                           format_number(g.replayed) + " is far from the logged " + format_number(g.logged) +
                           " (relative difference " + format_number(g.relative) + ")",
-                      {{"step", g.step}, {"tensor", g.tensor}, {"expected", g.replayed}, {"after", g.logged}});
+                      {{K::kStep, g.step}, {K::kTensor, g.tensor}, {K::kExpected, g.replayed}, {K::kAfter, g.logged}});
 }
 
 // ---- consequences ----------------------------------------------------------
@@ -112,6 +109,8 @@ struct Fold {
   int64_t count = 0;            // tensors or samples
   std::vector<std::string> names;
 };
+
+std::vector<int64_t> steps_of(const Fold& fold) { return {fold.steps.begin(), fold.steps.end()}; }
 
 // The first step at or after the origin, before `checkpoint_step`, whose
 // update applied non-finite gradients (no loss scaler skipped it), or -1.
@@ -129,8 +128,9 @@ int64_t update_that_spread(const ReplayReport& report, int64_t origin, int64_t c
 std::optional<int64_t> last_clean_checkpoint(const ReplayReport& report, int64_t before) {
   std::set<int64_t> contaminated;
   for (const Finding& f : report.findings) {
-    if (f.code != "CHECKPOINT_NONFINITE" || !f.evidence.contains("steps")) continue;
-    for (const auto& s : f.evidence["steps"]) contaminated.insert(s.get<int64_t>());
+    const std::vector<int64_t>* steps = f.evidence.integers(K::kSteps);
+    if (f.code != FindingCode::kCheckpointNonfinite || steps == nullptr) continue;
+    contaminated.insert(steps->begin(), steps->end());
   }
   std::optional<int64_t> clean;
   for (const StepOutcome& s : report.steps) {
@@ -144,52 +144,52 @@ Finding checkpoint_consequence(const ReplayReport& report, const Fold& fold, int
   const std::optional<int64_t> clean = last_clean_checkpoint(report, first);
   bool params = false, moments = false;
   for (size_t i : fold.members) {
-    const std::string kind = report.findings[i].evidence.value("tensor", std::string());
+    const std::string kind = report.findings[i].evidence.text(K::kTensor).value_or("");
     (kind == "parameter" ? params : moments) = true;
   }
   const std::string kind_text = params && moments ? "parameters and optimizer moments"
                                 : params          ? "parameters"
                                                   : "optimizer moments";
-  return make_finding(
-      TriageLayer::kSystem, "CHECKPOINT_NONFINITE", Severity::kInfo,
+  return make_finding(FindingCode::kCheckpointNonfinite, Severity::kInfo,
       step_range(first, last) + ": " + std::to_string(fold.members.size()) + " tensor(s) of the checkpoints (" +
           kind_text + ") hold non-finite values because the update of step " + std::to_string(update_step) +
           " applied non-finite gradients: consequences of the first non-finite value, not causes" +
           (clean ? "; the last clean checkpoint is step " + std::to_string(*clean) + ", the one to resume from"
                  : ""),
-      {{"step", first}, {"last_step", last}, {"steps", fold.steps}, {"length", fold.members.size()},
-       {"tensor", kind_text}, {"params", fold.names}, {"last_clean_step", clean ? nlohmann::json(*clean) : nullptr},
-       {"consequence", true}});
+      {{K::kStep, first}, {K::kLastStep, last}, {K::kSteps, steps_of(fold)}, {K::kLength, fold.members.size()},
+       {K::kTensor, kind_text}, {K::kParams, fold.names},
+       {K::kLastCleanStep, clean ? EvidenceValue(*clean) : EvidenceValue(nullptr)}, {K::kConsequence, true}});
 }
 
-Finding step_consequence(const ReplayReport& report, const std::string& code, const Fold& fold) {
+Finding step_consequence(const ReplayReport& report, FindingCode code, const Fold& fold) {
   const Finding& sample = report.findings[fold.members.front()];
   const int64_t first = *fold.steps.begin(), last = *fold.steps.rbegin();
   const int64_t origin = report.first_nonfinite->step;
-  return make_finding(sample.layer, code, Severity::kInfo,
-                      step_range(first, last) + " go non-finite too (" + code + " in " +
+  return make_finding(code, Severity::kInfo,
+                      step_range(first, last) + " go non-finite too (" + code_name(code) + " in " +
                           std::to_string(fold.steps.size()) + " step(s), first: " + sample.message +
                           "): they follow the first non-finite value at step " + std::to_string(origin),
-                      {{"step", first}, {"last_step", last}, {"steps", fold.steps}, {"length", fold.steps.size()},
-                       {"site", sample.evidence.value("site", std::string())}, {"consequence", true}});
+                      {{K::kStep, first}, {K::kLastStep, last}, {K::kSteps, steps_of(fold)},
+                       {K::kLength, fold.steps.size()}, {K::kSite, sample.evidence.text(K::kSite).value_or("")},
+                       {K::kConsequence, true}});
 }
 
 Finding sample_loss_consequence(const ReplayReport& report, const Fold& fold) {
   const int64_t first = *fold.steps.begin(), last = *fold.steps.rbegin();
   const FirstNonfinite& origin = *report.first_nonfinite;
-  nlohmann::json samples = nlohmann::json::array();
+  std::vector<int64_t> samples;
   for (size_t i : fold.members) {
-    for (const auto& s : report.findings[i].evidence["samples"]) {
+    for (int64_t s : *report.findings[i].evidence.integers(K::kSamples)) {
       if (samples.size() < 16) samples.push_back(s);
     }
   }
-  return make_finding(TriageLayer::kData, "DATA_LOSS_OUTLIER", Severity::kInfo,
+  return make_finding(FindingCode::kDataLossOutlier, Severity::kInfo,
                       step_range(first, last) + ": " + std::to_string(fold.count) +
                           " per-sample loss(es) are non-finite downstream of the first non-finite value (step " +
                           std::to_string(origin.step) + ", sample " + std::to_string(origin.sample) +
                           "): consequences, not properties of those samples",
-                      {{"step", first}, {"last_step", last}, {"steps", fold.steps}, {"length", fold.count},
-                       {"sample", optional_index(origin.sample)}, {"samples", samples}, {"consequence", true}});
+                      {{K::kStep, first}, {K::kLastStep, last}, {K::kSteps, steps_of(fold)}, {K::kLength, fold.count},
+                       {K::kSample, optional_index_value(origin.sample)}, {K::kSamples, samples}, {K::kConsequence, true}});
 }
 
 // Replaces each fold's members by the one finding that stands for them, at the first member's place.
@@ -211,12 +211,12 @@ void replace_folds(ReplayReport& report, const std::vector<std::pair<Fold, Findi
 
 // A data finding's sample is implicated by the failure: how, or null.
 const char* implicated_by(const ReplayReport& report, const Finding& f) {
-  const int64_t step = evidence_step(f), sample = f.evidence.value("sample", int64_t{-1});
+  const int64_t step = evidence_step(f), sample = f.evidence.integer(K::kSample).value_or(-1);
   const auto& first = report.first_nonfinite;
   if (first && first->step == step && first->sample == sample) return "origin";
   for (const Finding& other : report.findings) {
-    const bool finite_outlier = other.code == "DATA_LOSS_OUTLIER" && !other.evidence.contains("samples");
-    if (finite_outlier && evidence_step(other) == step && other.evidence.value("sample", int64_t{-2}) == sample) {
+    const bool finite_outlier = other.code == FindingCode::kDataLossOutlier && !other.evidence.has(K::kSamples);
+    if (finite_outlier && evidence_step(other) == step && other.evidence.integer(K::kSample) == sample) {
       return "loss";
     }
   }
@@ -266,25 +266,27 @@ void fold_consequences(ReplayReport& report) {
   if (!report.first_nonfinite) return;
   const int64_t origin = report.first_nonfinite->step;
   Fold checkpoints, sample_losses;
-  std::map<std::string, Fold> later_steps;
+  std::map<FindingCode, Fold> later_steps;
   int64_t spreading_update = -1;
   for (size_t i = 0; i < report.findings.size(); ++i) {
     const Finding& f = report.findings[i];
     const int64_t step = evidence_step(f);
-    if (f.code == "CHECKPOINT_NONFINITE" && f.severity == Severity::kError && step > origin) {
+    if (f.code == FindingCode::kCheckpointNonfinite && f.severity == Severity::kError && step > origin) {
       const int64_t update = update_that_spread(report, origin, step);
       if (update < 0) continue;  // no update explains it: a cause of its own
       spreading_update = spreading_update < 0 ? update : std::min(spreading_update, update);
       checkpoints.members.push_back(i);
-      for (const auto& held : f.evidence.value("steps", nlohmann::json::array({step}))) {
-        checkpoints.steps.insert(held.get<int64_t>());
+      if (const std::vector<int64_t>* held = f.evidence.integers(K::kSteps)) {
+        checkpoints.steps.insert(held->begin(), held->end());
+      } else {
+        checkpoints.steps.insert(step);
       }
-      if (checkpoints.names.size() < 16) checkpoints.names.push_back(f.evidence.value("param", std::string()));
-    } else if (f.code == "DATA_LOSS_OUTLIER" && f.evidence.contains("samples") && step >= origin) {
+      if (checkpoints.names.size() < 16) checkpoints.names.push_back(f.evidence.text(K::kParam).value_or(""));
+    } else if (f.code == FindingCode::kDataLossOutlier && f.evidence.has(K::kSamples) && step >= origin) {
       sample_losses.members.push_back(i);
       sample_losses.steps.insert(step);
-      sample_losses.count += f.evidence.value("length", int64_t{0});
-    } else if ((f.code == "NUMERIC_OVERFLOW" || f.code == "NUMERIC_ZERO_NORM") && step > origin) {
+      sample_losses.count += f.evidence.integer(K::kLength).value_or(0);
+    } else if ((f.code == FindingCode::kNumericOverflow || f.code == FindingCode::kNumericZeroNorm) && step > origin) {
       Fold& fold = later_steps[f.code];
       fold.members.push_back(i);
       fold.steps.insert(step);
@@ -301,9 +303,9 @@ void fold_consequences(ReplayReport& report) {
 
 void calibrate_data_findings(ReplayReport& report) {
   for (Finding& f : report.findings) {
-    if (f.code != "DATA_REPEAT_RUN" && f.code != "DATA_LOW_ENTROPY") continue;
+    if (f.code != FindingCode::kDataRepeatRun && f.code != FindingCode::kDataLowEntropy) continue;
     const char* how = implicated_by(report, f);
-    f.evidence["implicated"] = how ? nlohmann::json(how) : nlohmann::json(nullptr);
+    f.evidence.set(K::kImplicated, how ? EvidenceValue(how) : EvidenceValue(nullptr));
     if (how == nullptr) {
       f.severity = Severity::kInfo;
       f.message += "; nothing implicates it (text, code and tables hold such samples)";
@@ -328,15 +330,14 @@ void token_findings(ReplayReport& report) {
   std::set<int64_t> named;
   for (const OriginToken& t : report.origin_tokens) {
     if (!t.outlier || !named.insert(t.token).second) continue;
-    report.findings.push_back(make_finding(
-        TriageLayer::kData, "DATA_TOKEN_EMBEDDING_OUTLIER", Severity::kError,
+    report.findings.push_back(make_finding(FindingCode::kDataTokenEmbeddingOutlier, Severity::kError,
         "token " + std::to_string(t.token) + " at position " + std::to_string(t.position) + " of sample " +
             std::to_string(origin.sample) + " has an embedding row of norm " + format_number(t.norm) + ", " +
             format_number(t.typical_norm > 0 ? t.norm / t.typical_norm : INFINITY) +
             "x the typical row (median " + format_number(t.typical_norm) + ")",
-        {{"step", origin.step}, {"token", t.token}, {"sample", optional_index(origin.sample)},
-         {"position", t.position}, {"norm", json_number(t.norm)}, {"typical_norm", t.typical_norm},
-         {"after", json_number(t.norm)}, {"expected", t.typical_norm}}));
+        {{K::kStep, origin.step}, {K::kToken, t.token}, {K::kSample, optional_index_value(origin.sample)},
+         {K::kPosition, t.position}, {K::kNorm, t.norm}, {K::kTypicalNorm, t.typical_norm},
+         {K::kAfter, t.norm}, {K::kExpected, t.typical_norm}}));
   }
 }
 
@@ -347,7 +348,8 @@ void settle_verdict(ReplayReport& report, const TriageThresholds& thresholds) {
   token_findings(report);
   for (Finding& f : report.findings) {
     // A jump landing on the failing step is an error: it is the likely cause.
-    if (f.code == "NUMERIC_FP8_SCALE_JUMP" && report.first_nonfinite && evidence_step(f) == report.first_nonfinite->step) {
+    if (f.code == FindingCode::kNumericFp8ScaleJump && report.first_nonfinite &&
+        evidence_step(f) == report.first_nonfinite->step) {
       f.severity = Severity::kError;
     }
   }

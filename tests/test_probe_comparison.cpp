@@ -65,16 +65,16 @@ TEST_CASE("the first differing probe is named by its site, phase, rank, micro-ba
   const ProbeComparison cmp = compare_probes(pointers(first), again);
   CHECK(cmp.difference == "backward layers.1.attn.scores");
   REQUIRE(cmp.a == &first[2]);
-  const nlohmann::json evidence = difference_evidence(105, cmp.where());
+  const nlohmann::json evidence = evidence_json(difference_evidence(105, cmp.where()));
   CHECK(evidence == nlohmann::json{{"step", 105}, {"phase", "backward"}, {"site", "layers.1.attn.scores"},
                                    {"rank", 1}, {"micro_batch", 0}, {"head", 2}});
 
   const std::vector<ProbeRecord> whole_first{first[3]}, whole_again{again[3]};
   const ProbeComparison whole = compare_probes(pointers(whole_first), whole_again);
-  CHECK(difference_evidence(105, whole.where())["head"].is_null());
+  CHECK(evidence_json(difference_evidence(105, whole.where()))["head"].is_null());
 
   again.pop_back();
   const ProbeComparison shorter = compare_probes(pointers(first), again);
   CHECK(shorter.difference == "probe count 4 vs 3");
-  CHECK(difference_evidence(105, shorter.where()) == nlohmann::json{{"step", 105}});
+  CHECK(evidence_json(difference_evidence(105, shorter.where())) == nlohmann::json{{"step", 105}});
 }

@@ -4,11 +4,13 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <set>
 
 #include "reports/triage_rules.h"
 #include "reports/verdict.h"
 
 using namespace nanreplay;
+using K = EvidenceKey;
 
 namespace {
 
@@ -25,14 +27,14 @@ StepOutcome step(int64_t number, double loss, double logged, double grad_norm = 
 }
 
 Finding checkpoint_nonfinite(const std::string& param, int64_t first, std::vector<int64_t> steps) {
-  return make_finding(TriageLayer::kSystem, "CHECKPOINT_NONFINITE", Severity::kError, "held NaN",
-                      {{"param", param}, {"step", first}, {"steps", steps}, {"tensor", "parameter"}});
+  return make_finding(FindingCode::kCheckpointNonfinite, Severity::kError, "held NaN",
+                      {{K::kParam, param}, {K::kStep, first}, {K::kSteps, steps}, {K::kTensor, "parameter"}});
 }
 
 std::vector<const Finding*> with_code(const ReplayReport& r, const std::string& code) {
   std::vector<const Finding*> out;
   for (const Finding& f : r.findings) {
-    if (f.code == code) out.push_back(&f);
+    if (f.name() == code) out.push_back(&f);
   }
   return out;
 }
@@ -100,9 +102,9 @@ TEST_CASE("verdict: later non-finite checkpoints fold into one consequence namin
   REQUIRE(r.findings.size() == 1);
   const Finding& f = r.findings[0];
   CHECK(f.severity == Severity::kInfo);
-  CHECK(f.evidence["steps"] == nlohmann::json::array({6, 7}));
-  CHECK(f.evidence["length"] == 3);
-  CHECK(f.evidence["last_clean_step"] == 5);
+  CHECK(evidence_json(f.evidence)["steps"] == nlohmann::json::array({6, 7}));
+  CHECK(evidence_json(f.evidence)["length"] == 3);
+  CHECK(evidence_json(f.evidence)["last_clean_step"] == 5);
   CHECK(f.message.find("the update of step 5") != std::string::npos);
 }
 
@@ -125,40 +127,40 @@ TEST_CASE("verdict: non-finite per-sample losses and later overflows are context
   r.first_nonfinite = origin_at(5);
   r.steps = {step(4, 3.0, 3.0), step(5, NAN, NAN, NAN), step(6, NAN, NAN, NAN)};
   auto nonfinite_losses = [](int64_t s, int64_t n) {
-    return make_finding(TriageLayer::kData, "DATA_LOSS_OUTLIER", Severity::kWarning, "",
-                        {{"step", s}, {"sample", 1}, {"samples", {1, 2}}, {"length", n}});
+    return make_finding(FindingCode::kDataLossOutlier, Severity::kWarning, "",
+                        {{K::kStep, s}, {K::kSample, 1}, {K::kSamples, std::vector<int64_t>{1, 2}}, {K::kLength, n}});
   };
-  r.findings = {make_finding(TriageLayer::kData, "DATA_LOSS_OUTLIER", Severity::kWarning, "finite outlier",
-                             {{"step", 4}, {"sample", 9}, {"after", 9.0}}),
+  r.findings = {make_finding(FindingCode::kDataLossOutlier, Severity::kWarning, "finite outlier",
+                             {{K::kStep, 4}, {K::kSample, 9}, {K::kAfter, 9.0}}),
                 nonfinite_losses(5, 2), nonfinite_losses(6, 8),
-                make_finding(TriageLayer::kNumeric, "NUMERIC_OVERFLOW", Severity::kError, "origin", {{"step", 5}}),
-                make_finding(TriageLayer::kNumeric, "NUMERIC_OVERFLOW", Severity::kError, "again", {{"step", 6}})};
+                make_finding(FindingCode::kNumericOverflow, Severity::kError, "origin", {{K::kStep, 5}}),
+                make_finding(FindingCode::kNumericOverflow, Severity::kError, "again", {{K::kStep, 6}})};
   fold_consequences(r);
   REQUIRE(r.findings.size() == 4);
   CHECK(r.findings[0].severity == Severity::kWarning);  // step 4's finite outlier is evidence
   CHECK(r.findings[1].severity == Severity::kInfo);
-  CHECK(r.findings[1].evidence["length"] == 10);
+  CHECK(evidence_json(r.findings[1].evidence)["length"] == 10);
   CHECK(r.findings[2].severity == Severity::kError);  // the origin's own overflow
   CHECK(r.findings[3].severity == Severity::kInfo);
-  CHECK(r.findings[3].evidence["steps"] == nlohmann::json::array({6}));
+  CHECK(evidence_json(r.findings[3].evidence)["steps"] == nlohmann::json::array({6}));
 }
 
 TEST_CASE("verdict: repeat runs and low entropy are errors only when the sample is implicated", "[verdict]") {
   ReplayReport r;
   r.first_nonfinite = origin_at(5, 7);
   auto run = [](int64_t s, int64_t sample) {
-    return make_finding(TriageLayer::kData, "DATA_REPEAT_RUN", Severity::kInfo, "run",
-                        {{"step", s}, {"sample", sample}});
+    return make_finding(FindingCode::kDataRepeatRun, Severity::kInfo, "run",
+                        {{K::kStep, s}, {K::kSample, sample}});
   };
   r.findings = {run(5, 7), run(5, 8), run(4, 9), run(4, 7),
-                make_finding(TriageLayer::kData, "DATA_LOSS_OUTLIER", Severity::kWarning, "",
-                             {{"step", 4}, {"sample", 9}, {"after", 12.0}})};
+                make_finding(FindingCode::kDataLossOutlier, Severity::kWarning, "",
+                             {{K::kStep, 4}, {K::kSample, 9}, {K::kAfter, 12.0}})};
   calibrate_data_findings(r);
   CHECK(r.findings[0].severity == Severity::kError);  // holds the origin
-  CHECK(r.findings[0].evidence["implicated"] == "origin");
+  CHECK(evidence_json(r.findings[0].evidence)["implicated"] == "origin");
   CHECK(r.findings[1].severity == Severity::kInfo);
   CHECK(r.findings[2].severity == Severity::kError);  // its own loss is the outlier
-  CHECK(r.findings[2].evidence["implicated"] == "loss");
+  CHECK(evidence_json(r.findings[2].evidence)["implicated"] == "loss");
   CHECK(r.findings[3].severity == Severity::kInfo);   // the origin's sample, but another step
 }
 
@@ -173,11 +175,11 @@ TEST_CASE("verdict: an embedding row is an outlier against the matrix's own rows
   r.origin_tokens = {{12, 3, 0.3, 0.2, 0.02, false}, {99, 1, 5e4, 0.2, 0.02, true}};
   token_findings(r);
   REQUIRE(r.findings.size() == 1);
-  CHECK(r.findings[0].code == "DATA_TOKEN_EMBEDDING_OUTLIER");
-  CHECK(r.findings[0].evidence["token"] == 99);
-  CHECK(r.findings[0].evidence["position"] == 1);
-  CHECK(r.findings[0].evidence["sample"] == 7);
-  CHECK(r.findings[0].evidence["typical_norm"] == 0.2);
+  CHECK(r.findings[0].code == FindingCode::kDataTokenEmbeddingOutlier);
+  CHECK(evidence_json(r.findings[0].evidence)["token"] == 99);
+  CHECK(evidence_json(r.findings[0].evidence)["position"] == 1);
+  CHECK(evidence_json(r.findings[0].evidence)["sample"] == 7);
+  CHECK(evidence_json(r.findings[0].evidence)["typical_norm"] == 0.2);
 }
 
 TEST_CASE("triage: a per-head overflow counts the head it names, a LayerNorm says variance", "[verdict]") {
@@ -197,8 +199,8 @@ TEST_CASE("triage: a per-head overflow counts the head it names, a LayerNorm say
   const auto found = overflow_findings({whole, head0, head1}, 3, false, Compute::kFp16,
                                        default_thresholds(Compute::kFp16));
   REQUIRE(found.size() == 1);
-  CHECK(found[0].evidence["length"] == 6468);
-  CHECK(found[0].evidence["site_length"] == 29576);
+  CHECK(evidence_json(found[0].evidence)["length"] == 6468);
+  CHECK(evidence_json(found[0].evidence)["site_length"] == 29576);
   CHECK(found[0].message.find("(head 1)") != std::string::npos);
   CHECK(found[0].message.find("6468 element(s) overflowed to inf (29576 over all heads)") != std::string::npos);
 
@@ -210,5 +212,24 @@ TEST_CASE("triage: a per-head overflow counts the head it names, a LayerNorm say
   const auto zero = zero_norm_findings({ln});
   REQUIRE(zero.size() == 1);
   CHECK(zero[0].message.find("whose variance is below eps") != std::string::npos);
-  CHECK(zero[0].evidence["tensor"] == "variance");
+  CHECK(evidence_json(zero[0].evidence)["tensor"] == "variance");
+}
+
+TEST_CASE("finding codes and evidence keys: one table each, in enum order, names unique", "[verdict]") {
+  std::set<std::string> codes;
+  for (size_t i = 0; i < finding_code_table().size(); ++i) {
+    const FindingCodeDef& def = finding_code_table()[i];
+    CHECK(static_cast<size_t>(def.code) == i);
+    CHECK(codes.insert(def.name).second);
+    CHECK(std::string(def.name).find_first_not_of("ABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789") == std::string::npos);
+    CHECK(code_name(def.code) == std::string(def.name));
+  }
+  std::set<std::string> keys;
+  for (size_t i = 0; i < evidence_key_table().size(); ++i) {
+    CHECK(static_cast<size_t>(evidence_key_table()[i].key) == i);
+    CHECK(keys.insert(evidence_key_table()[i].name).second);
+  }
+  // Non-finite numbers render as report v1 writes them; null indices as null.
+  const Evidence e = {{K::kAfter, INFINITY}, {K::kHead, optional_index_value(-1)}, {K::kSteps, std::vector<int64_t>{3}}};
+  CHECK(evidence_json(e) == nlohmann::json{{"after", "inf"}, {"head", nullptr}, {"steps", {3}}});
 }

@@ -144,9 +144,9 @@ TEST_CASE("a step whose batch holds an out-of-range token is reported, not repla
   CHECK(report.steps[0].replayed);
   CHECK_FALSE(report.steps[1].replayed);
   REQUIRE_FALSE(report.findings.empty());
-  CHECK(report.findings[0].code == "DATA_TOKEN_OUT_OF_RANGE");
-  CHECK(report.findings[0].evidence["offset"] == where.offset);
-  CHECK(report.findings[0].evidence["shard"] == before.tokens().spec(where.shard).path);
+  CHECK(report.findings[0].name() == std::string("DATA_TOKEN_OUT_OF_RANGE"));
+  CHECK(evidence_json(report.findings[0].evidence)["offset"] == where.offset);
+  CHECK(evidence_json(report.findings[0].evidence)["shard"] == before.tokens().spec(where.shard).path);
   CHECK(exit_status_for(report) == 1);
 }
 
@@ -175,13 +175,13 @@ TEST_CASE("the update check finds a flipped bit in a parameter it predicts in se
   const ReplayReport report = replay_bundle(bundle, options);
   std::vector<const Finding*> flips;
   for (const Finding& f : report.findings) {
-    if (f.code == "SYSTEM_BIT_FLIP") flips.push_back(&f);
+    if (f.name() == std::string("SYSTEM_BIT_FLIP")) flips.push_back(&f);
   }
   REQUIRE(flips.size() == 1);
-  CHECK(flips[0]->evidence["param"] == name);
-  CHECK(flips[0]->evidence["bit"] == 30);
-  CHECK(flips[0]->evidence["step"] == 101);
-  CHECK(flips[0]->evidence["index"] == nlohmann::json::array({row, col}));
+  CHECK(evidence_json(flips[0]->evidence)["param"] == name);
+  CHECK(evidence_json(flips[0]->evidence)["bit"] == 30);
+  CHECK(evidence_json(flips[0]->evidence)["step"] == 101);
+  CHECK(evidence_json(flips[0]->evidence)["index"] == nlohmann::json::array({row, col}));
 }
 
 TEST_CASE("set_compute_threads caps LibTorch and a BLAS thread pool of its own", "[torch][threads]") {

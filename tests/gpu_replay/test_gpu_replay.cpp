@@ -108,7 +108,7 @@ TEST_CASE("fp32 on the GPU reproduces the CPU losses and flags nothing on a clea
     CHECK(gpu.steps[i].grad_norm == Approx(cpu.steps[i].grad_norm).epsilon(1e-4));
   }
   for (const Finding& f : gpu.findings) {
-    INFO(f.code << ": " << f.message);
+    INFO(f.name() << ": " << f.message);
     CHECK(f.severity != Severity::kError);
   }
 }
