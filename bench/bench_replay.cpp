@@ -40,7 +40,8 @@
 #include "loaders/bundle.h"
 #include "replay/checkpoint.h"
 #include "replay/replay_engine.h"
-#include "replay/step_replay.h"
+#include "replay/step.h"
+#include "replay/step_scan.h"
 #include "replay/synthetic_bundle.h"
 
 namespace fs = std::filesystem;
@@ -234,10 +235,17 @@ int main(int argc, char** argv) {
   const nanreplay::Bundle bundle(ten);
   const nanreplay::StepFiles& files = bundle.steps().front();
   const nanreplay::StepState state = bundle.load_state(files);
-  const nanreplay::StepBatch batch = nanreplay::step_batch(bundle, files.step);
+  const nanreplay::StepBatch batch = nanreplay::batch_of_step(bundle, files.step);
   const auto load_start = Clock::now();
   nanreplay::ModelCheckpoint checkpoint(files, bundle.manifest().model);
   const double load_seconds = seconds_since(load_start);
+  // The replay's one step function, as `nanreplay run` calls it, with probes on or off.
+  auto replay_once = [&](bool probes) {
+    nanreplay::StepRequest request;
+    request.probes = probes ? nanreplay::ProbeLevel::kFull : nanreplay::ProbeLevel::kOff;
+    return nanreplay::replay_step({bundle.manifest(), bundle.tokens(), files.step, state, batch}, checkpoint, {},
+                                  request);
+  };
   int64_t parameters = 0;
   for (const auto& [name, tensor] : checkpoint.params()) parameters += tensor.numel();
 
@@ -251,7 +259,7 @@ int main(int argc, char** argv) {
   if (!c.only.empty()) {
     for (int r = 0; r < c.repetitions; ++r) {
       const auto start = Clock::now();
-      nanreplay::replay_step(bundle, files, state, batch, checkpoint, c.only == "on");
+      replay_once(c.only == "on");
       std::printf("replay step, probes %s  %.3f s\n", c.only.c_str(), seconds_since(start));
 
     }
@@ -277,7 +285,7 @@ int main(int argc, char** argv) {
   std::vector<std::function<double()>> sides = {
       [&] {
         const auto start = Clock::now();
-        const nanreplay::StepGradients step = nanreplay::replay_step(bundle, files, state, batch, checkpoint, true);
+        const nanreplay::StepResult step = replay_once(true);
         const double seconds = seconds_since(start);
         probe_count = step.probes.size();
         loss_on = step.loss;
@@ -285,7 +293,7 @@ int main(int argc, char** argv) {
       },
       [&] {
         const auto start = Clock::now();
-        const nanreplay::StepGradients step = nanreplay::replay_step(bundle, files, state, batch, checkpoint, false);
+        const nanreplay::StepResult step = replay_once(false);
         const double seconds = seconds_since(start);
         loss_off = step.loss;
         return seconds;

@@ -42,19 +42,12 @@ ComputePlacement placement_for(const std::vector<std::string>& names, bool nativ
   return placement;
 }
 
-int layer_of_param(const std::string& name) {
-  for (const std::string prefix : {"model.layers.", "transformer.h."}) {
-    if (name.compare(0, prefix.size(), prefix) == 0) return std::atoi(name.c_str() + prefix.size());
-  }
-  return -1;
-}
-
 void ModelCheckpoint::place(const std::vector<torch::Device>& devices, int num_layers) {
   placed_.clear();
   if (devices.empty() || (devices.size() == 1 && devices[0].is_cpu())) return;
   const int first_half = num_layers / 2;
   for (const std::string& name : order_) {
-    const int layer = layer_of_param(name);
+    const int layer = layer_of_parameter(name);
     const bool embedding = name.find("embed_tokens") != std::string::npos ||
                            name.find(".wte.") != std::string::npos || name.find(".wpe.") != std::string::npos;
     const bool on_first = devices.size() == 1 || embedding || (layer >= 0 && layer < first_half);

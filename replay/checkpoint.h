@@ -50,9 +50,6 @@ class ModelCheckpoint {
   std::vector<std::string> order_;
 };
 
-// The decoder layer a parameter belongs to ("model.layers.3.…" -> 3), or -1.
-int layer_of_param(const std::string& name);
-
 // fp32 view (or upcast copy) of one safetensors tensor.
 torch::Tensor tensor_from_safetensors(const TensorInfo& info, const std::string& label);
 

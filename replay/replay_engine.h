@@ -11,6 +11,7 @@
 
 #include "loaders/bundle.h"
 #include "reports/report.h"
+#include "replay/runtime.h"
 #include "reports/triage_rules.h"
 
 namespace nanreplay {
@@ -42,12 +43,6 @@ struct ReplayOptions {
   bool native_low_precision = true;
 };
 
-// Checks --device values before anything is loaded: UsageError naming the
-// value when it is malformed, asks for CUDA in a build or on a machine
-// without it, names a device that does not exist, or combines --cross-check
-// with anything but two devices of one kind.
-void validate_devices(const std::vector<std::string>& devices, bool cross_check);
-
 // Thrown when should_stop() returned true; nothing has been written.
 struct ReplayInterrupted {
   size_t steps_done = 0;
@@ -57,21 +52,4 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options);
 
 }  // namespace nanreplay
 
-namespace nanreplay {
-// Threads the replay's tensor math uses (0: all cores): LibTorch's, and a
-// BLAS thread pool of its own (OpenBLAS pthreads) where there is one.
-void set_compute_threads(int threads);
 
-// Whether LibTorch's BLAS runs matrix products on a thread pool of its own
-// (OpenBLAS built with pthreads, as Debian's libopenblas0-pthread), beside
-// LibTorch's OpenMP pool.
-bool blas_has_own_thread_pool();
-
-// Process-wide heap settings for replaying (glibc; elsewhere a no-op): the
-// steady state glibc's adaptive thresholds reach only after LibTorch has freed
-// a few large tensors (blocks below 32 MiB from the heap, up to 64 MiB of free
-// top kept) set from the start. The first step then does not map and fault in
-// every activation afresh, and every step peaks alike, so memory is the same
-// for one step or many. Call once, before the first replay.
-void tune_heap_for_replay();
-}  // namespace nanreplay

@@ -1,9 +1,6 @@
-// Pass-by-pass replay of one step; see step_scan.h. The rule that decides
-// whether a step is bad mirrors replay_bundle's exactly: the earliest
-// non-finite value in execution order (micro-batch, phase, site, rank), the
-// parameter gradients after every pass, except that in fp16 a step whose
-// forward stayed finite and whose gradient norm is non-finite is handled by
-// the loss scaler, not the incident.
+// Bisection's and the what-ifs' view of one step; see step_scan.h. The
+// cheap pass is replay_step at kFlags and judged by judge_step, the rule
+// `run` uses too.
 #include "replay/step_scan.h"
 
 #include <algorithm>
@@ -18,45 +15,7 @@ namespace nanreplay {
 
 namespace {
 
-const StepEntry& manifest_entry(const Manifest& m, int64_t step) {
-  for (const StepEntry& entry : m.steps) {
-    if (entry.step == step) return entry;
-  }
-  throw std::logic_error("no manifest entry for step " + std::to_string(step));
-}
-
 bool is_fp16(const Manifest& m) { return m.precision.compute == Compute::kFp16; }
-
-// The arithmetic of a step under `overrides`: model config, fp8 scales, numerics.
-struct StepArithmetic {
-  ModelConfig model;
-  std::map<std::string, Fp8ModuleScales> fp8_scales;
-  Numerics numerics;
-  double loss_scale = 1.0;
-
-  StepArithmetic(const Manifest& m, const StepState& state, const StepOverrides& overrides, bool native)
-      : model(m.model),
-        fp8_scales(overrides.fp8_scales ? *overrides.fp8_scales : state.fp8_scales),
-        numerics(step_numerics(m, &fp8_scales)),
-        loss_scale(is_fp16(m) ? state.loss_scale : 1.0) {
-    if (overrides.norm_eps) model.norm_eps = *overrides.norm_eps;
-    numerics.set_overrides(overrides.numerics);
-    numerics.set_native(native);
-  }
-  StepArithmetic(const StepArithmetic&) = delete;  // numerics points into fp8_scales
-  StepArithmetic& operator=(const StepArithmetic&) = delete;
-};
-
-// The rows of one rank's micro-batch, less the dropped samples.
-std::vector<int64_t> micro_batch_rows(const StepBatch& batch, const DataConfig& data, int rank, int micro,
-                                      const std::set<int64_t>& dropped) {
-  const std::vector<int64_t>& all = batch.samples.at(static_cast<size_t>(rank));
-  const auto begin = all.begin() + micro * data.micro_batch_size;
-  std::vector<int64_t> rows;
-  std::copy_if(begin, begin + data.micro_batch_size, std::back_inserter(rows),
-               [&](int64_t sample) { return dropped.count(sample) == 0; });
-  return rows;
-}
 
 bool earlier(const ProbeRecord& a, const ProbeRecord& b) { return execution_key(a) < execution_key(b); }
 
@@ -66,36 +25,44 @@ bool all_finite(const std::vector<torch::Tensor>& grads) {
   });
 }
 
-// The flag of the first parameter gradient holding a non-finite value, if any.
-std::optional<size_t> first_nonfinite_grad(const std::vector<torch::Tensor>& grads) {
-  for (size_t i = 0; i < grads.size(); ++i) {
-    if (grads[i].defined() && !torch::isfinite(grads[i]).all().item<bool>()) return i;
-  }
-  return std::nullopt;
-}
-
 }  // namespace
 
-StepBatch batch_of_step(const Bundle& bundle, int64_t step) {
-  return StepBatch{bundle.sampler().samples_for(manifest_entry(bundle.manifest(), step))};
+const StepEntry& step_entry(const Manifest& m, int64_t step) {
+  for (const StepEntry& entry : m.steps) {
+    if (entry.step == step) return entry;
+  }
+  throw std::logic_error("no manifest entry for step " + std::to_string(step));
 }
 
-std::optional<std::string> unreplayable_reason(const Bundle& bundle, const StepBatch& batch) {
+StepBatch batch_of_step(const Bundle& bundle, int64_t step) {
+  return StepBatch{bundle.sampler().samples_for(step_entry(bundle.manifest(), step))};
+}
+
+std::vector<BatchToken> out_of_range_in_batch(const Bundle& bundle, const StepBatch& batch, size_t max_listed) {
   const Manifest& m = bundle.manifest();
   const int64_t seq = m.data.seq_len;
+  std::vector<BatchToken> found;
   std::vector<int64_t> window(static_cast<size_t>(seq + 1));
-  for (const std::vector<int64_t>& rank_samples : batch.samples) {
-    for (int64_t sample : rank_samples) {
+  for (size_t rank = 0; rank < batch.samples.size(); ++rank) {
+    for (int64_t sample : batch.samples[rank]) {
       bundle.tokens().read(sample * seq, seq + 1, window.data());
       for (int64_t pos = 0; pos <= seq; ++pos) {
         const int64_t token = window[static_cast<size_t>(pos)];
         if (token < m.model.vocab_size) continue;
-        return "token id " + std::to_string(token) + " >= vocab_size " + std::to_string(m.model.vocab_size) +
-               " in sample " + std::to_string(sample) + " at position " + std::to_string(pos);
+        if (found.size() == max_listed) return found;
+        found.push_back({static_cast<int>(rank), sample, pos, token});
       }
     }
   }
-  return std::nullopt;
+  return found;
+}
+
+std::optional<std::string> unreplayable_reason(const Bundle& bundle, const StepBatch& batch) {
+  const std::vector<BatchToken> bad = out_of_range_in_batch(bundle, batch, 1);
+  if (bad.empty()) return std::nullopt;
+  return "token id " + std::to_string(bad[0].token) + " >= vocab_size " +
+         std::to_string(bundle.manifest().model.vocab_size) + " in sample " + std::to_string(bad[0].sample) +
+         " at position " + std::to_string(bad[0].position);
 }
 
 LoadedStep::LoadedStep(const Bundle& bundle, int64_t step, const ComputePlacement& placement)
@@ -124,101 +91,38 @@ std::vector<std::string> LoadedStep::nonfinite_params() const {
   return names;
 }
 
+StepResult replay_loaded_step(LoadedStep& step, const StepRequest& request) {
+  StepRequest placed = request;
+  placed.native_low_precision = step.native_low_precision();
+  const StepInputs inputs{step.bundle().manifest(), step.bundle().tokens(), step.step(), step.state(), step.batch()};
+  return replay_step(inputs, step.checkpoint().compute_params(), step.checkpoint().order(), placed);
+}
+
 StepScan scan_step(LoadedStep& step, const StepOverrides& overrides, bool stop_at_first_bad,
                    const PassHook& before_pass) {
-  const Manifest& m = step.bundle().manifest();
-  const DataConfig& data = m.data;
-  const StepArithmetic arithmetic(m, step.state(), overrides, step.native_low_precision());
-  const int world = static_cast<int>(data.world_size);
-  const int accum = static_cast<int>(data.grad_accum_steps);
-  ParamMap& params = step.checkpoint().compute_params();
-  const std::vector<std::string>& order = step.checkpoint().order();
-  // In fp16 a backward overflow alone may be the scaler's business; only a
-  // forward flag settles that the step is bad. Elsewhere any flag does.
-  const bool fp16 = is_fp16(m);
-
+  StepRequest request;
+  request.probes = ProbeLevel::kFlags;
+  request.overrides = overrides;
+  request.stop_at_first_bad = stop_at_first_bad;
+  if (before_pass) request.before_pass = [&](int, int, const char* phase) {
+    if (std::string(phase) == "forward") before_pass();  // once per pass
+  };
+  const StepResult result = replay_loaded_step(step, request);
+  const StepJudgement judged = judge_step(result, step.bundle().manifest().precision.compute);
   StepScan scan;
   scan.step = step.step();
-  std::vector<torch::Tensor> grads(order.size());
-  std::vector<ProbeRecord> flags;
-  std::map<std::pair<int, int>, std::vector<int64_t>> rows_of_pass;  // (micro-batch, rank)
-  int settled_at = accum;  // the earliest micro-batch whose flags settle that the step is bad
-  bool complete = true;
-  double loss_sum = 0.0;
-  int ranks_with_loss = 0;
-  for (int rank = 0; rank < world; ++rank) {
-    clear_gradients(params, order);
-    double rank_loss = 0.0;
-    int passes_with_loss = 0;
-    bool rank_complete = true;
-    for (int micro = 0; micro < accum; ++micro) {
-      if (stop_at_first_bad && micro > settled_at) {
-        rank_complete = false;
-        break;
-      }
-      std::vector<int64_t> rows = micro_batch_rows(step.batch(), data, rank, micro, overrides.dropped_samples);
-      if (rows.empty()) continue;  // every row dropped by a what-if
-      if (before_pass) before_pass();
-      const PassInput input{{step.step(), micro, rank, rows}, arithmetic.loss_scale / accum};
-      PassOutput out = replay_pass(arithmetic.model, step.bundle().tokens(), data.seq_len, input, params,
-                                   arithmetic.numerics, {ProbeLevel::kFlags, {}});
-      ++scan.passes;
-      rank_loss += out.loss;
-      ++passes_with_loss;
-      rows_of_pass[{micro, rank}] = std::move(rows);
-      for (ProbeRecord& flag : out.probes) {
-        if (!fp16 || flag.phase == Phase::kForward) settled_at = std::min(settled_at, micro);
-        flags.push_back(std::move(flag));
-      }
+  scan.passes = result.passes;
+  scan.complete = result.complete;
+  scan.loss = result.loss;
+  scan.grad_norm = result.grad_norm;
+  scan.scaler_skips = judged.scaler_skips;
+  scan.handled_overflow = judged.handled_overflow;
+  scan.bad = judged.bad;
+  if (judged.first != nullptr) {
+    scan.first = *judged.first;
+    if (judged.first->phase != Phase::kGrad) {
+      scan.first_pass_samples = result.rows_of_pass.at({judged.first->micro_batch, judged.first->rank});
     }
-    if (!rank_complete) {
-      complete = false;
-      continue;
-    }
-    if (passes_with_loss > 0) {
-      loss_sum += rank_loss / passes_with_loss;
-      ++ranks_with_loss;
-    }
-    add_rank_gradients(params, order, 1.0 / arithmetic.loss_scale, world, grads);
-  }
-  clear_gradients(params, order);
-  if (complete) {
-    scan.complete = true;
-    scan.loss = ranks_with_loss > 0 ? loss_sum / ranks_with_loss : std::nan("");
-    scan.grad_norm = total_grad_norm(grads);
-    scan.scaler_skips = fp16 && !std::isfinite(scan.grad_norm);
-  }
-
-  auto earliest_up_to = [&](int last_micro) {
-    const ProbeRecord* best = nullptr;
-    for (const ProbeRecord& flag : flags) {
-      if (flag.micro_batch <= last_micro && (best == nullptr || earlier(flag, *best))) best = &flag;
-    }
-    return best;
-  };
-  if (settled_at < accum) {
-    scan.bad = true;
-    scan.first = *earliest_up_to(settled_at);
-  } else if (!flags.empty()) {  // fp16, flags in the backward only: bad unless the scaler skips
-    scan.handled_overflow = scan.scaler_skips;
-    scan.bad = !scan.scaler_skips;
-    if (scan.bad) scan.first = *earliest_up_to(accum);
-  } else if (const std::optional<size_t> i = first_nonfinite_grad(grads)) {
-    scan.handled_overflow = fp16;  // fp16: non-finite gradients are exactly what the scaler skips
-    scan.bad = !fp16;
-    if (scan.bad) {
-      ProbeRecord flag;
-      flag.step = step.step();
-      flag.phase = Phase::kGrad;
-      flag.order = static_cast<int>(*i);
-      flag.site = order[*i];
-      flag.layer = layer_of_parameter(flag.site);
-      scan.first = flag;
-      scan.first_grad = grads[*i];
-    }
-  }
-  if (scan.first && scan.first->phase != Phase::kGrad) {
-    scan.first_pass_samples = rows_of_pass.at({scan.first->micro_batch, scan.first->rank});
   }
   return scan;
 }
@@ -227,15 +131,7 @@ FirstNonfinite locate_first(LoadedStep& step, const StepOverrides& overrides, co
                             int64_t& passes, const PassHook& before_pass) {
   if (!scan.first) throw std::logic_error("locate_first: the scan found nothing to locate");
   const ProbeRecord& flag = *scan.first;
-  if (flag.phase == Phase::kGrad) {  // already computed by the scan: describe it, no pass
-    ProbeRecord record = describe_tensor(scan.first_grad, nullptr, {}).front();
-    record.step = flag.step;
-    record.phase = flag.phase;
-    record.order = flag.order;
-    record.site = flag.site;
-    record.layer = flag.layer;
-    return first_nonfinite_of(record);
-  }
+  if (flag.phase == Phase::kGrad) return first_nonfinite_of(flag);  // described by the scan: no pass
   const Manifest& m = step.bundle().manifest();
   const StepArithmetic arithmetic(m, step.state(), overrides, step.native_low_precision());
   ParamMap& params = step.checkpoint().compute_params();

@@ -17,24 +17,29 @@
 
 #include "loaders/bundle.h"
 #include "replay/checkpoint.h"
-#include "replay/gradients.h"
+#include "replay/step.h"
 #include "reports/report.h"
 
 namespace nanreplay {
 
-// What a what-if changes in a step's replay; default: nothing.
-struct StepOverrides {
-  std::set<int64_t> dropped_samples;  // rows removed from their micro-batches
-  std::optional<double> norm_eps;     // replaces the model's norm_eps
-  NumericsOverrides numerics;
-  std::optional<std::map<std::string, Fp8ModuleScales>> fp8_scales;  // replace the step's
-};
-
 // Called before every pass; may throw to stop the replay (interrupts, progress).
 using PassHook = std::function<void()>;
 
+// The manifest's entry of `step` (it must be listed).
+const StepEntry& step_entry(const Manifest& manifest, int64_t step);
+
 // The samples a step reads, per rank (the recorded ones where the manifest has them).
 StepBatch batch_of_step(const Bundle& bundle, int64_t step);
+
+// A token id >= vocab_size that a batch reads: the step cannot be replayed.
+struct BatchToken {
+  int rank = 0;
+  int64_t sample = 0;
+  int64_t position = 0;  // in the sample's window of seq_len + 1 tokens
+  int64_t token = 0;
+};
+// The first `max_listed` of them, rank by rank, sample by sample.
+std::vector<BatchToken> out_of_range_in_batch(const Bundle& bundle, const StepBatch& batch, size_t max_listed);
 
 // Why a step cannot be replayed (a token id >= vocab_size in its batch), or none.
 std::optional<std::string> unreplayable_reason(const Bundle& bundle, const StepBatch& batch);
@@ -76,8 +81,10 @@ struct StepScan {
   double loss = 0.0;
   double grad_norm = 0.0;
   int64_t passes = 0;
-  torch::Tensor first_grad;     // `first` is a parameter gradient: that gradient
 };
+
+// The step's replay as LoadedStep holds it, any probe level.
+StepResult replay_loaded_step(LoadedStep& step, const StepRequest& request);
 
 // The cheap pass over a step: every pass with one flag per site, ranks and
 // micro-batches in `run`'s order. With `stop_at_first_bad`, passes after the

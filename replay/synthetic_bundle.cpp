@@ -18,7 +18,7 @@
 #include "loaders/sampler.h"
 #include "loaders/token_shards.h"
 #include "replay/adamw.h"
-#include "replay/gradients.h"
+#include "replay/step.h"
 #include "reports/report.h"
 
 namespace nanreplay {
@@ -369,7 +369,7 @@ struct Trainer {
     write_tensors(step_dir / "optimizer.safetensors", names, state, moments.step);
   }
 
-  nlohmann::json logged_values(int64_t s, const StepGradients& grads) const {
+  nlohmann::json logged_values(int64_t s, const StepResult& grads) const {
     const FaultSpec& fault = spec.fault;
     nlohmann::json logged = {{"loss", json_number(grads.loss)},
                              {"grad_norm", json_number(grads.grad_norm)},
@@ -412,10 +412,13 @@ struct Trainer {
     fs::create_directories(step_dir);
     write_checkpoint(step_dir);
 
-    StepComputeOptions options;
-    options.loss_scale = spec.compute == Compute::kFp16 ? step_scale : 1.0;
-    options.fp8_scales = &fp8_scales;
-    const StepGradients grads = compute_step_gradients(m, tokens, s, batch, params, order, options);
+    StepState replayed_state;  // what the step computes with: its loss scale and fp8 scales
+    replayed_state.step = s;
+    replayed_state.loss_scale = step_scale;
+    replayed_state.fp8_scales = fp8_scales;
+    StepRequest request;
+    request.probes = ProbeLevel::kOff;
+    const StepResult grads = replay_step({m, tokens, s, replayed_state, batch}, params, order, request);
     outcome.losses.push_back(grads.loss);
     const bool skipped = spec.compute == Compute::kFp16 && !std::isfinite(grads.grad_norm);
     nlohmann::json state = {{"step", s}, {"lr", spec.lr}, {"logged", logged_values(s, grads)}};

@@ -10,7 +10,7 @@
 
 #include "loaders/bundle.h"
 #include "replay/checkpoint.h"
-#include "replay/gradients.h"
+#include "replay/step.h"
 #include "reports/report.h"
 
 namespace nanreplay {
@@ -22,7 +22,7 @@ struct UpdateCheckInput {
   const StepFiles* current = nullptr;  // step s (its checkpoint is `checkpoint`)
   const StepFiles* next = nullptr;     // step s + 1
   const ModelCheckpoint* checkpoint = nullptr;
-  const StepGradients* grads = nullptr;  // averaged, unscaled, before clipping
+  const StepResult* grads = nullptr;  // averaged, unscaled, before clipping
   double lr = 0.0;
   bool skipped_by_scaler = false;        // then model(s+1) must equal model(s)
 };

@@ -1,0 +1,22 @@
+// The replay checking itself: one step replayed a second time with full
+// probes, on the same placement (determinism) or on a second device
+// (--cross-check), every probe compared bit for bit with the first replay.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "loaders/bundle.h"
+#include "replay/checkpoint.h"
+#include "reports/report.h"
+
+namespace nanreplay {
+
+DeterminismCheck check_determinism(const Bundle& bundle, const StepFiles& files,
+                                   const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement);
+
+CrossDeviceCheck check_across_devices(const Bundle& bundle, const StepFiles& files,
+                                      const std::vector<ProbeRecord>& first_run, const ComputePlacement& second,
+                                      const std::string& name_a, const std::string& name_b);
+
+}  // namespace nanreplay

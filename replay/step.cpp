@@ -1,0 +1,221 @@
+// One step, every caller; see step.h. Every value the step reports stays
+// where it was computed until the step ends and is read back in one go, so
+// on a GPU a step synchronises once (kFlags with stop_at_first_bad reads each
+// pass's flags as it ends: that is what decides whether to go on).
+#include "replay/step.h"
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include <torch/torch.h>
+
+namespace nanreplay {
+
+namespace {
+
+bool is_fp16(const Manifest& m) { return m.precision.compute == Compute::kFp16; }
+
+// Small tensors (any devices) to one float64 host vector, one copy per device.
+std::vector<double> read_back(const std::vector<torch::Tensor>& parts) {
+  if (parts.empty()) return {};
+  std::vector<torch::Tensor> host;
+  size_t begin = 0;
+  while (begin < parts.size()) {
+    size_t end = begin;
+    while (end < parts.size() && parts[end].device() == parts[begin].device()) ++end;
+    std::vector<torch::Tensor> run;
+    for (size_t i = begin; i < end; ++i) run.push_back(parts[i].detach().reshape({-1}).to(torch::kFloat64));
+    host.push_back(torch::cat(run).to(torch::kCPU));
+    begin = end;
+  }
+  const torch::Tensor all = torch::cat(host).contiguous();
+  return std::vector<double>(all.data_ptr<double>(), all.data_ptr<double>() + all.numel());
+}
+
+// One pass whose values are still where they were computed.
+struct PendingPass {
+  int rank = 0, micro = 0;
+  std::vector<int64_t> rows;
+  std::unique_ptr<ProbeSession> probes;
+  torch::Tensor loss;
+  torch::Tensor sample_loss;  // kFull
+};
+
+// The parameter gradients' records: every one at kFull, the non-finite ones at kFlags.
+void add_gradient_records(StepResult& result, int64_t step, const std::vector<std::string>& order, ProbeLevel level) {
+  for (size_t i = 0; i < result.grads.size(); ++i) {
+    const torch::Tensor& grad = result.grads[i];
+    if (level == ProbeLevel::kFlags && torch::isfinite(grad).all().item<bool>()) continue;
+    for (ProbeRecord& record : describe_tensor(grad.to(torch::kCPU), nullptr, {})) {
+      record.step = step;
+      record.phase = Phase::kGrad;
+      record.order = static_cast<int>(i);
+      record.site = order[i];
+      record.layer = layer_of_parameter(record.site);
+      result.probes.push_back(std::move(record));
+    }
+  }
+}
+
+}  // namespace
+
+StepArithmetic::StepArithmetic(const Manifest& m, const StepState& state, const StepOverrides& overrides, bool native)
+    : model(m.model),
+      fp8_scales(overrides.fp8_scales ? *overrides.fp8_scales : state.fp8_scales),
+      numerics(step_numerics(m, &fp8_scales)),
+      loss_scale(is_fp16(m) ? state.loss_scale : 1.0) {
+  if (overrides.norm_eps) model.norm_eps = *overrides.norm_eps;
+  numerics.set_overrides(overrides.numerics);
+  numerics.set_native(native);
+}
+
+std::vector<int64_t> micro_batch_rows(const StepBatch& batch, const DataConfig& data, int rank, int micro,
+                                      const std::set<int64_t>& dropped) {
+  const std::vector<int64_t>& all = batch.samples.at(static_cast<size_t>(rank));
+  const auto begin = all.begin() + micro * data.micro_batch_size;
+  std::vector<int64_t> rows;
+  std::copy_if(begin, begin + data.micro_batch_size, std::back_inserter(rows),
+               [&](int64_t sample) { return dropped.count(sample) == 0; });
+  return rows;
+}
+
+StepResult replay_step(const StepInputs& in, ParamMap& params, const std::vector<std::string>& order,
+                       const StepRequest& request) {
+  const DataConfig& data = in.manifest.data;
+  const StepArithmetic arithmetic(in.manifest, in.state, request.overrides, request.native_low_precision);
+  const int world = static_cast<int>(data.world_size);
+  const int accum = static_cast<int>(data.grad_accum_steps);
+  const ProbeScope scope{request.probes, {}};
+  const bool settle_early = request.stop_at_first_bad && request.probes == ProbeLevel::kFlags;
+  const bool fp16 = is_fp16(in.manifest);
+
+  StepResult result;
+  std::vector<PendingPass> passes;
+  std::vector<torch::Tensor> rank_norms;
+  std::vector<torch::Tensor> step_grads(order.size());
+  int settled_at = accum;  // the earliest micro-batch whose flags settle that the step is bad
+  for (int rank = 0; rank < world; ++rank) {
+    clear_gradients(params, order);
+    bool rank_complete = true;
+    for (int micro = 0; micro < accum; ++micro) {
+      if (settle_early && micro > settled_at) {
+        rank_complete = false;
+        break;
+      }
+      PendingPass pass{rank, micro, micro_batch_rows(in.batch, data, rank, micro, request.overrides.dropped_samples),
+                       nullptr, {}, {}};
+      if (pass.rows.empty()) continue;  // every row dropped by a what-if
+      if (request.before_pass) request.before_pass(rank, micro, "forward");
+      const torch::Tensor window = sample_windows(in.tokens, pass.rows, data.seq_len);
+      pass.probes = std::make_unique<ProbeSession>(BatchContext{in.step, micro, rank, pass.rows},
+                                                   arithmetic.numerics, scope, arithmetic.model);
+      const ForwardResult forward = forward_loss(arithmetic.model, params, window.narrow(1, 0, data.seq_len),
+                                                 window.narrow(1, 1, data.seq_len), arithmetic.numerics, *pass.probes);
+      pass.loss = forward.loss.detach();
+      pass.sample_loss = forward.sample_loss;
+      if (request.before_pass) request.before_pass(rank, micro, "backward");
+      // The rank's micro-batch loss / grad_accum_steps, times the loss scale.
+      (forward.loss * (arithmetic.loss_scale / accum)).backward();
+      ++result.passes;
+      result.rows_of_pass[{micro, rank}] = pass.rows;
+      if (settle_early) {
+        for (ProbeRecord& flag : pass.probes->take_records()) {
+          if (!fp16 || flag.phase == Phase::kForward) settled_at = std::min(settled_at, micro);
+          result.probes.push_back(std::move(flag));
+        }
+      }
+      passes.push_back(std::move(pass));
+    }
+    if (!rank_complete) {
+      result.complete = false;
+      continue;
+    }
+    const std::vector<torch::Tensor> own =
+        add_rank_gradients(params, order, 1.0 / arithmetic.loss_scale, world, step_grads);
+    rank_norms.push_back(total_grad_norm_tensor(own));
+  }
+  clear_gradients(params, order);
+
+  // The one synchronisation: losses, norms, per-sample losses.
+  std::vector<torch::Tensor> scalars;
+  for (const PendingPass& p : passes) scalars.push_back(p.loss);
+  scalars.insert(scalars.end(), rank_norms.begin(), rank_norms.end());
+  // One rank: the global gradient is that rank's, and so is its norm.
+  if (result.complete) scalars.push_back(world == 1 ? rank_norms.front() : total_grad_norm_tensor(step_grads));
+  for (const PendingPass& p : passes) {
+    if (p.sample_loss.defined()) scalars.push_back(p.sample_loss);
+  }
+  const std::vector<double> values = read_back(scalars);
+  size_t next = 0;
+  std::vector<double> rank_sum(static_cast<size_t>(world), 0.0);
+  std::vector<int> rank_passes(static_cast<size_t>(world), 0);
+  for (const PendingPass& p : passes) {
+    rank_sum[static_cast<size_t>(p.rank)] += values[next++];
+    ++rank_passes[static_cast<size_t>(p.rank)];
+  }
+  double loss_sum = 0.0;
+  int ranks_with_loss = 0;
+  for (int rank = 0; rank < world; ++rank) {
+    if (rank_passes[static_cast<size_t>(rank)] == 0) continue;
+    result.rank_losses.push_back(rank_sum[static_cast<size_t>(rank)] / rank_passes[static_cast<size_t>(rank)]);
+    loss_sum += result.rank_losses.back();
+    ++ranks_with_loss;
+  }
+  result.loss = ranks_with_loss > 0 ? loss_sum / ranks_with_loss : std::nan("");
+  for (size_t r = 0; r < rank_norms.size(); ++r) result.rank_grad_norms.push_back(values[next++]);
+  result.grad_norm = result.complete ? values[next++] : std::nan("");
+  for (const PendingPass& p : passes) {
+    if (!p.sample_loss.defined()) continue;
+    for (int64_t sample : p.rows) result.sample_losses.push_back({sample, p.rank, p.micro, values[next++]});
+  }
+  for (PendingPass& p : passes) {
+    std::vector<NormCheck> norms = p.probes->take_norm_checks();
+    result.norm_checks.insert(result.norm_checks.end(), norms.begin(), norms.end());
+    if (settle_early) continue;  // already taken
+    std::vector<ProbeRecord> records = p.probes->take_records();
+    result.probes.insert(result.probes.end(), std::make_move_iterator(records.begin()),
+                         std::make_move_iterator(records.end()));
+  }
+  if (result.complete) {
+    // The system checks read the gradients on the host; a cheap pass only
+    // looks for non-finite ones, where they are.
+    if (request.probes != ProbeLevel::kFlags) {
+      for (torch::Tensor& grad : step_grads) grad = grad.to(torch::kCPU);
+    }
+    result.grads = std::move(step_grads);
+    if (request.probes != ProbeLevel::kOff) add_gradient_records(result, in.step, order, request.probes);
+  }
+  return result;
+}
+
+StepResult replay_step(const StepInputs& inputs, ModelCheckpoint& checkpoint, const ComputePlacement& placement,
+                       const StepRequest& request) {
+  checkpoint.place(placement, static_cast<int>(inputs.manifest.model.num_layers));
+  StepRequest placed = request;
+  placed.native_low_precision = placement.native_low_precision;
+  return replay_step(inputs, checkpoint.compute_params(), checkpoint.order(), placed);
+}
+
+StepJudgement judge_step(const StepResult& result, Compute compute) {
+  auto earliest = [&](bool forward_only) {
+    const ProbeRecord* best = nullptr;
+    for (const ProbeRecord& r : result.probes) {
+      if (r.head != -1 || r.stats.all_finite()) continue;
+      if (forward_only && r.phase != Phase::kForward) continue;
+      if (best == nullptr || execution_key(r) < execution_key(*best)) best = &r;
+    }
+    return best;
+  };
+  StepJudgement j;
+  const ProbeRecord* any = earliest(false);
+  j.scaler_skips = compute == Compute::kFp16 && result.complete && !std::isfinite(result.grad_norm);
+  // fp16: GradScaler skips a step whose gradients hold a non-finite value.
+  // Overflow confined to the backward of such a step is handled, not the incident.
+  j.handled_overflow = j.scaler_skips && earliest(true) == nullptr && std::isfinite(result.loss);
+  j.bad = any != nullptr && !j.handled_overflow;
+  (j.bad ? j.first : j.handled_first) = any;
+  return j;
+}
+
+}  // namespace nanreplay
