@@ -1,6 +1,8 @@
 // See self_checks.h.
 #include "replay/self_checks.h"
 
+#include <optional>
+
 #include <torch/torch.h>
 
 #include "replay/probe_comparison.h"
@@ -11,9 +13,16 @@ namespace nanreplay {
 
 namespace {
 
-// `files.step` replayed again with every probe on `placement`, compared with the first run's probes.
-ProbeComparison replay_and_compare(const Bundle& bundle, const StepFiles& files,
-                                   const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement) {
+// The statistics of the first probe that differed, in each replay.
+struct DifferingStats {
+  std::optional<TensorStats> first, again;
+};
+
+// `files.step` replayed again with every probe on `placement`, compared with
+// the first run's probes; `into` takes the comparison.
+DifferingStats replay_and_compare(const Bundle& bundle, const StepFiles& files,
+                                   const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement,
+                                   ReplayComparison& into) {
   const StepState state = bundle.load_state(files);
   const StepBatch batch = batch_of_step(bundle, files.step);
   ModelCheckpoint checkpoint(files, bundle.manifest().model);
@@ -23,41 +32,39 @@ ProbeComparison replay_and_compare(const Bundle& bundle, const StepFiles& files,
   for (const ProbeRecord& r : first_run) {
     if (r.step == files.step) before.push_back(&r);
   }
-  return compare_probes(before, again.probes);
+  const ProbeComparison cmp = compare_probes(before, again.probes);
+  into.step = files.step;
+  into.probes_compared = cmp.compared;
+  into.identical = cmp.difference.empty();
+  into.first_difference = cmp.difference;
+  into.where = cmp.where();
+  DifferingStats stats;  // copied: cmp points into `again`, which ends here
+  if (cmp.a != nullptr) stats = {cmp.a->stats, cmp.b->stats};
+  return stats;
 }
 
 }  // namespace
 
 DeterminismCheck check_determinism(const Bundle& bundle, const StepFiles& files,
                                    const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement) {
-  const ProbeComparison cmp = replay_and_compare(bundle, files, first_run, placement);
   DeterminismCheck check;
   check.checked = true;
-  check.step = files.step;
-  check.probes_compared = cmp.compared;
-  check.identical = cmp.difference.empty();
-  check.first_difference = cmp.difference;
-  check.where = cmp.where();
+  replay_and_compare(bundle, files, first_run, placement, check);
   return check;
 }
 
 CrossDeviceCheck check_across_devices(const Bundle& bundle, const StepFiles& files,
                                       const std::vector<ProbeRecord>& first_run, const ComputePlacement& second,
                                       const std::string& name_a, const std::string& name_b) {
-  const ProbeComparison cmp = replay_and_compare(bundle, files, first_run, second);
   CrossDeviceCheck check;
   check.device_a = name_a;
   check.device_b = name_b;
-  check.step = files.step;
-  check.probes_compared = cmp.compared;
-  check.identical = cmp.difference.empty();
-  check.first_difference = cmp.difference;
-  check.where = cmp.where();
-  if (cmp.a != nullptr) {
-    check.max_abs_a = cmp.a->stats.max_abs;
-    check.max_abs_b = cmp.b->stats.max_abs;
-    check.sum_a = cmp.a->stats.sum;
-    check.sum_b = cmp.b->stats.sum;
+  const DifferingStats differing = replay_and_compare(bundle, files, first_run, second, check);
+  if (differing.first) {
+    check.max_abs_a = differing.first->max_abs;
+    check.max_abs_b = differing.again->max_abs;
+    check.sum_a = differing.first->sum;
+    check.sum_b = differing.again->sum;
   }
   return check;
 }

@@ -106,9 +106,8 @@ struct ProbeDifference {
   int rank = -1, micro_batch = -1, head = -1;
 };
 
-// The same step replayed twice must give bitwise identical probes.
-struct DeterminismCheck {
-  bool checked = false;
+// One step replayed a second time, every probe compared bit for bit with the first replay.
+struct ReplayComparison {
   int64_t step = 0;
   bool identical = true;
   int64_t probes_compared = 0;
@@ -116,14 +115,14 @@ struct DeterminismCheck {
   ProbeDifference where;
 };
 
-// --cross-check: one step replayed on two devices, every probe compared bit for bit.
-struct CrossDeviceCheck {
+// The same step replayed twice on this machine must give bitwise identical probes.
+struct DeterminismCheck : ReplayComparison {
+  bool checked = false;
+};
+
+// --cross-check: the step replayed on a second device.
+struct CrossDeviceCheck : ReplayComparison {
   std::string device_a, device_b;
-  int64_t step = 0;
-  bool identical = true;
-  int64_t probes_compared = 0;
-  std::string first_difference;  // "<phase> <site>" of the first probe that differed
-  ProbeDifference where;
   double max_abs_a = 0.0, max_abs_b = 0.0, sum_a = 0.0, sum_b = 0.0;
 };
 
