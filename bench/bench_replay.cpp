@@ -42,7 +42,7 @@
 #include "replay/replay_engine.h"
 #include "replay/step.h"
 #include "replay/step_scan.h"
-#include "replay/synthetic_bundle.h"
+#include "synth/synthetic_bundle.h"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;

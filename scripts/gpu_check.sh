@@ -84,7 +84,7 @@ run() {
   "$python" - "$build/compile_commands.json" <<'PY'
 import json, re, sys
 for entry in json.load(open(sys.argv[1])):
-    if re.search(r"(synthetic_bundle|replay_engine|test_gpu_replay)\.cpp$", entry["file"]):
+    if re.search(r"(synthetic_bundle|replay_engine|step|test_gpu_replay)\.cpp$", entry["file"]):
         flags = sorted(set(re.findall(r"(-std=\S+|-D_GLIBCXX\S*|-fsanitize\S*|-m\S+)", entry["command"])))
         print(entry["file"].split("/")[-1], " ".join(flags))
 PY

@@ -15,6 +15,7 @@
 #include "loaders/error.h"
 #include "loaders/json_util.h"
 #include "loaders/manifest.h"
+#include "loaders/manifest_writer.h"
 
 namespace {
 
@@ -26,7 +27,7 @@ using nanreplay_test::TempDir;
 const char* const kLabel = "bundle/manifest.json";
 const std::string kSha(64, 'a');
 
-// The example manifest of shared/spec/bundle-v1.md with a valid checksum.
+// The example manifest of the bundle format (docs/bundle-format.md) with a valid checksum.
 json example_manifest() {
   json manifest = R"({
     "format": "nanreplay.bundle",
@@ -544,4 +545,30 @@ TEST_CASE("json_util: integers are integers, numbers may be non-finite", "[loade
                       "expected a JSON object");
   CHECK(nanreplay::json_describe(json("x")) == "\"x\"");
   CHECK(nanreplay::json_describe(std::string(100, 'y')).size() < 60);
+}
+
+TEST_CASE("manifest_json writes back what parse_manifest reads", "[manifest][writer]") {
+  json fp8 = example_manifest();
+  fp8["precision"] = {{"compute", "fp8"}, {"fp8", {{"fwd", "e5m2"}, {"bwd", "e5m2"}, {"amax_history_len", 4}, {"margin", 1}}}};
+  json annotated = minimal_manifest();
+  annotated["data"]["sampler"] = {{"kind", "explicit"}};
+  annotated["steps"][0]["samples"] = {{3, 4}};
+  annotated["steps"][0]["original_samples"] = {{30, 40}};
+  for (const json& original : {example_manifest(), minimal_manifest(), fp8, annotated}) {
+    const nanreplay::Manifest m = parse(original);
+    const json written = nanreplay::manifest_json(m);
+    const nanreplay::Manifest again = parse(written);
+    CHECK(nanreplay::manifest_json(again) == written);  // a fixed point
+    CHECK(again.model.hidden_size == m.model.hidden_size);
+    CHECK(again.model.norm_eps == m.model.norm_eps);
+    CHECK(again.precision.compute == m.precision.compute);
+    CHECK(again.data.sampler.kind == m.data.sampler.kind);
+    CHECK(again.data.sampler.seed == m.data.sampler.seed);
+    CHECK(again.data.shards[0].sha256 == m.data.shards[0].sha256);
+    CHECK(again.steps[0].samples == m.steps[0].samples);
+    CHECK(again.steps[0].original_samples == m.steps[0].original_samples);
+    CHECK(again.optimizer.has_value() == m.optimizer.has_value());
+    if (m.precision.fp8) CHECK(again.precision.fp8->fwd == "e5m2");
+    if (m.incident) CHECK(again.incident->step == m.incident->step);
+  }
 }

@@ -14,7 +14,7 @@
 #include "replay/model.h"
 #include "replay/probe_session.h"
 #include "replay/replay_engine.h"
-#include "replay/synthetic_bundle.h"
+#include "synth/synthetic_bundle.h"
 #include "tests/cli_harness.h"
 #include "tests/stats_compare.h"
 

@@ -13,7 +13,7 @@
 #include "loaders/safetensors.h"
 #include "replay/checkpoint.h"
 #include "replay/replay_engine.h"
-#include "replay/synthetic_bundle.h"
+#include "synth/synthetic_bundle.h"
 #include "tests/cli_harness.h"
 
 using namespace nanreplay;

@@ -14,7 +14,7 @@
 #include "replay/cuda_probe_stats.h"
 #include "replay/device_stats.h"
 #include "replay/replay_engine.h"
-#include "replay/synthetic_bundle.h"
+#include "synth/synthetic_bundle.h"
 #include "tests/cli_harness.h"
 #include "tests/stats_compare.h"
 

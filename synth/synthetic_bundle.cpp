@@ -1,7 +1,7 @@
 // Trains a tiny model for a few steps and writes every step as a v1 bundle.
 // The same gradient code as the replay is used, so a clean synthetic bundle
 // replays to exactly the losses it logged.
-#include "replay/synthetic_bundle.h"
+#include "synth/synthetic_bundle.h"
 
 #include <cmath>
 #include <fstream>
@@ -14,6 +14,7 @@
 
 #include <torch/torch.h>
 
+#include "loaders/manifest_writer.h"
 #include "loaders/safetensors.h"
 #include "loaders/sampler.h"
 #include "loaders/token_shards.h"
@@ -282,58 +283,6 @@ std::vector<torch::Tensor> as_stored(const SyntheticSpec& spec, const std::vecto
   return values;
 }
 
-nlohmann::json manifest_json(const SyntheticSpec& spec, const Manifest& m) {
-  const ModelConfig& mc = m.model;
-  nlohmann::json model = {{"arch", arch_name(mc.arch)},      {"vocab_size", mc.vocab_size},
-                          {"hidden_size", mc.hidden_size},   {"num_layers", mc.num_layers},
-                          {"num_heads", mc.num_heads},       {"num_kv_heads", mc.num_kv_heads},
-                          {"max_seq_len", mc.max_seq_len},   {"norm_eps", mc.norm_eps},
-                          {"rope_theta", mc.rope_theta},     {"tie_embeddings", mc.tie_embeddings}};
-  if (mc.arch == Arch::kLlama) model["intermediate_size"] = mc.intermediate_size;
-  nlohmann::json shards = nlohmann::json::array();
-  for (const ShardSpec& s : m.data.shards) {
-    nlohmann::json shard = {{"path", s.path},
-                            {"dtype", s.dtype == TokenDtype::kUint16 ? "uint16" : "uint32"},
-                            {"tokens", s.tokens}};
-    if (s.sha256) shard["sha256"] = *s.sha256;
-    shards.push_back(shard);
-  }
-  nlohmann::json steps = nlohmann::json::array();
-  for (const StepEntry& e : m.steps) {
-    nlohmann::json entry = {{"step", e.step}, {"dir", e.dir}};
-    if (e.samples) entry["samples"] = *e.samples;
-    steps.push_back(entry);
-  }
-  const OptimizerConfig& o = spec.optimizer;
-  nlohmann::json optimizer = {{"kind", "adamw"},        {"betas", {o.beta1, o.beta2}},
-                              {"eps", o.eps},           {"weight_decay", o.weight_decay},
-                              {"no_decay", o.no_decay}};
-  if (o.grad_clip) optimizer["grad_clip"] = *o.grad_clip;
-  const uint64_t seed = spec.manifest_sampler_seed.value_or(m.data.sampler.seed);
-  nlohmann::json out = {
-      {"format", "nanreplay.bundle"},
-      {"version", 1},
-      {"model", model},
-      {"precision", spec.compute == Compute::kFp8
-                        ? nlohmann::json{{"compute", "fp8"},
-                                         {"fp8", {{"fwd", "e4m3"}, {"bwd", "e5m2"}, {"amax_history_len", 16}, {"margin", 0}}}}
-                        : nlohmann::json{{"compute", compute_name(spec.compute)}}},
-      {"optimizer", optimizer},
-      {"data",
-       {{"shards", shards},
-        {"seq_len", m.data.seq_len},
-        {"micro_batch_size", m.data.micro_batch_size},
-        {"grad_accum_steps", m.data.grad_accum_steps},
-        {"world_size", m.data.world_size},
-        {"sampler", {{"kind", "randperm"}, {"seed", seed}, {"epoch", 0}, {"epoch_start_step", spec.first_step}}}}},
-      {"steps", steps},
-  };
-  if (spec.fault.kind != FaultKind::kNone) {
-    out["incident"] = {{"step", spec.fault.step}, {"symptom", "loss=nan"}};
-  }
-  return out;
-}
-
 // ---- training ---------------------------------------------------------------
 
 struct Trainer {
@@ -521,7 +470,11 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
       rewrite_token(tmp, m, first_sample * spec.seq_len + 3, static_cast<uint32_t>(spec.model.vocab_size + 7), true);
     }
     if (fault.kind == FaultKind::kChecksumMismatch) rewrite_token(tmp, m, first_sample * spec.seq_len + 3, 1, false);
-    write_text(tmp / "manifest.json", manifest_json(spec, m).dump(2) + "\n");
+    // What the manifest claims: the run's, or the wrong seed a mislabeled bundle names.
+    if (spec.manifest_sampler_seed) m.data.sampler.seed = *spec.manifest_sampler_seed;
+    if (fault.kind != FaultKind::kNone) m.incident = IncidentInfo{fault.step, "loss=nan"};
+    if (spec.compute == Compute::kFp8) m.precision.fp8 = Fp8Config{};
+    write_text(tmp / "manifest.json", manifest_json(m).dump(2) + "\n");
     fs::remove(dir, ec);  // an empty directory the caller made
     fs::rename(tmp, dir);
     return outcome;
