@@ -26,7 +26,7 @@
 #include "nanreplay_version.h"
 #include "replay/memory_estimate.h"
 #include "replay/replay_engine.h"
-#include "replay/synthetic_bundle.h"
+#include "synth/synthetic_bundle.h"
 #include "reports/html_report.h"
 #include "reports/markdown_report.h"
 #include "reports/bundle_summary.h"
