@@ -2,8 +2,11 @@
 // names, layouts and execution order.
 #include "probes/sites.h"
 
+#include <cctype>
 #include <cstdlib>
 #include <stdexcept>
+
+#include "probes/param_table.h"
 
 namespace nanreplay {
 
@@ -84,53 +87,28 @@ std::vector<SiteRef> forward_sites(const ModelConfig& model) {
 }
 
 std::vector<ParamSpec> expected_parameters(const ModelConfig& m) {
-  const int64_t hidden = m.hidden_size;
-  const int64_t kv_width = m.num_kv_heads * m.head_dim();
   std::vector<ParamSpec> params;
-  if (m.arch == Arch::kLlama) {
-    params.push_back({"model.embed_tokens.weight", {m.vocab_size, hidden}});
-    for (int64_t i = 0; i < m.num_layers; ++i) {
-      const std::string p = "model.layers." + std::to_string(i) + ".";
-      params.push_back({p + "input_layernorm.weight", {hidden}});
-      params.push_back({p + "self_attn.q_proj.weight", {hidden, hidden}});
-      params.push_back({p + "self_attn.k_proj.weight", {kv_width, hidden}});
-      params.push_back({p + "self_attn.v_proj.weight", {kv_width, hidden}});
-      params.push_back({p + "self_attn.o_proj.weight", {hidden, hidden}});
-      params.push_back({p + "post_attention_layernorm.weight", {hidden}});
-      params.push_back({p + "mlp.gate_proj.weight", {m.intermediate_size, hidden}});
-      params.push_back({p + "mlp.up_proj.weight", {m.intermediate_size, hidden}});
-      params.push_back({p + "mlp.down_proj.weight", {hidden, m.intermediate_size}});
+  auto add_place = [&](ParamPlace place, int layer) {
+    for (const ParamDef& def : param_table(m.arch)) {
+      if (def.place != place || (def.role == ParamRole::kLmHead && m.tie_embeddings)) continue;
+      params.push_back({param_key(m.arch, def.role, layer), def.shape(m)});
     }
-    params.push_back({"model.norm.weight", {hidden}});
-    if (!m.tie_embeddings) params.push_back({"lm_head.weight", {m.vocab_size, hidden}});
-    return params;
-  }
-  const int64_t ffn = 4 * hidden;
-  params.push_back({"transformer.wte.weight", {m.vocab_size, hidden}});
-  params.push_back({"transformer.wpe.weight", {m.max_seq_len, hidden}});
-  for (int64_t i = 0; i < m.num_layers; ++i) {
-    const std::string p = "transformer.h." + std::to_string(i) + ".";
-    params.push_back({p + "ln_1.weight", {hidden}});
-    params.push_back({p + "ln_1.bias", {hidden}});
-    params.push_back({p + "attn.c_attn.weight", {3 * hidden, hidden}});
-    params.push_back({p + "attn.c_attn.bias", {3 * hidden}});
-    params.push_back({p + "attn.c_proj.weight", {hidden, hidden}});
-    params.push_back({p + "attn.c_proj.bias", {hidden}});
-    params.push_back({p + "ln_2.weight", {hidden}});
-    params.push_back({p + "ln_2.bias", {hidden}});
-    params.push_back({p + "mlp.c_fc.weight", {ffn, hidden}});
-    params.push_back({p + "mlp.c_fc.bias", {ffn}});
-    params.push_back({p + "mlp.c_proj.weight", {hidden, ffn}});
-    params.push_back({p + "mlp.c_proj.bias", {hidden}});
-  }
-  params.push_back({"transformer.ln_f.weight", {hidden}});
-  params.push_back({"transformer.ln_f.bias", {hidden}});
+  };
+  add_place(ParamPlace::kBefore, -1);
+  for (int layer = 0; layer < m.num_layers; ++layer) add_place(ParamPlace::kLayer, layer);
+  add_place(ParamPlace::kAfter, -1);
   return params;
 }
 
 int layer_of_parameter(const std::string& key) {
-  for (const std::string prefix : {"model.layers.", "transformer.h."}) {
-    if (key.compare(0, prefix.size(), prefix) == 0) return std::atoi(key.c_str() + prefix.size());
+  for (const Arch arch : {Arch::kLlama, Arch::kGpt2}) {
+    for (const ParamDef& def : param_table(arch)) {
+      if (def.place != ParamPlace::kLayer) continue;
+      const std::string prefix = std::string(def.key).substr(0, std::string(def.key).find("{i}"));
+      if (key.compare(0, prefix.size(), prefix) == 0 && prefix.size() < key.size() && std::isdigit(key[prefix.size()])) {
+        return std::atoi(key.c_str() + prefix.size());
+      }
+    }
   }
   return -1;
 }

@@ -8,6 +8,8 @@
 
 #include <torch/torch.h>
 
+#include "probes/param_table.h"
+
 namespace nanreplay {
 
 namespace {
@@ -19,6 +21,16 @@ const torch::Tensor& param(const ParamMap& params, const std::string& name) {
   if (it == params.end()) throw std::logic_error("parameter not loaded: " + name);
   return it->second;
 }
+
+// Parameters by role (probes/param_table.h), in `layer` for per-layer ones.
+struct Weights {
+  const ParamMap& params;
+  Arch arch;
+  const torch::Tensor& operator()(ParamRole role, int layer = -1) const {
+    return param(params, param_key(arch, role, layer));
+  }
+  std::string module(ParamRole role, int layer = -1) const { return module_key(arch, role, layer); }
+};
 
 // x / sqrt(mean(x^2) + eps) * weight, in fp32. The mean square goes to the
 // zero-norm check before eps is added.
@@ -105,64 +117,63 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
                             ProbeSession& probes) {
   const int64_t B = inputs.size(0), T = inputs.size(1), H = m.num_heads, G = m.num_kv_heads,
                 D = m.head_dim();
-  const auto [cos0, sin0] = rotary_tables(T, D, m.rope_theta, param(p, "model.embed_tokens.weight").device());
+  using R = ParamRole;
+  const Weights w{p, Arch::kLlama};
+  const auto [cos0, sin0] = rotary_tables(T, D, m.rope_theta, w(R::kTokenEmbedding).device());
   torch::Tensor cos = cos0, sin = sin0;  // moved along with the activations
   auto rope = [&, &cos = cos, &sin = sin](const torch::Tensor& x, int64_t heads) {
     const torch::Tensor per_head = x.view({B, T, heads, D}).transpose(1, 2);  // (B, heads, T, D)
     return apply_rotary(per_head, cos, sin).transpose(1, 2).reshape({B, T, heads * D});
   };
-  const torch::Tensor embedding = param(p, "model.embed_tokens.weight");
+  const torch::Tensor embedding = w(R::kTokenEmbedding);
   torch::Tensor x = probes.site({SiteId::kEmbed, -1},
                                 F::embedding(inputs.to(embedding.device()), embedding));  // (B, T, C)
   SiteRef stream{SiteId::kEmbed, -1};
   for (int layer = 0; layer < m.num_layers; ++layer) {
-    const std::string pre = "model.layers." + std::to_string(layer) + ".";
     // With the layers split across devices, the activations follow the layer's weights.
-    const torch::Device device = param(p, pre + "input_layernorm.weight").device();
+    const torch::Device device = w(R::kAttnNorm, layer).device();
     if (x.device() != device) {
       x = x.to(device);
       cos = cos.to(device);
       sin = sin.to(device);
     }
     const Numerics block = numerics.in_layer(layer);  // what-ifs may run a layer in fp32
-    auto proj = [&](const torch::Tensor& in, const std::string& module) {
-      return block.linear(in, param(p, module + ".weight"), {}, module);
+    auto proj = [&](const torch::Tensor& in, R role) {
+      return block.linear(in, w(role, layer), {}, w.module(role, layer));
     };
     probes.alias({SiteId::kInput, layer}, stream);
     const torch::Tensor h = probes.site(
         {SiteId::kAttnNorm, layer},
-        rms_norm(x, param(p, pre + "input_layernorm.weight"), m.norm_eps, probes, {SiteId::kAttnNorm, layer}));
+        rms_norm(x, w(R::kAttnNorm, layer), m.norm_eps, probes, {SiteId::kAttnNorm, layer}));
     AttentionInputs attn;
     attn.q = probes.site({SiteId::kAttnQ, layer},
-                         rope(proj(h, pre + "self_attn.q_proj"), H));
+                         rope(proj(h, R::kQProj), H));
     attn.k = probes.site({SiteId::kAttnK, layer},
-                         rope(proj(h, pre + "self_attn.k_proj"), G));
+                         rope(proj(h, R::kKProj), G));
     attn.v = probes.site({SiteId::kAttnV, layer},
-                         proj(h, pre + "self_attn.v_proj"));
+                         proj(h, R::kVProj));
     const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
     const torch::Tensor attn_out = probes.site(
-        {SiteId::kAttnOut, layer}, proj(context, pre + "self_attn.o_proj"));
+        {SiteId::kAttnOut, layer}, proj(context, R::kOProj));
     x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
     const torch::Tensor h2 = probes.site(
         {SiteId::kMlpNorm, layer},
-        rms_norm(x, param(p, pre + "post_attention_layernorm.weight"), m.norm_eps, probes,
-                 {SiteId::kMlpNorm, layer}));
+        rms_norm(x, w(R::kMlpNorm, layer), m.norm_eps, probes, {SiteId::kMlpNorm, layer}));
     const torch::Tensor gate = probes.site(
-        {SiteId::kMlpGate, layer}, proj(h2, pre + "mlp.gate_proj"));
+        {SiteId::kMlpGate, layer}, proj(h2, R::kGateProj));
     const torch::Tensor up = probes.site(
-        {SiteId::kMlpUp, layer}, proj(h2, pre + "mlp.up_proj"));
+        {SiteId::kMlpUp, layer}, proj(h2, R::kUpProj));
     const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, F::silu(gate) * up);  // (B, T, F)
     const torch::Tensor down = probes.site(
-        {SiteId::kMlpDown, layer}, proj(act, pre + "mlp.down_proj"));
+        {SiteId::kMlpDown, layer}, proj(act, R::kDownProj));
     x = probes.site({SiteId::kOutput, layer}, x + down);
     stream = {SiteId::kOutput, layer};
   }
-  x = x.to(param(p, "model.norm.weight").device());
+  x = x.to(w(R::kFinalNorm).device());
   const torch::Tensor final_norm = probes.site(
-      {SiteId::kFinalNorm, -1},
-      rms_norm(x, param(p, "model.norm.weight"), m.norm_eps, probes, {SiteId::kFinalNorm, -1}));
+      {SiteId::kFinalNorm, -1}, rms_norm(x, w(R::kFinalNorm), m.norm_eps, probes, {SiteId::kFinalNorm, -1}));
   // A tied head on a split model reads the embedding through a differentiable copy.
-  const torch::Tensor head = (m.tie_embeddings ? embedding : param(p, "lm_head.weight")).to(x.device());
+  const torch::Tensor head = (m.tie_embeddings ? embedding : w(R::kLmHead)).to(x.device());
   const torch::Tensor logits =
       probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, head, {}, "lm_head"));  // (B, T, V)
   return next_token_loss(logits, targets, probes);
@@ -172,51 +183,50 @@ ForwardResult gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch:
                            const torch::Tensor& targets, const Numerics& numerics,
                            ProbeSession& probes) {
   const int64_t T = inputs.size(1), C = m.hidden_size;
-  const torch::Tensor wte = param(p, "transformer.wte.weight");
+  using R = ParamRole;
+  const Weights w{p, Arch::kGpt2};
+  const torch::Tensor wte = w(R::kTokenEmbedding);
   const torch::Tensor positions =
       torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(wte.device()));
   torch::Tensor x = probes.site(
       {SiteId::kEmbed, -1},
-      F::embedding(inputs.to(wte.device()), wte) + F::embedding(positions, param(p, "transformer.wpe.weight")));
+      F::embedding(inputs.to(wte.device()), wte) + F::embedding(positions, w(R::kPositionEmbedding)));
   SiteRef stream{SiteId::kEmbed, -1};
-  auto layer_norm = [&](const torch::Tensor& in, const std::string& prefix, const SiteRef& site) {
+  auto layer_norm = [&](const torch::Tensor& in, R weight, R bias, int layer, const SiteRef& site) {
     if (probes.enabled()) {
       probes.check_norm(site, in.detach().var(-1, /*unbiased=*/false), m.norm_eps, "variance");
     }
-    return F::layer_norm(in, F::LayerNormFuncOptions({C})
-                                 .weight(param(p, prefix + ".weight"))
-                                 .bias(param(p, prefix + ".bias"))
-                                 .eps(m.norm_eps));
+    return F::layer_norm(
+        in, F::LayerNormFuncOptions({C}).weight(w(weight, layer)).bias(w(bias, layer)).eps(m.norm_eps));
   };
   for (int layer = 0; layer < m.num_layers; ++layer) {
-    const std::string pre = "transformer.h." + std::to_string(layer) + ".";
-    x = x.to(param(p, pre + "ln_1.weight").device());  // split layers: follow the weights
+    x = x.to(w(R::kAttnNorm, layer).device());  // split layers: follow the weights
     const Numerics block = numerics.in_layer(layer);  // what-ifs may run a layer in fp32
-    auto linear = [&](const torch::Tensor& in, const std::string& prefix) {
-      return block.linear(in, param(p, prefix + ".weight"), param(p, prefix + ".bias"), prefix);
+    auto linear = [&](const torch::Tensor& in, R weight, R bias) {
+      return block.linear(in, w(weight, layer), w(bias, layer), w.module(weight, layer));
     };
     probes.alias({SiteId::kInput, layer}, stream);
-    const torch::Tensor h = probes.site({SiteId::kAttnNorm, layer}, layer_norm(x, pre + "ln_1", {SiteId::kAttnNorm, layer}));
-    const std::vector<torch::Tensor> qkv = linear(h, pre + "attn.c_attn").split(C, -1);  // 3 x (B, T, C)
+    const torch::Tensor h = probes.site({SiteId::kAttnNorm, layer}, layer_norm(x, R::kAttnNorm, R::kAttnNormBias, layer, {SiteId::kAttnNorm, layer}));
+    const std::vector<torch::Tensor> qkv = linear(h, R::kQkv, R::kQkvBias).split(C, -1);  // 3 x (B, T, C)
     AttentionInputs attn;
     attn.q = probes.site({SiteId::kAttnQ, layer}, qkv[0]);
     attn.k = probes.site({SiteId::kAttnK, layer}, qkv[1]);
     attn.v = probes.site({SiteId::kAttnV, layer}, qkv[2]);
     const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
     const torch::Tensor attn_out =
-        probes.site({SiteId::kAttnOut, layer}, linear(context, pre + "attn.c_proj"));
+        probes.site({SiteId::kAttnOut, layer}, linear(context, R::kOProj, R::kOProjBias));
     x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
-    const torch::Tensor h2 = probes.site({SiteId::kMlpNorm, layer}, layer_norm(x, pre + "ln_2", {SiteId::kMlpNorm, layer}));
-    const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, linear(h2, pre + "mlp.c_fc"));
+    const torch::Tensor h2 = probes.site({SiteId::kMlpNorm, layer}, layer_norm(x, R::kMlpNorm, R::kMlpNormBias, layer, {SiteId::kMlpNorm, layer}));
+    const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, linear(h2, R::kUpProj, R::kUpBias));
     const torch::Tensor act =
         probes.site({SiteId::kMlpAct, layer}, F::gelu(up, F::GELUFuncOptions().approximate("tanh")));
-    const torch::Tensor down = probes.site({SiteId::kMlpDown, layer}, linear(act, pre + "mlp.c_proj"));
+    const torch::Tensor down = probes.site({SiteId::kMlpDown, layer}, linear(act, R::kDownProj, R::kDownBias));
     x = probes.site({SiteId::kOutput, layer}, x + down);
     stream = {SiteId::kOutput, layer};
   }
-  x = x.to(param(p, "transformer.ln_f.weight").device());
-  const torch::Tensor final_norm =
-      probes.site({SiteId::kFinalNorm, -1}, layer_norm(x, "transformer.ln_f", {SiteId::kFinalNorm, -1}));
+  x = x.to(w(R::kFinalNorm).device());
+  const torch::Tensor final_norm = probes.site(
+      {SiteId::kFinalNorm, -1}, layer_norm(x, R::kFinalNorm, R::kFinalNormBias, -1, {SiteId::kFinalNorm, -1}));
   const torch::Tensor logits = probes.site(
       {SiteId::kLogits, -1}, numerics.linear(final_norm, wte.to(x.device()), {}, "lm_head"));
   return next_token_loss(logits, targets, probes);

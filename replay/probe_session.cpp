@@ -189,6 +189,17 @@ struct ProbeSession::State {
   bool defer_host = false;
   int num_forward_sites = 0;
   std::vector<int> order_of;  // (layer + 1) * kSiteCount + id -> forward order
+  int last_order = -1;        // the forward order of the last site produced
+
+  // The forward must produce its sites in the site table's order: the order
+  // that defines "first", and the reverse of the backward's.
+  void advance_to(const SiteRef& ref) {
+    const int next = order(ref);
+    if (next <= last_order) {
+      throw std::logic_error("the forward produced " + site_name(ref) + " out of the site table's order");
+    }
+    last_order = next;
+  }
   std::vector<ProbeRecord> forward;
   std::vector<ProbeRecord> backward;
   std::vector<PendingProbe> pending;
@@ -316,6 +327,7 @@ ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, const
 ProbeSession::~ProbeSession() = default;
 
 torch::Tensor ProbeSession::site(const SiteRef& ref, const torch::Tensor& value) {
+  state_->advance_to(ref);
   // The loss stays fp32 (cross-entropy from the rounded logits); all else is
   // rounded, unless a what-if keeps the site in fp32.
   const bool rounded = numerics_.rounds_site(ref);
@@ -331,6 +343,7 @@ torch::Tensor ProbeSession::site(const SiteRef& ref, const torch::Tensor& value)
 }
 
 void ProbeSession::alias(const SiteRef& ref, const SiteRef& same_as) {
+  state_->advance_to(ref);
   if (!state_->probed(ref)) return;
   state_->aliases.emplace_back(ref, same_as);  // copied in take_records, once all are resolved
 }
@@ -374,6 +387,7 @@ std::vector<NormCheck> ProbeSession::take_norm_checks() {
 std::vector<ProbeRecord> ProbeSession::take_records() {
   State& s = *state_;
   s.resolve();
+  s.last_order = -1;  // the pass is over; a session used again starts a new one
   for (const auto& [ref, same_as] : s.aliases) {
     const std::string original = site_name(same_as);
     for (Phase phase : {Phase::kForward, Phase::kBackward}) {

@@ -15,6 +15,7 @@
 #include <torch/torch.h>
 
 #include "loaders/manifest_writer.h"
+#include "probes/param_table.h"
 #include "loaders/safetensors.h"
 #include "loaders/sampler.h"
 #include "loaders/token_shards.h"
@@ -188,25 +189,22 @@ void amplify_token_in_head(const SyntheticSpec& spec, ParamMap& params, int64_t 
   torch::Tensor embedding = params.at(embedding_key(m));
   embedding.select(1, kFeature).zero_();
   embedding[token][kFeature] = 0.5;  // a few times the row's other entries: not an outlier row
-  auto reads = [&](const std::string& key) { params.at(key).select(1, kFeature).zero_(); };
-  auto writes = [&](const std::string& key) { params.at(key)[kFeature].zero_(); };
+  using R = ParamRole;
+  auto weight = [&](R role, int layer) -> torch::Tensor& { return params.at(param_key(m.arch, role, layer)); };
   for (int layer = 0; layer < m.num_layers; ++layer) {
-    const std::string pre = "model.layers." + std::to_string(layer) + ".";
-    for (const char* in : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"}) {
-      reads(pre + in + ".weight");
+    for (R reader : {R::kQProj, R::kKProj, R::kVProj, R::kGateProj, R::kUpProj}) {
+      weight(reader, layer).select(1, kFeature).zero_();
     }
-    writes(pre + "self_attn.o_proj.weight");
-    writes(pre + "mlp.down_proj.weight");
+    for (R writer : {R::kOProj, R::kDownProj}) weight(writer, layer)[kFeature].zero_();
   }
-  if (!m.tie_embeddings) reads("lm_head.weight");
+  if (!m.tie_embeddings) weight(R::kLmHead, -1).select(1, kFeature).zero_();
   // At a normalized value of 1 (the token's is larger) q k^T is 4x fp16's maximum.
   const double c = std::sqrt(4.0 * 65504.0 / static_cast<double>(D));
   const torch::Tensor reads_feature = torch::zeros({D, C});
   reads_feature.select(1, kFeature).fill_(c);
-  const std::string pre = "model.layers." + std::to_string(f.layer) + ".self_attn.";
   const int64_t kv_head = f.head / (m.num_heads / m.num_kv_heads);
-  params.at(pre + "q_proj.weight").narrow(0, f.head * D, D).copy_(reads_feature);
-  params.at(pre + "k_proj.weight").narrow(0, kv_head * D, D).copy_(reads_feature);
+  weight(R::kQProj, f.layer).narrow(0, f.head * D, D).copy_(reads_feature);
+  weight(R::kKProj, f.layer).narrow(0, kv_head * D, D).copy_(reads_feature);
 }
 
 // Faults of the model that predate the captured window (in memory, before the
@@ -227,7 +225,7 @@ void plant_in_model(const SyntheticSpec& spec, ParamMap& params, int64_t token) 
 void inject_mlp_overflow(const SyntheticSpec& spec, ParamMap& params, const FaultSpec& f) {
   const int64_t C = spec.model.hidden_size;
   const double sigma = 1e5 / std::sqrt(static_cast<double>(C));
-  params.at("model.layers." + std::to_string(f.layer) + ".mlp.up_proj.weight")[0].copy_(torch::randn({C}) * sigma);
+  params.at(param_key(spec.model.arch, ParamRole::kUpProj, f.layer))[0].copy_(torch::randn({C}) * sigma);
 }
 
 // Flips bit `f.bit` of the first element whose exponent field is 127
@@ -275,10 +273,12 @@ torch::Tensor to_interleaved_layout(const torch::Tensor& w, int64_t heads) {
 std::vector<torch::Tensor> as_stored(const SyntheticSpec& spec, const std::vector<std::string>& names,
                                      std::vector<torch::Tensor> values) {
   if (!spec.mislabel_rope) return values;
-  for (size_t i = 0; i < names.size(); ++i) {
-    const bool q = names[i].find("self_attn.q_proj.weight") != std::string::npos;
-    const bool k = names[i].find("self_attn.k_proj.weight") != std::string::npos;
-    if (q || k) values[i] = to_interleaved_layout(values[i], q ? spec.model.num_heads : spec.model.num_kv_heads);
+  const ModelConfig& m = spec.model;
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    for (const auto& [role, heads] : {std::pair{ParamRole::kQProj, m.num_heads}, std::pair{ParamRole::kKProj, m.num_kv_heads}}) {
+      const auto i = std::find(names.begin(), names.end(), param_key(m.arch, role, layer)) - names.begin();
+      values[static_cast<size_t>(i)] = to_interleaved_layout(values[static_cast<size_t>(i)], heads);
+    }
   }
   return values;
 }
@@ -348,7 +348,7 @@ struct Trainer {
     if (s == fault.step && fault.kind == FaultKind::kFp8ScaleJump) fp8_scales.begin()->second.input = 1000.0;
     if (s == fault.step && fault.kind == FaultKind::kFp8ScaleCollapse) {
       // Transformer Engine's scale is fp8_max / amax: an amax gone inf gives 0.
-      fp8_scales.at("model.layers.0.self_attn.q_proj").input = 0.0;
+      fp8_scales.at(module_key(m.model.arch, ParamRole::kQProj, 0)).input = 0.0;
     }
     double step_scale = loss_scale;
     if (s == fault.step && fault.kind == FaultKind::kLossScaleOverflow) step_scale = std::ldexp(1.0, 40);
@@ -454,9 +454,9 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
     trainer.params = init_params(spec, trainer.order);
     plant_in_model(spec, trainer.params, token);
     if (spec.compute == Compute::kFp8) {
-      for (const char* module : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}) {
-        trainer.fp8_scales["model.layers.0." + std::string(module)] = {1.0, 1.0, 1.0};
+      using R = ParamRole;  // every linear of layer 0 computes in fp8
+      for (R role : {R::kQProj, R::kKProj, R::kVProj, R::kOProj, R::kGateProj, R::kUpProj, R::kDownProj}) {
+        trainer.fp8_scales[module_key(spec.model.arch, role, 0)] = {1.0, 1.0, 1.0};
       }
     }
     for (StepEntry& entry : m.steps) trainer.train_step(entry);

@@ -108,3 +108,21 @@ TEST_CASE("probes off computes identical numbers", "[torch][probes]") {
   CHECK(torch::equal(on.site({SiteId::kEmbed, -1}, x), off.site({SiteId::kEmbed, -1}, x)));
   CHECK(off.take_records().empty());
 }
+
+TEST_CASE("a forward that produces a site out of the site table's order is refused", "[torch][probes]") {
+  const Numerics fp32(Compute::kFp32);
+  const ModelConfig m = one_layer();
+  const torch::Tensor x = torch::ones({1, 2, 8});
+  {
+    ProbeSession probes({1, 0, 0, {0}}, fp32, true, m);
+    probes.site({SiteId::kEmbed, -1}, x);
+    probes.alias({SiteId::kInput, 0}, {SiteId::kEmbed, -1});
+    probes.site({SiteId::kAttnNorm, 0}, x);
+    CHECK_THROWS_AS(probes.site({SiteId::kEmbed, -1}, x), std::logic_error);  // again, behind attn_norm
+  }
+  {
+    ProbeSession probes({1, 0, 0, {0}}, fp32, false, m);  // even with probes off: the order is the forward's
+    probes.site({SiteId::kAttnQ, 0}, x);
+    CHECK_THROWS_AS(probes.site({SiteId::kAttnNorm, 0}, x), std::logic_error);
+  }
+}

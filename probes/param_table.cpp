@@ -1,0 +1,82 @@
+// The parameter tables; see param_table.h and docs/bundle-format.md.
+#include "probes/param_table.h"
+
+#include <stdexcept>
+
+namespace nanreplay {
+
+namespace {
+
+using R = ParamRole;
+using Shape = std::vector<int64_t>;
+
+Shape hidden(const ModelConfig& m) { return {m.hidden_size}; }
+Shape square(const ModelConfig& m) { return {m.hidden_size, m.hidden_size}; }
+Shape vocab_rows(const ModelConfig& m) { return {m.vocab_size, m.hidden_size}; }
+Shape kv_rows(const ModelConfig& m) { return {m.num_kv_heads * m.head_dim(), m.hidden_size}; }
+Shape mlp_in(const ModelConfig& m) { return {m.intermediate_size, m.hidden_size}; }
+Shape mlp_out(const ModelConfig& m) { return {m.hidden_size, m.intermediate_size}; }
+Shape qkv(const ModelConfig& m) { return {3 * m.hidden_size, m.hidden_size}; }
+Shape qkv_bias(const ModelConfig& m) { return {3 * m.hidden_size}; }
+Shape positions(const ModelConfig& m) { return {m.max_seq_len, m.hidden_size}; }
+Shape mlp_width(const ModelConfig& m) { return {m.intermediate_size}; }
+
+std::string with_layer(const char* key, int layer) {
+  std::string text = key;
+  const size_t at = text.find("{i}");
+  if (at != std::string::npos) text.replace(at, 3, std::to_string(layer));
+  return text;
+}
+
+}  // namespace
+
+const std::vector<ParamDef>& param_table(Arch arch) {
+  static const std::vector<ParamDef> llama = {
+      {R::kTokenEmbedding, "model.embed_tokens.weight", ParamPlace::kBefore, vocab_rows},
+      {R::kAttnNorm, "model.layers.{i}.input_layernorm.weight", ParamPlace::kLayer, hidden},
+      {R::kQProj, "model.layers.{i}.self_attn.q_proj.weight", ParamPlace::kLayer, square},
+      {R::kKProj, "model.layers.{i}.self_attn.k_proj.weight", ParamPlace::kLayer, kv_rows},
+      {R::kVProj, "model.layers.{i}.self_attn.v_proj.weight", ParamPlace::kLayer, kv_rows},
+      {R::kOProj, "model.layers.{i}.self_attn.o_proj.weight", ParamPlace::kLayer, square},
+      {R::kMlpNorm, "model.layers.{i}.post_attention_layernorm.weight", ParamPlace::kLayer, hidden},
+      {R::kGateProj, "model.layers.{i}.mlp.gate_proj.weight", ParamPlace::kLayer, mlp_in},
+      {R::kUpProj, "model.layers.{i}.mlp.up_proj.weight", ParamPlace::kLayer, mlp_in},
+      {R::kDownProj, "model.layers.{i}.mlp.down_proj.weight", ParamPlace::kLayer, mlp_out},
+      {R::kFinalNorm, "model.norm.weight", ParamPlace::kAfter, hidden},
+      {R::kLmHead, "lm_head.weight", ParamPlace::kAfter, vocab_rows},
+  };
+  // nanoGPT's names; the MLP is 4 x hidden_size wide (intermediate_size says so).
+  static const std::vector<ParamDef> gpt2 = {
+      {R::kTokenEmbedding, "transformer.wte.weight", ParamPlace::kBefore, vocab_rows},
+      {R::kPositionEmbedding, "transformer.wpe.weight", ParamPlace::kBefore, positions},
+      {R::kAttnNorm, "transformer.h.{i}.ln_1.weight", ParamPlace::kLayer, hidden},
+      {R::kAttnNormBias, "transformer.h.{i}.ln_1.bias", ParamPlace::kLayer, hidden},
+      {R::kQkv, "transformer.h.{i}.attn.c_attn.weight", ParamPlace::kLayer, qkv},
+      {R::kQkvBias, "transformer.h.{i}.attn.c_attn.bias", ParamPlace::kLayer, qkv_bias},
+      {R::kOProj, "transformer.h.{i}.attn.c_proj.weight", ParamPlace::kLayer, square},
+      {R::kOProjBias, "transformer.h.{i}.attn.c_proj.bias", ParamPlace::kLayer, hidden},
+      {R::kMlpNorm, "transformer.h.{i}.ln_2.weight", ParamPlace::kLayer, hidden},
+      {R::kMlpNormBias, "transformer.h.{i}.ln_2.bias", ParamPlace::kLayer, hidden},
+      {R::kUpProj, "transformer.h.{i}.mlp.c_fc.weight", ParamPlace::kLayer, mlp_in},
+      {R::kUpBias, "transformer.h.{i}.mlp.c_fc.bias", ParamPlace::kLayer, mlp_width},
+      {R::kDownProj, "transformer.h.{i}.mlp.c_proj.weight", ParamPlace::kLayer, mlp_out},
+      {R::kDownBias, "transformer.h.{i}.mlp.c_proj.bias", ParamPlace::kLayer, hidden},
+      {R::kFinalNorm, "transformer.ln_f.weight", ParamPlace::kAfter, hidden},
+      {R::kFinalNormBias, "transformer.ln_f.bias", ParamPlace::kAfter, hidden},
+  };
+  return arch == Arch::kLlama ? llama : gpt2;
+}
+
+std::string param_key(Arch arch, ParamRole role, int layer) {
+  for (const ParamDef& def : param_table(arch)) {
+    if (def.role == role) return with_layer(def.key, layer);
+  }
+  throw std::logic_error(std::string("no parameter of this role in ") + arch_name(arch));
+}
+
+std::string module_key(Arch arch, ParamRole role, int layer) {
+  const std::string key = param_key(arch, role, layer);
+  return key.substr(0, key.rfind('.'));
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,59 @@
+// The parameters of each architecture, in one table per architecture: role,
+// safetensors key ("{i}" for the layer), shape. The loader's checks
+// (expected_parameters), the forward pass, synthetic bundles and the capture
+// helper (tests/test_capture_param_table.cpp compares its list with this one)
+// all read it, so a key is written down once.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loaders/manifest.h"
+
+namespace nanreplay {
+
+enum class ParamRole : uint8_t {
+  kTokenEmbedding,
+  kPositionEmbedding,  // gpt2
+  kAttnNorm,
+  kAttnNormBias,       // gpt2
+  kQProj,
+  kKProj,
+  kVProj,
+  kQkv,                // gpt2: q, k, v stacked along the output dimension
+  kQkvBias,
+  kOProj,
+  kOProjBias,
+  kMlpNorm,
+  kMlpNormBias,
+  kGateProj,           // llama
+  kUpProj,
+  kUpBias,
+  kDownProj,
+  kDownBias,
+  kFinalNorm,
+  kFinalNormBias,
+  kLmHead,             // llama without tied embeddings
+};
+
+// Where a parameter sits: before the layers (embeddings), in every layer, after them.
+enum class ParamPlace : uint8_t { kBefore, kLayer, kAfter };
+
+struct ParamDef {
+  ParamRole role;
+  const char* key;  // "model.layers.{i}.self_attn.q_proj.weight"; "{i}" only in per-layer keys
+  ParamPlace place;
+  std::vector<int64_t> (*shape)(const ModelConfig& m);
+};
+
+// The architecture's parameters in the bundle format's order within a layer
+// and outside (embeddings, layers, final norm, head).
+const std::vector<ParamDef>& param_table(Arch arch);
+
+// The key of `role` (in `layer` for per-layer roles).
+std::string param_key(Arch arch, ParamRole role, int layer = -1);
+// A linear's key prefix ("model.layers.0.self_attn.q_proj"): what fp8 scales are keyed by.
+std::string module_key(Arch arch, ParamRole role, int layer = -1);
+
+}  // namespace nanreplay
