@@ -3,6 +3,8 @@
 // following symlinks, must still lie under the canonical bundle root.
 #include "loaders/bundle_paths.h"
 
+#include <sys/stat.h>
+
 #include <system_error>
 
 #include "loaders/error.h"
@@ -76,6 +78,30 @@ fs::path resolve_in_bundle(const fs::path& bundle_root, const std::string& relat
                          quoted(resolved.string()) + ", outside " + quoted(root.string()) + ")");
   }
   return resolved;
+}
+
+bool lies_inside_directory(const fs::path& path, const fs::path& directory) {
+  struct stat target {};
+  if (::stat(directory.c_str(), &target) != 0) return false;
+  std::error_code error;
+  // Walk up the path as written (not lexically normalised: "link/.." must mean
+  // what the kernel makes of it) to the nearest part that exists.
+  fs::path existing = fs::absolute(path, error);
+  if (error) return false;
+  struct stat info {};
+  while (::stat(existing.c_str(), &info) != 0) {
+    if (!existing.has_relative_path()) return false;
+    existing = existing.parent_path();
+  }
+  fs::path ancestor = fs::canonical(existing, error);
+  if (error) return false;
+  while (true) {
+    if (::stat(ancestor.c_str(), &info) == 0 && info.st_dev == target.st_dev && info.st_ino == target.st_ino) {
+      return true;
+    }
+    if (!ancestor.has_relative_path()) return false;
+    ancestor = ancestor.parent_path();
+  }
 }
 
 }  // namespace nanreplay

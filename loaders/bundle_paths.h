@@ -22,4 +22,11 @@ std::filesystem::path resolve_in_bundle(const std::filesystem::path& bundle_root
                                         const std::string& file_label,
                                         const std::string& key);
 
+// Whether `path` is, or (once created) would lie inside, `directory`. Compares
+// device and inode, not text: the nearest existing ancestor of `path` (as the
+// kernel resolves it, so a relative path that does not exist yet, "..",
+// symlinks and bind mounts of `directory` are all seen through), then each of
+// its parents, against `directory`. False when `directory` does not exist.
+bool lies_inside_directory(const std::filesystem::path& path, const std::filesystem::path& directory);
+
 }  // namespace nanreplay
