@@ -16,6 +16,7 @@
 
 #include <cstdlib>
 
+#include "cli/cli_support.h"
 #include "replay/replay_engine.h"
 
 namespace nanreplay {
@@ -25,8 +26,12 @@ void reexec_with_short_openmp_spin(char** argv) {
   if (std::getenv("NANREPLAY_KEEP_OPENMP_SPIN") != nullptr) return;  // to measure the default
   if (!blas_has_own_thread_pool()) return;
   if (setenv("GOMP_SPINCOUNT", kShortSpinCount, 1) != 0 || setenv(kSpinSetByNanreplay, "1", 1) != 0) return;
+  // A stop signal while the new image loads stays pending (the mask survives
+  // exec) until its handlers are installed, instead of killing it with 143.
+  block_stop_signals();
   execv("/proc/self/exe", argv);
   // exec failed (no /proc?): carry on with libgomp's default spin.
+  unblock_stop_signals();
   unsetenv("GOMP_SPINCOUNT");
   unsetenv(kSpinSetByNanreplay);
 }
