@@ -112,8 +112,8 @@ void recover_interrupted_commits(const fs::path& root, const std::vector<std::st
   }
 }
 
-// Creates each missing directory of `dir` (as written, so "a/../b" creates
-// what the kernel makes of it); returns them outermost first.
+// Creates each missing directory of `dir` (resolved: no "..", no symlink
+// among the missing parts); returns them outermost first.
 std::vector<fs::path> create_missing_directories(const fs::path& dir, const std::string& display) {
   std::vector<fs::path> created;
   fs::path prefix;
@@ -142,12 +142,11 @@ OutputDir::OutputDir(const fs::path& dir, const fs::path& bundle_root, bool repl
                      std::vector<std::string> results)
     : dir_(dir), results_(std::move(results)) {
   if (lies_inside_directory(dir, bundle_root)) {
-    throw UsageError("--out " + dir.string() +
-                     " is inside the bundle; nanreplay never writes into a bundle, choose another directory");
+    throw UsageError("--out " + dir.string() + " is inside the bundle " + bundle_root.string() +
+                     "; nanreplay never writes into a bundle, choose another directory");
   }
-  std::error_code ec;
-  root_ = fs::absolute(dir, ec);
-  if (ec) throw UsageError("cannot use --out " + dir.string() + ": " + ec.message());
+  // What was checked is what is created: the resolved path, component by component.
+  root_ = resolve_for_creation(dir);
   struct stat info {};
   if (::stat(root_.c_str(), &info) == 0) {
     if (!S_ISDIR(info.st_mode)) throw UsageError("--out " + dir.string() + " exists and is not a directory");
