@@ -345,15 +345,19 @@ int run_main(int argc, char** argv) {
   return exit_status_for(report);
 }
 
-// Writes a synthetic bundle into `dir` (absent or empty). Refused inside an
-// existing bundle. A stop signal waits for the writer, which builds the bundle
-// under a temporary name, and then removes what it wrote: nothing half-written.
-SyntheticOutcome write_bundle_for_user(const fs::path& dir, const SyntheticSpec& spec) {
+// synth and demo create directories: never inside an existing bundle.
+void refuse_inside_a_bundle(const fs::path& dir) {
   const fs::path enclosing = enclosing_bundle(dir);
   if (!enclosing.empty()) {
     throw UsageError(dir.string() + " is inside the bundle " + enclosing.string() +
                      "; nanreplay never writes into a bundle, choose another directory");
   }
+}
+
+// Writes a synthetic bundle into `dir` (absent or empty). A stop signal waits
+// for the writer, which builds the bundle under a temporary name, and then
+// removes what it wrote: nothing half-written.
+SyntheticOutcome write_bundle_for_user(const fs::path& dir, const SyntheticSpec& spec) {
   std::error_code ec;
   const bool existed = fs::exists(dir, ec);
   const StopDeferral writing;
@@ -386,6 +390,7 @@ int demo_main(int argc, char** argv) {
   const bool quiet = args.count("quiet") > 0;
   const SyntheticSpec spec = synthetic_preset("demo");
   const fs::path bundle = dir / "bundle";
+  refuse_inside_a_bundle(dir);
   std::error_code ec;
   if (!fs::exists(bundle / "manifest.json", ec)) {
     if (!quiet) std::cout << "writing the demo incident bundle to " << bundle.string() << " ...\n";
@@ -436,6 +441,7 @@ int synth_main(int argc, char** argv) {
     throw UsageError(std::string(e.what()) + "; presets: " + presets);
   }
   const fs::path dir = args["dir"].as<std::string>();
+  refuse_inside_a_bundle(dir);
   std::error_code ec;
   if (fs::exists(dir, ec) && !fs::is_empty(dir, ec)) {
     throw UsageError(dir.string() + " exists and is not empty");

@@ -52,9 +52,12 @@ fs::path enclosing_bundle(const fs::path& path) {
     if (!existing.has_relative_path()) return {};
     existing = existing.parent_path();
   }
-  for (fs::path dir = fs::canonical(existing, ec); !ec; dir = dir.parent_path()) {
+  const fs::path start = fs::canonical(existing, ec);
+  if (ec) return {};
+  for (fs::path dir = start;; dir = dir.parent_path()) {
     const fs::path manifest = dir / "manifest.json";
-    if (fs::is_regular_file(manifest, ec)) {
+    std::error_code missing;
+    if (fs::is_regular_file(manifest, missing)) {
       try {
         if (read_text_file(manifest, manifest.string()).find("\"nanreplay.bundle\"") != std::string::npos) return dir;
       } catch (const InputError&) {
