@@ -12,7 +12,6 @@
 
 #include <fcntl.h>
 #include <hdf5.h>
-#include <hdf5_hl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -49,6 +48,8 @@ constexpr size_t kImageIncrement = size_t{1} << 20;
 constexpr uint64_t kMaxExpansion = 1100;
 // Widest string column or attribute the reader accepts.
 constexpr size_t kMaxStringWidth = size_t{1} << 20;
+// Largest chunk the reader lets HDF5 decompress (the writer's are 256 KiB).
+constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 22;
 // Columns shorter than this stay contiguous: chunking buys nothing there.
 constexpr hsize_t kChunkThreshold = 4096;
 constexpr hsize_t kChunkBytes = hsize_t{1} << 18;
@@ -304,6 +305,14 @@ const RealColumn<Step> kStepRealColumns[] = {
      [](Step& r, double v) { r.grad_norm = v; }},
 };
 
+// The fewest decoded bytes a row takes over all columns of its table (each
+// string column at least one byte): bounds how many rows a file can hold.
+constexpr uint64_t kMinProbeRowBytes = 8 * 8 + 6 * 4 + 5 * 8 + 5 * 1;  // i64, i32, f64 and string columns
+constexpr uint64_t kMinStepRowBytes = 8 + 1 + 3 * 8;
+static_assert(sizeof(kProbeIntegerColumns) / sizeof(kProbeIntegerColumns[0]) == 14, "update kMinProbeRowBytes");
+static_assert(sizeof(kProbeRealColumns) / sizeof(kProbeRealColumns[0]) == 5, "update kMinProbeRowBytes");
+static_assert(sizeof(kProbeTextColumns) / sizeof(kProbeTextColumns[0]) == 5, "update kMinProbeRowBytes");
+
 // Root attributes written from TraceHeader; with format, format_version and
 // created_utc, these names are not available to TraceHeader::extra.
 struct HeaderAttribute {
@@ -558,7 +567,12 @@ class TraceFileReader {
       fail(key, "has " + std::to_string(dims[0]) + " rows, other columns have " + std::to_string(expected));
     }
     require_known_filters(dataset, key);
-    if (dims[0] > file_size_ * kMaxExpansion) {
+    require_small_chunks(dataset, key);
+    // Every row of a table costs at least `row_bytes` decoded bytes over its
+    // columns: more rows than the file's size allows cannot be real, and are
+    // refused before rows are allocated for them.
+    const uint64_t row_bytes = group == kProbesGroup ? kMinProbeRowBytes : kMinStepRowBytes;
+    if (dims[0] > file_size_ * kMaxExpansion / row_bytes) {
       fail(key, "claims " + std::to_string(dims[0]) + " rows, more than a file of " + std::to_string(file_size_) +
                     " bytes can hold");
     }
@@ -655,6 +669,20 @@ class TraceFileReader {
     }
   }
 
+  // A chunk is decompressed whole: its size is bounded like everything else.
+  void require_small_chunks(const Handle& dataset, const std::string& key) const {
+    Handle properties(H5Dget_create_plist(dataset.get()), H5Pclose);
+    if (properties.get() < 0) fail(key, "unreadable dataset properties");
+    if (H5Pget_layout(properties.get()) != H5D_CHUNKED) return;
+    hsize_t chunk[1] = {0};
+    Handle type(H5Dget_type(dataset.get()), H5Tclose);
+    const size_t element = type.get() >= 0 ? H5Tget_size(type.get()) : 0;
+    if (H5Pget_chunk(properties.get(), 1, chunk) != 1 || element == 0 || chunk[0] == 0 ||
+        chunk[0] > kMaxChunkBytes / element) {
+      fail(key, "has a chunk layout nanreplay never writes");
+    }
+  }
+
   // Only the filters the writer uses (shuffle, deflate), both built into HDF5.
   void require_known_filters(const Handle& dataset, const std::string& key) const {
     Handle properties(H5Dget_create_plist(dataset.get()), H5Pclose);
@@ -721,6 +749,46 @@ TraceContents read_trace_file(const TraceFileReader& reader) {
 }
 
 // --- Files ---------------------------------------------------------------
+
+// HDF5's core driver on the caller's buffer, read-only and without a copy:
+// the file image callbacks hand HDF5 the buffer itself wherever it would copy
+// it, and never free it (what H5LTopen_file_image does, without the HL
+// library and its per-call leak in HDF5 1.10). HDF5 parses exactly the bytes
+// that were verified.
+struct BorrowedImage {
+  const uint8_t* bytes;
+  size_t size;
+};
+
+void* borrowed_malloc(size_t size, H5FD_file_image_op_t, void* image) {
+  auto* borrowed = static_cast<BorrowedImage*>(image);
+  return size == borrowed->size ? const_cast<uint8_t*>(borrowed->bytes) : nullptr;
+}
+void* borrowed_memcpy(void* dest, const void* src, size_t size, H5FD_file_image_op_t, void* image) {
+  const auto* borrowed = static_cast<const BorrowedImage*>(image);
+  // Every copy HDF5 asks for is of the buffer onto itself.
+  return dest == borrowed->bytes && src == borrowed->bytes && size == borrowed->size ? dest : nullptr;
+}
+void* borrowed_realloc(void*, size_t, H5FD_file_image_op_t, void*) { return nullptr; }  // read-only
+herr_t borrowed_free(void*, H5FD_file_image_op_t, void*) { return 0; }
+void* borrowed_udata_copy(void* image) { return image; }
+herr_t borrowed_udata_free(void*) { return 0; }
+
+Handle open_borrowed_image(BorrowedImage& image) {
+  Handle access(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  H5FD_file_image_callbacks_t callbacks = {borrowed_malloc, borrowed_memcpy, borrowed_realloc, borrowed_free,
+                                           borrowed_udata_copy, borrowed_udata_free, &image};
+  if (access.get() < 0 || H5Pset_fapl_core(access.get(), kImageIncrement, /*backing_store=*/false) < 0 ||
+      H5Pset_fclose_degree(access.get(), H5F_CLOSE_STRONG) < 0 ||
+      H5Pset_file_image_callbacks(access.get(), &callbacks) < 0 ||
+      H5Pset_file_image(access.get(), const_cast<uint8_t*>(image.bytes), image.size) < 0) {
+    return Handle();
+  }
+  static std::atomic<unsigned> images{0};
+  const std::string name = "nanreplay-trace-read-" + std::to_string(images++);
+  return Handle(H5Fopen(name.c_str(), H5F_ACC_RDONLY, access.get()), H5Fclose);
+}
+
 
 // The whole file in memory (HDF5's core driver, nothing on disk), with room
 // for the integrity block before it. HDF5 1.10 returns the image from its base
@@ -843,10 +911,8 @@ void write_trace(const std::string& path, const TraceHeader& header, const std::
 TraceContents read_trace_image(const uint8_t* bytes, size_t size, const std::string& label) {
   verify_trace_image(bytes, size, label);
   silence_hdf5();
-  // Read-only and without a copy: HDF5 parses exactly the bytes just verified.
-  Handle file(H5LTopen_file_image(const_cast<uint8_t*>(bytes), size,
-                                  H5LT_FILE_IMAGE_DONT_COPY | H5LT_FILE_IMAGE_DONT_RELEASE),
-              H5Fclose);
+  BorrowedImage image{bytes, size};
+  Handle file = open_borrowed_image(image);
   if (file.get() < 0) {
     const std::string detail = take_hdf5_error();
     throw InputError(label, "",
