@@ -69,14 +69,24 @@ class DirectoryLock {
   bool held_ = false;
 };
 
+// The entries of `root` whose names start with `prefix`; never throws (other
+// runs add and remove theirs meanwhile).
+std::vector<fs::path> entries_named(const fs::path& root, const char* prefix) {
+  std::vector<fs::path> found;
+  std::error_code ec;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    if (starts_with(it->path().filename().string(), prefix)) found.push_back(it->path());
+  }
+  return found;
+}
+
 // Staging directories whose run is gone (killed, out of memory, another
 // container's run that died) hold no lock: remove them. Held ones are live.
 void remove_stale_staging(const fs::path& root) {
   std::error_code ec;
-  for (const fs::directory_entry& entry : fs::directory_iterator(root, ec)) {
-    if (!starts_with(entry.path().filename().string(), kStagingPrefix)) continue;
-    const DirectoryLock stale(entry.path(), false);
-    if (stale.held()) fs::remove_all(entry.path(), ec);
+  for (const fs::path& staging : entries_named(root, kStagingPrefix)) {
+    const DirectoryLock stale(staging, false);
+    if (stale.held()) fs::remove_all(staging, ec);
   }
 }
 
@@ -90,22 +100,17 @@ void create_marker(const fs::path& path, const std::string& display) {
 // recovery leaves a state the next recovery reads the same way.
 void recover_interrupted_commits(const fs::path& root, const std::vector<std::string>& results) {
   std::error_code ec;
-  std::vector<fs::path> asides;
-  for (const fs::directory_entry& entry : fs::directory_iterator(root, ec)) {
-    if (starts_with(entry.path().filename().string(), kAsidePrefix) && !entry.is_symlink(ec)) {
-      asides.push_back(entry.path());
-    }
-  }
-  for (const fs::path& aside : asides) {
+  for (const fs::path& aside : entries_named(root, kAsidePrefix)) {
+    if (fs::is_symlink(fs::symlink_status(aside, ec))) continue;
     if (!exists_no_follow(aside / kNewSetIn)) {
       if (exists_no_follow(aside / kOldSetAside)) {
         // The old set was all aside: what is in place is part of the new one.
         for (const std::string& name : results) fs::remove(root / name, ec);
         fs::remove(aside / kOldSetAside, ec);
       }
-      for (const fs::directory_entry& old : fs::directory_iterator(aside, ec)) {
-        const fs::path back = root / old.path().filename();
-        if (!exists_no_follow(back)) fs::rename(old.path(), back, ec);
+      for (const fs::path& old : entries_named(aside, "")) {
+        const fs::path back = root / old.filename();
+        if (!exists_no_follow(back)) fs::rename(old, back, ec);
       }
     }
     fs::remove_all(aside, ec);
@@ -158,7 +163,11 @@ OutputDir::OutputDir(const fs::path& dir, const fs::path& bundle_root, bool repl
   // Staging under the directory lock: a run cleaning up stale staging must
   // not take ours for one between its creation and its lock.
   const DirectoryLock lock(root_, true);
-  if (!lock.opened()) throw OutputError(dir.string(), "cannot open the output directory: " + errno_text());
+  if (!lock.opened()) {
+    const std::string reason = errno_text();
+    abandon();
+    throw OutputError(dir.string(), "cannot open the output directory: " + reason);
+  }
   recover_interrupted_commits(root_, results_);
   remove_stale_staging(root_);
   for (const std::string& name : results_) {
