@@ -33,12 +33,13 @@ void on_stop_signal(int signal_number) {
   ::_exit(static_cast<int>(ExitStatus::kInterrupted));
 }
 
-sigset_t stop_signals() {
+// Blocked across the OpenMP re-exec (cli/openmp_wait.cpp): unblocked once handled.
+void unblock_stop_signals() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
-  return set;
+  pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
 }
 
 }  // namespace
@@ -73,16 +74,6 @@ bool stop_requested() { return g_stop_signal.load() != 0; }
 bool stop_or_changed_bundle() {
   throw_if_mapped_file_changed();
   return stop_requested();
-}
-
-void block_stop_signals() {
-  const sigset_t set = stop_signals();
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
-}
-
-void unblock_stop_signals() {
-  const sigset_t set = stop_signals();
-  pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
 }
 
 void set_interrupted_message(const std::string& line) {

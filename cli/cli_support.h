@@ -24,9 +24,6 @@ cxxopts::ParseResult parse_or_usage(cxxopts::Options& options, int argc, char** 
 // (blocked across the OpenMP re-exec, so one arriving then stays pending).
 void install_stop_handlers();
 bool stop_requested();
-// Blocks SIGINT and SIGTERM in this thread (kept across exec).
-void block_stop_signals();
-void unblock_stop_signals();
 // The line an immediate stop prints (default "...; nothing was written").
 void set_interrupted_message(const std::string& line);
 // Prints `line` (one line, "nanreplay: " prefixed) and exits 130.

@@ -14,9 +14,9 @@
 
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
 
-#include "cli/cli_support.h"
 #include "replay/replay_engine.h"
 
 namespace nanreplay {
@@ -27,11 +27,17 @@ void reexec_with_short_openmp_spin(char** argv) {
   if (!blas_has_own_thread_pool()) return;
   if (setenv("GOMP_SPINCOUNT", kShortSpinCount, 1) != 0 || setenv(kSpinSetByNanreplay, "1", 1) != 0) return;
   // A stop signal while the new image loads stays pending (the mask survives
-  // exec) until its handlers are installed, instead of killing it with 143.
-  block_stop_signals();
+  // exec) until its handlers are installed and unblock it (cli_support.h),
+  // instead of killing it with 143.
+  sigset_t stop_signals;
+  sigset_t previous;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
   execv("/proc/self/exe", argv);
   // exec failed (no /proc?): carry on with libgomp's default spin.
-  unblock_stop_signals();
+  pthread_sigmask(SIG_SETMASK, &previous, nullptr);
   unsetenv("GOMP_SPINCOUNT");
   unsetenv(kSpinSetByNanreplay);
 }
