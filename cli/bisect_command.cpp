@@ -11,8 +11,10 @@
 #include "cli/cli_support.h"
 #include "loaders/bundle.h"
 #include "loaders/error.h"
+#include "loaders/mapped_file.h"
 #include "nanreplay_version.h"
 #include "replay/bisect.h"
+#include "replay/bundle_structure.h"
 #include "replay/memory_estimate.h"
 #include "replay/replay_engine.h"
 #include "reports/bisect_report.h"
@@ -71,7 +73,6 @@ int bisect_main(int argc, char** argv) {
   const std::vector<WhatIf> what_ifs = parse_what_if_options(args);  // malformed specs fail before any work
   const std::vector<std::string> devices = split_devices(args["device"].as<std::string>());
   validate_devices(devices, false);
-  install_stop_handlers();
   set_compute_threads(args["threads"].as<int>());
   const Bundle bundle(args["bundle"].as<std::string>());
   check_what_ifs(what_ifs, bundle.manifest());
@@ -80,6 +81,7 @@ int bisect_main(int argc, char** argv) {
                                               "--max-memory " + args["max-memory"].as<std::string>()}
                                 : default_memory_limit();
   require_memory_fits(estimate_replay_memory(bundle.manifest(), 1, true), limit);
+  validate_bundle_structure(bundle);  // the structural faults `run` and `inspect` report
 
   const bool json = args.count("json") > 0;
   const bool quiet = args.count("quiet") > 0;
@@ -91,11 +93,13 @@ int bisect_main(int argc, char** argv) {
   bisect.tool_version = NANREPLAY_VERSION;
   bisect.devices = devices;
   bisect.native_low_precision = args.count("emulate-low-precision") == 0;
-  bisect.should_stop = stop_requested;
+  bisect.should_stop = stop_or_changed_bundle;
   bisect.on_progress = [&](const BisectProgress& p) { show_progress(p, progress, start); };
   BisectReport report;
   try {
+    const StopDeferral polled;  // bisect prints its own line when stopped
     report = bisect_bundle(bundle, bisect);
+    throw_if_mapped_file_changed();
   } catch (const ReplayInterrupted&) {
     if (progress) std::fprintf(stderr, "\r\033[K");
     std::fprintf(stderr, "nanreplay: bisect interrupted; nothing was printed\n");

@@ -1,6 +1,6 @@
 // What the command handlers share: option parsing that turns cxxopts errors
-// into UsageError, the SIGINT/SIGTERM flag every long replay polls, colour
-// detection, and the repeatable --what-if option of `run` and `bisect`.
+// into UsageError, SIGINT/SIGTERM handling, colour detection, and the
+// repeatable --what-if option of `run` and `bisect`.
 #pragma once
 
 #include <string>
@@ -15,9 +15,31 @@ namespace nanreplay {
 
 cxxopts::ParseResult parse_or_usage(cxxopts::Options& options, int argc, char** argv);
 
-// From here on SIGINT/SIGTERM only set a flag; replays poll it between passes.
+// SIGINT/SIGTERM handling, installed before LibTorch's static initialisers
+// run (cli/main.cpp) and again by run_cli. While no StopDeferral is alive
+// nothing is on disk to clean up: a stop signal ends the process at once,
+// exit 130 and one line. Inside a StopDeferral (a command that has staged
+// output) it only sets a flag that the command polls at safe points, removes
+// what it staged and exits 130. Idempotent; also unblocks the two signals
+// (blocked across the OpenMP re-exec, so one arriving then stays pending).
 void install_stop_handlers();
 bool stop_requested();
+// The line an immediate stop prints (default "...; nothing was written").
+void set_interrupted_message(const std::string& line);
+// Prints `line` (one line, "nanreplay: " prefixed) and exits 130.
+[[noreturn]] void exit_interrupted(const std::string& line);
+
+// The poll of every replay loop: a bundle file that changed while mapped ends
+// the command (InputError, exit 2) before a stop request is considered.
+bool stop_or_changed_bundle();
+
+class StopDeferral {
+ public:
+  StopDeferral();
+  ~StopDeferral();
+  StopDeferral(const StopDeferral&) = delete;
+  StopDeferral& operator=(const StopDeferral&) = delete;
+};
 
 bool color_wanted(int fd);
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -22,8 +23,10 @@
 #include "cli/openmp_wait.h"
 #include "loaders/bundle.h"
 #include "loaders/error.h"
+#include "loaders/mapped_file.h"
 #include "probes/data_checks.h"
 #include "nanreplay_version.h"
+#include "replay/bundle_structure.h"
 #include "replay/memory_estimate.h"
 #include "replay/replay_engine.h"
 #include "synth/synthetic_bundle.h"
@@ -180,9 +183,21 @@ struct RunSettings {
 };
 
 
-// Replays, writes the outputs whole or not at all, prints the verdict.
+// Test hook (tests/test_cli_faults.cpp): NANREPLAY_TEST_PAUSE_AT_STEP=N stops
+// this process with SIGSTOP when the replay first reports step N, so a test
+// can change a bundle file while it is mapped, at a known point, and SIGCONT
+// it. It writes nothing and has no effect unless set.
+void pause_for_test_at(const ReplayProgress& p) {
+  static const char* const wanted = std::getenv("NANREPLAY_TEST_PAUSE_AT_STEP");
+  static bool paused = false;
+  if (wanted == nullptr || paused || std::to_string(p.step) != wanted) return;
+  paused = true;
+  std::raise(SIGSTOP);
+}
+
+// Replays, writes the outputs whole or not at all. Until the output directory
+// exists a stop signal ends the process at once; from then on it is polled.
 ReplayReport replay_and_write(const RunSettings& settings) {
-  // First, so a signal from here on stops the run cleanly instead of killing it mid-write.
   install_stop_handlers();
   set_compute_threads(settings.threads);
   validate_devices(settings.devices, settings.cross_check);
@@ -196,6 +211,9 @@ ReplayReport replay_and_write(const RunSettings& settings) {
   // Refused before any checkpoint is opened or any output directory created.
   require_memory_fits(estimate_replay_memory(bundle.manifest(), steps_to_replay, settings.probes),
                       settings.max_memory ? *settings.max_memory : default_memory_limit());
+  // Every structural fault `inspect` reports, before any work or output.
+  validate_bundle_structure(bundle);
+  const StopDeferral staged_output;  // destroyed after `out`: its cleanup runs first
   OutputDir out(settings.out, bundle.root(), settings.replace_existing,
                 {"report.json", "trace.h5", "report.md", "report.html"});
 
@@ -204,26 +222,33 @@ ReplayReport replay_and_write(const RunSettings& settings) {
   options.probes = settings.probes;
   options.only_steps = settings.steps;
   options.tool_version = NANREPLAY_VERSION;
-  options.on_progress = [&](const ReplayProgress& p) { progress.update(p); };
+  options.on_progress = [&](const ReplayProgress& p) {
+    pause_for_test_at(p);
+    progress.update(p);
+  };
   options.devices = settings.devices;
   options.cross_check = settings.cross_check;
   options.native_low_precision = !settings.emulate_low_precision;
-  options.should_stop = stop_requested;
+  options.should_stop = stop_or_changed_bundle;
   ReplayReport report;
   try {
     report = replay_bundle(bundle, options);
     if (!settings.what_ifs.empty()) {
       report.what_if = evaluate_what_ifs(
           bundle, report.first_nonfinite, settings.what_ifs,
-          [&] { if (stop_requested()) throw ReplayInterrupted{steps_to_replay}; },
+          [&] { if (stop_or_changed_bundle()) throw ReplayInterrupted{steps_to_replay}; },
           {settings.devices.front()}, !settings.emulate_low_precision);
     }
+    // The checks after the last pass read checkpoints too.
+    throw_if_mapped_file_changed();
   } catch (const ReplayInterrupted& stop) {
     progress.clear();
     out.abandon();
-    std::fprintf(stderr, "nanreplay: interrupted after %zu of %zu steps; nothing was written\n",
-                 stop.steps_done, steps_to_replay);
-    std::exit(static_cast<int>(ExitStatus::kInterrupted));
+    exit_interrupted("interrupted after " + std::to_string(stop.steps_done) + " of " +
+                     std::to_string(steps_to_replay) + " steps; nothing was written");
+  } catch (...) {
+    progress.clear();
+    throw;
   }
   progress.clear();
 
@@ -235,17 +260,20 @@ ReplayReport replay_and_write(const RunSettings& settings) {
   }
   TraceHeader header{report.bundle, NANREPLAY_VERSION, compute_name(report.precision),
                      arch_name(report.arch), {}};
-  write_trace(out.staging_path("trace.h5").string(), header, report.probes, rows);
+  write_trace(out.staging_path("trace.h5").string(), header, report.probes, rows, out.display_path("trace.h5"));
   out.write_text("report.json", report_to_json(report).dump(2) + "\n");
   out.write_text("report.md", render_markdown(report));
   out.write_text("report.html", render_html(report));
   if (stop_requested()) {  // arrived while the outputs were written: keep none of them
     out.abandon();
-    std::fprintf(stderr, "nanreplay: interrupted after all %zu steps, while writing the outputs; "
-                 "nothing was written\n", steps_to_replay);
-    std::exit(static_cast<int>(ExitStatus::kInterrupted));
+    exit_interrupted("interrupted after all " + std::to_string(steps_to_replay) +
+                     " steps, while writing the outputs; nothing was written");
   }
+  throw_if_mapped_file_changed();
   out.commit();
+  const std::string committed = "interrupted; the results in " + settings.out.string() + " are complete";
+  set_interrupted_message(committed);
+  if (stop_requested()) exit_interrupted(committed);
   return report;
 }
 
@@ -318,6 +346,31 @@ int run_main(int argc, char** argv) {
   return exit_status_for(report);
 }
 
+// synth and demo create directories: never inside an existing bundle.
+void refuse_inside_a_bundle(const fs::path& dir) {
+  const fs::path enclosing = enclosing_bundle(dir);
+  if (!enclosing.empty()) {
+    throw UsageError(dir.string() + " is inside the bundle " + enclosing.string() +
+                     "; nanreplay never writes into a bundle, choose another directory");
+  }
+}
+
+// Writes a synthetic bundle into `dir` (absent or empty). A stop signal waits
+// for the writer, which builds the bundle under a temporary name, and then
+// removes what it wrote: nothing half-written.
+SyntheticOutcome write_bundle_for_user(const fs::path& dir, const SyntheticSpec& spec) {
+  std::error_code ec;
+  const bool existed = fs::exists(dir, ec);
+  const StopDeferral writing;
+  const SyntheticOutcome outcome = write_synthetic_bundle(dir, spec);
+  if (stop_requested()) {
+    fs::remove_all(dir, ec);
+    if (existed) fs::create_directory(dir, ec);  // the empty directory the user made
+    exit_interrupted("interrupted; nothing was written");
+  }
+  return outcome;
+}
+
 int demo_main(int argc, char** argv) {
   cxxopts::Options options("nanreplay demo",
                            "Write a built-in incident bundle (a llama model in fp16 whose layer 2, "
@@ -338,10 +391,11 @@ int demo_main(int argc, char** argv) {
   const bool quiet = args.count("quiet") > 0;
   const SyntheticSpec spec = synthetic_preset("demo");
   const fs::path bundle = dir / "bundle";
+  refuse_inside_a_bundle(dir);
   std::error_code ec;
   if (!fs::exists(bundle / "manifest.json", ec)) {
     if (!quiet) std::cout << "writing the demo incident bundle to " << bundle.string() << " ...\n";
-    write_synthetic_bundle(bundle, spec);
+    write_bundle_for_user(bundle, spec);
   }
   RunSettings settings;
   settings.bundle = bundle;
@@ -403,11 +457,12 @@ int synth_main(int argc, char** argv) {
     spec.corpus.assign(bytes.begin(), bytes.end());
   }
   const fs::path dir = args["dir"].as<std::string>();
+  refuse_inside_a_bundle(dir);
   std::error_code ec;
   if (fs::exists(dir, ec) && !fs::is_empty(dir, ec)) {
     throw UsageError(dir.string() + " exists and is not empty");
   }
-  const SyntheticOutcome outcome = write_synthetic_bundle(dir, spec);
+  const SyntheticOutcome outcome = write_bundle_for_user(dir, spec);
   nlohmann::json info = {{"bundle", dir.string()},
                          {"fault_step", outcome.fault_step},
                          {"fault_param", outcome.fault_param},
@@ -443,7 +498,8 @@ int scan_data_main(int argc, char** argv) {
   options.positional_help("BUNDLE");
   const auto args = parse_or_usage(options, argc, argv);
   if (args.count("help")) {
-    std::cout << options.help() << "\nexit status: 0 nothing flagged, 1 poisoned data found, 2 bad input\n";
+    std::cout << options.help()
+              << "\nexit status: 0 nothing flagged, 1 poisoned data or a shard checksum mismatch found, 2 bad input\n";
     return 0;
   }
   if (!args.count("bundle")) throw UsageError("scan-data: missing BUNDLE (see nanreplay scan-data --help)");
@@ -460,15 +516,24 @@ int scan_data_main(int argc, char** argv) {
         if (show_progress) std::fprintf(stderr, "\r\033[K  scanning %.0f%%", fraction * 100);
       });
   if (show_progress) std::fprintf(stderr, "\r\033[K");
+  // A checksum mismatch is a finding like poisoned data (exit 1): the shard is not what was captured.
+  const std::vector<ChecksumMismatch> mismatches = bundle.tokens().verify_checksums();
+  throw_if_mapped_file_changed();
   const double gb_per_s = scan.seconds > 0 ? static_cast<double>(scan.bytes) / scan.seconds / 1e9 : 0.0;
-  const bool flagged = scan.out_of_range_count > 0 || !scan.repeat_runs.empty() || !scan.low_entropy.empty();
+  const bool flagged = scan.out_of_range_count > 0 || !scan.repeat_runs.empty() || !scan.low_entropy.empty() ||
+                       !mismatches.empty();
   if (args.count("json")) {
     nlohmann::json out = {{"tokens", scan.tokens}, {"bytes", scan.bytes}, {"samples", scan.samples},
                           {"seconds", scan.seconds}, {"gb_per_s", gb_per_s},
                           {"out_of_range_count", scan.out_of_range_count},
                           {"entropy_median", scan.baseline.median}, {"entropy_mad", scan.baseline.mad},
                           {"out_of_range", nlohmann::json::array()}, {"repeat_runs", nlohmann::json::array()},
-                          {"low_entropy", nlohmann::json::array()}};
+                          {"low_entropy", nlohmann::json::array()},
+                          {"checksum_mismatches", nlohmann::json::array()}};
+    for (const ChecksumMismatch& bad : mismatches) {
+      out["checksum_mismatches"].push_back(
+          {{"shard", printable(bad.shard)}, {"expected", bad.expected}, {"actual", bad.actual}});
+    }
     for (const OutOfRangeToken& t : scan.out_of_range) {
       out["out_of_range"].push_back({{"shard", bundle.tokens().spec(t.shard).path}, {"offset", t.offset}, {"token", t.token}});
     }
@@ -484,6 +549,11 @@ int scan_data_main(int argc, char** argv) {
                 static_cast<long long>(scan.tokens), static_cast<double>(scan.bytes) / 1e6,
                 static_cast<long long>(scan.samples), scan.seconds, gb_per_s);
     std::printf("typical sample entropy %.3f bits (MAD %.3f)\n", scan.baseline.median, scan.baseline.mad);
+    std::printf("shard checksums: %s\n", mismatches.empty() ? "ok (or none declared)" : "MISMATCH");
+    for (const ChecksumMismatch& bad : mismatches) {
+      std::printf("  %s: sha256 is %s, the manifest says %s\n", printable(bad.shard).c_str(), bad.actual.c_str(),
+                  bad.expected.c_str());
+    }
     std::printf("out-of-range token ids: %lld\n", static_cast<long long>(scan.out_of_range_count));
     for (const OutOfRangeToken& t : scan.out_of_range) {
       std::printf("  %s offset %lld: token %lld\n", bundle.tokens().spec(t.shard).path.c_str(),
@@ -506,6 +576,21 @@ int scan_data_main(int argc, char** argv) {
   return flagged ? static_cast<int>(ExitStatus::kFound) : static_cast<int>(ExitStatus::kClean);
 }
 
+// "data/shard_000.bin: sha256 is ..., the manifest says ..." for the first
+// mismatching shard of an inspect summary, and how many more there are.
+std::string checksum_mismatch_line(const nlohmann::json& summary) {
+  std::vector<const nlohmann::json*> bad;
+  for (const nlohmann::json& shard : summary["data"]["shards"]) {
+    if (shard["checksum"] == "mismatch") bad.push_back(&shard);
+  }
+  if (bad.empty()) return "the bundle is invalid";
+  const nlohmann::json& first = *bad.front();
+  std::string line = first["path"].get<std::string>() + ": sha256 is " + first["actual_sha256"].get<std::string>() +
+                     ", the manifest says " + first["sha256"].get<std::string>();
+  if (bad.size() > 1) line += " (and " + std::to_string(bad.size() - 1) + " more shard(s) differ)";
+  return line;
+}
+
 int inspect_main(int argc, char** argv) {
   cxxopts::Options options("nanreplay inspect",
                            "Validate an incident bundle and summarize it without replaying: model and parameter "
@@ -520,15 +605,22 @@ int inspect_main(int argc, char** argv) {
   options.positional_help("BUNDLE");
   const auto args = parse_or_usage(options, argc, argv);
   if (args.count("help")) {
-    std::cout << options.help() << "\nexit status: 0 valid, 2 bad input (a checksum mismatch included)\n";
+    std::cout << options.help()
+              << "\nValid means `nanreplay run` will not reject the bundle for its structure. Whether the bundle\n"
+                 "faithfully records the run is not checked: only a replay that reproduces the logged losses\n"
+                 "shows that.\n"
+              << "\nexit status: 0 valid, 2 bad input (a checksum mismatch included)\n";
     return 0;
   }
   if (!args.count("bundle")) throw UsageError("inspect: missing BUNDLE (see nanreplay inspect --help)");
   const Bundle bundle(args["bundle"].as<std::string>());
+  // What `run` checks before it replays, with the same messages.
+  validate_bundle_structure(bundle);
   const nlohmann::json summary = summarize_bundle(bundle);
+  throw_if_mapped_file_changed();
   std::cout << (args.count("json") ? summary.dump(2) + "\n" : render_bundle_summary(summary));
   if (!summary["valid"].get<bool>()) {
-    std::cerr << "nanreplay: error: a shard's sha256 differs from the manifest\n";
+    std::cerr << "nanreplay: error: " << checksum_mismatch_line(summary) << "\n";
     return static_cast<int>(ExitStatus::kBadInput);
   }
   return 0;
@@ -546,8 +638,9 @@ int trace_main(int argc, char** argv) {
       ("site", "site glob ('*' matches any run), e.g. 'layers.*.attn.scores'", cxxopts::value<std::string>())
       ("head", "only this head (-1: whole-tensor rows)", cxxopts::value<int>())
       ("sort", "max_abs: largest max|x| first", cxxopts::value<std::string>())
-      ("first-nonfinite", "only rows holding NaN/Inf, in execution order")
-      ("limit", "at most N rows", cxxopts::value<size_t>()->default_value("50"))
+      ("first-nonfinite", "only the first row holding NaN/Inf in execution order (with --limit N: the first N)")
+      ("nonfinite", "every row holding NaN/Inf, in execution order (up to --limit)")
+      ("limit", "at most N rows (default 50; 1 with --first-nonfinite)", cxxopts::value<size_t>())
       ("json", "print the rows as JSON")
       ("h,help", "show this help");
   options.parse_positional({"trace"});
@@ -570,8 +663,12 @@ int trace_main(int argc, char** argv) {
     if (args["sort"].as<std::string>() != "max_abs") throw UsageError("--sort: only max_abs is supported");
     query.sort_by_max_abs = true;
   }
-  query.only_nonfinite = args.count("first-nonfinite") > 0;
-  query.limit = args["limit"].as<size_t>();
+  const bool first_only = args.count("first-nonfinite") > 0;
+  if (first_only && args.count("nonfinite")) {
+    throw UsageError("trace: --first-nonfinite and --nonfinite contradict each other (see nanreplay trace --help)");
+  }
+  query.only_nonfinite = first_only || args.count("nonfinite") > 0;
+  query.limit = args.count("limit") ? args["limit"].as<size_t>() : first_only ? 1 : 50;
   const TraceContents trace = read_trace(args["trace"].as<std::string>());
   const TraceSelection selection = select_probes(trace.probes, query);
   std::cout << (args.count("json") ? trace_selection_json(selection).dump(2) + "\n" : render_trace_table(selection));
@@ -617,6 +714,8 @@ int dispatch(int argc, char** argv) {
 }  // namespace
 
 int run_cli(int argc, char** argv) {
+  // First: a stop signal at any time ends in exit 130 (cli_support.h).
+  install_stop_handlers();
   try {
     return dispatch(argc, argv);
   } catch (const InputError& e) {

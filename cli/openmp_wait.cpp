@@ -14,6 +14,7 @@
 
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdlib>
 
 #include "replay/replay_engine.h"
@@ -25,8 +26,18 @@ void reexec_with_short_openmp_spin(char** argv) {
   if (std::getenv("NANREPLAY_KEEP_OPENMP_SPIN") != nullptr) return;  // to measure the default
   if (!blas_has_own_thread_pool()) return;
   if (setenv("GOMP_SPINCOUNT", kShortSpinCount, 1) != 0 || setenv(kSpinSetByNanreplay, "1", 1) != 0) return;
+  // A stop signal while the new image loads stays pending (the mask survives
+  // exec) until its handlers are installed and unblock it (cli_support.h),
+  // instead of killing it with 143.
+  sigset_t stop_signals;
+  sigset_t previous;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, &previous);
   execv("/proc/self/exe", argv);
   // exec failed (no /proc?): carry on with libgomp's default spin.
+  pthread_sigmask(SIG_SETMASK, &previous, nullptr);
   unsetenv("GOMP_SPINCOUNT");
   unsetenv(kSpinSetByNanreplay);
 }

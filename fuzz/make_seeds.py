@@ -1,10 +1,16 @@
 #!/usr/bin/env python3
 """Writes the fuzzers' seed corpora: small valid inputs and near-valid ones
 (one thing wrong each), so libFuzzer starts from the formats' real shapes.
-Re-run after a format change: python3 fuzz/make_seeds.py (from the repo root)."""
+Re-run after a format change: python3 fuzz/make_seeds.py (from the repo root).
+The trace reader's seeds are real traces, written by the CLI itself:
+python3 fuzz/make_seeds.py --cli build/nanreplay (needs a built nanreplay)."""
+import argparse
 import json
 import os
+import shutil
 import struct
+import subprocess
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -116,3 +122,30 @@ write("fuzz_safetensors_header", "overflow_shape.safetensors", safetensors(
 write("fuzz_safetensors_header", "long_claim.safetensors", safetensors({}, b"", claimed=1 << 40))
 write("fuzz_safetensors_header", "truncated.safetensors", safetensors(
     {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 7))
+
+
+# ---- trace.h5: real traces, small enough for libFuzzer ------------------------
+def trace_seeds(cli):
+    def nanreplay(*args, allowed=(0,)):
+        done = subprocess.run([cli, *args], capture_output=True, text=True)
+        if done.returncode not in allowed:
+            raise SystemExit(f"nanreplay {' '.join(args)}: exit {done.returncode}: {done.stderr}")
+
+    with tempfile.TemporaryDirectory() as work:
+        # Only step rows (15 KB), and one step of a planted overflow with every probe (70 KB).
+        nanreplay("synth", "clean-fp32", os.path.join(work, "clean"))
+        nanreplay("run", os.path.join(work, "clean"), "--out", os.path.join(work, "a"), "--no-probes", "--quiet")
+        nanreplay("synth", "head-overflow", os.path.join(work, "overflow"))
+        nanreplay("run", os.path.join(work, "overflow"), "--out", os.path.join(work, "b"), "--steps", "103",
+                  "--quiet", allowed=(1,))
+        for name, source in (("steps_only.h5", "a"), ("one_step_nonfinite.h5", "b")):
+            path = os.path.join(HERE, "corpus", "fuzz_trace_reader", name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            shutil.copyfile(os.path.join(work, source, "trace.h5"), path)
+
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--cli", help="a built nanreplay: also write the trace reader's seeds")
+arguments = parser.parse_args()
+if arguments.cli:
+    trace_seeds(os.path.abspath(arguments.cli))

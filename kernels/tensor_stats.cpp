@@ -425,22 +425,6 @@ std::vector<TensorStats> compute_head_stats_typed(const void* raw, int64_t batch
 
 }  // namespace
 
-const char* nonfinite_kind_name(NonfiniteKind kind) {
-  switch (kind) {
-    case NonfiniteKind::kNan: return "nan";
-    case NonfiniteKind::kPosInf: return "inf";
-    case NonfiniteKind::kNegInf: return "-inf";
-    case NonfiniteKind::kNone: break;
-  }
-  return "none";
-}
-
-double TensorStats::mean() const { return finite_count > 0 ? sum / double(finite_count) : 0.0; }
-
-double TensorStats::rms() const {
-  return finite_count > 0 ? std::sqrt(sum_sq / double(finite_count)) : 0.0;
-}
-
 void TensorStats::merge(const TensorStats& later) {
   count += later.count;
   finite_count += later.finite_count;

@@ -4,6 +4,7 @@
 // the first non-finite element. No LibTorch here: raw buffers in, plain data out.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -12,7 +13,17 @@ namespace nanreplay {
 enum class ElemType { kF32, kBF16, kF16 };
 
 enum class NonfiniteKind { kNone, kNan, kPosInf, kNegInf };
-const char* nonfinite_kind_name(NonfiniteKind kind);  // "nan", "inf", "-inf", "none"
+// Inline, like mean() and rms() below: the trace reader (and its fuzz target)
+// uses them without linking the kernels.
+inline const char* nonfinite_kind_name(NonfiniteKind kind) {  // "nan", "inf", "-inf", "none"
+  switch (kind) {
+    case NonfiniteKind::kNan: return "nan";
+    case NonfiniteKind::kPosInf: return "inf";
+    case NonfiniteKind::kNegInf: return "-inf";
+    case NonfiniteKind::kNone: break;
+  }
+  return "none";
+}
 
 struct TensorStats {
   int64_t count = 0;          // elements considered (causal-masked ones excluded)
@@ -27,8 +38,8 @@ struct TensorStats {
   NonfiniteKind first_kind = NonfiniteKind::kNone;
 
   bool all_finite() const { return nan_count == 0 && inf_count == 0; }
-  double mean() const;  // sum / finite_count (0 when none)
-  double rms() const;   // sqrt(sum_sq / finite_count) (0 when none)
+  double mean() const { return finite_count > 0 ? sum / double(finite_count) : 0.0; }  // 0 when none
+  double rms() const { return finite_count > 0 ? std::sqrt(sum_sq / double(finite_count)) : 0.0; }
   // Folds `later` (covering elements after this one's in row-major order) in.
   void merge(const TensorStats& later);
 };

@@ -44,6 +44,31 @@ std::string read_text_file(const fs::path& path, const std::string& label, size_
   return text;
 }
 
+fs::path enclosing_bundle(const fs::path& path) {
+  std::error_code ec;
+  fs::path existing = fs::absolute(path, ec);
+  if (ec) return {};
+  while (!fs::exists(existing, ec)) {
+    if (!existing.has_relative_path()) return {};
+    existing = existing.parent_path();
+  }
+  const fs::path start = fs::canonical(existing, ec);
+  if (ec) return {};
+  for (fs::path dir = start;; dir = dir.parent_path()) {
+    const fs::path manifest = dir / "manifest.json";
+    std::error_code missing;
+    if (fs::is_regular_file(manifest, missing)) {
+      try {
+        if (read_text_file(manifest, manifest.string()).find("\"nanreplay.bundle\"") != std::string::npos) return dir;
+      } catch (const InputError&) {
+        // Unreadable or huge: not a bundle this tool could have made.
+      }
+    }
+    if (!dir.has_relative_path()) break;
+  }
+  return {};
+}
+
 Bundle::Bundle(const fs::path& root) {
   std::error_code ec;
   if (!fs::exists(root, ec)) throw InputError(root.string(), "", "bundle directory does not exist");
@@ -80,6 +105,16 @@ Bundle::Bundle(const fs::path& root) {
     }
     if (!fs::is_regular_file(files.state, ec)) {
       throw InputError(files.label("state.json"), "", "missing: every step needs its state.json");
+    }
+    // Optional, but when something has its name it must be the file: a FIFO
+    // or a directory is a broken bundle, not a step without optimizer state.
+    const fs::file_status optimizer = fs::status(files.optimizer, ec);
+    if (fs::exists(optimizer) && !fs::is_regular_file(optimizer)) {
+      throw InputError(files.label("optimizer.safetensors"), "",
+                       std::string("expected a regular file, found ") +
+                           (fs::is_directory(optimizer) ? "a directory"
+                            : fs::is_fifo(optimizer)    ? "a FIFO"
+                                                        : "a special file"));
     }
     steps_.push_back(std::move(files));
   }

@@ -52,6 +52,12 @@ class Bundle {
   std::vector<StepFiles> steps_;
 };
 
+// The bundle `path` is, or would lie inside once created: the nearest existing
+// ancestor of `path` or one of its parents that holds a manifest.json naming
+// the format "nanreplay.bundle". Empty when there is none. For the commands
+// that create directories (synth, demo): they never write into a bundle.
+std::filesystem::path enclosing_bundle(const std::filesystem::path& path);
+
 // Reads a small text file whole (JSON), refusing files over `max_bytes`.
 std::string read_text_file(const std::filesystem::path& path, const std::string& label,
                            size_t max_bytes = 64u << 20);

@@ -3,7 +3,10 @@
 // following symlinks, must still lie under the canonical bundle root.
 #include "loaders/bundle_paths.h"
 
+#include <sys/stat.h>
+
 #include <system_error>
+#include <vector>
 
 #include "loaders/error.h"
 
@@ -76,6 +79,42 @@ fs::path resolve_in_bundle(const fs::path& bundle_root, const std::string& relat
                          quoted(resolved.string()) + ", outside " + quoted(root.string()) + ")");
   }
   return resolved;
+}
+
+fs::path resolve_for_creation(const fs::path& path) {
+  std::error_code error;
+  fs::path current = fs::absolute(path, error);
+  if (error) return path;
+  for (int round = 0; round < 40; ++round) {  // each round follows one more link; 40 as the kernel
+    fs::path existing = current;
+    std::vector<fs::path> missing;  // innermost first
+    struct stat info {};
+    while (::stat(existing.c_str(), &info) != 0 && existing.has_relative_path()) {
+      missing.push_back(existing.filename());
+      existing = existing.parent_path();
+    }
+    fs::path resolved = fs::canonical(existing, error);
+    if (error) return current;
+    for (auto it = missing.rbegin(); it != missing.rend(); ++it) resolved /= *it;
+    resolved = resolved.lexically_normal();
+    if (resolved == current) break;
+    current = resolved;
+  }
+  return current;
+}
+
+bool lies_inside_directory(const fs::path& path, const fs::path& directory) {
+  struct stat target {};
+  if (::stat(directory.c_str(), &target) != 0) return false;
+  fs::path ancestor = resolve_for_creation(path);
+  struct stat info {};
+  while (true) {
+    if (::stat(ancestor.c_str(), &info) == 0 && info.st_dev == target.st_dev && info.st_ino == target.st_ino) {
+      return true;
+    }
+    if (!ancestor.has_relative_path()) return false;
+    ancestor = ancestor.parent_path();
+  }
 }
 
 }  // namespace nanreplay

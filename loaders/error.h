@@ -63,6 +63,15 @@ class InputError : public std::runtime_error {
   std::string key_;
 };
 
+// The output location cannot take a result (a full disk, a read-only file
+// system, a quota, a name taken by a directory): `file` is the output path,
+// the message the reason. Exit 2 like bad input: the user must free space or
+// choose another --out; nothing half-written is left.
+class OutputError : public InputError {
+ public:
+  OutputError(std::string file, const std::string& what) : InputError(std::move(file), "", what) {}
+};
+
 // Bad command-line usage (unknown flag, missing argument).
 class UsageError : public std::runtime_error {
  public:

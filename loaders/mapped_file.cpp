@@ -1,6 +1,7 @@
 // Read-only memory maps of whole bundle files (PROT_READ, MAP_PRIVATE), so a
 // bug can never write into the evidence. Key constraint: anything that is not
-// a regular file (a directory, a FIFO) is refused with an InputError, not a hang.
+// a regular file (a directory, a FIFO) is refused with an InputError, not a
+// hang; a file that changes while mapped is noticed, never a crash.
 #include "loaders/mapped_file.h"
 
 #include <fcntl.h>
@@ -12,12 +13,33 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <set>
 #include <utility>
 
 #include "loaders/error.h"
+#include "loaders/mapping_faults.h"
 
 namespace nanreplay {
+
+// What the file was when it was mapped, to tell later whether it still is.
+// Checked by path (no descriptor kept open, so a bundle of many shards needs
+// no more than the usual file limit): a removed, replaced, truncated or
+// rewritten file all show in stat().
+struct MappedFileWatch {
+  std::string path;
+  std::string label;
+  struct stat opened {};
+  MappingFaultSlot* faults = nullptr;  // null for an empty file (nothing mapped)
+};
+
 namespace {
+
+std::mutex g_watches_mutex;
+std::set<const MappedFileWatch*>& live_watches() {
+  static std::set<const MappedFileWatch*> watches;
+  return watches;
+}
 
 // Closes the descriptor on every exit path; the mapping outlives it.
 class FileDescriptor {
@@ -36,7 +58,39 @@ class FileDescriptor {
 
 std::string errno_text() { return std::strerror(errno); }
 
+bool same_time(const timespec& a, const timespec& b) { return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec; }
+
+std::string change_of(const MappedFileWatch& watch) {
+  if (mapping_faulted(watch.faults)) {
+    return "a read past its end failed (the file shrank while mapped, or the disk could not return it)";
+  }
+  struct stat now {};
+  if (::stat(watch.path.c_str(), &now) != 0) return "it was removed or renamed (" + errno_text() + ")";
+  const struct stat& was = watch.opened;
+  if (now.st_dev != was.st_dev || now.st_ino != was.st_ino) return "it was replaced by another file";
+  if (now.st_size != was.st_size) {
+    return "it is now " + std::to_string(now.st_size) + " bytes, it was " + std::to_string(was.st_size) +
+           " when opened";
+  }
+  if (!same_time(now.st_mtim, was.st_mtim)) return "it was rewritten (its modification time changed)";
+  return "";
+}
+
 }  // namespace
+
+std::string MappedFile::change() const { return watch_ ? change_of(*watch_) : ""; }
+
+void throw_if_mapped_file_changed() {
+  const std::lock_guard<std::mutex> lock(g_watches_mutex);
+  for (const MappedFileWatch* watch : live_watches()) {
+    const std::string why = change_of(*watch);
+    if (!why.empty()) {
+      throw InputError(watch->label, "",
+                       "changed while being read: " + why +
+                           "; copy the bundle somewhere nobody writes to and run again");
+    }
+  }
+}
 
 MappedFile::MappedFile(const std::string& path, const std::string& label) : label_(label) {
   // O_NONBLOCK keeps open() of a FIFO from waiting for a writer.
@@ -52,16 +106,26 @@ MappedFile::MappedFile(const std::string& path, const std::string& label) : labe
     throw InputError(label, "", "cannot open: expected a regular file, found a special file");
   }
 
+  auto watch = std::make_unique<MappedFileWatch>();
+  watch->path = path;
+  watch->label = label;
+  watch->opened = info;
   size_ = static_cast<size_t>(info.st_size);
-  if (size_ == 0) return;  // mmap of length 0 is an error; an empty file maps to nothing
-  void* mapping = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd.get(), 0);
-  if (mapping == MAP_FAILED) {
-    size_ = 0;
-    throw InputError(label, "", "cannot map into memory: " + errno_text());
+  if (size_ > 0) {  // mmap of length 0 is an error; an empty file maps to nothing
+    void* mapping = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd.get(), 0);
+    if (mapping == MAP_FAILED) {
+      size_ = 0;
+      throw InputError(label, "", "cannot map into memory: " + errno_text());
+    }
+    data_ = static_cast<const uint8_t*>(mapping);
+    watch->faults = watch_mapping_faults(data_, size_);
   }
-  data_ = static_cast<const uint8_t*>(mapping);
+  const std::lock_guard<std::mutex> lock(g_watches_mutex);
+  live_watches().insert(watch.get());
+  watch_ = std::move(watch);
 }
 
+MappedFile::MappedFile() = default;
 MappedFile::~MappedFile() { release(); }
 
 void MappedFile::prefault(size_t offset, size_t length) const {
@@ -100,7 +164,8 @@ void MappedFile::release_pages(size_t offset, size_t length) const {
 MappedFile::MappedFile(MappedFile&& other) noexcept
     : data_(std::exchange(other.data_, nullptr)),
       size_(std::exchange(other.size_, 0)),
-      label_(std::move(other.label_)) {}
+      label_(std::move(other.label_)),
+      watch_(std::move(other.watch_)) {}
 
 MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
   if (this != &other) {
@@ -108,11 +173,19 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     label_ = std::move(other.label_);
+    watch_ = std::move(other.watch_);
   }
   return *this;
 }
 
 void MappedFile::release() {
+  if (watch_) {
+    // Unregistered before the range is unmapped: the address may be reused.
+    unwatch_mapping_faults(watch_->faults);
+    const std::lock_guard<std::mutex> lock(g_watches_mutex);
+    live_watches().erase(watch_.get());
+    watch_.reset();
+  }
   if (data_ != nullptr) ::munmap(const_cast<uint8_t*>(data_), size_);
   data_ = nullptr;
   size_ = 0;

@@ -1,16 +1,23 @@
 // A read-only memory map of a whole file (RAII). The tool never writes into a
 // bundle: maps are PROT_READ/MAP_PRIVATE. An empty file maps to size 0.
+// Every live mapping is watched: a read past the end of a file that shrank
+// meanwhile reads zeros instead of killing the process with SIGBUS
+// (loaders/mapping_faults.h), and throw_if_mapped_file_changed() turns that,
+// or any change of a mapped file seen since, into an InputError naming it.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace nanreplay {
 
+struct MappedFileWatch;  // mapped_file.cpp: what the file was when mapped
+
 class MappedFile {
  public:
-  MappedFile() = default;
+  MappedFile();
   // Throws InputError(label, "", ...) when the file cannot be opened or mapped.
   MappedFile(const std::string& path, const std::string& label);
   ~MappedFile();
@@ -20,6 +27,9 @@ class MappedFile {
   MappedFile& operator=(const MappedFile&) = delete;
 
   const uint8_t* data() const { return data_; }
+  // Why the file is no longer what was mapped (a read faulted past its new
+  // end; it was truncated, rewritten, replaced or removed), or "" when it is.
+  std::string change() const;
   size_t size() const { return size_; }
   // Drops the whole pages of [offset, offset + length) from this process's
   // resident memory (madvise MADV_DONTNEED). The mapping stays valid: a later
@@ -41,6 +51,13 @@ class MappedFile {
   const uint8_t* data_ = nullptr;
   size_t size_ = 0;
   std::string label_;
+  std::unique_ptr<MappedFileWatch> watch_;  // heap-held: its address stays registered across moves
 };
+
+// Throws InputError(label, "", "changed while being read: ...") for the first
+// live mapping whose file changed since it was mapped. Cheap (one stat per
+// mapping): the replay polls it between passes and before it writes outputs,
+// so a changed bundle ends the run with exit 2 and nothing written.
+void throw_if_mapped_file_changed();
 
 }  // namespace nanreplay

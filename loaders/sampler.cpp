@@ -69,11 +69,16 @@ std::vector<std::vector<int64_t>> StepSampler::randperm_slice(int64_t step,
   const int64_t per_rank = num_samples_ / world;
   const int64_t epoch_start = data_.sampler.epoch_start_step;
   const int64_t steps_in_epoch = per_rank / per_step;
-  if (step < epoch_start || step - epoch_start >= steps_in_epoch) {
+  int64_t epoch_end = 0;  // one past the epoch's last step
+  if (__builtin_add_overflow(epoch_start, steps_in_epoch, &epoch_end)) {
+    throw InputError(label_, "data.sampler.epoch_start_step",
+                     "is " + std::to_string(epoch_start) + ": with " + std::to_string(steps_in_epoch) +
+                         " steps per epoch, the epoch would end past the largest step number (2^63 - 1)");
+  }
+  if (step < epoch_start || step >= epoch_end) {
     throw InputError(
         label_, key,
-        "expected a step in [" + std::to_string(epoch_start) + ", " +
-            std::to_string(epoch_start + steps_in_epoch) + ") (epoch " +
+        "expected a step in [" + std::to_string(epoch_start) + ", " + std::to_string(epoch_end) + ") (epoch " +
             std::to_string(data_.sampler.epoch) + " starts at data.sampler.epoch_start_step " +
             std::to_string(epoch_start) + " and gives each of " + std::to_string(world) +
             " ranks " + std::to_string(per_rank) + " of " + std::to_string(num_samples_) +

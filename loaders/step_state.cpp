@@ -1,7 +1,10 @@
 // steps/<step>/state.json parsed into a StepState. Key constraint: this file
-// records a run that went wrong, so non-finite values ("nan", "inf" strings or
-// a broken loss scale) are data to replay, not input errors; only wrong types,
-// a missing `step` and a negative learning rate are refused.
+// records a run that went wrong, so non-finite logged values and fp8 scales
+// ("nan", "inf" strings) are data to replay, not input errors. The two scalars
+// the replay itself computes with are not: a learning rate outside
+// (0, kMaxLearningRate] or a loss scale that is not a positive finite number
+// would replay silently into numbers no run produced, so they are refused
+// with the file and key, as are wrong types and a missing `step`.
 #include "loaders/step_state.h"
 
 #include <cmath>
@@ -23,16 +26,34 @@ std::vector<double> number_list(const JsonReader& reader, const std::string& key
   return numbers;
 }
 
-// A NaN or +inf rate may be what broke the run, so it is kept for the replay;
-// a negative rate cannot come from any scheduler and means a corrupt file.
+// Above any rate AdamW trains with (typical rates are 1e-5..1e-2): a value
+// this large is a corrupt or mis-scaled file, not a schedule.
+constexpr double kMaxLearningRate = 1e3;
+
+std::string number_text(double value) {
+  if (std::isnan(value)) return "nan";
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  return nlohmann::json(value).dump();
+}
+
 std::optional<double> parse_lr(const JsonReader& root) {
   const std::optional<double> lr = root.optional_number("lr");
-  if (lr && *lr < 0) {
+  if (lr && !(*lr > 0 && *lr <= kMaxLearningRate)) {
     throw InputError(root.file(), "lr",
-                     "expected a number >= 0, got " +
-                         (std::isfinite(*lr) ? nlohmann::json(*lr).dump() : "-inf"));
+                     "expected a learning rate in (0, 1e3], got " + number_text(*lr) +
+                         " (a run cannot have trained with it; the file is corrupt or was written wrongly)");
   }
   return lr;
+}
+
+double parse_loss_scale(const JsonReader& root) {
+  const double scale = root.optional_number("loss_scale").value_or(1.0);
+  if (!(scale > 0 && std::isfinite(scale))) {
+    throw InputError(root.file(), "loss_scale",
+                     "expected a positive finite loss scale, got " + number_text(scale) +
+                         " (a loss scaler's scale never is)");
+  }
+  return scale;
 }
 
 Fp8ModuleScales parse_module_scales(const JsonReader& module) {
@@ -78,7 +99,7 @@ StepState parse_step_state(const std::string& json_text, const std::string& file
                      "expected a non-negative integer, got " + std::to_string(state.step));
   }
   state.lr = parse_lr(root);
-  state.loss_scale = root.optional_number("loss_scale").value_or(1.0);
+  state.loss_scale = parse_loss_scale(root);
   state.fp8_scales = parse_fp8_scales(root.optional_object("fp8_scales"));
   state.logged = parse_logged(root.optional_object("logged"));
   state.skipped = root.optional_boolean("skipped");

@@ -10,6 +10,7 @@
 
 #include "loaders/manifest.h"
 #include "loaders/mapped_file.h"
+#include "loaders/sha256.h"  // sha256_hex, for the callers of verify_checksums
 
 namespace nanreplay {
 
@@ -57,8 +58,5 @@ class TokenStream {
   std::vector<int64_t> starts_;  // first global token index of each shard
   int64_t total_tokens_ = 0;
 };
-
-// Lower-case hex SHA-256 of a byte buffer.
-std::string sha256_hex(const uint8_t* data, size_t size);
 
 }  // namespace nanreplay

@@ -3,25 +3,13 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <sstream>
 
 #include <torch/torch.h>
 
 #include "loaders/error.h"
+#include "replay/bundle_structure.h"
 
 namespace nanreplay {
-
-namespace {
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
-
-}  // namespace
 
 ComputePlacement placement_for(const std::vector<std::string>& names, bool native_allowed, Compute compute) {
   ComputePlacement placement;
@@ -83,30 +71,8 @@ torch::Tensor tensor_from_safetensors(const TensorInfo& info, const std::string&
 
 ModelCheckpoint::ModelCheckpoint(const StepFiles& files, const ModelConfig& model)
     : file_(SafetensorsFile::open(files.model.string(), files.label("model.safetensors"))) {
-  std::vector<std::string> problems;
+  check_checkpoint_matches_model(file_, model);
   const std::vector<ParamSpec> expected = expected_parameters(model);
-  for (const ParamSpec& spec : expected) {
-    const TensorInfo* info = file_.find(spec.name);
-    if (info == nullptr) {
-      problems.push_back("missing " + spec.name);
-    } else if (info->shape != spec.shape) {
-      problems.push_back(spec.name + " has shape " + shape_text(info->shape) + ", expected " +
-                         shape_text(spec.shape));
-    }
-  }
-  if (!problems.empty()) {
-    std::string text;
-    for (size_t i = 0; i < problems.size(); ++i) {
-      if (i == 6) {
-        text += "; and " + std::to_string(problems.size() - i) + " more";
-        break;
-      }
-      text += (i ? "; " : "") + problems[i];
-    }
-    throw InputError(file_.label(), "",
-                     "does not match the manifest's " + std::string(arch_name(model.arch)) +
-                         " model: " + text);
-  }
   for (const ParamSpec& spec : expected) {
     const TensorInfo& info = file_.at(spec.name);
     torch::Tensor master = tensor_from_safetensors(info, file_.label());

@@ -14,6 +14,8 @@ namespace nanreplay {
 
 // Opens every step's state and model header (throws InputError on a bad one)
 // and verifies the shard checksums; "valid" is false when one mismatches.
+// "validated": "structure" and "faithfulness" say what valid does not mean.
+// Call validate_bundle_structure first: that is what makes "valid" true.
 nlohmann::json summarize_bundle(const Bundle& bundle);
 std::string render_bundle_summary(const nlohmann::json& summary);
 

@@ -1,10 +1,21 @@
-// Staged, atomic output; see output_dir.h.
+// Staged output committed as one set; see output_dir.h. Key constraint: after
+// any failure, a crash included, the directory holds exactly the previous
+// complete set of results (or nothing new), and nothing but the results and
+// this tool's hidden directories is ever touched.
 #include "reports/output_dir.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
-#include <fstream>
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <utility>
 
+#include "loaders/bundle_paths.h"
 #include "loaders/error.h"
 
 namespace nanreplay {
@@ -13,15 +24,121 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool is_inside(const fs::path& path, const fs::path& root) {
-  const fs::path p = fs::weakly_canonical(path);
-  const fs::path r = fs::weakly_canonical(root);
-  auto pi = p.begin();
-  for (auto ri = r.begin(); ri != r.end(); ++ri, ++pi) {
-    if (ri->empty()) continue;
-    if (pi == p.end() || *pi != *ri) return false;
+constexpr const char* kStagingPrefix = ".nanreplay-staging-";
+// The previous set while a commit replaces it. Its markers say how far the
+// commit got: the whole old set is in it, then the whole new set is in place.
+constexpr const char* kAsidePrefix = ".nanreplay-previous-";
+constexpr const char* kOldSetAside = ".old-set-aside";
+constexpr const char* kNewSetIn = ".new-set-in";
+
+std::string errno_text() { return std::strerror(errno); }
+
+bool exists_no_follow(const fs::path& path) {
+  struct stat info {};
+  return ::lstat(path.c_str(), &info) == 0;
+}
+
+bool starts_with(const std::string& text, const char* prefix) { return text.rfind(prefix, 0) == 0; }
+
+// An open directory descriptor holding flock(LOCK_EX) until destroyed. On a
+// file system without flock (some network mounts) held() stays false and the
+// callers carry on unlocked, never treating another run's directory as stale.
+class DirectoryLock {
+ public:
+  // wait: block until the lock is free; otherwise give up at once when taken.
+  DirectoryLock(const fs::path& dir, bool wait) {
+    fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd_ < 0) return;
+    int status;
+    do {
+      status = ::flock(fd_, LOCK_EX | (wait ? 0 : LOCK_NB));
+    } while (status != 0 && errno == EINTR);  // a stop signal only sets a flag: keep waiting
+    held_ = status == 0;
   }
-  return true;
+  ~DirectoryLock() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+  bool opened() const { return fd_ >= 0; }
+  bool held() const { return held_; }
+  int release() { return std::exchange(fd_, -1); }  // the lock stays with the returned descriptor
+
+ private:
+  int fd_ = -1;
+  bool held_ = false;
+};
+
+// The entries of `root` whose names start with `prefix`; never throws (other
+// runs add and remove theirs meanwhile).
+std::vector<fs::path> entries_named(const fs::path& root, const char* prefix) {
+  std::vector<fs::path> found;
+  std::error_code ec;
+  for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    if (starts_with(it->path().filename().string(), prefix)) found.push_back(it->path());
+  }
+  return found;
+}
+
+// Staging directories whose run is gone (killed, out of memory, another
+// container's run that died) hold no lock: remove them. Held ones are live.
+void remove_stale_staging(const fs::path& root) {
+  std::error_code ec;
+  for (const fs::path& staging : entries_named(root, kStagingPrefix)) {
+    const DirectoryLock stale(staging, false);
+    if (stale.held()) fs::remove_all(staging, ec);
+  }
+}
+
+void create_marker(const fs::path& path, const std::string& display) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0 || ::close(fd) != 0) throw OutputError(display, "cannot commit the results: " + errno_text());
+}
+
+// Finishes or rolls back a commit that died half-way (the caller holds the
+// directory lock, so no commit is running). Idempotent: a crash during the
+// recovery leaves a state the next recovery reads the same way.
+void recover_interrupted_commits(const fs::path& root, const std::vector<std::string>& results) {
+  std::error_code ec;
+  for (const fs::path& aside : entries_named(root, kAsidePrefix)) {
+    if (fs::is_symlink(fs::symlink_status(aside, ec))) continue;
+    if (!exists_no_follow(aside / kNewSetIn)) {
+      if (exists_no_follow(aside / kOldSetAside)) {
+        // The old set was all aside: what is in place is part of the new one.
+        for (const std::string& name : results) fs::remove(root / name, ec);
+        fs::remove(aside / kOldSetAside, ec);
+      }
+      for (const fs::path& old : entries_named(aside, "")) {
+        const fs::path back = root / old.filename();
+        if (!exists_no_follow(back)) fs::rename(old, back, ec);
+      }
+    }
+    fs::remove_all(aside, ec);
+  }
+}
+
+// Creates each missing directory of `dir` (resolved: no "..", no symlink
+// among the missing parts); returns them outermost first.
+std::vector<fs::path> create_missing_directories(const fs::path& dir, const std::string& display) {
+  std::vector<fs::path> created;
+  fs::path prefix;
+  for (const fs::path& part : dir) {
+    prefix /= part;
+    if (part.empty() || exists_no_follow(prefix)) continue;
+    if (::mkdir(prefix.c_str(), 0777) != 0 && errno != EEXIST) {
+      const std::string reason = errno_text();
+      for (auto it = created.rbegin(); it != created.rend(); ++it) ::rmdir(it->c_str());
+      throw UsageError("cannot create --out " + display + ": " + reason);
+    }
+    created.push_back(prefix);
+  }
+  return created;
+}
+
+void rename_or_throw(const fs::path& from, const fs::path& to, const std::string& display) {
+  if (std::rename(from.c_str(), to.c_str()) != 0) {
+    throw OutputError(display, "cannot move the result into place: " + errno_text());
+  }
 }
 
 }  // namespace
@@ -29,28 +146,53 @@ bool is_inside(const fs::path& path, const fs::path& root) {
 OutputDir::OutputDir(const fs::path& dir, const fs::path& bundle_root, bool replace_existing,
                      std::vector<std::string> results)
     : dir_(dir), results_(std::move(results)) {
-  if (is_inside(dir, bundle_root)) {
-    throw UsageError("--out " + dir.string() +
-                     " is inside the bundle; nanreplay never writes into a bundle, choose another directory");
+  if (lies_inside_directory(dir, bundle_root)) {
+    throw UsageError("--out " + dir.string() + " is inside the bundle " + bundle_root.string() +
+                     "; nanreplay never writes into a bundle, choose another directory");
   }
-  std::error_code ec;
-  if (fs::exists(dir, ec)) {
-    if (!fs::is_directory(dir, ec)) throw UsageError("--out " + dir.string() + " exists and is not a directory");
-    for (const std::string& name : results_) {
-      if (!replace_existing && fs::exists(dir / name, ec)) {
-        throw UsageError("--out " + dir.string() + " already holds results (" + name +
-                         ") and --no-clobber was given");
-      }
-    }
+  // What was checked is what is created: the resolved path, component by component.
+  root_ = resolve_for_creation(dir);
+  struct stat info {};
+  if (::stat(root_.c_str(), &info) == 0) {
+    if (!S_ISDIR(info.st_mode)) throw UsageError("--out " + dir.string() + " exists and is not a directory");
+  } else if (exists_no_follow(root_)) {
+    throw UsageError("--out " + dir.string() + " is a symlink to nothing");
   } else {
-    fs::create_directories(dir, ec);
-    if (ec) throw UsageError("cannot create --out " + dir.string() + ": " + ec.message());
-    created_dir_ = true;
+    created_ = create_missing_directories(root_, dir.string());
   }
-  staging_ = dir / (".nanreplay-staging-" + std::to_string(getpid()));
-  fs::remove_all(staging_, ec);
-  fs::create_directory(staging_, ec);
-  if (ec) throw UsageError("cannot write into --out " + dir.string() + ": " + ec.message());
+  // Staging under the directory lock: a run cleaning up stale staging must
+  // not take ours for one between its creation and its lock.
+  const DirectoryLock lock(root_, true);
+  if (!lock.opened()) {
+    const std::string reason = errno_text();
+    abandon();
+    throw OutputError(dir.string(), "cannot open the output directory: " + reason);
+  }
+  recover_interrupted_commits(root_, results_);
+  remove_stale_staging(root_);
+  for (const std::string& name : results_) {
+    struct stat result {};
+    if (::lstat((root_ / name).c_str(), &result) != 0) continue;
+    if (!S_ISREG(result.st_mode)) {
+      abandon();
+      throw OutputError(display_path(name),
+                        "is not a file an earlier run wrote (a directory, link or device); move it away "
+                        "or choose another --out");
+    }
+    if (!replace_existing) {
+      abandon();
+      throw UsageError("--out " + dir.string() + " already holds results (" + name + ") and --no-clobber was given");
+    }
+  }
+  std::string pattern = (root_ / (std::string(kStagingPrefix) + "XXXXXX")).string();
+  if (::mkdtemp(pattern.data()) == nullptr) {
+    const std::string reason = errno_text();
+    abandon();
+    throw OutputError(dir.string(), "cannot write into the output directory: " + reason);
+  }
+  staging_ = pattern;
+  DirectoryLock mine(staging_, false);
+  staging_lock_ = mine.release();
 }
 
 OutputDir::~OutputDir() {
@@ -59,36 +201,85 @@ OutputDir::~OutputDir() {
 
 fs::path OutputDir::staging_path(const std::string& name) const { return staging_ / name; }
 
+std::string OutputDir::display_path(const std::string& name) const { return (dir_ / name).string(); }
+
 void OutputDir::write_text(const std::string& name, const std::string& text) const {
-  std::ofstream out(staging_path(name), std::ios::binary | std::ios::trunc);
-  out << text;
-  out.flush();
-  if (!out) throw std::runtime_error("cannot write " + staging_path(name).string());
+  const std::string display = display_path(name);
+  const int fd = ::open(staging_path(name).c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw OutputError(display, "cannot write: " + errno_text());
+  size_t written = 0;
+  while (written < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const std::string reason = n < 0 ? errno_text() : "nothing written";
+      ::close(fd);
+      throw OutputError(display, "cannot write: " + reason);
+    }
+    written += static_cast<size_t>(n);
+  }
+  // A full disk or a quota often shows only here (delayed allocation, NFS).
+  if (::fsync(fd) != 0) {
+    const std::string reason = errno_text();
+    ::close(fd);
+    throw OutputError(display, "cannot write: " + reason);
+  }
+  if (::close(fd) != 0) throw OutputError(display, "cannot write: " + errno_text());
 }
 
 void OutputDir::commit() {
-  std::vector<std::string> not_staged;
+  const DirectoryLock lock(root_, true);  // one commit at a time per directory
+  recover_interrupted_commits(root_, results_);
   for (const std::string& name : results_) {
-    std::error_code ec;
-    if (!fs::exists(staging_path(name), ec)) {
-      not_staged.push_back(name);
-      continue;
+    struct stat result {};
+    if (::lstat((root_ / name).c_str(), &result) == 0 && !S_ISREG(result.st_mode)) {
+      throw OutputError(display_path(name),
+                        "is not a file an earlier run wrote (a directory, link or device); nothing was "
+                        "replaced: move it away or choose another --out");
     }
-    fs::rename(staging_path(name), dir_ / name);
   }
-  for (const std::string& name : not_staged) {
-    std::error_code ec;
-    fs::remove(dir_ / name, ec);
+  std::string pattern = (root_ / (std::string(kAsidePrefix) + "XXXXXX")).string();
+  if (::mkdtemp(pattern.data()) == nullptr) {
+    throw OutputError(dir_.string(), "cannot commit the results: " + errno_text());
   }
+  const fs::path aside = pattern;
   std::error_code ec;
+  std::vector<std::string> moved_aside;
+  std::vector<std::string> moved_in;
+  try {
+    for (const std::string& name : results_) {
+      if (!exists_no_follow(root_ / name)) continue;
+      rename_or_throw(root_ / name, aside / name, display_path(name));
+      moved_aside.push_back(name);
+    }
+    create_marker(aside / kOldSetAside, dir_.string());
+    for (const std::string& name : results_) {
+      if (!exists_no_follow(staging_path(name))) continue;
+      rename_or_throw(staging_path(name), root_ / name, display_path(name));
+      moved_in.push_back(name);
+    }
+    create_marker(aside / kNewSetIn, dir_.string());
+  } catch (...) {
+    for (auto it = moved_in.rbegin(); it != moved_in.rend(); ++it) fs::rename(root_ / *it, staging_path(*it), ec);
+    fs::remove(aside / kOldSetAside, ec);
+    for (const std::string& name : moved_aside) fs::rename(aside / name, root_ / name, ec);
+    fs::remove_all(aside, ec);
+    throw;
+  }
+  fs::remove_all(aside, ec);
   fs::remove_all(staging_, ec);
+  if (staging_lock_ >= 0) ::close(staging_lock_);
+  staging_lock_ = -1;
   done_ = true;
 }
 
 void OutputDir::abandon() {
   std::error_code ec;
-  fs::remove_all(staging_, ec);
-  if (created_dir_) fs::remove(dir_, ec);  // only if empty: never deletes others' files
+  if (!staging_.empty()) fs::remove_all(staging_, ec);
+  if (staging_lock_ >= 0) ::close(staging_lock_);
+  staging_lock_ = -1;
+  // rmdir only removes empty directories: another run's files stay.
+  for (auto it = created_.rbegin(); it != created_.rend(); ++it) ::rmdir(it->c_str());
   done_ = true;
 }
 

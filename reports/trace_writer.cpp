@@ -1,23 +1,34 @@
 // Writes and reads trace.h5 (layout in trace_writer.h and docs/trace-format.md)
 // with the HDF5 C API. Every column is named once, in the tables below, which
-// drive both the writer and the reader. The file appears under its final name
-// only when complete; HDF5 never prints: its errors become exceptions. Serial
-// HDF5 is not thread-safe: one write_trace/read_trace at a time per process.
+// drive both the writer and the reader. HDF5 only ever works on memory (its
+// core driver): the writer builds the file image in memory and writes it to
+// disk itself, so a full disk is one checked write(), not an error inside
+// HDF5; the reader reads the file, checks its integrity block
+// (trace_integrity.h) and only then lets HDF5 parse the bytes, then checks
+// every type, shape and size before reading. HDF5 never prints: its errors
+// become exceptions. Serial HDF5 is not thread-safe: one write_trace/read_trace
+// at a time per process.
 #include "reports/trace_writer.h"
 
+#include <fcntl.h>
 #include <hdf5.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <new>
 #include <set>
+#include <sstream>
 #include <stdexcept>
 #include <utility>
 
 #include "loaders/error.h"
+#include "reports/trace_integrity.h"
 
 namespace nanreplay {
 namespace {
@@ -26,6 +37,19 @@ constexpr const char* kFormatName = "nanreplay.trace";
 constexpr int kFormatVersion = 1;
 constexpr const char* kProbesGroup = "probes";
 constexpr const char* kStepsGroup = "steps";
+// Lists the names of TraceHeader::extra (newline-separated), so the reader
+// opens attributes by name and never iterates over a file's attributes.
+constexpr const char* kExtraAttributesName = "extra_attributes";
+// HDF5's core driver grows the in-memory file by this much at a time.
+constexpr size_t kImageIncrement = size_t{1} << 20;
+// No column may claim more decoded bytes than this many times the file's size
+// (deflate's best ratio is about 1032:1): a dataset with no storage but a
+// huge shape cannot make the reader allocate memory it would never fill.
+constexpr uint64_t kMaxExpansion = 1100;
+// Widest string column or attribute the reader accepts.
+constexpr size_t kMaxStringWidth = size_t{1} << 20;
+// Largest chunk the reader lets HDF5 decompress (the writer's are 256 KiB).
+constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 22;
 // Columns shorter than this stay contiguous: chunking buys nothing there.
 constexpr hsize_t kChunkThreshold = 4096;
 constexpr hsize_t kChunkBytes = hsize_t{1} << 18;
@@ -68,25 +92,14 @@ class Handle {
   Closer closer_ = nullptr;
 };
 
-// Switches HDF5's automatic error-stack printing off for one call of ours and
-// restores whatever the application had: the library itself never prints.
-class QuietHdf5Errors {
- public:
-  QuietHdf5Errors() {
-    H5Eget_auto2(H5E_DEFAULT, &saved_func_, &saved_data_);
-    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
-  }
-  ~QuietHdf5Errors() { H5Eset_auto2(H5E_DEFAULT, saved_func_, saved_data_); }
-  QuietHdf5Errors(const QuietHdf5Errors&) = delete;
-  QuietHdf5Errors& operator=(const QuietHdf5Errors&) = delete;
+// HDF5 prints its error stack to stderr by default, at the failing call and
+// again at exit: switched off for good (per thread in a thread-safe HDF5, so
+// at every entry point). The library never prints; errors become exceptions.
+void silence_hdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
 
- private:
-  H5E_auto2_t saved_func_ = nullptr;
-  void* saved_data_ = nullptr;
-};
-
-// The innermost message on HDF5's error stack (the most specific one, e.g.
-// "unable to open file: ... errno = 2"), then clears the stack.
+// The innermost message on HDF5's error stack (the most specific one), then
+// clears the stack. Only its "error message = '...'" part when it has one (a
+// system error); one line either way.
 std::string take_hdf5_error() {
   std::string detail;
   H5Ewalk2(
@@ -97,10 +110,17 @@ std::string take_hdf5_error() {
       },
       &detail);
   H5Eclear2(H5E_DEFAULT);
-  return detail;
+  const std::string marker = "error message = '";
+  const size_t at = detail.find(marker);
+  if (at != std::string::npos) {
+    const size_t begin = at + marker.size();
+    detail = detail.substr(begin, detail.find('\'', begin) - begin);
+  }
+  return printable(detail);
 }
 
-// Writer-side failures: std::runtime_error naming the file and the step.
+// Writer-side HDF5 failures (the file is built in memory: a bug or no
+// memory): std::runtime_error naming the file and the step.
 [[noreturn]] void fail_write(const std::string& path, const std::string& what) {
   const std::string detail = take_hdf5_error();
   throw std::runtime_error("cannot write trace " + path + ": " + what +
@@ -116,17 +136,7 @@ void checked(herr_t status, const std::string& path, const std::string& what) {
   if (status < 0) fail_write(path, what);
 }
 
-// File access properties shared by the writer and the reader. Traces often
-// live on network file systems without flock(): keep HDF5's file locking
-// where it works and carry on without it where the file system refuses it.
-Handle file_access_properties() {
-  Handle properties(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
-#if (H5_VERS_MAJOR == 1 && H5_VERS_MINOR == 10 && H5_VERS_RELEASE >= 7) || \
-    (H5_VERS_MAJOR == 1 && H5_VERS_MINOR == 12 && H5_VERS_RELEASE >= 1) || H5_VERSION_GE(1, 13, 0)
-  if (properties.get() >= 0) H5Pset_file_locking(properties.get(), true, true);
-#endif
-  return properties;
-}
+std::string errno_text() { return std::strerror(errno); }
 
 // --- The column tables ---------------------------------------------------
 
@@ -178,7 +188,13 @@ bool split_dims(const std::string& text, std::vector<int64_t>& dims) {
     const size_t end = text.find('x', start);
     const std::string part = text.substr(start, end == std::string::npos ? end : end - start);
     if (part.empty() || part.find_first_not_of("0123456789") != std::string::npos) return false;
-    dims.push_back(std::stoll(part));
+    int64_t value = 0;
+    for (const char digit : part) {
+      if (__builtin_mul_overflow(value, 10, &value) || __builtin_add_overflow(value, digit - '0', &value)) {
+        return false;
+      }
+    }
+    dims.push_back(value);
     if (end == std::string::npos) return true;
     start = end + 1;
   }
@@ -289,6 +305,14 @@ const RealColumn<Step> kStepRealColumns[] = {
      [](Step& r, double v) { r.grad_norm = v; }},
 };
 
+// The fewest decoded bytes a row takes over all columns of its table (each
+// string column at least one byte): bounds how many rows a file can hold.
+constexpr uint64_t kMinProbeRowBytes = 8 * 8 + 6 * 4 + 5 * 8 + 5 * 1;  // i64, i32, f64 and string columns
+constexpr uint64_t kMinStepRowBytes = 8 + 1 + 3 * 8;
+static_assert(sizeof(kProbeIntegerColumns) / sizeof(kProbeIntegerColumns[0]) == 14, "update kMinProbeRowBytes");
+static_assert(sizeof(kProbeRealColumns) / sizeof(kProbeRealColumns[0]) == 5, "update kMinProbeRowBytes");
+static_assert(sizeof(kProbeTextColumns) / sizeof(kProbeTextColumns[0]) == 5, "update kMinProbeRowBytes");
+
 // Root attributes written from TraceHeader; with format, format_version and
 // created_utc, these names are not available to TraceHeader::extra.
 struct HeaderAttribute {
@@ -300,8 +324,9 @@ const HeaderAttribute kHeaderAttributes[] = {{"bundle", &TraceHeader::bundle},
                                              {"precision", &TraceHeader::precision},
                                              {"arch", &TraceHeader::arch}};
 const std::set<std::string>& reserved_attribute_names() {
-  static const std::set<std::string> names = {
-      "format", "format_version", "created_utc", "bundle", "tool_version", "precision", "arch"};
+  static const std::set<std::string> names = {"format",    "format_version", "created_utc",
+                                              "bundle",    "tool_version",   "precision",
+                                              "arch",      kExtraAttributesName};
   return names;
 }
 
@@ -439,7 +464,12 @@ void write_trace_file(const std::string& path, hid_t file, const TraceHeader& he
     writer.write_string_attribute(attribute.name, header.*attribute.field);
   }
   writer.write_string_attribute("created_utc", utc_timestamp());
-  for (const auto& [name, value] : header.extra) writer.write_string_attribute(name.c_str(), value);
+  std::string extra_names;
+  for (const auto& [name, value] : header.extra) {
+    writer.write_string_attribute(name.c_str(), value);
+    extra_names += (extra_names.empty() ? "" : "\n") + name;
+  }
+  if (!header.extra.empty()) writer.write_string_attribute(kExtraAttributesName, extra_names);
 
   Handle probe_group = writer.create_group(kProbesGroup);
   writer.write_columns(probe_group.get(), kProbesGroup, probes, kProbeIntegerColumns);
@@ -453,9 +483,13 @@ void write_trace_file(const std::string& path, hid_t file, const TraceHeader& he
 
 // --- Reading -------------------------------------------------------------
 
+// Reads a verified file image. Every attribute is opened by name, checked to
+// be one value of the expected class before it is read; every column is
+// checked for rank, type, filters and size before a byte of it is decoded.
 class TraceFileReader {
  public:
-  TraceFileReader(std::string path, hid_t file) : path_(std::move(path)), file_(file) {}
+  TraceFileReader(std::string path, hid_t file, size_t file_size)
+      : path_(std::move(path)), file_(file), file_size_(file_size) {}
 
   [[noreturn]] void fail(const std::string& key, const std::string& what) const {
     const std::string detail = take_hdf5_error();
@@ -465,60 +499,49 @@ class TraceFileReader {
   bool has_attribute(const char* name) const { return H5Aexists(file_, name) > 0; }
 
   std::string read_string_attribute(const char* name) const {
-    if (!has_attribute(name)) fail(name, "missing root attribute; " + regenerate_hint());
-    Handle attribute(H5Aopen(file_, name, H5P_DEFAULT), H5Aclose);
+    const Handle attribute = open_scalar_attribute(name);
     Handle type(H5Aget_type(attribute.get()), H5Tclose);
-    if (attribute.get() < 0 || type.get() < 0) fail(name, "unreadable attribute");
+    if (type.get() < 0) fail(name, "unreadable attribute");
     if (H5Tget_class(type.get()) != H5T_STRING) fail(name, "attribute is not a string");
     if (H5Tis_variable_str(type.get()) > 0) {  // as h5py writes a Python str
       Handle memory_type(H5Tcopy(H5T_C_S1), H5Tclose);
-      H5Tset_size(memory_type.get(), H5T_VARIABLE);
-      char* text = nullptr;
-      if (H5Aread(attribute.get(), memory_type.get(), &text) < 0) {
-        fail(name, "unreadable attribute");
+      if (memory_type.get() < 0 || H5Tset_size(memory_type.get(), H5T_VARIABLE) < 0) {
+        fail(name, "cannot build a string type");
       }
-      std::string value = text != nullptr ? text : "";
+      char* text = nullptr;
+      if (H5Aread(attribute.get(), memory_type.get(), &text) < 0) fail(name, "unreadable attribute");
+      std::string value = text != nullptr ? std::string(text, strnlen(text, kMaxStringWidth)) : "";
       H5free_memory(text);
       return value;
     }
     const size_t width = H5Tget_size(type.get());
+    if (width == 0 || width > kMaxStringWidth) fail(name, "attribute has an implausible width");
     Handle memory_type = string_memory_type(width);
     std::vector<char> buffer(width, '\0');
-    if (H5Aread(attribute.get(), memory_type.get(), buffer.data()) < 0) {
-      fail(name, "unreadable attribute");
-    }
+    if (H5Aread(attribute.get(), memory_type.get(), buffer.data()) < 0) fail(name, "unreadable attribute");
     return std::string(buffer.data(), strnlen(buffer.data(), width));
   }
 
   int64_t read_integer_attribute(const char* name) const {
-    if (!has_attribute(name)) fail(name, "missing root attribute; " + regenerate_hint());
-    Handle attribute(H5Aopen(file_, name, H5P_DEFAULT), H5Aclose);
+    const Handle attribute = open_scalar_attribute(name);
     Handle type(H5Aget_type(attribute.get()), H5Tclose);
-    if (attribute.get() < 0 || type.get() < 0) fail(name, "unreadable attribute");
+    if (type.get() < 0) fail(name, "unreadable attribute");
     if (H5Tget_class(type.get()) != H5T_INTEGER) fail(name, "attribute is not an integer");
     int64_t value = 0;
     if (H5Aread(attribute.get(), H5T_NATIVE_INT64, &value) < 0) fail(name, "unreadable attribute");
     return value;
   }
 
-  // String attributes beyond the reserved ones, for TraceHeader::extra.
+  // TraceHeader::extra, by the names the writer listed.
   std::map<std::string, std::string> read_extra_attributes() const {
-    std::vector<std::string> names;
-    H5Aiterate2(
-        file_, H5_INDEX_NAME, H5_ITER_INC, nullptr,
-        [](hid_t, const char* name, const H5A_info_t*, void* out) -> herr_t {
-          static_cast<std::vector<std::string>*>(out)->push_back(name);
-          return 0;
-        },
-        &names);
     std::map<std::string, std::string> extra;
-    for (const std::string& name : names) {
-      if (reserved_attribute_names().count(name) != 0) continue;
-      Handle attribute(H5Aopen(file_, name.c_str(), H5P_DEFAULT), H5Aclose);
-      Handle type(H5Aget_type(attribute.get()), H5Tclose);
-      if (type.get() >= 0 && H5Tget_class(type.get()) == H5T_STRING) {
-        extra[name] = read_string_attribute(name.c_str());
+    if (!has_attribute(kExtraAttributesName)) return extra;
+    std::istringstream names(read_string_attribute(kExtraAttributesName));
+    for (std::string name; std::getline(names, name);) {
+      if (name.empty() || reserved_attribute_names().count(name) != 0) {
+        fail(kExtraAttributesName, "lists the invalid name '" + name + "'");
       }
+      extra[name] = read_string_attribute(name.c_str());
     }
     return extra;
   }
@@ -532,18 +555,28 @@ class TraceFileReader {
       fail(key, "missing dataset; " + regenerate_hint());
     }
     Handle dataset(H5Dopen2(file_, key.c_str(), H5P_DEFAULT), H5Dclose);
-    if (dataset.get() < 0) fail(key, "unreadable dataset");
+    if (dataset.get() < 0) fail(key, "expected a readable dataset");
     Handle space(H5Dget_space(dataset.get()), H5Sclose);
     hsize_t dims[1] = {0};
-    if (space.get() < 0 || H5Sget_simple_extent_ndims(space.get()) != 1 ||
+    if (space.get() < 0 || H5Sget_simple_extent_type(space.get()) != H5S_SIMPLE ||
+        H5Sget_simple_extent_ndims(space.get()) != 1 ||
         H5Sget_simple_extent_dims(space.get(), dims, nullptr) != 1) {
       fail(key, "expected a 1-D dataset");
     }
-    if (expected >= 0 && int64_t(dims[0]) != expected) {
-      fail(key, "has " + std::to_string(dims[0]) + " rows, other columns have " +
-                    std::to_string(expected));
+    if (expected >= 0 && dims[0] != static_cast<hsize_t>(expected)) {
+      fail(key, "has " + std::to_string(dims[0]) + " rows, other columns have " + std::to_string(expected));
     }
-    expected = int64_t(dims[0]);
+    require_known_filters(dataset, key);
+    require_small_chunks(dataset, key);
+    // Every row of a table costs at least `row_bytes` decoded bytes over its
+    // columns: more rows than the file's size allows cannot be real, and are
+    // refused before rows are allocated for them.
+    const uint64_t row_bytes = group == kProbesGroup ? kMinProbeRowBytes : kMinStepRowBytes;
+    if (dims[0] > file_size_ * kMaxExpansion / row_bytes) {
+      fail(key, "claims " + std::to_string(dims[0]) + " rows, more than a file of " + std::to_string(file_size_) +
+                    " bytes can hold");
+    }
+    expected = static_cast<int64_t>(dims[0]);
     return dataset;
   }
 
@@ -554,7 +587,7 @@ class TraceFileReader {
     for (const IntegerColumn<Row>& column : columns) {
       int64_t length = int64_t(rows.size());
       Handle dataset = open_column(group, column.name, length);
-      require_class(dataset, group, column.name, H5T_INTEGER, "an integer");
+      require_type(dataset, group, column.name, file_type(column.storage));
       read_all(dataset, group, column.name, H5T_NATIVE_INT64, values.data(), rows.size());
       for (size_t i = 0; i < rows.size(); ++i) column.set(rows[i], values[i]);
     }
@@ -567,7 +600,7 @@ class TraceFileReader {
     for (const RealColumn<Row>& column : columns) {
       int64_t length = int64_t(rows.size());
       Handle dataset = open_column(group, column.name, length);
-      require_class(dataset, group, column.name, H5T_FLOAT, "a floating-point");
+      require_type(dataset, group, column.name, H5T_IEEE_F64LE);
       read_all(dataset, group, column.name, H5T_NATIVE_DOUBLE, values.data(), rows.size());
       for (size_t i = 0; i < rows.size(); ++i) column.set(rows[i], values[i]);
     }
@@ -581,11 +614,14 @@ class TraceFileReader {
       int64_t length = int64_t(rows.size());
       Handle dataset = open_column(group, column.name, length);
       Handle type(H5Dget_type(dataset.get()), H5Tclose);
-      if (type.get() < 0 || H5Tget_class(type.get()) != H5T_STRING ||
-          H5Tis_variable_str(type.get()) > 0) {
+      if (type.get() < 0 || H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) != 0) {
         fail(key, "expected a fixed-length string dataset");
       }
       const size_t width = H5Tget_size(type.get());
+      if (width == 0 || width > kMaxStringWidth ||
+          static_cast<uint64_t>(width) * rows.size() > file_size_ * kMaxExpansion) {
+        fail(key, "has an implausible string width " + std::to_string(width));
+      }
       Handle memory_type = string_memory_type(width);
       std::vector<char> packed(rows.size() * width + 1, '\0');
       read_all(dataset, group, column.name, memory_type.get(), packed.data(), rows.size());
@@ -604,6 +640,18 @@ class TraceFileReader {
   }
 
  private:
+  // One value of any type: reading a larger dataspace into one value's buffer would overrun it.
+  Handle open_scalar_attribute(const char* name) const {
+    if (!has_attribute(name)) fail(name, "missing root attribute; " + regenerate_hint());
+    Handle attribute(H5Aopen(file_, name, H5P_DEFAULT), H5Aclose);
+    if (attribute.get() < 0) fail(name, "unreadable attribute");
+    Handle space(H5Aget_space(attribute.get()), H5Sclose);
+    if (space.get() < 0 || H5Sget_simple_extent_npoints(space.get()) != 1) {
+      fail(name, "expected a single value");
+    }
+    return attribute;
+  }
+
   Handle string_memory_type(size_t width) const {
     Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
     if (type.get() < 0 || H5Tset_size(type.get(), std::max<size_t>(width, 1)) < 0 ||
@@ -613,11 +661,43 @@ class TraceFileReader {
     return type;
   }
 
-  void require_class(const Handle& dataset, const std::string& group, const char* name,
-                     H5T_class_t wanted, const char* description) const {
+  // Exactly the stored type the writer uses: no conversion from exotic types.
+  void require_type(const Handle& dataset, const std::string& group, const char* name, hid_t wanted) const {
     Handle type(H5Dget_type(dataset.get()), H5Tclose);
-    if (type.get() < 0 || H5Tget_class(type.get()) != wanted) {
-      fail("/" + group + "/" + name, std::string("expected ") + description + " dataset");
+    if (type.get() < 0 || H5Tequal(type.get(), wanted) <= 0) {
+      fail("/" + group + "/" + name, "expected the column type nanreplay writes (see docs/trace-format.md)");
+    }
+  }
+
+  // A chunk is decompressed whole: its size is bounded like everything else.
+  void require_small_chunks(const Handle& dataset, const std::string& key) const {
+    Handle properties(H5Dget_create_plist(dataset.get()), H5Pclose);
+    if (properties.get() < 0) fail(key, "unreadable dataset properties");
+    if (H5Pget_layout(properties.get()) != H5D_CHUNKED) return;
+    hsize_t chunk[1] = {0};
+    Handle type(H5Dget_type(dataset.get()), H5Tclose);
+    const size_t element = type.get() >= 0 ? H5Tget_size(type.get()) : 0;
+    if (H5Pget_chunk(properties.get(), 1, chunk) != 1 || element == 0 || chunk[0] == 0 ||
+        chunk[0] > kMaxChunkBytes / element) {
+      fail(key, "has a chunk layout nanreplay never writes");
+    }
+  }
+
+  // Only the filters the writer uses (shuffle, deflate), both built into HDF5.
+  void require_known_filters(const Handle& dataset, const std::string& key) const {
+    Handle properties(H5Dget_create_plist(dataset.get()), H5Pclose);
+    if (properties.get() < 0) fail(key, "unreadable dataset properties");
+    const int count = H5Pget_nfilters(properties.get());
+    if (count < 0) fail(key, "unreadable dataset filters");
+    for (int i = 0; i < count; ++i) {
+      unsigned flags = 0;
+      size_t values = 0;
+      unsigned config = 0;
+      const H5Z_filter_t filter =
+          H5Pget_filter2(properties.get(), static_cast<unsigned>(i), &flags, &values, nullptr, 0, nullptr, &config);
+      if (filter != H5Z_FILTER_DEFLATE && filter != H5Z_FILTER_SHUFFLE) {
+        fail(key, "uses HDF5 filter " + std::to_string(filter) + ", which nanreplay never writes");
+      }
     }
   }
 
@@ -631,6 +711,7 @@ class TraceFileReader {
 
   std::string path_;
   hid_t file_;
+  uint64_t file_size_;
 };
 
 TraceContents read_trace_file(const TraceFileReader& reader) {
@@ -667,56 +748,183 @@ TraceContents read_trace_file(const TraceFileReader& reader) {
   return contents;
 }
 
-}  // namespace
+// --- Files ---------------------------------------------------------------
 
-void write_trace(const std::string& path, const TraceHeader& header,
-                 const std::vector<ProbeRecord>& probes, const std::vector<TraceStepRow>& steps) {
-  for (const auto& entry : header.extra) {
-    if (reserved_attribute_names().count(entry.first) != 0 || entry.first.empty()) {
-      throw std::invalid_argument("write_trace: extra attribute name '" + entry.first +
-                                  "' is reserved");
-    }
+// HDF5's core driver on the caller's buffer, read-only and without a copy:
+// the file image callbacks hand HDF5 the buffer itself wherever it would copy
+// it, and never free it (what H5LTopen_file_image does, without the HL
+// library and its per-call leak in HDF5 1.10). HDF5 parses exactly the bytes
+// that were verified.
+struct BorrowedImage {
+  const uint8_t* bytes;
+  size_t size;
+};
+
+void* borrowed_malloc(size_t size, H5FD_file_image_op_t, void* image) {
+  auto* borrowed = static_cast<BorrowedImage*>(image);
+  return size == borrowed->size ? const_cast<uint8_t*>(borrowed->bytes) : nullptr;
+}
+void* borrowed_memcpy(void* dest, const void* src, size_t size, H5FD_file_image_op_t, void* image) {
+  const auto* borrowed = static_cast<const BorrowedImage*>(image);
+  // Every copy HDF5 asks for is of the buffer onto itself.
+  return dest == borrowed->bytes && src == borrowed->bytes && size == borrowed->size ? dest : nullptr;
+}
+void* borrowed_realloc(void*, size_t, H5FD_file_image_op_t, void*) { return nullptr; }  // read-only
+herr_t borrowed_free(void*, H5FD_file_image_op_t, void*) { return 0; }
+void* borrowed_udata_copy(void* image) { return image; }
+herr_t borrowed_udata_free(void*) { return 0; }
+
+Handle open_borrowed_image(BorrowedImage& image) {
+  Handle access(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  H5FD_file_image_callbacks_t callbacks = {borrowed_malloc, borrowed_memcpy, borrowed_realloc, borrowed_free,
+                                           borrowed_udata_copy, borrowed_udata_free, &image};
+  if (access.get() < 0 || H5Pset_fapl_core(access.get(), kImageIncrement, /*backing_store=*/false) < 0 ||
+      H5Pset_fclose_degree(access.get(), H5F_CLOSE_STRONG) < 0 ||
+      H5Pset_file_image_callbacks(access.get(), &callbacks) < 0 ||
+      H5Pset_file_image(access.get(), const_cast<uint8_t*>(image.bytes), image.size) < 0) {
+    return Handle();
   }
-  QuietHdf5Errors quiet;
-  const std::string temporary = path + ".tmp-" + std::to_string(::getpid());
-  try {
-    Handle file_access = file_access_properties();
-    if (file_access.get() < 0) fail_write(path, "file access list");
-    // Closing the file closes whatever is still open in it, so no error path
-    // can leave the temporary file held open (and unremovable on some systems).
-    checked(H5Pset_fclose_degree(file_access.get(), H5F_CLOSE_STRONG), path, "file access list");
-    Handle file =
-        checked(H5Fcreate(temporary.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, file_access.get()),
-                H5Fclose, path, "cannot create " + temporary);
-    write_trace_file(path, file.get(), header, probes, steps);
-    if (!file.close()) fail_write(path, "closing (flushing) the file");
-  } catch (...) {
-    std::remove(temporary.c_str());
-    throw;
+  static std::atomic<unsigned> images{0};
+  const std::string name = "nanreplay-trace-read-" + std::to_string(images++);
+  return Handle(H5Fopen(name.c_str(), H5F_ACC_RDONLY, access.get()), H5Fclose);
+}
+
+
+// The whole file in memory (HDF5's core driver, nothing on disk), with room
+// for the integrity block before it. HDF5 1.10 returns the image from its base
+// address, after the userblock; a version that includes the userblock is
+// recognised by where the signature lies.
+std::vector<uint8_t> build_trace_image(const std::string& label, const TraceHeader& header,
+                                       const std::vector<ProbeRecord>& probes,
+                                       const std::vector<TraceStepRow>& steps) {
+  Handle access = checked(H5Pcreate(H5P_FILE_ACCESS), H5Pclose, label, "file access list");
+  checked(H5Pset_fapl_core(access.get(), kImageIncrement, /*backing_store=*/false), label, "file access list");
+  // Closing the file closes whatever is still open in it: no error path leaves it held.
+  checked(H5Pset_fclose_degree(access.get(), H5F_CLOSE_STRONG), label, "file access list");
+  Handle creation = checked(H5Pcreate(H5P_FILE_CREATE), H5Pclose, label, "file creation list");
+  checked(H5Pset_userblock(creation.get(), kTraceIntegrityBlockBytes), label, "file creation list");
+  static std::atomic<unsigned> images{0};
+  const std::string name = "nanreplay-trace-image-" + std::to_string(images++);
+  Handle file = checked(H5Fcreate(name.c_str(), H5F_ACC_TRUNC, creation.get(), access.get()), H5Fclose, label,
+                        "creating the file in memory");
+  write_trace_file(label, file.get(), header, probes, steps);
+  checked(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), label, "flushing the file");
+  const ssize_t size = H5Fget_file_image(file.get(), nullptr, 0);
+  if (size <= 0) fail_write(label, "reading back the file image");
+  std::vector<uint8_t> image(kTraceIntegrityBlockBytes + static_cast<size_t>(size));
+  if (H5Fget_file_image(file.get(), image.data() + kTraceIntegrityBlockBytes, static_cast<size_t>(size)) != size) {
+    fail_write(label, "reading back the file image");
+  }
+  if (!file.close()) fail_write(label, "closing the file");
+  static const uint8_t kSignature[8] = {0x89, 'H', 'D', 'F', '\r', '\n', 0x1a, '\n'};
+  const auto signature_at = [&](size_t offset) {
+    return image.size() >= offset + 8 && std::memcmp(image.data() + offset, kSignature, 8) == 0;
+  };
+  if (!signature_at(kTraceIntegrityBlockBytes)) {
+    if (!signature_at(2 * kTraceIntegrityBlockBytes)) fail_write(label, "unexpected file image layout");
+    image.erase(image.begin(), image.begin() + kTraceIntegrityBlockBytes);  // it held the userblock
+  }
+  seal_trace_image(image);
+  return image;
+}
+
+// Writes `bytes` under a temporary name beside `path`, flushed to disk, and
+// renames it into place: `path` is whole or absent. OutputError on failure.
+void write_file_whole(const std::string& path, const std::string& label, const std::vector<uint8_t>& bytes) {
+  std::string temporary = path + ".tmp-XXXXXX";
+  const int fd = ::mkstemp(temporary.data());
+  if (fd < 0) throw OutputError(label, "cannot write trace: " + errno_text());
+  const auto fail = [&](const std::string& reason) {
+    ::close(fd);
+    ::unlink(temporary.c_str());
+    throw OutputError(label, "cannot write trace: " + reason);
+  };
+  if (::fchmod(fd, 0644) != 0) fail(errno_text());
+  size_t written = 0;
+  while (written < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail(n < 0 ? errno_text() : "nothing written");
+    written += static_cast<size_t>(n);
+  }
+  // A full disk or a quota often shows only here (delayed allocation, NFS).
+  if (::fsync(fd) != 0) fail(errno_text());
+  if (::close(fd) != 0) {
+    const std::string reason = errno_text();
+    ::unlink(temporary.c_str());
+    throw OutputError(label, "cannot write trace: " + reason);
   }
   if (std::rename(temporary.c_str(), path.c_str()) != 0) {
-    const std::string reason = std::strerror(errno);
-    std::remove(temporary.c_str());
-    throw std::runtime_error("cannot write trace " + path + ": renaming " + temporary +
-                             " failed: " + reason);
+    const std::string reason = errno_text();
+    ::unlink(temporary.c_str());
+    throw OutputError(label, "cannot write trace: renaming " + temporary + " into place failed: " + reason);
   }
 }
 
-TraceContents read_trace(const std::string& path) {
-  QuietHdf5Errors quiet;
-  if (::access(path.c_str(), R_OK) != 0) {
-    throw InputError(path, "", std::string("cannot open trace: ") + std::strerror(errno));
+// A regular file, read whole. O_NONBLOCK: opening a FIFO must not wait for a writer.
+std::vector<uint8_t> read_regular_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) throw InputError(path, "", "cannot open trace: " + errno_text());
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat info {};
+  if (::fstat(fd, &info) != 0) throw InputError(path, "", "cannot open trace: " + errno_text());
+  if (S_ISDIR(info.st_mode)) throw InputError(path, "", "is a directory; expected a trace.h5 written by `nanreplay run`");
+  if (!S_ISREG(info.st_mode)) {
+    throw InputError(path, "", "is not a regular file (a FIFO, socket or device); expected a trace.h5 written by "
+                               "`nanreplay run`");
   }
-  Handle file_access = file_access_properties();
-  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, file_access.get()), H5Fclose);
+  std::vector<uint8_t> bytes;
+  try {
+    bytes.resize(static_cast<size_t>(info.st_size));
+  } catch (const std::bad_alloc&) {
+    throw InputError(path, "", "is " + std::to_string(info.st_size) + " bytes, too large to read into memory");
+  }
+  size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + got, bytes.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw InputError(path, "", "cannot read trace: " + errno_text());
+    if (n == 0) throw InputError(path, "", "changed while being read (it shrank)");
+    got += static_cast<size_t>(n);
+  }
+  return bytes;
+}
+
+}  // namespace
+
+void write_trace(const std::string& path, const TraceHeader& header, const std::vector<ProbeRecord>& probes,
+                 const std::vector<TraceStepRow>& steps, const std::string& label) {
+  for (const auto& entry : header.extra) {
+    if (reserved_attribute_names().count(entry.first) != 0 || entry.first.empty() ||
+        entry.first.find('\n') != std::string::npos) {
+      throw std::invalid_argument("write_trace: extra attribute name '" + entry.first + "' is reserved or invalid");
+    }
+  }
+  silence_hdf5();
+  const std::string shown = label.empty() ? path : label;
+  write_file_whole(path, shown, build_trace_image(shown, header, probes, steps));
+}
+
+TraceContents read_trace_image(const uint8_t* bytes, size_t size, const std::string& label) {
+  verify_trace_image(bytes, size, label);
+  silence_hdf5();
+  BorrowedImage image{bytes, size};
+  Handle file = open_borrowed_image(image);
   if (file.get() < 0) {
     const std::string detail = take_hdf5_error();
-    throw InputError(path, "",
-                     "not an HDF5 file (or a damaged one); expected a trace.h5 "
-                     "written by `nanreplay run`" +
+    throw InputError(label, "",
+                     "not an HDF5 file (or a damaged one); expected a trace.h5 written by `nanreplay run`" +
                          (detail.empty() ? "" : " (HDF5: " + detail + ")"));
   }
-  return read_trace_file(TraceFileReader(path, file.get()));
+  return read_trace_file(TraceFileReader(label, file.get(), size));
+}
+
+TraceContents read_trace(const std::string& path) {
+  const std::vector<uint8_t> bytes = read_regular_file(path);
+  return read_trace_image(bytes.data(), bytes.size(), path);
 }
 
 }  // namespace nanreplay

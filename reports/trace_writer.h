@@ -2,8 +2,11 @@
 // plus the per-step summary. The layout (version 1) is documented in
 // docs/trace-format.md and summarised here:
 //
+//   bytes 0-511       integrity block (an HDF5 userblock): length and SHA-256
+//                     of the rest of the file (reports/trace_integrity.h)
 //   /                 attrs: format="nanreplay.trace", format_version=1,
-//                            bundle, tool_version, precision, arch, created_utc
+//                            bundle, tool_version, precision, arch, created_utc,
+//                            extra_attributes (names of the extra ones, when any)
 //   /probes/<column>  1-D datasets of equal length N, one row per probe:
 //                     step i64, micro_batch i32, rank i32, phase (string),
 //                     order i32, site (string), layer i32, head i32,
@@ -17,7 +20,8 @@
 //                     grad_norm f64, finite u8
 //
 // Strings are fixed-length, null-padded ASCII. -1 marks "not applicable".
-// The file is written under a temporary name and renamed when complete.
+// The file is built in memory and written under a temporary name, flushed and
+// renamed when complete.
 #pragma once
 
 #include <cstdint>
@@ -45,16 +49,23 @@ struct TraceHeader {
   std::map<std::string, std::string> extra;  // further string attributes
 };
 
-// Throws std::runtime_error on HDF5 failure (no partial file is left).
-void write_trace(const std::string& path, const TraceHeader& header,
-                 const std::vector<ProbeRecord>& probes, const std::vector<TraceStepRow>& steps);
+// Throws OutputError naming `label` (default: `path`) when the file cannot be
+// written (a full disk, a read-only file system, a directory in the way), and
+// std::runtime_error on an HDF5 failure; no partial file is left either way.
+void write_trace(const std::string& path, const TraceHeader& header, const std::vector<ProbeRecord>& probes,
+                 const std::vector<TraceStepRow>& steps, const std::string& label = "");
 
-// Reads a trace back (for `nanreplay trace` and tests). Throws InputError on a bad file.
+// Reads a trace back (for `nanreplay trace` and tests). Throws InputError on
+// a bad file: not a regular file (a FIFO or a device: refused without
+// blocking), a missing or mismatching integrity block (truncated, corrupted),
+// or contents that are not this layout.
 struct TraceContents {
   TraceHeader header;
   std::vector<ProbeRecord> probes;
   std::vector<TraceStepRow> steps;
 };
 TraceContents read_trace(const std::string& path);
+// The same for a file already in memory (the fuzz target); `label` names it.
+TraceContents read_trace_image(const uint8_t* bytes, size_t size, const std::string& label);
 
 }  // namespace nanreplay

@@ -1,9 +1,16 @@
 // Runs the real nanreplay binary (the argv path users take) and captures its
-// exit status, stdout and stderr; plus scratch directories for tests.
+// exit status, stdout and stderr: through the shell (run_cli) or with
+// fork/exec (spawn_cli, for signals, resource limits, rusage, a working
+// directory); plus scratch directories for tests.
 #pragma once
 
+#include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <catch2/catch.hpp>
 
 #include <cstdlib>
 #include <filesystem>
@@ -76,6 +83,102 @@ inline CliResult run_cli(const std::vector<std::string>& args, const std::string
 
 inline nlohmann::json read_json(const std::filesystem::path& path) {
   return nlohmann::json::parse(slurp(path));
+}
+
+inline size_t line_count(const std::string& text) {
+  return static_cast<size_t>(std::count(text.begin(), text.end(), '\n'));
+}
+
+struct Spawned {
+  pid_t pid = -1;
+  std::filesystem::path out;
+  std::filesystem::path err;
+};
+
+struct SpawnOptions {
+  rlim_t address_space_limit = 0;       // > 0: RLIMIT_AS of the child
+  std::filesystem::path cwd;            // empty: the test's
+  std::vector<std::string> set_env;     // "NAME=value"
+  std::vector<std::string> unset_env;   // "NAME"
+  std::vector<std::string> wrapper;     // runs `wrapper... nanreplay args...` ("unshare", "--pid", ...)
+};
+
+// Starts `nanreplay args...` with NO_COLOR set, stdin from /dev/null and
+// stdout/stderr in files under `scratch`.
+inline Spawned spawn_cli(const ScratchDir& scratch, const std::vector<std::string>& args,
+                         const SpawnOptions& options = {}) {
+  static int counter = 0;
+  Spawned child;
+  child.out = scratch / ("spawn-" + std::to_string(counter) + ".out");
+  child.err = scratch / ("spawn-" + std::to_string(counter++) + ".err");
+  std::vector<std::string> argv_text = options.wrapper;
+  argv_text.push_back(NANREPLAY_CLI_PATH);
+  argv_text.insert(argv_text.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& arg : argv_text) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  // The child's environment, built before fork: only async-signal-safe calls after it.
+  std::vector<std::string> environment;
+  std::vector<std::string> set_env = options.set_env;
+  set_env.push_back("NO_COLOR=1");
+  const auto name_of = [](const std::string& entry) { return entry.substr(0, entry.find('=')); };
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    const std::string name = name_of(*entry);
+    const auto named = [&](const std::string& other) { return name_of(other) == name; };
+    if (std::find(options.unset_env.begin(), options.unset_env.end(), name) != options.unset_env.end()) continue;
+    if (std::any_of(set_env.begin(), set_env.end(), named)) continue;
+    environment.push_back(*entry);
+  }
+  environment.insert(environment.end(), set_env.begin(), set_env.end());
+  std::vector<char*> envp;
+  for (std::string& entry : environment) envp.push_back(entry.data());
+  envp.push_back(nullptr);
+  child.pid = fork();
+  REQUIRE(child.pid >= 0);
+  if (child.pid == 0) {
+    const int in = open("/dev/null", O_RDONLY);
+    const int out = open(child.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int err = open(child.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (in < 0 || out < 0 || err < 0) _exit(127);
+    dup2(in, 0);
+    dup2(out, 1);
+    dup2(err, 2);
+    if (options.address_space_limit > 0) {
+      const rlimit limit{options.address_space_limit, options.address_space_limit};
+      if (setrlimit(RLIMIT_AS, &limit) != 0) _exit(127);
+    }
+    if (!options.cwd.empty() && chdir(options.cwd.c_str()) != 0) _exit(127);
+    execve(argv[0], argv.data(), envp.data());
+    _exit(127);
+  }
+  return child;
+}
+
+struct Finished {
+  CliResult result;
+  long max_rss_kib = 0;
+};
+
+// Waits for the child; a signal death reads as status 128 + signal, as in a shell.
+inline Finished wait_cli(const Spawned& child) {
+  int raw = 0;
+  rusage usage{};
+  REQUIRE(wait4(child.pid, &raw, 0, &usage) == child.pid);
+  Finished done;
+  done.result.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+  done.result.out = slurp(child.out);
+  done.result.err = slurp(child.err);
+  done.max_rss_kib = usage.ru_maxrss;
+  return done;
+}
+
+// Exit 2, one line "nanreplay: error: ..." naming each of `parts`.
+inline void check_one_error_line(const CliResult& result, const std::vector<std::string>& parts) {
+  INFO("stderr: " << result.err);
+  CHECK(result.status == 2);
+  CHECK(line_count(result.err) == 1);
+  CHECK(result.err.rfind("nanreplay: error: ", 0) == 0);
+  for (const std::string& part : parts) CHECK(result.err.find(part) != std::string::npos);
 }
 
 }  // namespace nanreplay_test

@@ -46,7 +46,13 @@ namespace {
 
 namespace fs = std::filesystem;
 using nanreplay_test::CliResult;
+using nanreplay_test::Finished;
+using nanreplay_test::line_count;
 using nanreplay_test::run_cli;
+using nanreplay_test::spawn_cli;
+using nanreplay_test::SpawnOptions;
+using nanreplay_test::Spawned;
+using nanreplay_test::wait_cli;
 using nanreplay_test::ScratchDir;
 using nanreplay_test::slurp;
 using nlohmann::json;
@@ -137,70 +143,7 @@ std::vector<std::string> tensors_by_offset(const json& header) {
   return names;
 }
 
-// ---- running the CLI with fork/exec (signals, resource limits, rusage) ------
-
-struct Spawned {
-  pid_t pid = -1;
-  fs::path out;
-  fs::path err;
-};
-
-// Starts `nanreplay args...` with stdout/stderr in files under `scratch`;
-// `address_space_limit` > 0 caps the child's virtual memory (RLIMIT_AS).
-Spawned spawn_cli(const ScratchDir& scratch, const std::vector<std::string>& args,
-                  rlim_t address_space_limit = 0) {
-  static int counter = 0;
-  Spawned child;
-  child.out = scratch / ("spawn-" + std::to_string(counter) + ".out");
-  child.err = scratch / ("spawn-" + std::to_string(counter++) + ".err");
-  std::vector<std::string> argv_text = {NANREPLAY_CLI_PATH};
-  argv_text.insert(argv_text.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& arg : argv_text) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  child.pid = fork();
-  REQUIRE(child.pid >= 0);
-  if (child.pid == 0) {  // only async-signal-safe calls until exec
-    const int in = open("/dev/null", O_RDONLY);
-    const int out = open(child.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int err = open(child.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (in < 0 || out < 0 || err < 0) _exit(127);
-    dup2(in, 0);
-    dup2(out, 1);
-    dup2(err, 2);
-    if (address_space_limit > 0) {
-      const rlimit limit{address_space_limit, address_space_limit};
-      if (setrlimit(RLIMIT_AS, &limit) != 0) _exit(127);
-    }
-    setenv("NO_COLOR", "1", 1);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
-  return child;
-}
-
-struct Finished {
-  CliResult result;
-  long max_rss_kib = 0;
-};
-
-Finished wait_cli(const Spawned& child) {
-  int raw = 0;
-  rusage usage{};
-  REQUIRE(wait4(child.pid, &raw, 0, &usage) == child.pid);
-  Finished done;
-  done.result.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
-  done.result.out = slurp(child.out);
-  done.result.err = slurp(child.err);
-  done.max_rss_kib = usage.ru_maxrss;
-  return done;
-}
-
 // ---- the bar every broken bundle must meet -----------------------------------
-
-size_t line_count(const std::string& text) {
-  return static_cast<size_t>(std::count(text.begin(), text.end(), '\n'));
-}
 
 // Exit 2, one line "nanreplay: error: ..." naming `file` and `key`, no OUT.
 void check_refused(const CliResult& run, const fs::path& out, const std::string& file,
@@ -337,9 +280,10 @@ TEST_CASE("bad bundles: a shape claiming terabytes is refused before any allocat
   // tried would die with bad_alloc (exit 3). Exit 2 naming the span proves the
   // header check refused it first.
   const fs::path out = scratch / "out";
-  const rlim_t cap = NANREPLAY_TEST_UNDER_ASAN ? 0 : rlim_t{4} << 30;
+  SpawnOptions capped;
+  capped.address_space_limit = NANREPLAY_TEST_UNDER_ASAN ? 0 : rlim_t{4} << 30;
   const Finished done =
-      wait_cli(spawn_cli(scratch, {"run", bundle.string(), "--out", out.string()}, cap));
+      wait_cli(spawn_cli(scratch, {"run", bundle.string(), "--out", out.string()}, capped));
   check_refused(done.result, out, kModel100, embed);
   CHECK(done.result.err.find("needs 4398046511104 bytes") != std::string::npos);
 }

@@ -75,14 +75,15 @@ TEST_CASE("step_state: only step is required", "[loaders][state]") {
 }
 
 TEST_CASE("step_state: non-finite values are data, in every spelling", "[loaders][state]") {
+  // What the job logged and its fp8 scales; lr and loss_scale must be sane (below).
   const nanreplay::StepState s = parse(R"({
-    "step": 7, "lr": "nan", "loss_scale": "inf",
+    "step": 7, "lr": 0.001, "loss_scale": 1024,
     "fp8_scales": { "m": {"input": "-inf", "weight": "NaN", "grad_output": "Infinity"} },
     "logged": { "loss": "nan", "grad_norm": "inf",
                 "rank_losses": [1.5, "-Infinity", "NAN"], "rank_grad_norms": ["+inf", 2] }
   })"_json);
-  CHECK(std::isnan(*s.lr));
-  CHECK(s.loss_scale == kInf);
+  CHECK(s.lr == 0.001);
+  CHECK(s.loss_scale == 1024);
   CHECK(s.fp8_scales.at("m").input == -kInf);
   CHECK(std::isnan(*s.fp8_scales.at("m").weight));
   CHECK(s.fp8_scales.at("m").grad_output == kInf);
@@ -93,9 +94,22 @@ TEST_CASE("step_state: non-finite values are data, in every spelling", "[loaders
   CHECK(s.logged.rank_losses[1] == -kInf);
   CHECK(std::isnan(s.logged.rank_losses[2]));
   CHECK(s.logged.rank_grad_norms == std::vector<double>{kInf, 2.0});
-  // A scaler that collapsed to zero or went negative is still what the job used.
-  CHECK(parse({{"step", 1}, {"loss_scale", 0}}).loss_scale == 0.0);
-  CHECK(parse({{"step", 1}, {"lr", 0}}).lr == 0.0);
+}
+
+TEST_CASE("step_state: lr and loss_scale must be numbers a run could have used", "[loaders][state]") {
+  CHECK(parse({{"step", 1}, {"lr", 1e-9}}).lr == 1e-9);
+  CHECK(parse({{"step", 1}, {"lr", 1e3}}).lr == 1e3);
+  CHECK(parse({{"step", 1}, {"loss_scale", 1e-4}}).loss_scale == 1e-4);
+  const json base = {{"step", 3}};
+  for (const json& lr : {json("nan"), json("inf"), json(0), json(1.0001e3), json(1e30)}) {
+    CAPTURE(lr.dump());
+    REQUIRE_INPUT_ERROR(parse(with(base, "/lr", lr)), kLabel, std::string(kLabel) + ": lr: expected a learning rate");
+  }
+  for (const json& scale : {json("nan"), json("inf"), json("-inf"), json(0), json(-65536)}) {
+    CAPTURE(scale.dump());
+    REQUIRE_INPUT_ERROR(parse(with(base, "/loss_scale", scale)), kLabel,
+                        std::string(kLabel) + ": loss_scale: expected a positive finite loss scale");
+  }
 }
 
 TEST_CASE("step_state: bad values name the key", "[loaders][state]") {

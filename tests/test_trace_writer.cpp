@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "loaders/error.h"
+#include "reports/trace_integrity.h"
 #include "reports/trace_writer.h"
 
 #ifndef NANREPLAY_PYTHON
@@ -281,14 +282,29 @@ std::string read_text(const std::string& path) {
   return text.str();
 }
 
-// Modifies a written trace with the HDF5 C API to build a broken one.
+// Recomputes the integrity block of a trace edited after it was written.
+void reseal_trace_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  seal_trace_image(bytes);
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Modifies a written trace with the HDF5 C API to build a broken one, then
+// reseals its integrity block, as a deliberate edit would: what these cases
+// test is the validation of the HDF5 contents behind a valid block.
 class TraceEditor {
  public:
   explicit TraceEditor(const std::string& path)
-      : file_(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT)) {
+      : path_(path), file_(H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT)) {
     REQUIRE(file_ >= 0);
   }
-  ~TraceEditor() { H5Fclose(file_); }
+  ~TraceEditor() {
+    H5Fclose(file_);
+    reseal_trace_file(path_);
+  }
   TraceEditor(const TraceEditor&) = delete;
   TraceEditor& operator=(const TraceEditor&) = delete;
 
@@ -314,6 +330,7 @@ class TraceEditor {
   }
 
  private:
+  std::string path_;
   hid_t file_;
 };
 

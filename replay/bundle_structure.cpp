@@ -1,0 +1,126 @@
+// Structural validation of a whole bundle; see bundle_structure.h. Key
+// constraint: the messages are the ones the replay's own loaders give, so
+// `inspect` and `run` name the same file and key for the same fault.
+#include "replay/bundle_structure.h"
+
+#include <sstream>
+#include <vector>
+
+#include "loaders/error.h"
+#include "probes/sites.h"
+
+namespace nanreplay {
+
+namespace {
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+
+bool is_parameter_dtype(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16;
+}
+
+// The parameter list, once its length is known to be backed by the file: a
+// manifest claiming more layers than the checkpoint has tensors cannot make
+// this build a list of that size (inspect runs no memory estimate first).
+std::vector<ParamSpec> parameters_backed_by(const SafetensorsFile& file, const ModelConfig& model) {
+  if (model.num_layers > static_cast<int64_t>(file.tensors().size())) {
+    throw InputError(file.label(), "",
+                     "does not match the manifest's " + std::string(arch_name(model.arch)) + " model: it has " +
+                         std::to_string(model.num_layers) + " layers, the file holds only " +
+                         std::to_string(file.tensors().size()) + " tensors");
+  }
+  return expected_parameters(model);
+}
+
+std::string first_problems(const std::vector<std::string>& problems) {
+  std::string text;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    if (i == 6) {
+      text += "; and " + std::to_string(problems.size() - i) + " more";
+      break;
+    }
+    text += (i ? "; " : "") + problems[i];
+  }
+  return text;
+}
+
+void check_samples(const Bundle& bundle) {
+  const Manifest& m = bundle.manifest();
+  for (const StepEntry& entry : m.steps) {
+    (void)bundle.sampler().samples_for(entry);
+    // The replay compares recorded samples with randperm's, which needs the step inside the epoch.
+    if (m.data.sampler.kind == SamplerSpec::Kind::kRandperm) (void)bundle.sampler().randperm_samples(entry.step);
+  }
+}
+
+}  // namespace
+
+void check_checkpoint_matches_model(const SafetensorsFile& checkpoint, const ModelConfig& model) {
+  const std::vector<ParamSpec> expected = parameters_backed_by(checkpoint, model);
+  std::vector<std::string> problems;
+  for (const ParamSpec& spec : expected) {
+    const TensorInfo* info = checkpoint.find(spec.name);
+    if (info == nullptr) {
+      problems.push_back("missing " + spec.name);
+    } else if (info->shape != spec.shape) {
+      problems.push_back(spec.name + " has shape " + shape_text(info->shape) + ", expected " + shape_text(spec.shape));
+    }
+  }
+  if (!problems.empty()) {
+    throw InputError(checkpoint.label(), "",
+                     "does not match the manifest's " + std::string(arch_name(model.arch)) +
+                         " model: " + first_problems(problems));
+  }
+  for (const ParamSpec& spec : expected) {
+    const TensorInfo& info = checkpoint.at(spec.name);
+    if (!is_parameter_dtype(info.dtype)) {
+      throw InputError(checkpoint.label(), info.name,
+                       std::string("dtype ") + dtype_name(info.dtype) +
+                           " is not a parameter type (expected F32, BF16 or F16)");
+    }
+  }
+}
+
+void check_optimizer_state(const SafetensorsFile& optimizer, const ModelConfig& model) {
+  const TensorInfo& step = optimizer.at("step");
+  if ((step.dtype != DType::kI64 && step.dtype != DType::kF32) || step.numel() != 1) {
+    throw InputError(optimizer.label(), "step", "expected an I64 or F32 scalar");
+  }
+  for (const ParamSpec& spec : parameters_backed_by(optimizer, model)) {
+    for (const char* moment : {".exp_avg", ".exp_avg_sq"}) {
+      const TensorInfo& info = optimizer.at(spec.name + moment);
+      if (!is_parameter_dtype(info.dtype)) {
+        throw InputError(optimizer.label(), info.name,
+                         std::string("dtype ") + dtype_name(info.dtype) + " is not a moment type (expected F32, "
+                                                                            "BF16 or F16)");
+      }
+      if (info.shape != spec.shape) {
+        throw InputError(optimizer.label(), info.name,
+                         "has shape " + shape_text(info.shape) + ", expected " + shape_text(spec.shape) +
+                             " (the parameter's)");
+      }
+    }
+  }
+}
+
+void validate_bundle_structure(const Bundle& bundle) {
+  const ModelConfig& model = bundle.manifest().model;
+  for (const StepFiles& files : bundle.steps()) {
+    (void)bundle.load_state(files);
+    check_checkpoint_matches_model(SafetensorsFile::open(files.model.string(), files.label("model.safetensors")),
+                                   model);
+    if (bundle.has_optimizer(files)) {
+      check_optimizer_state(SafetensorsFile::open(files.optimizer.string(), files.label("optimizer.safetensors")),
+                            model);
+    }
+  }
+  check_samples(bundle);
+}
+
+}  // namespace nanreplay
