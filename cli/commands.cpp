@@ -403,8 +403,7 @@ int demo_main(int argc, char** argv) {
   settings.quiet = quiet;
   const ReplayReport report = replay_and_write(settings);
   const bool named = report.first_nonfinite && report.first_nonfinite->step == spec.fault.step &&
-                     report.first_nonfinite->site == "layers." + std::to_string(spec.fault.layer) +
-                                                         ".attn.scores" &&
+                     report.first_nonfinite->site == SiteRef{SiteId::kAttnScores, spec.fault.layer} &&
                      report.first_nonfinite->head == spec.fault.head;
   if (!quiet) {
     std::cout << render_verdict(report, {color_wanted(STDOUT_FILENO)}) << "\n"

@@ -13,4 +13,8 @@ const char* phase_name(Phase phase) {
   return "unknown";
 }
 
+std::string probe_name(Phase phase, const SiteRef& site, const std::string& param) {
+  return phase == Phase::kGrad ? param : site_name(site);
+}
+
 }  // namespace nanreplay

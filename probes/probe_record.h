@@ -10,11 +10,16 @@
 #include <vector>
 
 #include "kernels/tensor_stats.h"
+#include "probes/sites.h"
 
 namespace nanreplay {
 
 enum class Phase { kForward = 0, kBackward = 1, kGrad = 2 };
 const char* phase_name(Phase phase);  // "forward", "backward", "grad"
+
+// What a probe is of, as people read it: the site's name ("layers.2.attn.scores"),
+// or for phase grad the parameter's key. Names are made here, where shown.
+std::string probe_name(Phase phase, const SiteRef& site, const std::string& param);
 
 struct ProbeRecord {
   int64_t step = 0;
@@ -22,7 +27,8 @@ struct ProbeRecord {
   int rank = -1;         // -1: all ranks (phase grad)
   Phase phase = Phase::kForward;
   int order = 0;         // position of the site in this phase's execution order
-  std::string site;      // "layers.2.attn.scores" or a parameter key for phase grad
+  SiteRef site;          // phase forward / backward: which probe site
+  std::string param;     // phase grad: the parameter's safetensors key
   int layer = -1;        // -1: outside the layers
   int head = -1;         // -1: the whole tensor; >= 0: one head of a per-head site
   std::vector<int64_t> shape;
@@ -40,6 +46,8 @@ struct ProbeRecord {
 
 // Execution order within a step: (micro-batch, phase, site order, rank), the
 // parameter gradients after every micro-batch. Lower comes first.
+inline std::string probe_name(const ProbeRecord& r) { return probe_name(r.phase, r.site, r.param); }
+
 inline std::tuple<int, int, int, int> execution_key(const ProbeRecord& r) {
   if (r.phase == Phase::kGrad) return {std::numeric_limits<int>::max(), 2, r.order, 0};
   return {r.micro_batch, static_cast<int>(r.phase), r.order, r.rank};
@@ -59,7 +67,7 @@ struct NormCheck {
   int64_t step = 0;
   int micro_batch = 0;
   int rank = 0;
-  std::string site;       // the norm's output site, e.g. "layers.0.attn_norm"
+  SiteRef site;           // the norm's output site, e.g. layers.0.attn_norm
   int layer = -1;
   const char* moment = "mean square";  // what the norm divides by: "mean square" (RMSNorm) or "variance" (LayerNorm)
   double eps = 0.0;

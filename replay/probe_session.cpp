@@ -296,7 +296,7 @@ struct ProbeSession::State {
       record.rank = context.rank;
       record.phase = phase;
       record.order = phase == Phase::kForward ? forward_order : num_forward_sites - 1 - forward_order;
-      record.site = site_name(ref);
+      record.site = ref;
       record.layer = ref.layer;
       (phase == Phase::kForward ? forward : backward).push_back(std::move(record));
     }
@@ -365,7 +365,7 @@ void ProbeSession::check_norm(const SiteRef& ref, const torch::Tensor& moment, d
   check.step = state_->context.step;
   check.micro_batch = state_->context.micro_batch;
   check.rank = state_->context.rank;
-  check.site = site_name(ref);
+  check.site = ref;
   check.layer = ref.layer;
   check.eps = eps;
   check.moment = moment_name;
@@ -389,11 +389,10 @@ std::vector<ProbeRecord> ProbeSession::take_records() {
   s.resolve();
   s.last_order = -1;  // the pass is over; a session used again starts a new one
   for (const auto& [ref, same_as] : s.aliases) {
-    const std::string original = site_name(same_as);
     for (Phase phase : {Phase::kForward, Phase::kBackward}) {
       std::vector<ProbeRecord> copies;
       for (const ProbeRecord& record : phase == Phase::kForward ? s.forward : s.backward) {
-        if (record.site == original) copies.push_back(record);
+        if (record.site == same_as) copies.push_back(record);
       }
       s.add(std::move(copies), ref, phase);
     }

@@ -213,10 +213,10 @@ class BundleReplay {
 
   Finding loss_scale_overflow(const ProbeRecord& bad, const StepOutcome& outcome) const {
     return make_finding(FindingCode::kNumericLossScaleOverflow,
-                        "step " + std::to_string(outcome.step) + ": the backward overflowed at " + bad.site +
+                        "step " + std::to_string(outcome.step) + ": the backward overflowed at " + probe_name(bad) +
                             " with loss scale " + format_number(outcome.loss_scale) +
                             "; the loss scaler skips this step and halves the scale (handled, not the incident)",
-                        {{K::kStep, outcome.step}, {K::kSite, bad.site}, {K::kHead, optional_index_value(bad.first_head)},
+                        {{K::kStep, outcome.step}, {K::kSite, probe_name(bad)}, {K::kHead, optional_index_value(bad.first_head)},
                          {K::kRank, bad.rank}, {K::kMicroBatch, bad.micro_batch}, {K::kBefore, outcome.loss_scale},
                          {K::kAfter, outcome.loss_scale / 2}});
   }

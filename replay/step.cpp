@@ -51,8 +51,8 @@ void add_gradient_records(StepResult& result, int64_t step, const std::vector<st
       record.step = step;
       record.phase = Phase::kGrad;
       record.order = static_cast<int>(i);
-      record.site = order[i];
-      record.layer = layer_of_parameter(record.site);
+      record.param = order[i];
+      record.layer = layer_of_parameter(record.param);
       result.probes.push_back(std::move(record));
     }
   }

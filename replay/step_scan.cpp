@@ -148,9 +148,9 @@ FirstNonfinite locate_first(LoadedStep& step, const StepOverrides& overrides, co
     if (record.head != -1 || record.layer != flag.layer || record.stats.all_finite()) continue;
     if (best == nullptr || earlier(record, *best)) best = &record;
   }
-  if (best == nullptr || best->phase != flag.phase || best->site != flag.site) {
+  if (best == nullptr || best->phase != flag.phase || !(best->site == flag.site)) {
     throw std::runtime_error("step " + std::to_string(step.step()) + ": full probes of " +
-                             std::string(phase_name(flag.phase)) + " " + flag.site +
+                             std::string(phase_name(flag.phase)) + " " + probe_name(flag) +
                              " disagree with the any-non-finite pass (is the replay deterministic?)");
   }
   return first_nonfinite_of(*best);

@@ -117,12 +117,8 @@ std::string ramp_colour(double t) {
   return buffer;
 }
 
-// "layers.2.attn.scores" -> "attn.scores"; sites outside the layers keep their name.
-std::string site_column(const ProbeRecord& r) {
-  if (r.layer < 0) return r.site;
-  const std::string prefix = "layers." + std::to_string(r.layer) + ".";
-  return r.site.rfind(prefix, 0) == 0 ? r.site.substr(prefix.size()) : r.site;
-}
+// A heatmap column: the site without its layer ("attn.scores").
+std::string site_column(const ProbeRecord& r) { return site_def(r.site.id).name; }
 
 struct HeatCell {
   double max_abs = 0.0;
@@ -151,7 +147,7 @@ Heatmap build_heatmap(const ReplayReport& report, int64_t step, Phase phase) {
     rows.insert(r.layer);
     HeatCell& cell = map.cells[{r.layer, column}];
     cell.present = true;
-    cell.site = r.site;
+    cell.site = probe_name(r);
     cell.max_abs = std::max(cell.max_abs, r.stats.max_abs);
     cell.nan_count += r.stats.nan_count;
     cell.inf_count += r.stats.inf_count;
@@ -207,7 +203,7 @@ std::string render_heatmap(const ReplayReport& report, int64_t step, Phase phase
       }
       const HeatCell& cell = found->second;
       const bool nonfinite = cell.nan_count > 0 || cell.inf_count > 0;
-      const bool is_origin = origin != nullptr && origin->site == cell.site;
+      const bool is_origin = origin != nullptr && origin->name() == cell.site;
       std::string tip = cell.site + "\nmax|x| " + format_number(cell.max_abs) + "\nnan " +
                         std::to_string(cell.nan_count) + "  inf " + std::to_string(cell.inf_count) +
                         "\nheadroom " + format_number(cell.headroom_bits) + " bits";
@@ -251,7 +247,7 @@ std::string render_verdict(const ReplayReport& report) {
   if (report.first_nonfinite) {
     const FirstNonfinite& f = *report.first_nonfinite;
     out << "<section class=\"verdict bad\" id=\"verdict\"><div>REPRODUCED: first non-finite value</div>"
-        << "<div class=\"site mono\">" << escape_html(f.site) << "</div><div class=\"coords\">"
+        << "<div class=\"site mono\">" << escape_html(f.name()) << "</div><div class=\"coords\">"
         << "<span>step " << f.step << "</span><span>" << phase_name(f.phase) << "</span><span>"
         << nonfinite_kind_name(f.kind) << "</span><span>layer " << or_dash(f.layer) << "</span><span>head "
         << or_dash(f.head) << "</span><span>rank " << or_dash(f.rank) << "</span><span>micro-batch "
@@ -346,11 +342,11 @@ std::string render_propagation(const ReplayReport& report) {
   if (!report.first_nonfinite) return "";
   std::ostringstream out;
   out << "<h2>Propagation path</h2><div class=\"path\"><span class=\"chip origin mono\">"
-      << escape_html(report.first_nonfinite->site) << "</span>";
+      << escape_html(report.first_nonfinite->name()) << "</span>";
   for (size_t i = 0; i < std::min(report.propagation.size(), kPropagationShown); ++i) {
     const PropagationEntry& p = report.propagation[i];
     out << "<span class=\"arrow\">&rarr;</span><span class=\"chip mono\" title=\"" << phase_name(p.phase) << ": "
-        << p.nan_count << " nan, " << p.inf_count << " inf\">" << escape_html(p.site)
+        << p.nan_count << " nan, " << p.inf_count << " inf\">" << escape_html(p.name())
         << (p.head >= 0 ? " h" + std::to_string(p.head) : "") << (p.phase == Phase::kForward ? "" : " (" + std::string(phase_name(p.phase)) + ")")
         << "</span>";
   }
@@ -443,7 +439,7 @@ std::string render_what_ifs(const ReplayReport& report) {
     std::string after = "gone";
     if (w.after) {
       after = "still there: step " + std::to_string(w.after->step) + " " + phase_name(w.after->phase) + " " +
-              w.after->site + (w.after->head >= 0 ? " head " + std::to_string(w.after->head) : "") + ", sample " +
+              w.after->name() + (w.after->head >= 0 ? " head " + std::to_string(w.after->head) : "") + ", sample " +
               or_dash(w.after->sample) + ", position " + or_dash(w.after->position);
     }
     out << "<tr" << (w.after ? " class=\"first\"" : "") << "><td class=\"l mono\">" << escape_html(w.what_if)

@@ -38,7 +38,7 @@ std::string or_dash(int64_t value) { return value >= 0 ? std::to_string(value) :
 
 std::string origin_coordinates(const FirstNonfinite& f) {
   std::ostringstream out;
-  out << "step " << f.step << ", " << phase_name(f.phase) << ", " << code(f.site) << " (" << nonfinite_kind_name(f.kind)
+  out << "step " << f.step << ", " << phase_name(f.phase) << ", " << code(f.name()) << " (" << nonfinite_kind_name(f.kind)
       << "): layer " << or_dash(f.layer) << ", head " << or_dash(f.head) << ", rank " << or_dash(f.rank)
       << ", micro-batch " << or_dash(f.micro_batch) << ", sample " << or_dash(f.sample);
   if (f.original_sample) out << " (the run's sample " << *f.original_sample << ")";
@@ -62,7 +62,7 @@ void write_verdict(std::ostringstream& out, const ReplayReport& report) {
   write_reproduction(out, report);
   if (report.first_nonfinite) {
     const FirstNonfinite& f = *report.first_nonfinite;
-    out << "# nanreplay: REPRODUCED at step " << f.step << ", " << code(f.site) << "\n\n"
+    out << "# nanreplay: REPRODUCED at step " << f.step << ", " << code(f.name()) << "\n\n"
         << "**Verdict: reproduced.** First non-finite value: " << origin_coordinates(f) << ".\n";
     for (const OriginToken& t : report.origin_tokens) {
       out << "\nToken " << t.token << " at position " << t.position << ": embedding row norm "
@@ -133,7 +133,7 @@ void write_propagation(std::ostringstream& out, const ReplayReport& report) {
   out << ":\n\n";
   for (size_t i = 0; i < std::min(report.propagation.size(), kPropagationShown); ++i) {
     const PropagationEntry& p = report.propagation[i];
-    out << i + 1 << ". " << phase_name(p.phase) << " " << code(p.site);
+    out << i + 1 << ". " << phase_name(p.phase) << " " << code(p.name());
     if (p.head >= 0) out << " head " << p.head;
     out << ": " << p.nan_count << " nan, " << p.inf_count << " inf\n";
   }

@@ -29,7 +29,7 @@ nlohmann::json first_to_json(const FirstNonfinite& first) {
   nlohmann::json out = {
       {"step", first.step},
       {"phase", phase_name(first.phase)},
-      {"site", first.site},
+      {"site", first.name()},
       {"layer", optional_index(first.layer)},
       {"head", optional_index(first.head)},
       {"kind", nonfinite_kind_name(first.kind)},
@@ -100,6 +100,7 @@ FirstNonfinite first_nonfinite_of(const ProbeRecord& record) {
   first.step = record.step;
   first.phase = record.phase;
   first.site = record.site;
+  first.param = record.param;
   first.layer = record.layer;
   first.head = record.first_head;
   first.kind = record.stats.first_kind;
@@ -156,7 +157,7 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   out["findings"] = findings;
   nlohmann::json path = nlohmann::json::array();
   for (const PropagationEntry& p : report.propagation) {
-    path.push_back({{"phase", phase_name(p.phase)}, {"site", p.site},
+    path.push_back({{"phase", phase_name(p.phase)}, {"site", p.name()},
                     {"layer", optional_index(p.layer)}, {"head", optional_index(p.head)},
                     {"kind", nonfinite_kind_name(p.kind)}, {"nan_count", p.nan_count},
                     {"inf_count", p.inf_count}});

@@ -21,7 +21,8 @@ namespace nanreplay {
 struct FirstNonfinite {
   int64_t step = 0;
   Phase phase = Phase::kForward;
-  std::string site;
+  SiteRef site;        // forward / backward
+  std::string param;   // phase grad: the parameter's key
   int layer = -1;
   int head = -1;
   NonfiniteKind kind = NonfiniteKind::kNan;
@@ -39,6 +40,8 @@ struct FirstNonfinite {
   // index, or its token offset (docs/bundle-format.md, original_samples).
   std::optional<int64_t> original_sample;
   std::optional<int64_t> original_offset;
+
+  std::string name() const { return probe_name(phase, site, param); }  // "layers.2.attn.scores"
 };
 
 // A token of the origin's sample, and how its embedding row compares with
@@ -83,12 +86,15 @@ struct WhatIfOutcome {
 // A non-finite site after the origin, in execution order: how it spread.
 struct PropagationEntry {
   Phase phase = Phase::kForward;
-  std::string site;
+  SiteRef site;
+  std::string param;  // phase grad
   int layer = -1;
   int head = -1;
   NonfiniteKind kind = NonfiniteKind::kNan;
   int64_t nan_count = 0;
   int64_t inf_count = 0;
+
+  std::string name() const { return probe_name(phase, site, param); }
 };
 
 struct RootCause {

@@ -31,7 +31,7 @@ std::string render_what_ifs(const std::vector<WhatIfOutcome>& outcomes, const Te
   out << "what-if";
   if (step && outcomes.front().before) {
     out << "  step " << *step << " replayed with one change each (before: " << phase_name(outcomes.front().before->phase)
-        << " " << outcomes.front().before->site << ")";
+        << " " << outcomes.front().before->name() << ")";
   }
   out << "\n";
   size_t width = 0;
@@ -47,7 +47,7 @@ std::string render_what_ifs(const std::vector<WhatIfOutcome>& outcomes, const Te
           << (w.scaler_skipped ? " (the scaler still skips the step)" : "");
     } else {
       const FirstNonfinite& a = *w.after;
-      out << paint(style, "1;31", "NOT RESOLVED") << "  first non-finite: " << phase_name(a.phase) << " " << a.site;
+      out << paint(style, "1;31", "NOT RESOLVED") << "  first non-finite: " << phase_name(a.phase) << " " << a.name();
       if (a.head >= 0) out << " head " << a.head;
       out << ", sample " << or_dash(a.sample) << ", position " << or_dash(a.position);
     }
@@ -100,7 +100,7 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
   if (report.first_nonfinite) {
     const FirstNonfinite& f = *report.first_nonfinite;
     out << paint(style, "1;31", "REPRODUCED") << "  first non-finite value: step " << f.step << ", "
-        << phase_name(f.phase) << ", " << paint(style, "1", f.site) << "\n";
+        << phase_name(f.phase) << ", " << paint(style, "1", f.name()) << "\n";
     out << "  kind " << nonfinite_kind_name(f.kind) << " | layer " << or_dash(f.layer) << " | head "
         << or_dash(f.head) << " | rank " << or_dash(f.rank) << " | micro-batch "
         << or_dash(f.micro_batch) << " | sample " << or_dash(f.sample) << original_text(f) << " | position "
@@ -132,7 +132,7 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
     out << "\n  spread after the origin: ";
     const size_t shown = std::min<size_t>(report.propagation.size(), 6);
     for (size_t i = 0; i < shown; ++i) {
-      out << (i ? " -> " : "") << report.propagation[i].site;
+      out << (i ? " -> " : "") << report.propagation[i].name();
     }
     if (report.propagation.size() > shown) out << " -> ... (" << report.propagation.size() << " sites)";
     out << "\n";

@@ -29,7 +29,7 @@ TraceSelection select_probes(const std::vector<ProbeRecord>& probes, const Trace
     if (query.step && r.step != *query.step) continue;
     if (query.phase && r.phase != *query.phase) continue;
     if (query.head && r.head != *query.head) continue;
-    if (!query.site_pattern.empty() && !glob_match(query.site_pattern, r.site)) continue;
+    if (!query.site_pattern.empty() && !glob_match(query.site_pattern, probe_name(r))) continue;
     if (query.only_nonfinite && r.stats.all_finite()) continue;
     rows.push_back(r);
   }
@@ -55,7 +55,7 @@ std::string render_trace_table(const TraceSelection& selection) {
   out << line;
   for (const ProbeRecord& r : selection.rows) {
     std::snprintf(line, sizeof(line), "%-6lld %-3d %-4d %-8s %-36s %-4d %-12s %-12s %-8lld %-8lld %s\n",
-                  static_cast<long long>(r.step), r.micro_batch, r.rank, phase_name(r.phase), printable(r.site).c_str(),
+                  static_cast<long long>(r.step), r.micro_batch, r.rank, phase_name(r.phase), printable(probe_name(r)).c_str(),
                   r.head, format_number(r.stats.max_abs).c_str(), format_number(r.stats.rms()).c_str(),
                   static_cast<long long>(r.stats.nan_count), static_cast<long long>(r.stats.inf_count),
                   format_number(r.headroom_bits).c_str());
@@ -69,7 +69,7 @@ nlohmann::json trace_selection_json(const TraceSelection& selection) {
   nlohmann::json rows = nlohmann::json::array();
   for (const ProbeRecord& r : selection.rows) {
     rows.push_back({{"step", r.step}, {"micro_batch", r.micro_batch}, {"rank", r.rank},
-                    {"phase", phase_name(r.phase)}, {"site", printable(r.site)}, {"layer", r.layer},
+                    {"phase", phase_name(r.phase)}, {"site", printable(probe_name(r))}, {"layer", r.layer},
                     {"head", r.head}, {"max_abs", json_number(r.stats.max_abs)}, {"rms", json_number(r.stats.rms())},
                     {"nan_count", r.stats.nan_count}, {"inf_count", r.stats.inf_count},
                     {"headroom_bits", json_number(r.headroom_bits)}, {"sample", r.sample},

@@ -274,10 +274,16 @@ const RealColumn<Probe> kProbeRealColumns[] = {
 const TextColumn<Probe> kProbeTextColumns[] = {
     {"phase", [](const Probe& r) -> std::string { return phase_name(r.phase); },
      [](Probe& r, const std::string& v) { return parse_phase(v, r.phase); }},
-    {"site", [](const Probe& r) { return r.site; },
+    // After "phase": a parameter's key for phase grad, a site's name otherwise.
+    {"site", [](const Probe& r) { return probe_name(r); },
      [](Probe& r, const std::string& v) {
-       r.site = v;
-       return true;
+       if (r.phase == Phase::kGrad) {
+         r.param = v;
+         return true;
+       }
+       const std::optional<SiteRef> site = parse_site_name(v);
+       if (site) r.site = *site;
+       return site.has_value();
      }},
     {"first_kind",
      [](const Probe& r) -> std::string { return nonfinite_kind_name(r.stats.first_kind); },

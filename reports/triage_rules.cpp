@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "reports/number_text.h"
@@ -26,7 +27,7 @@ double dtype_limit(Compute compute) {
 
 std::string where_text(const ProbeRecord& r) {
   std::ostringstream out;
-  out << r.site;
+  out << probe_name(r);
   if (r.first_head >= 0) out << " (head " << r.first_head << ")";
   out << ", step " << r.step << " " << phase_name(r.phase);
   if (r.phase != Phase::kGrad) out << ", micro-batch " << r.micro_batch << ", rank " << r.rank;
@@ -80,7 +81,7 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, 
     return {make_finding(FindingCode::kNumericOverflow, Severity::kError,
         where_text(*first_inf) + " reached the " + compute_name(compute) + " limit " +
             format_number(limit) + ": " + std::to_string(count) + " element(s) overflowed to inf" + total,
-        {{K::kStep, step}, {K::kSite, first_inf->site}, {K::kPhase, phase_name(first_inf->phase)},
+        {{K::kStep, step}, {K::kSite, probe_name(*first_inf)}, {K::kPhase, phase_name(first_inf->phase)},
          {K::kHead, optional_index_value(first_inf->first_head)}, {K::kMicroBatch, optional_index_value(first_inf->micro_batch)},
          {K::kRank, optional_index_value(first_inf->rank)}, {K::kSample, optional_index_value(first_inf->sample)},
          {K::kPosition, optional_index_value(first_inf->position)}, {K::kExpected, limit}, {K::kAfter, "inf"},
@@ -91,7 +92,7 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, 
         where_text(*tightest) + " came within " + format_number(tightest->headroom_bits) +
             " bits of the " + compute_name(compute) + " limit (max |x| " +
             format_number(tightest->stats.max_abs) + "): a near miss",
-        {{K::kStep, step}, {K::kSite, tightest->site}, {K::kMicroBatch, tightest->micro_batch},
+        {{K::kStep, step}, {K::kSite, probe_name(*tightest)}, {K::kMicroBatch, tightest->micro_batch},
          {K::kRank, tightest->rank}, {K::kAfter, tightest->stats.max_abs}, {K::kExpected, limit},
          {K::kHeadroomBits, tightest->headroom_bits}})};
   }
@@ -100,10 +101,11 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, 
 
 std::vector<Finding> zero_norm_findings(const std::vector<NormCheck>& checks) {
   std::vector<Finding> findings;
-  std::map<std::pair<int64_t, std::string>, bool> seen;
+  std::set<std::pair<int64_t, std::string>> seen;
   for (const NormCheck& c : checks) {
     if (!c.zero_denominator && c.rows_below_eps == 0) continue;
-    if (!seen.emplace(std::make_pair(c.step, c.site), true).second) continue;
+    const std::string site = site_name(c.site);
+    if (!seen.emplace(c.step, site).second) continue;
     const Severity severity = c.zero_denominator ? Severity::kError : Severity::kWarning;
     const std::string moment = c.moment;
     const std::string what = c.zero_denominator
@@ -111,9 +113,9 @@ std::vector<Finding> zero_norm_findings(const std::vector<NormCheck>& checks) {
                                  : "has " + std::to_string(c.rows_below_eps) + " row(s) whose " + moment +
                                        " is below eps " + format_number(c.eps);
     findings.push_back(make_finding(FindingCode::kNumericZeroNorm, severity,
-        c.site + " " + what + " at step " + std::to_string(c.step) + " (sample " +
+        site + " " + what + " at step " + std::to_string(c.step) + " (sample " +
             std::to_string(c.sample) + ", position " + std::to_string(c.position) + ")",
-        {{K::kStep, c.step}, {K::kSite, c.site}, {K::kMicroBatch, c.micro_batch}, {K::kRank, c.rank},
+        {{K::kStep, c.step}, {K::kSite, site}, {K::kMicroBatch, c.micro_batch}, {K::kRank, c.rank},
          {K::kSample, optional_index_value(c.sample)}, {K::kPosition, optional_index_value(c.position)},
          {K::kExpected, c.eps}, {K::kAfter, (c.min_moment)}, {K::kLength, c.rows_below_eps},
          {K::kTensor, c.moment}}));
@@ -256,7 +258,7 @@ std::vector<PropagationEntry> propagation_after(const std::vector<ProbeRecord>& 
   std::vector<PropagationEntry> path;
   for (const ProbeRecord* r : after) {
     if (path.size() == limit) break;
-    path.push_back({r->phase, r->site, r->layer, r->first_head, r->stats.first_kind, r->stats.nan_count,
+    path.push_back({r->phase, r->site, r->param, r->layer, r->first_head, r->stats.first_kind, r->stats.nan_count,
                     r->stats.inf_count});
   }
   return path;
@@ -278,10 +280,10 @@ bool any(const Finding&, const ReplayReport&) { return true; }
 bool at_origin_step(const Finding& f, const ReplayReport& r) {
   return f.evidence.integer(K::kStep) == r.first_nonfinite->step;
 }
-std::string origin_site(const ReplayReport& r) { return r.first_nonfinite->site; }
+std::string origin_site(const ReplayReport& r) { return r.first_nonfinite->name(); }
 std::string poisoned_sample_summary(const Finding& f, const ReplayReport& r) {
   return "poisoned sample " + std::to_string(r.first_nonfinite->sample) + " (" + f.message +
-         ") drives the first non-finite value at " + r.first_nonfinite->site;
+         ") drives the first non-finite value at " + r.first_nonfinite->name();
 }
 
 const std::vector<RootCauseRule>& root_cause_rules() {
@@ -351,7 +353,7 @@ RootCause decide_root_cause(const ReplayReport& report) {
   if (origin) {
     const FirstNonfinite& first = *report.first_nonfinite;
     return {TriageLayer::kNumeric, std::nullopt,
-            "a non-finite value is first produced at " + first.site + " (step " + std::to_string(first.step) + ", " +
+            "a non-finite value is first produced at " + first.name() + " (step " + std::to_string(first.step) + ", " +
                 phase_name(first.phase) + ")"};
   }
   // Nothing went non-finite: any data error, then any error or warning, then handled fp16 overflow.

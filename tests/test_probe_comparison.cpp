@@ -17,7 +17,7 @@ ProbeRecord record(Phase phase, const std::string& site, int head, double max_ab
   r.rank = 1;
   r.micro_batch = 0;
   r.phase = phase;
-  r.site = site;
+  r.site = parse_site_name(site).value();
   r.head = head;
   r.stats.count = 8;
   r.stats.finite_count = 8;
@@ -55,7 +55,7 @@ TEST_CASE("the first differing probe is named by its site, phase, rank, micro-ba
   const std::vector<ProbeRecord> first{record(Phase::kForward, "layers.0.attn.scores", 0, 2.0),
                                        record(Phase::kForward, "layers.0.attn.scores", 1, 2.0),
                                        record(Phase::kBackward, "layers.1.attn.scores", 2, 3.0),
-                                       record(Phase::kBackward, "layers.1.mlp.out", -1, 4.0)};
+                                       record(Phase::kBackward, "layers.1.mlp.down", -1, 4.0)};
   std::vector<ProbeRecord> again = first;
   CHECK(compare_probes(pointers(first), again).difference.empty());
   CHECK(compare_probes(pointers(first), again).compared == 4);

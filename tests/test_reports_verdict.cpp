@@ -42,7 +42,7 @@ std::vector<const Finding*> with_code(const ReplayReport& r, const std::string& 
 FirstNonfinite origin_at(int64_t step, int64_t sample = 7) {
   FirstNonfinite f;
   f.step = step;
-  f.site = "layers.0.attn_norm";
+  f.site = {SiteId::kAttnNorm, 0};
   f.sample = sample;
   f.position = 3;
   return f;
@@ -185,7 +185,7 @@ TEST_CASE("verdict: an embedding row is an outlier against the matrix's own rows
 TEST_CASE("triage: a per-head overflow counts the head it names, a LayerNorm says variance", "[verdict]") {
   ProbeRecord whole;
   whole.step = 3;
-  whole.site = "layers.1.attn.scores";
+  whole.site = {SiteId::kAttnScores, 1};
   whole.micro_batch = 0;
   whole.rank = 0;
   whole.order = 9;
@@ -205,7 +205,7 @@ TEST_CASE("triage: a per-head overflow counts the head it names, a LayerNorm say
   CHECK(found[0].message.find("6468 element(s) overflowed to inf (29576 over all heads)") != std::string::npos);
 
   NormCheck ln;
-  ln.site = "layers.0.attn_norm";
+  ln.site = {SiteId::kAttnNorm, 0};
   ln.moment = "variance";
   ln.rows_below_eps = 2;
   ln.eps = 1e-5;

@@ -31,7 +31,7 @@ ModelConfig two_layers() {
 std::vector<std::string> names(const std::vector<ProbeRecord>& records) {
   std::vector<std::string> out;
   for (const ProbeRecord& r : records) {
-    if (r.head == -1) out.push_back(std::string(phase_name(r.phase)) + ":" + r.site);
+    if (r.head == -1) out.push_back(std::string(phase_name(r.phase)) + ":" + probe_name(r));
   }
   return out;
 }
@@ -63,7 +63,7 @@ TEST_CASE("flags record exactly the sites full statistics find non-finite", "[to
   }
   CHECK(names(flags) == names(bad_full));
   REQUIRE_FALSE(flags.empty());
-  CHECK(flags.front().site == "layers.1.attn_norm");
+  CHECK(probe_name(flags.front()) == "layers.1.attn_norm");
   CHECK(flags.front().stats.inf_count == 8);
   CHECK(flags.front().micro_batch == 1);
   CHECK(flags.front().step == 3);

@@ -25,7 +25,7 @@ ModelConfig one_layer() {
 const ProbeRecord& find(const std::vector<ProbeRecord>& records, const std::string& site, Phase phase,
                         int head = -1) {
   for (const auto& r : records) {
-    if (r.site == site && r.phase == phase && r.head == head) return r;
+    if (probe_name(r) == site && r.phase == phase && r.head == head) return r;
   }
   FAIL("no record for " << site);
   throw std::logic_error("unreachable");
@@ -93,7 +93,7 @@ TEST_CASE("backward records come in the strict reverse of the forward order", "[
   loss.backward();
   std::vector<std::string> order;
   for (const auto& r : probes.take_records()) {
-    order.push_back(std::string(phase_name(r.phase)) + ":" + r.site);
+    order.push_back(std::string(phase_name(r.phase)) + ":" + probe_name(r));
   }
   CHECK(order == std::vector<std::string>{"forward:embed", "forward:layers.0.input", "forward:layers.0.attn_norm",
                                           "forward:loss", "backward:loss", "backward:layers.0.attn_norm",

@@ -125,7 +125,7 @@ ProbeRecord forward_probe(int64_t step, int micro_batch, int order, const std::s
   probe.rank = 0;
   probe.phase = Phase::kForward;
   probe.order = order;
-  probe.site = site;
+  probe.site = parse_site_name(site).value();
   probe.shape = {2, 64, 128};
   probe.stats = finite_stats(2 * 64 * 128, 3.5, 1e-6, 12.5, 900.0);
   return probe;
@@ -179,7 +179,7 @@ std::vector<ProbeRecord> sample_probes() {
   loss.micro_batch = 0;
   loss.rank = 0;
   loss.phase = Phase::kBackward;
-  loss.site = "loss";
+  loss.site = {SiteId::kLoss, -1};
   loss.shape = {};  // a scalar
   loss.stats.count = 1;
   make_nonfinite(loss, NonfiniteKind::kNan, 0, {}, 1);
@@ -189,7 +189,7 @@ std::vector<ProbeRecord> sample_probes() {
   grad.step = 100;
   grad.phase = Phase::kGrad;
   grad.order = 17;
-  grad.site = "model.layers.0.self_attn.q_proj.weight." + std::string(300, 'w');
+  grad.param = "model.layers.0.self_attn.q_proj.weight." + std::string(300, 'w');
   grad.shape = {4096, 4096};
   grad.stats = finite_stats(4096 * 4096, 0.25, 1e-12, -3.0, 42.0);
   probes.push_back(grad);
@@ -227,13 +227,13 @@ bool close_value(double a, double b) {
 }
 
 void require_same_probe(const ProbeRecord& got, const ProbeRecord& want) {
-  CAPTURE(want.site);
+  CAPTURE(probe_name(want));
   REQUIRE(got.step == want.step);
   REQUIRE(got.micro_batch == want.micro_batch);
   REQUIRE(got.rank == want.rank);
   REQUIRE(got.phase == want.phase);
   REQUIRE(got.order == want.order);
-  REQUIRE(got.site == want.site);
+  REQUIRE(probe_name(got) == probe_name(want));
   REQUIRE(got.layer == want.layer);
   REQUIRE(got.head == want.head);
   REQUIRE(got.shape == want.shape);

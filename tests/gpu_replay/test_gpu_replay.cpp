@@ -121,7 +121,7 @@ TEST_CASE("a model split across two GPUs replays bit for bit as on one, and cros
   const ReplayReport two = replay_on(bundle, {"cuda:0", second_gpu()});
   REQUIRE(one.probes.size() == two.probes.size());
   for (size_t i = 0; i < one.probes.size(); ++i) {
-    CAPTURE(one.probes[i].site);
+    CAPTURE(probe_name(one.probes[i]));
     CHECK(one.probes[i].stats.max_abs == two.probes[i].stats.max_abs);
     CHECK(one.probes[i].stats.nan_count == two.probes[i].stats.nan_count);
   }
