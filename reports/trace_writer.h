@@ -1,4 +1,4 @@
-// Writes trace.h5: every probe of every step and phase as one columnar table,
+// trace.h5: every probe of every step and phase as one columnar table,
 // plus the per-step summary. The layout (version 1) is documented in
 // docs/trace-format.md and summarised here:
 //
