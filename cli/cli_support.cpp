@@ -1,18 +1,17 @@
 // Shared helpers of the command handlers; see cli_support.h.
 #include "cli/cli_support.h"
 
-#include <sstream>
-
 #include <unistd.h>
 
 #include <atomic>
 #include <csignal>
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "loaders/error.h"
-#include "loaders/mapped_file.h"
 
 namespace nanreplay {
 
@@ -47,9 +46,12 @@ void unblock_stop_signals() {
 StopDeferral::StopDeferral() { g_deferrals.fetch_add(1); }
 StopDeferral::~StopDeferral() { g_deferrals.fetch_sub(1); }
 
-cxxopts::ParseResult parse_or_usage(cxxopts::Options& options, int argc, char** argv) {
+cxxopts::ParseResult parse_or_usage(cxxopts::Options& options, const CommandArgs& args) {
+  std::vector<const char*> argv;
+  for (const std::string& arg : args) argv.push_back(arg.c_str());
+  argv.push_back(nullptr);
   try {
-    return options.parse(argc, argv);
+    return options.parse(static_cast<int>(args.size()), argv.data());
   } catch (const cxxopts::exceptions::exception& e) {
     throw UsageError(std::string(e.what()) + " (see nanreplay " + options.program().substr(10) + " --help)");
   }
@@ -71,48 +73,24 @@ void install_stop_handlers() {
 
 bool stop_requested() { return g_stop_signal.load() != 0; }
 
-bool stop_or_changed_bundle() {
-  throw_if_mapped_file_changed();
-  return stop_requested();
-}
-
 void set_interrupted_message(const std::string& line) {
   // Read in signal context, so never freed: set once or twice per run.
   g_interrupted_message.store(strdup(("nanreplay: " + line + "\n").c_str()));
 }
 
-void exit_interrupted(const std::string& line) {
-  std::fprintf(stderr, "nanreplay: %s\n", line.c_str());
-  std::fflush(stderr);
-  std::_Exit(static_cast<int>(ExitStatus::kInterrupted));
-}
-
 bool color_wanted(int fd) { return std::getenv("NO_COLOR") == nullptr && isatty(fd); }
 
-void add_what_if_option(cxxopts::Options& options) {
-  // A plain string, read back from arguments(): a vector option would split
-  // "drop-samples=12,40" at its comma.
-  options.add_options()("what-if", "replay the first non-finite step with one change (repeatable; see below)",
-                        cxxopts::value<std::string>(), "SPEC");
-}
-
-std::vector<WhatIf> parse_what_if_options(const cxxopts::ParseResult& args) {
-  std::vector<WhatIf> what_ifs;
-  for (const cxxopts::KeyValue& kv : args.arguments()) {
-    if (kv.key() == "what-if") what_ifs.push_back(parse_what_if(kv.value()));
-  }
-  return what_ifs;
-}
-
-void check_what_ifs(const std::vector<WhatIf>& what_ifs, const Manifest& manifest) {
-  for (const WhatIf& w : what_ifs) check_what_if(w, manifest);
-}
-
-std::vector<std::string> split_devices(const std::string& text) {
-  std::vector<std::string> devices;
-  std::stringstream in(text);
-  for (std::string item; std::getline(in, item, ',');) devices.push_back(item);
-  return devices;
+std::string format_text(const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  va_list again;
+  va_copy(again, args);
+  const int size = std::vsnprintf(nullptr, 0, format, args);
+  va_end(args);
+  std::string text(size > 0 ? static_cast<size_t>(size) : 0, '\0');
+  if (size > 0) std::vsnprintf(text.data(), text.size() + 1, format, again);
+  va_end(again);
+  return text;
 }
 
 }  // namespace nanreplay

@@ -1,7 +1,14 @@
-// nanreplay's entry point: hands argv to the command table and returns its
-// exit status. Everything else lives in cli/commands.cpp and the core library.
+// nanreplay's entry point: builds the real CommandIo (std::cout, std::cerr,
+// the terminal facts) and hands the arguments to run_cli (cli/cli.h), which
+// returns the exit status. Everything else lives in cli/ and the core library.
+#include <unistd.h>
+
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "cli/cli.h"
 #include "cli/cli_support.h"
-#include "cli/commands.h"
 
 namespace {
 
@@ -16,4 +23,12 @@ void install_stop_handlers_early(int, char**, char**) { nanreplay::install_stop_
 __attribute__((section(".preinit_array"), used)) void (*const nanreplay_preinit)(int, char**, char**) =
     install_stop_handlers_early;
 
-int main(int argc, char** argv) { return nanreplay::run_cli(argc, argv); }
+int main(int argc, char** argv) {
+  nanreplay::CommandIo io{std::cout, std::cerr};
+  io.color = nanreplay::color_wanted(STDOUT_FILENO);
+  io.err_is_terminal = isatty(STDERR_FILENO) != 0;
+  io.may_reexec = true;
+  if (argc > 0) io.program = argv[0];
+  const std::vector<std::string> args(argv + (argc > 0 ? 1 : 0), argv + argc);
+  return nanreplay::run_cli(args, io);
+}

@@ -78,4 +78,13 @@ class UsageError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A stop request (SIGINT/SIGTERM) honoured at a safe point, with nothing
+// half-written: what() is the one line to print after "nanreplay: "
+// ("interrupted after 2 of 4 steps; nothing was written"). Thrown by the
+// replay loops and the commands, caught once at the CLI boundary: exit 130.
+class Interrupted : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 }  // namespace nanreplay

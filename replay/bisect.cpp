@@ -12,6 +12,7 @@
 
 #include <torch/torch.h>
 
+#include "loaders/error.h"
 #include "replay/ddmin.h"
 #include "replay/origin_tokens.h"
 #include "replay/replay_engine.h"
@@ -78,7 +79,7 @@ class Bisection {
   // Runs before every pass: interrupts and progress.
   std::function<void()> hook() {
     return [this] {
-      if (options_.should_stop && options_.should_stop()) throw ReplayInterrupted{report_.step_tests.size()};
+      if (options_.should_stop && options_.should_stop()) throw Interrupted("bisect interrupted; nothing was printed");
       if (options_.on_progress) options_.on_progress({stage_, current_step_, passes_});
       ++passes_;
     };

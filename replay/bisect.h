@@ -31,7 +31,7 @@ struct BisectOptions {
   bool minimize_samples = true;  // stage 4
   std::vector<WhatIf> what_ifs;  // replayed at the first bad step, after the stages
   std::function<void(const BisectProgress&)> on_progress;
-  std::function<bool()> should_stop;  // polled before every pass; throws ReplayInterrupted
+  std::function<bool()> should_stop;  // polled before every pass; true: throws Interrupted
   std::string tool_version;
   // --device: where every pass computes (one device, or two with the layers split).
   std::vector<std::string> devices{"cpu"};

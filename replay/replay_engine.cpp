@@ -14,6 +14,7 @@
 
 #include <torch/torch.h>
 
+#include "loaders/error.h"
 #include "replay/data_findings.h"
 #include "replay/origin_tokens.h"
 #include "replay/probe_comparison.h"
@@ -158,7 +159,7 @@ class BundleReplay {
     StepRequest request;
     request.probes = options_.probes ? ProbeLevel::kFull : ProbeLevel::kOff;
     request.before_pass = [&](int rank, int micro, const char* phase) {
-      if (options_.should_stop && options_.should_stop()) throw ReplayInterrupted{index};
+      if (options_.should_stop && options_.should_stop()) throw Interrupted(interrupted_after_steps(index, todo_.size()));
       if (options_.on_progress) options_.on_progress({index, todo_.size(), files.step, rank, micro, phase});
     };
     StepResult step =
@@ -273,6 +274,11 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
   replay.after_steps();
   replay.check_replay();
   return replay.finish(started);
+}
+
+std::string interrupted_after_steps(size_t steps_done, size_t step_count) {
+  return "interrupted after " + std::to_string(steps_done) + " of " + std::to_string(step_count) +
+         " steps; nothing was written";
 }
 
 }  // namespace nanreplay

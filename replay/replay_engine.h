@@ -29,7 +29,7 @@ struct ReplayOptions {
   bool probes = true;
   std::optional<std::set<int64_t>> only_steps;  // default: every step
   std::function<void(const ReplayProgress&)> on_progress;
-  std::function<bool()> should_stop;  // polled between micro-batches
+  std::function<bool()> should_stop;  // polled between micro-batches; true: throws Interrupted
   std::string tool_version;
   std::optional<TriageThresholds> thresholds;  // default: for the bundle's precision
   bool check_updates = true;      // model(s+1) against AdamW(model(s)): flipped bits
@@ -43,10 +43,9 @@ struct ReplayOptions {
   bool native_low_precision = true;
 };
 
-// Thrown when should_stop() returned true; nothing has been written.
-struct ReplayInterrupted {
-  size_t steps_done = 0;
-};
+// What the Interrupted (loaders/error.h) thrown when should_stop() returned
+// true says: "interrupted after 2 of 4 steps; nothing was written".
+std::string interrupted_after_steps(size_t steps_done, size_t step_count);
 
 ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options);
 

@@ -1,0 +1,115 @@
+// The table of subcommands, the usage text it generates, dispatch with "did
+// you mean", and `nanreplay version`; see command_table.h.
+#include "cli/command_table.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "cli/openmp_wait.h"
+#include "loaders/error.h"
+#include "nanreplay_version.h"
+
+namespace nanreplay {
+
+namespace {
+
+std::string usage_text() {
+  std::ostringstream out;
+  out << "nanreplay " << NANREPLAY_VERSION
+      << ": replay the steps around a training run's NaN and name where it began\n\n"
+      << "usage: nanreplay <command> [options]   (nanreplay <command> --help for details)\n\ncommands:\n";
+  for (const Command& c : command_table()) {
+    out << "  " << c.name << std::string(10 - std::string(c.name).size(), ' ') << c.summary << "\n";
+  }
+  out << "\nexample:\n  " << command_table().front().example << "\n"
+      << "\nexit status: 0 nothing non-finite and no error finding, 1 a non-finite origin or an\n"
+      << "error finding was named, 2 bad usage or bad input, 3 internal error, 130 interrupted\n";
+  return out.str();
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+UsageError unknown_command(const std::string& name) {
+  std::string suggestion;
+  size_t best = 3;
+  for (const Command& command : command_table()) {
+    const size_t d = edit_distance(name, command.name);
+    if (d < best) {
+      best = d;
+      suggestion = command.name;
+    }
+  }
+  return UsageError("unknown command '" + name + "'" +
+                    (suggestion.empty() ? "" : "; did you mean '" + suggestion + "'?") + " (see nanreplay --help)");
+}
+
+// Returns only when there is nothing to restart for (openmp_wait.h).
+void restart_with_short_spin(const CommandArgs& args, const CommandIo& io) {
+  std::vector<std::string> words{io.program};
+  words.insert(words.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& word : words) argv.push_back(word.data());
+  argv.push_back(nullptr);
+  reexec_with_short_openmp_spin(argv.data());
+}
+
+}  // namespace
+
+const std::vector<Command>& command_table() {
+  static const std::vector<Command> table = {
+      {"run", "replay every step of a bundle with probes; write report.{json,md,html} and trace.h5",
+       "nanreplay run incident-bundle/ --out triage/", run_command, true},
+      {"bisect", "find the first non-finite value with fewer replays (step, layer, site, samples); what-ifs",
+       "nanreplay bisect incident-bundle/ --json --what-if stable-softmax", bisect_command, true},
+      {"demo", "write a built-in incident bundle (one attention head overflows) and replay it",
+       "nanreplay demo ./nanreplay-demo", demo_command, true},
+      {"scan-data", "scan every token shard for poisoned samples without replaying (prints GB/s)",
+       "nanreplay scan-data incident-bundle/ --json", scan_data_command},
+      {"synth", "write a synthetic bundle from a named preset (for tests and training)",
+       "nanreplay synth head-overflow ./bundle", synth_command, true},
+      {"inspect", "validate and summarize a bundle without replaying (model, steps, shards, sampler)",
+       "nanreplay inspect incident-bundle/ --json", inspect_command},
+      {"trace", "query a trace.h5 in the terminal: filter by step, phase, site, head; sort; first NaN/Inf",
+       "nanreplay trace triage/trace.h5 --first-nonfinite", trace_command},
+      {"version", "print the version", "nanreplay version", version_command},
+  };
+  return table;
+}
+
+int dispatch_command(const CommandArgs& args, CommandIo& io) {
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    io.out << usage_text();
+    return args.empty() ? static_cast<int>(ExitStatus::kBadInput) : 0;
+  }
+  if (args[0] == "--version") return version_command(args, io);
+  for (const Command& command : command_table()) {
+    if (args[0] != command.name) continue;
+    if (command.replays && io.may_reexec) restart_with_short_spin(args, io);
+    return command.handler(args, io);
+  }
+  throw unknown_command(args[0]);
+}
+
+int version_command(const CommandArgs& args, CommandIo& io) {
+  if (args.size() > 1 && (args[1] == "--help" || args[1] == "-h")) {
+    io.out << "Print the version of nanreplay.\nExample: nanreplay version\n";
+    return 0;
+  }
+  io.out << "nanreplay " << NANREPLAY_VERSION << "\n";
+  return 0;
+}
+
+}  // namespace nanreplay

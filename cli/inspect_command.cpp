@@ -1,0 +1,76 @@
+// `nanreplay inspect BUNDLE`: validate what `run` validates before it replays
+// and summarize the bundle (text or --json); exit 2 when it is invalid.
+#include "cli/cli_support.h"
+#include "cli/command_table.h"
+#include "loaders/bundle.h"
+#include "loaders/error.h"
+#include "loaders/mapped_file.h"
+#include "replay/bundle_structure.h"
+#include "reports/bundle_summary.h"
+
+namespace nanreplay {
+
+namespace {
+
+cxxopts::Options inspect_options() {
+  cxxopts::Options options("nanreplay inspect",
+                           "Validate an incident bundle and summarize it without replaying: model and parameter "
+                           "count, precision, steps (optimizer state, logged loss), shards (checksums verified), "
+                           "sampler, incident.\n"
+                           "Example: nanreplay inspect incident-bundle/ --json");
+  options.add_options()
+      ("bundle", "incident bundle directory", cxxopts::value<std::string>())
+      ("json", "print the summary as JSON")
+      ("h,help", "show this help");
+  options.parse_positional({"bundle"});
+  options.positional_help("BUNDLE");
+  return options;
+}
+
+void print_inspect_help(const cxxopts::Options& options, CommandIo& io) {
+  io.out << options.help()
+         << "\nValid means `nanreplay run` will not reject the bundle for its structure. Whether the bundle\n"
+            "faithfully records the run is not checked: only a replay that reproduces the logged losses\n"
+            "shows that.\n"
+         << "\nexit status: 0 valid, 2 bad input (a checksum mismatch included)\n";
+}
+
+// "data/shard_000.bin: sha256 is ..., the manifest says ..." for the first
+// mismatching shard of an inspect summary, and how many more there are.
+std::string checksum_mismatch_line(const nlohmann::json& summary) {
+  std::vector<const nlohmann::json*> bad;
+  for (const nlohmann::json& shard : summary["data"]["shards"]) {
+    if (shard["checksum"] == "mismatch") bad.push_back(&shard);
+  }
+  if (bad.empty()) return "the bundle is invalid";
+  const nlohmann::json& first = *bad.front();
+  std::string line = first["path"].get<std::string>() + ": sha256 is " + first["actual_sha256"].get<std::string>() +
+                     ", the manifest says " + first["sha256"].get<std::string>();
+  if (bad.size() > 1) line += " (and " + std::to_string(bad.size() - 1) + " more shard(s) differ)";
+  return line;
+}
+
+}  // namespace
+
+int inspect_command(const CommandArgs& args, CommandIo& io) {
+  cxxopts::Options options = inspect_options();
+  const auto parsed = parse_or_usage(options, args);
+  if (parsed.count("help")) {
+    print_inspect_help(options, io);
+    return 0;
+  }
+  if (!parsed.count("bundle")) throw UsageError("inspect: missing BUNDLE (see nanreplay inspect --help)");
+  const Bundle bundle(parsed["bundle"].as<std::string>());
+  // What `run` checks before it replays, with the same messages.
+  validate_bundle_structure(bundle);
+  const nlohmann::json summary = summarize_bundle(bundle);
+  throw_if_mapped_file_changed();
+  io.out << (parsed.count("json") ? summary.dump(2) + "\n" : render_bundle_summary(summary));
+  if (!summary["valid"].get<bool>()) {
+    io.err << "nanreplay: error: " << checksum_mismatch_line(summary) << "\n";
+    return static_cast<int>(ExitStatus::kBadInput);
+  }
+  return 0;
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,29 @@
+// The flags `run` and `bisect` share, declared and parsed once: --threads,
+// --device (and run's --cross-check), --emulate-low-precision, --max-memory,
+// --json, -q/--quiet, -h/--help and the repeatable --what-if, in the order
+// both commands' --help lists them, with every check that needs no bundle.
+#pragma once
+
+#include <cxxopts.hpp>
+
+#include "replay/incident.h"
+
+namespace nanreplay {
+
+struct ReplayFlags {
+  // devices, cross_check, native_low_precision, threads, max_memory, what_ifs
+  // and probes; the caller adds the bundle (and run's steps).
+  IncidentSettings incident;
+  bool json = false;
+  bool quiet = false;
+};
+
+// `json_help`: what --json prints; `cross_check`: declare --cross-check (run).
+void add_replay_flags(cxxopts::Options& options, const char* json_help, bool cross_check);
+
+// UsageError on a malformed --what-if or --max-memory, and on a what-if
+// without probes (`probes` false: run --no-probes), which could not find the
+// step it replays.
+ReplayFlags parse_replay_flags(const cxxopts::ParseResult& args, bool probes);
+
+}  // namespace nanreplay

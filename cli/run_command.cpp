@@ -1,0 +1,152 @@
+// `nanreplay run BUNDLE`: replay every step with probes, write report.json,
+// report.md, report.html and trace.h5 into --out as one set, print the verdict.
+#include "cli/run_command.h"
+
+#include <csignal>
+#include <cstdlib>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include "cli/cli_support.h"
+#include "cli/command_table.h"
+#include "cli/progress_line.h"
+#include "cli/replay_flags.h"
+#include "loaders/error.h"
+#include "reports/run_outputs.h"
+#include "reports/terminal_text.h"
+
+namespace nanreplay {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::optional<std::set<int64_t>> parse_step_list(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  std::set<int64_t> steps;
+  std::stringstream items(text);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    try {
+      const size_t dash = item.find('-', 1);
+      size_t used = 0;
+      if (dash == std::string::npos) {
+        steps.insert(std::stoll(item, &used));
+        if (used != item.size()) throw std::invalid_argument(item);
+      } else {
+        const int64_t from = std::stoll(item.substr(0, dash));
+        const int64_t to = std::stoll(item.substr(dash + 1));
+        if (to < from || to - from > 1000000) throw std::invalid_argument(item);
+        for (int64_t s = from; s <= to; ++s) steps.insert(s);
+      }
+    } catch (const std::exception&) {
+      throw UsageError("--steps: '" + item + "' is not a step or a range like 100-105");
+    }
+  }
+  return steps;
+}
+
+// Test hook (tests/test_cli_faults.cpp): NANREPLAY_TEST_PAUSE_AT_STEP=N stops
+// this process with SIGSTOP when the replay first reports step N, so a test
+// can change a bundle file while it is mapped, at a known point, and SIGCONT
+// it. It writes nothing and has no effect unless set.
+void pause_for_test_at(const ReplayProgress& p) {
+  static const char* const wanted = std::getenv("NANREPLAY_TEST_PAUSE_AT_STEP");
+  static bool paused = false;
+  if (wanted == nullptr || paused || std::to_string(p.step) != wanted) return;
+  paused = true;
+  std::raise(SIGSTOP);
+}
+
+ReplayReport replay_showing_progress(const Incident& incident, bool quiet, CommandIo& io) {
+  ProgressLine progress(io.err, !quiet && io.err_is_terminal);  // cleared on the way out
+  IncidentHooks hooks;
+  hooks.stop_requested = stop_requested;
+  hooks.on_replay_progress = [&](const ReplayProgress& p) {
+    pause_for_test_at(p);
+    progress.update(p);
+  };
+  return incident.replay(hooks);
+}
+
+// From the commit on the results are whole: a stop still ends in exit 130, saying so.
+void announce_committed(const fs::path& out) {
+  const std::string committed = "interrupted; the results in " + out.string() + " are complete";
+  set_interrupted_message(committed);
+  if (stop_requested()) throw Interrupted(committed);
+}
+
+cxxopts::Options run_options() {
+  cxxopts::Options options("nanreplay run", "Replay every step of an incident bundle, forward and "
+                                            "backward, with numeric probes on every tensor.\n"
+                                            "Example: nanreplay run incident-bundle/ --out triage/");
+  options.add_options()
+      ("bundle", "incident bundle directory", cxxopts::value<std::string>())
+      ("o,out", "output directory for report.json, report.md, report.html and trace.h5", cxxopts::value<std::string>()->default_value("nanreplay-out"))
+      ("no-clobber", "refuse an --out that already holds results (by default a run replaces them, "
+                     "each file whole, and a run that fails leaves them as they were)")
+      ("force", "replace results already in --out (the default; kept for older scripts)")
+      ("steps", "only these steps, e.g. 104,105 or 100-105", cxxopts::value<std::string>()->default_value(""))
+      ("no-probes", "loss and gradient norm only (faster, no trace detail)");
+  add_replay_flags(options, "print report.json to stdout instead of the verdict", true);
+  options.parse_positional({"bundle"});
+  options.positional_help("BUNDLE");
+  return options;
+}
+
+void print_run_help(const cxxopts::Options& options, CommandIo& io) {
+  io.out << options.help() << "\n" << what_if_help()
+         << "  e.g. nanreplay run incident-bundle/ --what-if stable-softmax --what-if fp32-layers=2,3\n"
+         << "  report.json then holds a `what_if` list: resolved or not, and the first non-finite value after\n"
+         << "\nexit status: 0 clean, 1 non-finite origin or error finding named, "
+         << "2 bad input, 3 internal error, 130 interrupted\n";
+}
+
+}  // namespace
+
+// Until the output directory exists a stop signal ends the process at once;
+// from then on it is polled, and Interrupted unwinds through `outputs`, whose
+// destructor removes what was staged before the deferral ends.
+ReplayReport replay_and_write(const RunSettings& settings, CommandIo& io) {
+  const Incident incident(settings.incident, IncidentUse::kReplay);
+  const StopDeferral staged_output;  // destroyed after `outputs`: its cleanup runs first
+  RunOutputs outputs(settings.out, incident.bundle().root(), settings.replace_existing);
+  const ReplayReport report = replay_showing_progress(incident, settings.quiet, io);
+  outputs.write_and_commit(report, incident.steps_to_replay(), stop_requested);
+  announce_committed(settings.out);
+  return report;
+}
+
+int run_command(const CommandArgs& args, CommandIo& io) {
+  cxxopts::Options options = run_options();
+  const auto parsed = parse_or_usage(options, args);
+  if (parsed.count("help")) {
+    print_run_help(options, io);
+    return 0;
+  }
+  if (!parsed.count("bundle")) throw UsageError("run: missing BUNDLE (see nanreplay run --help)");
+  if (parsed.count("no-clobber") && parsed.count("force")) {
+    throw UsageError("run: --no-clobber and --force contradict each other");
+  }
+  RunSettings settings;
+  settings.out = parsed["out"].as<std::string>();
+  settings.replace_existing = parsed.count("no-clobber") == 0;
+  const std::optional<std::set<int64_t>> steps = parse_step_list(parsed["steps"].as<std::string>());
+  const ReplayFlags flags = parse_replay_flags(parsed, parsed.count("no-probes") == 0);
+  settings.incident = flags.incident;
+  settings.incident.bundle = parsed["bundle"].as<std::string>();
+  settings.incident.only_steps = steps;
+  settings.quiet = flags.quiet;
+  const ReplayReport report = replay_and_write(settings, io);
+  if (flags.json) {
+    io.out << report_to_json(report).dump(2) << "\n";
+  } else if (!flags.quiet) {
+    io.out << render_verdict(report, {io.color});
+    io.out << "\nwrote " << (settings.out / "report.json").string() << ", report.md, report.html and "
+           << (settings.out / "trace.h5").string() << "\n";
+  }
+  return exit_status_for(report);
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,24 @@
+// What `nanreplay run` and `nanreplay demo` share: replay an incident and
+// write its four results whole or not at all, with the stop-signal semantics
+// of docs/threat-model.md (immediate until output is staged, polled after).
+#pragma once
+
+#include <filesystem>
+
+#include "cli/cli.h"
+#include "replay/incident.h"
+
+namespace nanreplay {
+
+struct RunSettings {
+  IncidentSettings incident;
+  std::filesystem::path out;
+  bool replace_existing = true;  // --no-clobber: refuse an --out that holds results
+  bool quiet = false;            // no progress line
+};
+
+// Checks (Incident), stages `out`, replays, writes and commits; throws
+// Interrupted on a stop request, with nothing written unless committed.
+ReplayReport replay_and_write(const RunSettings& settings, CommandIo& io);
+
+}  // namespace nanreplay

@@ -1,0 +1,119 @@
+// `nanreplay synth PRESET DIR`: write a synthetic bundle from a named preset
+// and print what was planted as one JSON line.
+#include "cli/synth_command.h"
+
+#include <algorithm>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/cli_support.h"
+#include "cli/command_table.h"
+#include "loaders/bundle.h"
+#include "loaders/error.h"
+
+namespace nanreplay {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+cxxopts::Options synth_options() {
+  cxxopts::Options options("nanreplay synth", "Write a synthetic bundle from a preset (a tiny llama trained for "
+                                              "a few steps; every checkpoint is AdamW applied to the one before, "
+                                              "unless the fault is an edit between two).\n"
+                                              "Prints what was planted as JSON.\n"
+                                              "Example: nanreplay synth bit-flip ./bundle");
+  options.add_options()
+      ("preset", "preset name", cxxopts::value<std::string>())
+      ("dir", "bundle directory to create", cxxopts::value<std::string>())
+      ("corpus", "train on the bytes of FILE (byte-level tokens) instead of random tokens",
+       cxxopts::value<std::string>(), "FILE")
+      ("h,help", "show this help");
+  options.parse_positional({"preset", "dir"});
+  options.positional_help("PRESET DIR");
+  return options;
+}
+
+std::string preset_listing() {
+  std::string listing;
+  for (const SyntheticPreset& p : synthetic_presets()) {
+    listing += "  " + std::string(p.name) + std::string(std::max<size_t>(2, 21 - std::string(p.name).size()), ' ') +
+               p.plants + "\n";
+  }
+  return listing;
+}
+
+SyntheticSpec preset_spec(const std::string& name) {
+  try {
+    return synthetic_preset(name);
+  } catch (const std::invalid_argument& e) {
+    std::string names;
+    for (const SyntheticPreset& p : synthetic_presets()) names += (names.empty() ? "" : ", ") + std::string(p.name);
+    throw UsageError(std::string(e.what()) + "; presets: " + names);
+  }
+}
+
+void read_corpus(const std::string& path, SyntheticSpec& spec) {
+  const std::string bytes = read_text_file(path, path, size_t{64} << 20);
+  if (bytes.size() < static_cast<size_t>(4 * spec.seq_len)) throw InputError(path, "", "too short for a corpus");
+  spec.corpus.assign(bytes.begin(), bytes.end());
+}
+
+nlohmann::json planted_json(const fs::path& dir, const SyntheticSpec& spec, const SyntheticOutcome& outcome) {
+  return {{"bundle", dir.string()},
+          {"fault_step", outcome.fault_step},
+          {"fault_param", outcome.fault_param},
+          {"fault_element", outcome.fault_element},
+          {"zero_token", outcome.zero_token},
+          {"zero_position", outcome.zero_position},
+          {"first_sample", outcome.first_sample},
+          {"fault_sample", outcome.fault_sample},
+          {"fault_token", outcome.fault_token},
+          {"fault_position", outcome.fault_position},
+          {"fault_layer", spec.fault.layer},
+          {"fault_head", spec.fault.head}};
+}
+
+}  // namespace
+
+void refuse_inside_a_bundle(const fs::path& dir) {
+  const fs::path enclosing = enclosing_bundle(dir);
+  if (!enclosing.empty()) {
+    throw UsageError(dir.string() + " is inside the bundle " + enclosing.string() +
+                     "; nanreplay never writes into a bundle, choose another directory");
+  }
+}
+
+SyntheticOutcome write_bundle_for_user(const fs::path& dir, const SyntheticSpec& spec) {
+  std::error_code ec;
+  const bool existed = fs::exists(dir, ec);
+  const StopDeferral writing;
+  const SyntheticOutcome outcome = write_synthetic_bundle(dir, spec);
+  if (stop_requested()) {
+    fs::remove_all(dir, ec);
+    if (existed) fs::create_directory(dir, ec);  // the empty directory the user made
+    throw Interrupted("interrupted; nothing was written");
+  }
+  return outcome;
+}
+
+int synth_command(const CommandArgs& args, CommandIo& io) {
+  cxxopts::Options options = synth_options();
+  const auto parsed = parse_or_usage(options, args);
+  if (parsed.count("help")) {
+    io.out << options.help() << "\npresets:\n" << preset_listing();
+    return 0;
+  }
+  if (!parsed.count("preset") || !parsed.count("dir")) throw UsageError("synth: need PRESET and DIR");
+  SyntheticSpec spec = preset_spec(parsed["preset"].as<std::string>());
+  if (parsed.count("corpus")) read_corpus(parsed["corpus"].as<std::string>(), spec);
+  const fs::path dir = parsed["dir"].as<std::string>();
+  refuse_inside_a_bundle(dir);
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_empty(dir, ec)) throw UsageError(dir.string() + " exists and is not empty");
+  const SyntheticOutcome outcome = write_bundle_for_user(dir, spec);
+  io.out << planted_json(dir, spec, outcome).dump() << "\n";
+  return 0;
+}
+
+}  // namespace nanreplay

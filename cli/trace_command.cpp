@@ -1,0 +1,74 @@
+// `nanreplay trace TRACE.h5`: query the probes of a trace written by `run`
+// (step, phase, site glob, head, sort, the first or every non-finite row).
+#include "cli/cli_support.h"
+#include "cli/command_table.h"
+#include "loaders/error.h"
+#include "reports/trace_query.h"
+#include "reports/trace_writer.h"
+
+namespace nanreplay {
+
+namespace {
+
+cxxopts::Options trace_options() {
+  cxxopts::Options options("nanreplay trace",
+                           "Query the probes of a trace.h5 written by `nanreplay run`.\n"
+                           "Example: nanreplay trace triage/trace.h5 --step 105 --phase forward "
+                           "--site 'layers.2.*' --sort max_abs");
+  options.add_options()
+      ("trace", "trace.h5 file", cxxopts::value<std::string>())
+      ("step", "only this step", cxxopts::value<int64_t>())
+      ("phase", "forward, backward or grad", cxxopts::value<std::string>())
+      ("site", "site glob ('*' matches any run), e.g. 'layers.*.attn.scores'", cxxopts::value<std::string>())
+      ("head", "only this head (-1: whole-tensor rows)", cxxopts::value<int>())
+      ("sort", "max_abs: largest max|x| first", cxxopts::value<std::string>())
+      ("first-nonfinite", "only the first row holding NaN/Inf in execution order (with --limit N: the first N)")
+      ("nonfinite", "every row holding NaN/Inf, in execution order (up to --limit)")
+      ("limit", "at most N rows (default 50; 1 with --first-nonfinite)", cxxopts::value<size_t>())
+      ("json", "print the rows as JSON")
+      ("h,help", "show this help");
+  options.parse_positional({"trace"});
+  options.positional_help("TRACE.h5");
+  return options;
+}
+
+TraceQuery parse_query(const cxxopts::ParseResult& args) {
+  TraceQuery query;
+  if (args.count("step")) query.step = args["step"].as<int64_t>();
+  if (args.count("phase")) {
+    query.phase = parse_phase(args["phase"].as<std::string>());
+    if (!query.phase) throw UsageError("--phase: expected forward, backward or grad");
+  }
+  if (args.count("site")) query.site_pattern = args["site"].as<std::string>();
+  if (args.count("head")) query.head = args["head"].as<int>();
+  if (args.count("sort")) {
+    if (args["sort"].as<std::string>() != "max_abs") throw UsageError("--sort: only max_abs is supported");
+    query.sort_by_max_abs = true;
+  }
+  const bool first_only = args.count("first-nonfinite") > 0;
+  if (first_only && args.count("nonfinite")) {
+    throw UsageError("trace: --first-nonfinite and --nonfinite contradict each other (see nanreplay trace --help)");
+  }
+  query.only_nonfinite = first_only || args.count("nonfinite") > 0;
+  query.limit = args.count("limit") ? args["limit"].as<size_t>() : first_only ? 1 : 50;
+  return query;
+}
+
+}  // namespace
+
+int trace_command(const CommandArgs& args, CommandIo& io) {
+  cxxopts::Options options = trace_options();
+  const auto parsed = parse_or_usage(options, args);
+  if (parsed.count("help")) {
+    io.out << options.help() << "\nexit status: 0 rows printed (or none matched), 2 bad usage or bad file\n";
+    return 0;
+  }
+  if (!parsed.count("trace")) throw UsageError("trace: missing TRACE.h5 (see nanreplay trace --help)");
+  const TraceQuery query = parse_query(parsed);
+  const TraceContents trace = read_trace(parsed["trace"].as<std::string>());
+  const TraceSelection selection = select_probes(trace.probes, query);
+  io.out << (parsed.count("json") ? trace_selection_json(selection).dump(2) + "\n" : render_trace_table(selection));
+  return 0;
+}
+
+}  // namespace nanreplay

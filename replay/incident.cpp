@@ -1,0 +1,89 @@
+// The incident entry points of `run`, `demo` and `bisect`; see incident.h.
+#include "replay/incident.h"
+
+#include "loaders/error.h"
+#include "loaders/mapped_file.h"
+#include "nanreplay_version.h"
+#include "replay/bundle_structure.h"
+#include "replay/runtime.h"
+
+namespace nanreplay {
+
+namespace {
+
+// The process-wide settings, before the bundle is opened.
+const IncidentSettings& prepare_process(const IncidentSettings& settings, IncidentUse use) {
+  set_compute_threads(settings.threads);
+  validate_devices(settings.devices, settings.cross_check);
+  if (use == IncidentUse::kReplay) tune_heap_for_replay();
+  return settings;
+}
+
+size_t count_selected_steps(const Bundle& bundle, const std::optional<std::set<int64_t>>& only_steps) {
+  size_t count = 0;
+  for (const StepFiles& files : bundle.steps()) {
+    if (!only_steps || only_steps->count(files.step)) ++count;
+  }
+  return count;
+}
+
+}  // namespace
+
+Incident::Incident(const IncidentSettings& settings, IncidentUse use)
+    : settings_(prepare_process(settings, use)),
+      bundle_(settings_.bundle),
+      steps_to_replay_(count_selected_steps(bundle_, settings_.only_steps)) {
+  for (const WhatIf& w : settings_.what_ifs) check_what_if(w, bundle_.manifest());
+  // Refused before any checkpoint is opened or any output directory created.
+  const MemoryEstimate estimate = use == IncidentUse::kReplay
+                                      ? estimate_replay_memory(bundle_.manifest(), steps_to_replay_, settings_.probes)
+                                      : estimate_replay_memory(bundle_.manifest(), 1, true);
+  require_memory_fits(estimate, settings_.max_memory ? *settings_.max_memory : default_memory_limit());
+  // Every structural fault `inspect` reports, before any work or output.
+  validate_bundle_structure(bundle_);
+}
+
+std::function<bool()> Incident::poll(const IncidentHooks& hooks) const {
+  return [stop = hooks.stop_requested] {
+    throw_if_mapped_file_changed();
+    return stop && stop();
+  };
+}
+
+ReplayReport Incident::replay(const IncidentHooks& hooks) const {
+  ReplayOptions options;
+  options.probes = settings_.probes;
+  options.only_steps = settings_.only_steps;
+  options.tool_version = NANREPLAY_VERSION;
+  options.on_progress = hooks.on_replay_progress;
+  options.devices = settings_.devices;
+  options.cross_check = settings_.cross_check;
+  options.native_low_precision = settings_.native_low_precision;
+  options.should_stop = poll(hooks);
+  ReplayReport report = replay_bundle(bundle_, options);
+  if (!settings_.what_ifs.empty()) {
+    const auto before_pass = [&] {
+      if (options.should_stop()) throw Interrupted(interrupted_after_steps(steps_to_replay_, steps_to_replay_));
+    };
+    report.what_if = evaluate_what_ifs(bundle_, report.first_nonfinite, settings_.what_ifs, before_pass,
+                                       {settings_.devices.front()}, settings_.native_low_precision);
+  }
+  throw_if_mapped_file_changed();
+  return report;
+}
+
+BisectReport Incident::bisect(const IncidentHooks& hooks, bool minimize_samples) const {
+  BisectOptions options;
+  options.minimize_samples = minimize_samples;
+  options.what_ifs = settings_.what_ifs;
+  options.on_progress = hooks.on_bisect_progress;
+  options.should_stop = poll(hooks);
+  options.tool_version = NANREPLAY_VERSION;
+  options.devices = settings_.devices;
+  options.native_low_precision = settings_.native_low_precision;
+  BisectReport report = bisect_bundle(bundle_, options);
+  throw_if_mapped_file_changed();
+  return report;
+}
+
+}  // namespace nanreplay

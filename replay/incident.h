@@ -1,0 +1,82 @@
+// An incident bundle opened for `nanreplay run`, `demo` or `bisect`: every
+// check those commands make before any work, in one order for all three (the
+// thread count, the devices, the bundle, the what-ifs against its manifest,
+// the memory estimate against its limit, the structure `inspect` checks),
+// then the replay itself into a report. Never prints and never exits: a stop
+// request ends a replay with Interrupted (loaders/error.h). No LibTorch types here.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "loaders/bundle.h"
+#include "replay/bisect.h"
+#include "replay/memory_estimate.h"
+#include "replay/replay_engine.h"
+#include "replay/what_if.h"
+
+namespace nanreplay {
+
+struct IncidentSettings {
+  std::filesystem::path bundle;
+  // "cpu", "cuda:N", or two devices: the layers split across them (or, with
+  // cross_check, the step of interest replayed on each and compared).
+  std::vector<std::string> devices{"cpu"};
+  bool cross_check = false;
+  bool native_low_precision = true;       // bf16/fp16 natively on a GPU
+  int threads = 0;                        // compute threads, 0: all cores
+  std::optional<MemoryLimit> max_memory;  // unset: default_memory_limit()
+  std::vector<WhatIf> what_ifs;           // replayed at the first non-finite step
+  bool probes = true;                     // replay: probes on every site
+  std::optional<std::set<int64_t>> only_steps;  // replay: default every step
+};
+
+// What the incident is opened for. A replay keeps every step's probe records
+// (the memory estimate counts the steps it replays) and tunes the heap for
+// it; bisect holds one step at a time, with probes.
+enum class IncidentUse { kReplay, kBisect };
+
+struct IncidentHooks {
+  // Polled before every pass, after the check that no mapped bundle file
+  // changed (InputError): true ends the replay with Interrupted.
+  std::function<bool()> stop_requested;
+  std::function<void(const ReplayProgress&)> on_replay_progress;
+  std::function<void(const BisectProgress&)> on_bisect_progress;
+};
+
+class Incident {
+ public:
+  // Opens the bundle and makes every check before any checkpoint is loaded:
+  // UsageError for devices, what-ifs and the memory limit, InputError for
+  // the bundle. Sets the process's compute threads (and, for a replay, its
+  // heap settings).
+  Incident(const IncidentSettings& settings, IncidentUse use);
+  Incident(const Incident&) = delete;
+  Incident& operator=(const Incident&) = delete;
+
+  const Bundle& bundle() const { return bundle_; }
+  // The bundle's steps the replay selects (all, or only_steps).
+  size_t steps_to_replay() const { return steps_to_replay_; }
+
+  // `run`: every selected step with probes (replay_bundle), the what-ifs at
+  // its first non-finite value, then the mapped-file check the checks after
+  // the last pass need (they read checkpoints too).
+  ReplayReport replay(const IncidentHooks& hooks) const;
+  // `bisect`: bisect_bundle with the settings' devices and what-ifs, then the
+  // mapped-file check.
+  BisectReport bisect(const IncidentHooks& hooks, bool minimize_samples) const;
+
+ private:
+  std::function<bool()> poll(const IncidentHooks& hooks) const;
+
+  IncidentSettings settings_;
+  Bundle bundle_;
+  size_t steps_to_replay_ = 0;
+};
+
+}  // namespace nanreplay

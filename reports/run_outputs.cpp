@@ -1,0 +1,56 @@
+// The results of `nanreplay run`, written whole or not at all; see run_outputs.h.
+#include "reports/run_outputs.h"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "loaders/error.h"
+#include "loaders/mapped_file.h"
+#include "reports/html_report.h"
+#include "reports/markdown_report.h"
+#include "reports/trace_writer.h"
+
+namespace nanreplay {
+
+namespace {
+
+// One row per step, NaN where a step was not replayed or nothing was logged.
+std::vector<TraceStepRow> trace_step_rows(const ReplayReport& report) {
+  std::vector<TraceStepRow> rows;
+  for (const StepOutcome& s : report.steps) {
+    rows.push_back({s.step, s.replayed ? s.loss : std::nan(""), s.logged_loss ? *s.logged_loss : std::nan(""),
+                    s.replayed ? s.grad_norm : std::nan(""), s.replayed && s.finite});
+  }
+  return rows;
+}
+
+}  // namespace
+
+RunOutputs::RunOutputs(const std::filesystem::path& dir, const std::filesystem::path& bundle_root,
+                       bool replace_existing)
+    : dir_(dir, bundle_root, replace_existing, {"report.json", "trace.h5", "report.md", "report.html"}) {}
+
+void RunOutputs::stage(const ReplayReport& report) {
+  const TraceHeader header{report.bundle, report.tool_version, compute_name(report.precision),
+                           arch_name(report.arch), {}};
+  write_trace(dir_.staging_path("trace.h5").string(), header, report.probes, trace_step_rows(report),
+              dir_.display_path("trace.h5"));
+  dir_.write_text("report.json", report_to_json(report).dump(2) + "\n");
+  dir_.write_text("report.md", render_markdown(report));
+  dir_.write_text("report.html", render_html(report));
+}
+
+void RunOutputs::write_and_commit(const ReplayReport& report, size_t steps_replayed,
+                                  const std::function<bool()>& stop_requested) {
+  stage(report);
+  if (stop_requested && stop_requested()) {  // arrived while the outputs were written: keep none of them
+    dir_.abandon();
+    throw Interrupted("interrupted after all " + std::to_string(steps_replayed) +
+                      " steps, while writing the outputs; nothing was written");
+  }
+  throw_if_mapped_file_changed();
+  dir_.commit();
+}
+
+}  // namespace nanreplay

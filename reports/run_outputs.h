@@ -1,0 +1,38 @@
+// The four results of `nanreplay run` (trace.h5 with its step rows,
+// report.json, report.md, report.html), staged in an OutputDir and committed
+// as one set, or none of them. Never prints: a stop request while they are
+// written is thrown as Interrupted (loaders/error.h), a bundle file changed
+// while mapped as InputError, and what was staged is removed; the destructor
+// removes it too when anything else (an exception unwinding) comes first.
+#pragma once
+
+#include <cstddef>
+#include <filesystem>
+#include <functional>
+
+#include "reports/output_dir.h"
+#include "reports/report.h"
+
+namespace nanreplay {
+
+class RunOutputs {
+ public:
+  // Creates `dir` as OutputDir does (refusals before any replay: inside the
+  // bundle, results present with replace_existing false, a result name taken
+  // by a directory).
+  RunOutputs(const std::filesystem::path& dir, const std::filesystem::path& bundle_root, bool replace_existing);
+
+  // Stages the four results, then, in this order: a stop requested while they
+  // were written keeps none of them (Interrupted, naming `steps_replayed`),
+  // a bundle file that changed while mapped keeps none (InputError), and the
+  // set is committed (OutputError on failure, the previous set kept).
+  void write_and_commit(const ReplayReport& report, size_t steps_replayed,
+                        const std::function<bool()>& stop_requested);
+
+ private:
+  void stage(const ReplayReport& report);
+
+  OutputDir dir_;
+};
+
+}  // namespace nanreplay
