@@ -17,7 +17,7 @@
 #include <csignal>
 #include <cstdlib>
 
-#include "replay/replay_engine.h"
+#include "replay/runtime.h"
 
 namespace nanreplay {
 
