@@ -28,6 +28,8 @@ cxxopts::Options synth_options() {
       ("dir", "bundle directory to create", cxxopts::value<std::string>())
       ("corpus", "train on the bytes of FILE (byte-level tokens) instead of random tokens",
        cxxopts::value<std::string>(), "FILE")
+      ("checkpoint-every", "roll forward: a full checkpoint only every N steps from the first (and where the "
+       "fault edits one); the steps between hold only state.json", cxxopts::value<int64_t>(), "N")
       ("h,help", "show this help");
   options.parse_positional({"preset", "dir"});
   options.positional_help("PRESET DIR");
@@ -107,6 +109,10 @@ int synth_command(const CommandArgs& args, CommandIo& io) {
   if (!parsed.count("preset") || !parsed.count("dir")) throw UsageError("synth: need PRESET and DIR");
   SyntheticSpec spec = preset_spec(parsed["preset"].as<std::string>());
   if (parsed.count("corpus")) read_corpus(parsed["corpus"].as<std::string>(), spec);
+  if (parsed.count("checkpoint-every")) {
+    spec.checkpoint_every = parsed["checkpoint-every"].as<int64_t>();
+    if (spec.checkpoint_every < 1) throw UsageError("synth: --checkpoint-every must be at least 1");
+  }
   const fs::path dir = parsed["dir"].as<std::string>();
   refuse_inside_a_bundle(dir);
   std::error_code ec;

@@ -2,6 +2,7 @@
 // inside the bundle and checked to exist before any replay starts.
 #include "loaders/bundle.h"
 
+#include <algorithm>
 #include <fstream>
 
 #include "loaders/bundle_paths.h"
@@ -69,6 +70,23 @@ fs::path enclosing_bundle(const fs::path& path) {
   return {};
 }
 
+namespace {
+
+// Whether an optional file is there; something else under its name is an error.
+bool optional_regular_file(const fs::path& path, const std::string& label) {
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (!fs::exists(status)) return false;
+  if (!fs::is_regular_file(status)) {
+    throw InputError(label, "",
+                     std::string("expected a regular file, found ") +
+                         (fs::is_directory(status) ? "a directory" : fs::is_fifo(status) ? "a FIFO" : "a special file"));
+  }
+  return true;
+}
+
+}  // namespace
+
 Bundle::Bundle(const fs::path& root) {
   std::error_code ec;
   if (!fs::exists(root, ec)) throw InputError(root.string(), "", "bundle directory does not exist");
@@ -100,22 +118,19 @@ Bundle::Bundle(const fs::path& root) {
     files.optimizer =
         resolve_in_bundle(root_, files.label("optimizer.safetensors"), manifest_label, key);
     files.state = resolve_in_bundle(root_, files.label("state.json"), manifest_label, key);
-    if (!fs::is_regular_file(files.model, ec)) {
-      throw InputError(files.label("model.safetensors"), "", "missing: every step needs its model checkpoint");
-    }
     if (!fs::is_regular_file(files.state, ec)) {
       throw InputError(files.label("state.json"), "", "missing: every step needs its state.json");
     }
-    // Optional, but when something has its name it must be the file: a FIFO
-    // or a directory is a broken bundle, not a step without optimizer state.
-    const fs::file_status optimizer = fs::status(files.optimizer, ec);
-    if (fs::exists(optimizer) && !fs::is_regular_file(optimizer)) {
-      throw InputError(files.label("optimizer.safetensors"), "",
-                       std::string("expected a regular file, found ") +
-                           (fs::is_directory(optimizer) ? "a directory"
-                            : fs::is_fifo(optimizer)    ? "a FIFO"
-                                                        : "a special file"));
+    // Optional (model.safetensors in every step but the first: the replay rolls
+    // forward), but when something has its name it must be the file: a FIFO
+    // or a directory is a broken bundle, not a step without that file.
+    files.has_model = optional_regular_file(files.model, files.label("model.safetensors"));
+    if (!files.has_model && i == 0) {
+      throw InputError(files.label("model.safetensors"), "",
+                       "missing: the bundle's first step needs its model checkpoint (later steps may be derived "
+                       "from it)");
     }
+    optional_regular_file(files.optimizer, files.label("optimizer.safetensors"));
     steps_.push_back(std::move(files));
   }
 
@@ -151,6 +166,17 @@ StepState Bundle::load_state(const StepFiles& files) const {
 bool Bundle::has_optimizer(const StepFiles& files) const {
   std::error_code ec;
   return fs::is_regular_file(files.optimizer, ec);
+}
+
+bool Bundle::rolls_forward() const {
+  return std::any_of(steps_.begin(), steps_.end(), [](const StepFiles& f) { return !f.has_model; });
+}
+
+const StepFiles* Bundle::find_step_files(int64_t step) const {
+  for (const StepFiles& files : steps_) {
+    if (files.step == step) return &files;
+  }
+  return nullptr;
 }
 
 }  // namespace nanreplay

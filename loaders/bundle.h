@@ -19,7 +19,8 @@ namespace nanreplay {
 struct StepFiles {
   int64_t step = 0;
   std::filesystem::path dir;
-  std::filesystem::path model;      // required
+  std::filesystem::path model;      // required in the first step, optional after it
+  bool has_model = true;            // false: the replay derives this step's parameters
   std::filesystem::path optimizer;  // may not exist
   std::filesystem::path state;      // required
   std::string label(const std::string& leaf) const;  // "steps/105/model.safetensors"
@@ -42,6 +43,10 @@ class Bundle {
 
   StepState load_state(const StepFiles& files) const;
   bool has_optimizer(const StepFiles& files) const;
+  // Some step has no model checkpoint: the replay rolls forward from the first
+  // step's (docs/bundle-format.md, "Rolling forward").
+  bool rolls_forward() const;
+  const StepFiles* find_step_files(int64_t step) const;  // null: not listed
 
  private:
   std::filesystem::path root_;

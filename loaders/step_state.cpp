@@ -100,6 +100,7 @@ StepState parse_step_state(const std::string& json_text, const std::string& file
   }
   state.lr = parse_lr(root);
   state.loss_scale = parse_loss_scale(root);
+  state.loss_scale_given = root.has("loss_scale");
   state.fp8_scales = parse_fp8_scales(root.optional_object("fp8_scales"));
   state.logged = parse_logged(root.optional_object("logged"));
   state.skipped = root.optional_boolean("skipped");

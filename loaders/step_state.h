@@ -27,6 +27,7 @@ struct StepState {
   int64_t step = 0;
   std::optional<double> lr;
   double loss_scale = 1.0;
+  bool loss_scale_given = false;  // state.json names it (a rolled-forward step otherwise carries the scale on)
   std::map<std::string, Fp8ModuleScales> fp8_scales;  // key: module prefix
   LoggedMetrics logged;
   std::optional<bool> skipped;

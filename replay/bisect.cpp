@@ -1,13 +1,15 @@
 // The four stages of bisection; see bisect.h. Only one checkpoint is open at a
 // time: the binary search keeps the bad step's scan (its flags and the rows of
 // the pass that holds the first one), not its checkpoint, and reopens it for
-// the later stages.
+// the later stages. A rolled-forward bundle is walked in order instead, and
+// the bad step's derived parameters are kept for the later stages.
 #include "replay/bisect.h"
 
 #include <algorithm>
 #include <chrono>
-#include <set>
 #include <cmath>
+#include <memory>
+#include <set>
 #include <stdexcept>
 
 #include <torch/torch.h>
@@ -17,6 +19,7 @@
 #include "replay/origin_tokens.h"
 #include "replay/replay_engine.h"
 #include "replay/step_scan.h"
+#include "replay/trajectory.h"
 
 namespace nanreplay {
 
@@ -32,6 +35,7 @@ class Bisection {
   std::optional<int64_t> first_bad_step(const std::set<int64_t>& marked_by_log) {
     const std::vector<StepFiles>& steps = bundle_.steps();
     if (steps.empty()) return std::nullopt;
+    if (bundle_.rolls_forward()) return first_bad_in_order();
     std::optional<size_t> bad = first_bad_of_last_or_marked(marked_by_log);
     if (!bad) return std::nullopt;
     size_t lo = 0, hi = *bad;  // steps[hi] is bad; every step before lo is clean
@@ -66,9 +70,63 @@ class Bisection {
     return std::nullopt;
   }
 
+  // Rolling forward: each step's parameters come from the update of the one
+  // before, so the cheap pass walks the steps in order, advancing the
+  // trajectory with every clean step's gradients, up to the first bad one.
+  std::optional<int64_t> first_bad_in_order() {
+    report_.in_order = true;
+    const Manifest& m = bundle_.manifest();
+    Trajectory trajectory;
+    LossScales scales(true);
+    bool derivable = true;  // every step since the last checkpoint was replayed
+    const std::vector<StepFiles>& steps = bundle_.steps();
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const StepFiles& files = steps[i];
+      const bool next_derived = i + 1 < steps.size() && !steps[i + 1].has_model;
+      BisectStepTest test;
+      test.step = files.step;
+      set_stage("step", test.step);
+      std::optional<std::string> why = unreplayable_reason(bundle_, batch_of_step(bundle_, test.step));
+      if (!why && !files.has_model && !derivable) why = "derived from a step that could not be replayed";
+      if (why) {
+        test.replayed = false;
+        test.not_replayed_reason = *why;
+        report_.step_tests.push_back(test);
+        derivable = false;
+        scales.step_done(false);
+        continue;
+      }
+      const StepState logged = bundle_.load_state(files);
+      const StepState state = with_loss_scale(logged, scales.of(logged));
+      ModelCheckpoint checkpoint = files.has_model ? ModelCheckpoint(files, m.model) : trajectory.checkpoint();
+      auto loaded = std::make_unique<LoadedStep>(bundle_, files.step, std::move(checkpoint), state, placement());
+      StepResult result;
+      StepScan scan = scan_step(*loaded, {}, /*stop_at_first_bad=*/false, hook(), &result);
+      test.bad = scan.bad;
+      test.handled_overflow = scan.handled_overflow;
+      test.replays = scan.passes;
+      report_.step_tests.push_back(test);
+      if (scan.bad) {
+        if (i > 0 && report_.step_tests[i - 1].replayed) report_.clean_predecessor = steps[i - 1].step;
+        bad_scan_ = std::move(scan);
+        bad_loaded_ = std::move(loaded);
+        return files.step;
+      }
+      scales.step_done(scan.scaler_skips);
+      derivable = true;
+      if (!next_derived) continue;
+      if (files.has_model) trajectory.start(bundle_, files);
+      trajectory.advance(result, state, scan.scaler_skips);
+    }
+    return std::nullopt;
+  }
+
   // Stages 3 and 4 on the bad step (stage 2 is the scan's flags).
   FirstNonfinite locate_and_minimize(int64_t step) {
-    LoadedStep loaded(bundle_, step, placement());
+    if (!bad_loaded_) bad_loaded_ = std::make_unique<LoadedStep>(bundle_, step, placement());
+    LoadedStep& loaded = *bad_loaded_;
+    const std::string embedding = expected_parameters(bundle_.manifest().model).front().name;
+    origin_embedding_ = loaded.checkpoint().params().at(embedding).detach().to(torch::kCPU).clone();
     stage_ = "site";
     FirstNonfinite origin = locate_first(loaded, {}, *bad_scan_, report_.site_replays, hook());
     origin.contaminated_params = loaded.nonfinite_params();
@@ -89,6 +147,9 @@ class Bisection {
   ComputePlacement placement() const {
     return placement_for(options_.devices, options_.native_low_precision, bundle_.manifest().precision.compute);
   }
+
+  // The bad step's token embedding as its replay held it (checkpoint or derived).
+  const torch::Tensor& origin_embedding() const { return origin_embedding_; }
 
   void set_stage(const std::string& stage, int64_t step) {
     stage_ = stage;
@@ -178,6 +239,8 @@ class Bisection {
   const BisectOptions& options_;
   BisectReport& report_;
   std::optional<StepScan> bad_scan_;
+  std::unique_ptr<LoadedStep> bad_loaded_;  // the bad step, when the in-order pass already holds it
+  torch::Tensor origin_embedding_;
   std::string stage_ = "step";
   int64_t current_step_ = 0;
   int64_t passes_ = 0;
@@ -209,7 +272,8 @@ BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options) {
   Bisection bisection(bundle, options, report);
   if (const std::optional<int64_t> step = bisection.first_bad_step(marked_by_log)) {
     report.origin = bisection.locate_and_minimize(*step);
-    report.origin_tokens = origin_tokens(bundle, *report.origin, default_thresholds(m.precision.compute));
+    report.origin_tokens = origin_tokens(bundle, *report.origin, bisection.origin_embedding(),
+                                         default_thresholds(m.precision.compute));
   }
   if (!options.what_ifs.empty()) {
     bisection.set_stage("what-if", report.origin ? report.origin->step : 0);

@@ -109,10 +109,45 @@ void check_optimizer_state(const SafetensorsFile& optimizer, const ModelConfig& 
   }
 }
 
+// A step without a checkpoint starts from the tool's own update of the step
+// before it: that step must be listed, and its lr known; the first step's
+// AdamW state is where the moments come from.
+void check_roll_forward(const Bundle& bundle) {
+  const std::vector<StepFiles>& steps = bundle.steps();
+  if (!bundle.rolls_forward()) return;
+  if (!bundle.manifest().optimizer) {
+    throw InputError("manifest.json", "optimizer",
+                     "required: later steps have no checkpoint, so the replay applies AdamW itself");
+  }
+  if (!bundle.has_optimizer(steps.front())) {
+    throw InputError(steps.front().label("optimizer.safetensors"), "",
+                     "missing: later steps have no checkpoint, so the replay rolls forward from this step's "
+                     "parameters and AdamW state");
+  }
+  for (size_t i = 1; i < steps.size(); ++i) {
+    if (steps[i].has_model) continue;
+    const StepFiles& previous = steps[i - 1];
+    if (previous.step + 1 != steps[i].step) {
+      throw InputError("manifest.json", "steps",
+                       "a gap before step " + std::to_string(steps[i].step) + " (step " +
+                           std::to_string(steps[i].step - 1) +
+                           " is not listed), which has no model.safetensors: a derived step starts from the "
+                           "update of the step before it");
+    }
+    if (!bundle.load_state(previous).lr) {
+      throw InputError(previous.label("state.json"), "lr",
+                       "required: step " + std::to_string(steps[i].step) +
+                           " has no checkpoint and starts from this step's update");
+    }
+  }
+}
+
 void validate_bundle_structure(const Bundle& bundle) {
   const ModelConfig& model = bundle.manifest().model;
+  check_roll_forward(bundle);
   for (const StepFiles& files : bundle.steps()) {
     (void)bundle.load_state(files);
+    if (!files.has_model) continue;
     check_checkpoint_matches_model(SafetensorsFile::open(files.model.string(), files.label("model.safetensors")),
                                    model);
     if (bundle.has_optimizer(files)) {

@@ -84,4 +84,7 @@ ModelCheckpoint::ModelCheckpoint(const StepFiles& files, const ModelConfig& mode
   }
 }
 
+ModelCheckpoint::ModelCheckpoint(ParamMap params, std::vector<std::string> order)
+    : params_(std::move(params)), order_(std::move(order)) {}
+
 }  // namespace nanreplay

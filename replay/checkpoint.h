@@ -28,6 +28,9 @@ class ModelCheckpoint {
  public:
   // Opens `files.model` and validates it against `model`.
   ModelCheckpoint(const StepFiles& files, const ModelConfig& model);
+  // Parameters the replay derived itself (rolling forward): leaves shared
+  // with `params`, in `order`, no file behind them.
+  ModelCheckpoint(ParamMap params, std::vector<std::string> order);
 
   // Leaf tensors with requires_grad, keyed by safetensors name, on the host.
   ParamMap& params() { return params_; }

@@ -1,4 +1,4 @@
-// See origin_tokens.h. Reads one tensor (the embedding) of one checkpoint.
+// See origin_tokens.h.
 #include "replay/origin_tokens.h"
 
 #include <cmath>
@@ -12,7 +12,8 @@
 
 namespace nanreplay {
 
-std::vector<OriginToken> origin_tokens(const Bundle& bundle, FirstNonfinite& origin, const TriageThresholds& t) {
+std::vector<OriginToken> origin_tokens(const Bundle& bundle, FirstNonfinite& origin, const torch::Tensor& embedding,
+                                       const TriageThresholds& t) {
   const Manifest& m = bundle.manifest();
   if (origin.sample < 0 || origin.sample >= bundle.num_samples() || origin.position < 0 ||
       origin.position >= m.data.seq_len) {
@@ -20,13 +21,8 @@ std::vector<OriginToken> origin_tokens(const Bundle& bundle, FirstNonfinite& ori
   }
   const std::vector<int64_t> ids = bundle.tokens().sample_tokens(origin.sample, m.data.seq_len);
   origin.token = ids[static_cast<size_t>(origin.position)];
-  const StepFiles& files = bundle.step_files(origin.step);
-  const std::string label = files.label("model.safetensors");
-  const SafetensorsFile file = SafetensorsFile::open(files.model.string(), label);
-  const TensorInfo& info = file.at(expected_parameters(m.model).front().name);
   torch::NoGradGuard no_grad;
-  const torch::Tensor norms = tensor_from_safetensors(info, label).to(torch::kFloat64).norm(2, 1).contiguous();
-  file.release(info);
+  const torch::Tensor norms = embedding.detach().to(torch::kCPU, torch::kFloat64).norm(2, 1).contiguous();
   const double* row_norm = norms.data_ptr<double>();
   std::vector<double> finite;
   for (int64_t i = 0; i < norms.numel(); ++i) {

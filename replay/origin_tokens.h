@@ -6,6 +6,8 @@
 
 #include <vector>
 
+#include <torch/types.h>
+
 #include "loaders/bundle.h"
 #include "reports/report.h"
 #include "reports/triage_rules.h"
@@ -13,6 +15,8 @@
 namespace nanreplay {
 
 // Empty when the origin names no sample and position. Sets origin.token.
-std::vector<OriginToken> origin_tokens(const Bundle& bundle, FirstNonfinite& origin, const TriageThresholds& t);
+// `embedding`: the token embedding the origin step started from, [vocab, hidden].
+std::vector<OriginToken> origin_tokens(const Bundle& bundle, FirstNonfinite& origin, const torch::Tensor& embedding,
+                                       const TriageThresholds& t);
 
 }  // namespace nanreplay

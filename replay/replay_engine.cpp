@@ -22,6 +22,7 @@
 #include "replay/step.h"
 #include "replay/step_scan.h"
 #include "replay/system_checks.h"
+#include "replay/trajectory.h"
 #include "reports/number_text.h"
 #include "reports/verdict.h"
 
@@ -82,7 +83,7 @@ class BundleReplay {
     add(stray_token_findings(bundle_, batch_samples_));
     add(fp8_scale_jump_findings(states_, thresholds_));
     if (first_) {
-      report_.origin_tokens = origin_tokens(bundle_, *first_, thresholds_);
+      report_.origin_tokens = origin_tokens(bundle_, *first_, origin_embedding(), thresholds_);
       if (first_->sample >= 0 && first_->sample < bundle_.num_samples()) {
         report_.offending_tokens = bundle_.tokens().sample_tokens(first_->sample, m_.data.seq_len);
         report_.offending_tokens_start = first_->sample * m_.data.seq_len;
@@ -97,7 +98,7 @@ class BundleReplay {
     const StepFiles* files = step_to_recheck();
     if (files == nullptr || !options_.probes) return;
     if (options_.check_determinism) {
-      report_.determinism = check_determinism(bundle_, *files, report_.probes, placement_);
+      report_.determinism = check_determinism(bundle_, recheck_input(*files), report_.probes, placement_);
       if (!report_.determinism.identical) {
         add({make_finding(FindingCode::kSystemNondeterministic,
                           "replaying step " + std::to_string(files->step) +
@@ -109,7 +110,8 @@ class BundleReplay {
     if (options_.cross_check) {
       const ComputePlacement second =
           placement_for({options_.devices.back()}, options_.native_low_precision, m_.precision.compute);
-      report_.cross_check = check_across_devices(bundle_, *files, report_.probes, second, options_.devices.front(),
+      report_.cross_check = check_across_devices(bundle_, recheck_input(*files), report_.probes, second,
+                                                 options_.devices.front(),
                                                  options_.devices.back());
       const CrossDeviceCheck& c = *report_.cross_check;
       if (!c.identical) {
@@ -135,10 +137,12 @@ class BundleReplay {
 
   void replay_one(const StepFiles& files, size_t index) {
     const StepEntry& entry = step_entry(m_, files.step);
-    const StepState state = bundle_.load_state(files);
+    const StepState logged = bundle_.load_state(files);
+    const StepState state = with_loss_scale(logged, loss_scales_.of(logged));
     states_.push_back(state);
     StepOutcome outcome;
     outcome.step = files.step;
+    outcome.derived = !files.has_model;
     outcome.logged_loss = state.logged.loss;
     outcome.logged_grad_norm = state.logged.grad_norm;
     outcome.loss_scale = m_.precision.compute == Compute::kFp16 ? state.loss_scale : 1.0;
@@ -146,16 +150,19 @@ class BundleReplay {
     const StepBatch batch{bundle_.sampler().samples_for(entry)};
     for (const auto& rank_samples : batch.samples) batch_samples_.insert(rank_samples.begin(), rank_samples.end());
     const std::vector<Finding> bad_tokens = batch_token_findings(bundle_, files.step, batch);
-    if (!bad_tokens.empty()) {
+    if (!bad_tokens.empty() || (outcome.derived && !trajectory_ok_)) {
       outcome.finite = false;
-      outcome.not_replayed_reason = "token id out of range in the batch";
+      outcome.not_replayed_reason = !bad_tokens.empty() ? "token id out of range in the batch"
+                                                        : "derived from a step that could not be replayed";
       add(bad_tokens);
       report_.steps.push_back(outcome);
+      trajectory_ok_ = false;  // no gradients: the next derived step has no update to start from
+      loss_scales_.step_done(false);
       return;
     }
     add(batch_profile_findings(bundle_, files.step, batch, baseline_, thresholds_.data));
 
-    ModelCheckpoint checkpoint(files, m_.model);
+    ModelCheckpoint checkpoint = files.has_model ? ModelCheckpoint(files, m_.model) : trajectory_.checkpoint();
     StepRequest request;
     request.probes = options_.probes ? ProbeLevel::kFull : ProbeLevel::kOff;
     request.before_pass = [&](int rank, int micro, const char* phase) {
@@ -165,11 +172,33 @@ class BundleReplay {
     StepResult step =
         replay_step({m_, bundle_.tokens(), files.step, state, batch}, checkpoint, placement_, request);
     triage_step(files, state, checkpoint, step, outcome);
+    const bool last = report_.steps.size() + 1 == todo_.size();
+    if (outcome.derived && ((last && !first_) || (first_ && first_->step == files.step))) {
+      recheck_params_ = trajectory_.snapshot();  // the self-checks replay this step again
+    }
+    roll_forward(files, state, step, outcome);
+    loss_scales_.step_done(outcome.scaler_skipped);
     report_.steps.push_back(outcome);
     report_.probes.insert(report_.probes.end(), std::make_move_iterator(step.probes.begin()),
                           std::make_move_iterator(step.probes.end()));
     step = StepResult{};
     return_freed_memory();
+  }
+
+  // When the next step has no checkpoint, this step's update gives its
+  // parameters; when a derived step is followed by a checkpoint, the update
+  // is compared with what the run really held there.
+  void roll_forward(const StepFiles& files, const StepState& state, const StepResult& step,
+                    const StepOutcome& outcome) {
+    const StepFiles* next = find_files(files.step + 1);
+    if (next == nullptr || (next->has_model && files.has_model)) return;
+    if (files.has_model) trajectory_.start(bundle_, files);
+    trajectory_.advance(step, state, outcome.scaler_skipped);
+    trajectory_ok_ = true;
+    const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
+    if (next->has_model && options_.check_updates && predictable) {
+      add(derived_update_findings(bundle_, files, *next, trajectory_.params(), trajectory_.order(), *state.lr));
+    }
   }
 
   // The step's outcome, whether it holds the origin, and its numeric and system findings.
@@ -206,8 +235,8 @@ class BundleReplay {
     // System layer: does the next checkpoint follow from this one by AdamW?
     const StepFiles* next = find_files(files.step + 1);
     const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
-    if (options_.check_updates && next != nullptr && m_.optimizer && state.lr && predictable &&
-        bundle_.has_optimizer(files)) {
+    if (options_.check_updates && next != nullptr && next->has_model && files.has_model && m_.optimizer && state.lr &&
+        predictable && bundle_.has_optimizer(files)) {
       add(update_findings(bundle_, {&files, next, &checkpoint, &step, *state.lr, outcome.scaler_skipped}));
     }
   }
@@ -231,6 +260,21 @@ class BundleReplay {
       if (holds && f.evidence.text(K::kTensor) == "parameter") names.push_back(f.evidence.text(K::kParam).value_or(""));
     }
     return names;
+  }
+
+  // The step the self-checks replay again, with the state and parameters its first replay had.
+  RecheckInput recheck_input(const StepFiles& files) const {
+    size_t i = 0;
+    while (todo_[i]->step != files.step) ++i;
+    return {files, states_.at(i), files.has_model ? nullptr : &*recheck_params_};
+  }
+
+  // The origin step's token embedding: from its checkpoint, or the derived copy.
+  torch::Tensor origin_embedding() const {
+    const StepFiles& files = bundle_.step_files(first_->step);
+    const std::string key = expected_parameters(m_.model).front().name;
+    if (!files.has_model) return recheck_params_->params().at(key).detach();
+    return ModelCheckpoint(files, m_.model).params().at(key).detach().clone();
   }
 
   const StepFiles* find_files(int64_t step) const {
@@ -261,6 +305,13 @@ class BundleReplay {
   std::optional<FirstNonfinite> first_;
   std::vector<StepState> states_;
   std::set<int64_t> batch_samples_;  // every sample a replayed step's batch holds
+  // Rolling forward: the parameters and AdamW state carried to the next
+  // step, whether they could be (every step before replayed), each step's
+  // fp16 loss scale, and a copy of the derived step the self-checks replay again.
+  Trajectory trajectory_;
+  bool trajectory_ok_ = true;
+  LossScales loss_scales_{bundle_.rolls_forward()};
+  std::optional<ModelCheckpoint> recheck_params_;
 };
 
 }  // namespace

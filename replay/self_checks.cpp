@@ -20,14 +20,15 @@ struct DifferingStats {
 
 // `files.step` replayed again with every probe on `placement`, compared with
 // the first run's probes; `into` takes the comparison.
-DifferingStats replay_and_compare(const Bundle& bundle, const StepFiles& files,
+DifferingStats replay_and_compare(const Bundle& bundle, const RecheckInput& step,
                                    const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement,
                                    ReplayComparison& into) {
-  const StepState state = bundle.load_state(files);
+  const StepFiles& files = step.files;
   const StepBatch batch = batch_of_step(bundle, files.step);
-  ModelCheckpoint checkpoint(files, bundle.manifest().model);
+  ModelCheckpoint checkpoint = step.params != nullptr ? ModelCheckpoint(step.params->params(), step.params->order())
+                                                      : ModelCheckpoint(files, bundle.manifest().model);
   const StepResult again =
-      replay_step({bundle.manifest(), bundle.tokens(), files.step, state, batch}, checkpoint, placement, {});
+      replay_step({bundle.manifest(), bundle.tokens(), files.step, step.state, batch}, checkpoint, placement, {});
   std::vector<const ProbeRecord*> before;
   for (const ProbeRecord& r : first_run) {
     if (r.step == files.step) before.push_back(&r);
@@ -45,21 +46,21 @@ DifferingStats replay_and_compare(const Bundle& bundle, const StepFiles& files,
 
 }  // namespace
 
-DeterminismCheck check_determinism(const Bundle& bundle, const StepFiles& files,
+DeterminismCheck check_determinism(const Bundle& bundle, const RecheckInput& step,
                                    const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement) {
   DeterminismCheck check;
   check.checked = true;
-  replay_and_compare(bundle, files, first_run, placement, check);
+  replay_and_compare(bundle, step, first_run, placement, check);
   return check;
 }
 
-CrossDeviceCheck check_across_devices(const Bundle& bundle, const StepFiles& files,
+CrossDeviceCheck check_across_devices(const Bundle& bundle, const RecheckInput& step,
                                       const std::vector<ProbeRecord>& first_run, const ComputePlacement& second,
                                       const std::string& name_a, const std::string& name_b) {
   CrossDeviceCheck check;
   check.device_a = name_a;
   check.device_b = name_b;
-  const DifferingStats differing = replay_and_compare(bundle, files, first_run, second, check);
+  const DifferingStats differing = replay_and_compare(bundle, step, first_run, second, check);
   if (differing.first) {
     check.max_abs_a = differing.first->max_abs;
     check.max_abs_b = differing.again->max_abs;

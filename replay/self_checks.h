@@ -12,10 +12,19 @@
 
 namespace nanreplay {
 
-DeterminismCheck check_determinism(const Bundle& bundle, const StepFiles& files,
+// The step replayed again as it first was: its files, the state it was
+// replayed with (a rolled-forward loss scale included), and for a derived
+// step the parameters it started from (null: its checkpoint).
+struct RecheckInput {
+  const StepFiles& files;
+  StepState state;
+  const ModelCheckpoint* params = nullptr;
+};
+
+DeterminismCheck check_determinism(const Bundle& bundle, const RecheckInput& step,
                                    const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement);
 
-CrossDeviceCheck check_across_devices(const Bundle& bundle, const StepFiles& files,
+CrossDeviceCheck check_across_devices(const Bundle& bundle, const RecheckInput& step,
                                       const std::vector<ProbeRecord>& first_run, const ComputePlacement& second,
                                       const std::string& name_a, const std::string& name_b);
 

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "replay/probe_session.h"
+#include "replay/trajectory.h"
 
 namespace nanreplay {
 
@@ -65,12 +66,29 @@ std::optional<std::string> unreplayable_reason(const Bundle& bundle, const StepB
          " at position " + std::to_string(bad[0].position);
 }
 
+namespace {
+
+RolledStart start_of(const Bundle& bundle, int64_t step) {
+  if (bundle.rolls_forward()) return roll_to(bundle, step);
+  const StepFiles& files = bundle.step_files(step);
+  return {ModelCheckpoint(files, bundle.manifest().model), bundle.load_state(files)};
+}
+
+}  // namespace
+
 LoadedStep::LoadedStep(const Bundle& bundle, int64_t step, const ComputePlacement& placement)
+    : LoadedStep(bundle, step, start_of(bundle, step), placement) {}
+
+LoadedStep::LoadedStep(const Bundle& bundle, int64_t step, RolledStart start, const ComputePlacement& placement)
+    : LoadedStep(bundle, step, std::move(start.checkpoint), std::move(start.state), placement) {}
+
+LoadedStep::LoadedStep(const Bundle& bundle, int64_t step, ModelCheckpoint checkpoint, StepState state,
+                       const ComputePlacement& placement)
     : bundle_(bundle),
       files_(bundle.step_files(step)),
-      state_(bundle.load_state(files_)),
+      state_(std::move(state)),
       batch_(batch_of_step(bundle, step)),
-      checkpoint_(files_, bundle.manifest().model),
+      checkpoint_(std::move(checkpoint)),
       native_(placement.native_low_precision) {
   checkpoint_.place(placement, static_cast<int>(bundle.manifest().model.num_layers));
 }
@@ -99,7 +117,7 @@ StepResult replay_loaded_step(LoadedStep& step, const StepRequest& request) {
 }
 
 StepScan scan_step(LoadedStep& step, const StepOverrides& overrides, bool stop_at_first_bad,
-                   const PassHook& before_pass) {
+                   const PassHook& before_pass, StepResult* kept) {
   StepRequest request;
   request.probes = ProbeLevel::kFlags;
   request.overrides = overrides;
@@ -107,7 +125,7 @@ StepScan scan_step(LoadedStep& step, const StepOverrides& overrides, bool stop_a
   if (before_pass) request.before_pass = [&](int, int, const char* phase) {
     if (std::string(phase) == "forward") before_pass();  // once per pass
   };
-  const StepResult result = replay_loaded_step(step, request);
+  StepResult result = replay_loaded_step(step, request);
   const StepJudgement judged = judge_step(result, step.bundle().manifest().precision.compute);
   StepScan scan;
   scan.step = step.step();
@@ -124,6 +142,7 @@ StepScan scan_step(LoadedStep& step, const StepOverrides& overrides, bool stop_a
       scan.first_pass_samples = result.rows_of_pass.at({judged.first->micro_batch, judged.first->rank});
     }
   }
+  if (kept != nullptr) *kept = std::move(result);
   return scan;
 }
 

@@ -48,7 +48,11 @@ std::optional<std::string> unreplayable_reason(const Bundle& bundle, const StepB
 class LoadedStep {
  public:
   // The checkpoint's parameters go where `placement` says (default: the host).
+  // A step of a rolled-forward bundle is rolled to (replay/trajectory.h).
   LoadedStep(const Bundle& bundle, int64_t step, const ComputePlacement& placement = {});
+  // A step whose parameters and state the caller already has (bisect rolling forward).
+  LoadedStep(const Bundle& bundle, int64_t step, ModelCheckpoint checkpoint, StepState state,
+             const ComputePlacement& placement = {});
 
   const Bundle& bundle() const { return bundle_; }
   int64_t step() const { return files_.step; }
@@ -62,6 +66,8 @@ class LoadedStep {
   std::vector<std::string> nonfinite_params() const;
 
  private:
+  LoadedStep(const Bundle& bundle, int64_t step, struct RolledStart start, const ComputePlacement& placement);
+
   const Bundle& bundle_;
   const StepFiles& files_;
   StepState state_;
@@ -89,8 +95,9 @@ StepResult replay_loaded_step(LoadedStep& step, const StepRequest& request);
 // The cheap pass over a step: every pass with one flag per site, ranks and
 // micro-batches in `run`'s order. With `stop_at_first_bad`, passes after the
 // first micro-batch whose flags settle the question are skipped.
+// `result`, when given, receives the step's replay (its gradients roll a trajectory forward).
 StepScan scan_step(LoadedStep& step, const StepOverrides& overrides, bool stop_at_first_bad,
-                   const PassHook& before_pass);
+                   const PassHook& before_pass, StepResult* result = nullptr);
 
 // Full statistics on the block of `scan.first`, in the one pass that holds it
 // (no pass for a parameter gradient): the element, head, sample and position.

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 
 #include <torch/torch.h>
@@ -89,21 +90,6 @@ int64_t bulk_limit(int64_t numel) { return std::max<int64_t>(1024, numel / 100);
 // AdamW temporaries stay a few MiB even for the embedding.
 constexpr int64_t kSliceElements = int64_t{1} << 18;
 
-struct PredictionInput {
-  torch::Tensor param;       // model(s), fp32
-  torch::Tensor grad;        // averaged, unscaled, before clipping
-  const torch::Tensor* coef;  // clip coefficient
-  const TensorInfo* exp_avg;     // null: the scaler skipped the step (no update)
-  const TensorInfo* exp_avg_sq;
-  const TensorInfo* actual;      // model(s+1) as stored
-  const std::string& optimizer_label;
-  const std::string& next_label;
-  int64_t updates_before;
-  double lr;
-  const OptimizerConfig* config;
-  bool decay;
-};
-
 // Elements of model(s+1) that differ from AdamW applied to model(s) by more
 // than rounding, with the predicted values (kept up to bulk_limit + 1).
 struct Deviations {
@@ -124,36 +110,30 @@ TensorInfo rows_of(const TensorInfo& info, int64_t row, int64_t rows) {
   return slice;
 }
 
-// Predicts model(s+1) slice by slice of rows (elementwise, so slicing changes
-// nothing) and compares it with the stored one.
-Deviations predict_and_compare(const PredictionInput& in) {
+// model(s+1) predicted for rows [row, row + count) of a parameter.
+using SlicePrediction = std::function<torch::Tensor(int64_t row, int64_t count)>;
+
+// Compares the prediction with the stored model(s+1), slice by slice of rows
+// (the update is elementwise, so slicing changes nothing).
+Deviations compare_with_stored(const SlicePrediction& predict, const TensorInfo& actual_info,
+                               const std::string& label, double lr) {
   Deviations out;
-  const int64_t numel = in.actual->numel();
-  const int64_t rows = in.actual->shape.empty() ? 1 : in.actual->shape[0];
+  const int64_t numel = actual_info.numel();
+  const int64_t rows = actual_info.shape.empty() ? 1 : actual_info.shape[0];
   const int64_t row_elements = rows > 0 ? numel / rows : 0;
   const int64_t rows_per_slice = std::max<int64_t>(1, kSliceElements / std::max<int64_t>(1, row_elements));
   const int64_t limit = bulk_limit(numel);
-  const torch::Tensor param_rows = in.actual->shape.empty() ? in.param.reshape({1}) : in.param;
-  const torch::Tensor grad_rows = in.actual->shape.empty() ? in.grad.reshape({1}) : in.grad;
   for (int64_t row = 0; row < rows; row += rows_per_slice) {
     const int64_t count = std::min(rows_per_slice, rows - row);
-    torch::Tensor expected = param_rows.narrow(0, row, count).clone();
-    if (in.exp_avg != nullptr) {
-      torch::Tensor exp_avg = tensor_from_safetensors(rows_of(*in.exp_avg, row, count), in.optimizer_label).clone();
-      torch::Tensor exp_avg_sq =
-          tensor_from_safetensors(rows_of(*in.exp_avg_sq, row, count), in.optimizer_label).clone();
-      adamw_step_one(expected, grad_rows.narrow(0, row, count) * *in.coef, exp_avg, exp_avg_sq,
-                     in.updates_before, in.lr, *in.config, in.decay);
-    }
-    if (in.actual->dtype == DType::kBF16) expected = expected.to(torch::kBFloat16).to(torch::kFloat32);
-    if (in.actual->dtype == DType::kF16) expected = expected.to(torch::kHalf).to(torch::kFloat32);
-    const torch::Tensor actual = tensor_from_safetensors(rows_of(*in.actual, row, count), in.next_label);
+    torch::Tensor expected = predict(row, count);
+    if (actual_info.dtype == DType::kBF16) expected = expected.to(torch::kBFloat16).to(torch::kFloat32);
+    if (actual_info.dtype == DType::kF16) expected = expected.to(torch::kHalf).to(torch::kFloat32);
+    const torch::Tensor actual = tensor_from_safetensors(rows_of(actual_info, row, count), label).reshape(expected.sizes());
     // Far more than rounding: beyond what any sign noise in a near-zero
     // gradient could move Adam's normalized step (a few lr), and 0.1%.
-    const torch::Tensor threshold = torch::clamp_min(expected.abs() * 1e-3, 8.0 * in.lr);
+    const torch::Tensor threshold = torch::clamp_min(expected.abs() * 1e-3, 8.0 * lr);
     const torch::Tensor deviant =
-        torch::isfinite(expected) &
-        (((actual - expected).abs() > threshold) | ~torch::isfinite(actual));
+        torch::isfinite(expected) & (((actual - expected).abs() > threshold) | ~torch::isfinite(actual));
     const torch::Tensor where = deviant.reshape({-1}).nonzero().reshape({-1}).contiguous();
     const int64_t found = where.numel();
     if (found == 0) continue;
@@ -167,6 +147,81 @@ Deviations predict_and_compare(const PredictionInput& in) {
     out.count += found;
   }
   return out;
+}
+
+// Where model(s+1) and the prediction part: flipped bits (SYSTEM_BIT_FLIP)
+// or an update that is not the spec's (SYSTEM_UPDATE_MISMATCH).
+struct UpdateContext {
+  int64_t current_step, next_step;
+  std::string next_label;
+  double lr;
+};
+
+std::vector<Finding> deviation_findings(const std::string& name, const Deviations& deviations,
+                                        const TensorInfo& actual_info, const UpdateContext& at) {
+  std::vector<Finding> findings;
+  const int64_t count = deviations.count;
+  if (count == 0) return findings;
+  const int64_t numel = actual_info.numel();
+  if (count > bulk_limit(numel)) {
+    // Too many to be flipped bits: the update itself differs (lr, betas, a different optimizer).
+    findings.push_back(make_finding(FindingCode::kSystemUpdateMismatch, Severity::kWarning,
+        name + ": " + std::to_string(count) + " of " + std::to_string(numel) + " elements of " + at.next_label +
+            " differ from AdamW applied to step " + std::to_string(at.current_step) +
+            ": the recorded update is not the bundle format's AdamW",
+        {{K::kStep, at.next_step}, {K::kParam, name}, {K::kLength, count}}));
+    return findings;
+  }
+  std::vector<int64_t> unexplained;
+  std::vector<Finding> flips;
+  for (size_t k = 0; k < deviations.flat.size(); ++k) {
+    const int64_t flat = deviations.flat[k];
+    const double want = deviations.want[k];
+    const uint32_t bits = stored_bits(actual_info, flat);
+    // A flip restores the job's own value, which the recomputation matches to
+    // rounding: relative 1e-4, plus a sliver of lr for gradient noise. Looser
+    // matching would "explain" any replaced value by a tiny flipped twin.
+    const double tolerance = 1e-4 * std::fabs(want) + 1e-3 * at.lr + 1e-30;
+    int best_bit = -1;
+    double best = tolerance;
+    for (int bit = 0; bit < bit_width(actual_info.dtype); ++bit) {
+      const double candidate = decode(bits ^ (1u << bit), actual_info.dtype);
+      if (std::isfinite(candidate) && std::fabs(candidate - want) <= best) {
+        best = std::fabs(candidate - want);
+        best_bit = bit;
+      }
+    }
+    if (best_bit < 0) {
+      unexplained.push_back(flat);
+      continue;
+    }
+    const double before = decode(bits ^ (1u << best_bit), actual_info.dtype);
+    const double after = decode(bits, actual_info.dtype);
+    flips.push_back(make_finding(FindingCode::kSystemBitFlip, Severity::kError,
+        name + " element " + std::to_string(flat) + " in " + at.next_label + ": bit " + std::to_string(best_bit) +
+            " flipped, " + format_number(before) + " became " + format_number(after) + " (AdamW from step " +
+            std::to_string(at.current_step) + " predicts " + format_number(want) + ")",
+        {{K::kStep, at.next_step}, {K::kParam, name}, {K::kIndex, unravel(flat, actual_info.shape)},
+         {K::kBit, best_bit}, {K::kBefore, before}, {K::kAfter, after}, {K::kExpected, want}}));
+  }
+  // Silent corruption flips a few bits; when most deviations of a parameter
+  // have no single-bit explanation the tensor was rewritten, and the odd
+  // element whose flipped twin lands near its prediction is a coincidence.
+  const bool bulk_change = unexplained.size() >= 4 && unexplained.size() > flips.size();
+  if (!bulk_change) {
+    if (flips.size() > kMaxFlipsPerParam) flips.resize(kMaxFlipsPerParam);
+    findings.insert(findings.end(), flips.begin(), flips.end());
+  }
+  const size_t deviating = unexplained.size() + (bulk_change ? flips.size() : 0);
+  if (!unexplained.empty()) {
+    findings.push_back(make_finding(FindingCode::kSystemUpdateMismatch, Severity::kWarning,
+        name + ": " + std::to_string(deviating) + " element(s) of " + at.next_label +
+            " differ from AdamW applied to step " + std::to_string(at.current_step) +
+            " by more than rounding, and no single flipped bit explains them",
+        {{K::kStep, at.next_step}, {K::kParam, name}, {K::kLength, deviating},
+         {K::kIndex, unravel(unexplained.front(), actual_info.shape)}}));
+  }
+  return findings;
 }
 
 }  // namespace
@@ -183,7 +238,8 @@ std::vector<Finding> checkpoint_nonfinite_findings(const Bundle& bundle) {
   std::map<std::string, Seen> tensors;
   std::vector<std::string> order;
   for (const StepFiles& files : bundle.steps()) {
-    std::vector<std::pair<std::string, std::string>> sources = {{"model.safetensors", files.model.string()}};
+    std::vector<std::pair<std::string, std::string>> sources;
+    if (files.has_model) sources.push_back({"model.safetensors", files.model.string()});  // a derived step has none
     if (bundle.has_optimizer(files)) sources.push_back({"optimizer.safetensors", files.optimizer.string()});
     for (const auto& [leaf, path] : sources) {
       const SafetensorsFile file = SafetensorsFile::open(path, files.label(leaf));
@@ -238,6 +294,7 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
   }
   const torch::Tensor coef = clip_coefficient(in.grads->grad_norm, config);
   const std::vector<std::string>& names = in.checkpoint->order();
+  const UpdateContext at{in.current->step, in.next->step, next.label(), in.lr};
   std::vector<Finding> findings;
   for (size_t i = 0; i < names.size(); ++i) {
     const std::string& name = names[i];
@@ -246,79 +303,48 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
     // their pages dropped after each parameter, so the check holds one slice's
     // temporaries and no whole file resident beyond what the replay holds.
     const ReleaseWhenDone release_actual{next, actual_info};
-    const TensorInfo* avg_info = in.skipped_by_scaler ? nullptr : &optimizer.at(name + ".exp_avg");
-    const TensorInfo* avg_sq_info = in.skipped_by_scaler ? nullptr : &optimizer.at(name + ".exp_avg_sq");
-    const Deviations deviations = predict_and_compare(
-        {in.checkpoint->params().at(name).detach(), in.grads->grads[i], &coef, avg_info, avg_sq_info,
-         &actual_info, optimizer_label, next.label(), updates_before, in.lr, &config,
-         !excluded_from_decay(config, name)});
-    if (avg_info != nullptr) {
-      optimizer.release(*avg_info);
-      optimizer.release(*avg_sq_info);
+    const torch::Tensor param = in.checkpoint->params().at(name).detach().reshape({actual_info.shape.empty() ? 1 : actual_info.shape[0], -1});
+    const torch::Tensor grad = in.grads->grads[i].reshape(param.sizes());
+    const bool decay = !excluded_from_decay(config, name);
+    const SlicePrediction predict = [&](int64_t row, int64_t count) {
+      torch::Tensor expected = param.narrow(0, row, count).clone();
+      if (in.skipped_by_scaler) return expected;  // no update: model(s+1) = model(s)
+      const TensorInfo& avg = optimizer.at(name + ".exp_avg");
+      const TensorInfo& avg_sq = optimizer.at(name + ".exp_avg_sq");
+      torch::Tensor exp_avg = tensor_from_safetensors(rows_of(avg, row, count), optimizer_label).clone().reshape(expected.sizes());
+      torch::Tensor exp_avg_sq = tensor_from_safetensors(rows_of(avg_sq, row, count), optimizer_label).clone().reshape(expected.sizes());
+      adamw_step_one(expected, grad.narrow(0, row, count) * coef, exp_avg, exp_avg_sq, updates_before, in.lr, config,
+                     decay);
+      return expected;
+    };
+    const Deviations deviations = compare_with_stored(predict, actual_info, next.label(), in.lr);
+    if (!in.skipped_by_scaler) {
+      optimizer.release(optimizer.at(name + ".exp_avg"));
+      optimizer.release(optimizer.at(name + ".exp_avg_sq"));
     }
-    const int64_t count = deviations.count;
-    if (count == 0) continue;
-    const int64_t numel = actual_info.numel();
-    if (count > bulk_limit(numel)) {
-      // Too many to be flipped bits: the update itself differs (lr, betas, a different optimizer).
-      findings.push_back(make_finding(FindingCode::kSystemUpdateMismatch, Severity::kWarning,
-          name + ": " + std::to_string(count) + " of " + std::to_string(numel) +
-              " elements of " + next.label() + " differ from AdamW applied to step " +
-              std::to_string(in.current->step) + ": the recorded update is not the spec's AdamW",
-          {{K::kStep, in.next->step}, {K::kParam, name}, {K::kLength, count}}));
-      continue;
-    }
-    std::vector<int64_t> unexplained;
-    std::vector<Finding> flips;
-    for (size_t k = 0; k < deviations.flat.size(); ++k) {
-      const int64_t flat = deviations.flat[k];
-      const double want = deviations.want[k];
-      const uint32_t bits = stored_bits(actual_info, flat);
-      // A flip restores the job's own value, which the recomputation matches to
-      // rounding: relative 1e-4, plus a sliver of lr for gradient noise. Looser
-      // matching would "explain" any replaced value by a tiny flipped twin.
-      const double tolerance = 1e-4 * std::fabs(want) + 1e-3 * in.lr + 1e-30;
-      int best_bit = -1;
-      double best = tolerance;
-      for (int bit = 0; bit < bit_width(actual_info.dtype); ++bit) {
-        const double candidate = decode(bits ^ (1u << bit), actual_info.dtype);
-        if (std::isfinite(candidate) && std::fabs(candidate - want) <= best) {
-          best = std::fabs(candidate - want);
-          best_bit = bit;
-        }
-      }
-      if (best_bit < 0) {
-        unexplained.push_back(flat);
-        continue;
-      }
-      const double before = decode(bits ^ (1u << best_bit), actual_info.dtype);
-      const double after = decode(bits, actual_info.dtype);
-      flips.push_back(make_finding(FindingCode::kSystemBitFlip, Severity::kError,
-          name + " element " + std::to_string(flat) + " in " + next.label() + ": bit " +
-              std::to_string(best_bit) + " flipped, " + format_number(before) + " became " +
-              format_number(after) + " (AdamW from step " + std::to_string(in.current->step) +
-              " predicts " + format_number(want) + ")",
-          {{K::kStep, in.next->step}, {K::kParam, name}, {K::kIndex, unravel(flat, actual_info.shape)},
-           {K::kBit, best_bit}, {K::kBefore, (before)}, {K::kAfter, (after)},
-           {K::kExpected, (want)}}));
-    }
-    // Silent corruption flips a few bits; when most deviations of a parameter
-    // have no single-bit explanation the tensor was rewritten, and the odd
-    // element whose flipped twin lands near its prediction is a coincidence.
-    const bool bulk_change = unexplained.size() >= 4 && unexplained.size() > flips.size();
-    if (!bulk_change) {
-      if (flips.size() > kMaxFlipsPerParam) flips.resize(kMaxFlipsPerParam);
-      findings.insert(findings.end(), flips.begin(), flips.end());
-    }
-    const size_t deviating = unexplained.size() + (bulk_change ? flips.size() : 0);
-    if (!unexplained.empty()) {
-      findings.push_back(make_finding(FindingCode::kSystemUpdateMismatch, Severity::kWarning,
-          name + ": " + std::to_string(deviating) + " element(s) of " + next.label() +
-              " differ from AdamW applied to step " + std::to_string(in.current->step) +
-              " by more than rounding, and no single flipped bit explains them",
-          {{K::kStep, in.next->step}, {K::kParam, name}, {K::kLength, deviating},
-           {K::kIndex, unravel(unexplained.front(), actual_info.shape)}}));
-    }
+    const std::vector<Finding> found = deviation_findings(name, deviations, actual_info, at);
+    findings.insert(findings.end(), found.begin(), found.end());
+  }
+  return findings;
+}
+
+std::vector<Finding> derived_update_findings(const Bundle& bundle, const StepFiles& current, const StepFiles& next,
+                                             const ParamMap& predicted, const std::vector<std::string>& order,
+                                             double lr) {
+  torch::NoGradGuard no_grad;
+  (void)bundle;
+  const SafetensorsFile stored = SafetensorsFile::open(next.model.string(), next.label("model.safetensors"));
+  const UpdateContext at{current.step, next.step, stored.label(), lr};
+  std::vector<Finding> findings;
+  for (const std::string& name : order) {
+    const TensorInfo& actual_info = stored.at(name);
+    const ReleaseWhenDone release_actual{stored, actual_info};
+    const torch::Tensor value =
+        predicted.at(name).detach().reshape({actual_info.shape.empty() ? 1 : actual_info.shape[0], -1});
+    const SlicePrediction predict = [&](int64_t row, int64_t count) { return value.narrow(0, row, count).clone(); };
+    const std::vector<Finding> found =
+        deviation_findings(name, compare_with_stored(predict, actual_info, stored.label(), lr), actual_info, at);
+    findings.insert(findings.end(), found.begin(), found.end());
   }
   return findings;
 }

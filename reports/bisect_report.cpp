@@ -38,6 +38,7 @@ nlohmann::json step_stage_json(const BisectReport& r) {
     tested.push_back(one);
   }
   return {{"probes", "any-nonfinite"},
+          {"method", r.in_order ? "in_order" : "binary"},
           {"replays", r.step_replays()},
           {"first_bad_step", r.origin ? nlohmann::json(r.origin->step) : nlohmann::json(nullptr)},
           {"clean_predecessor", r.clean_predecessor ? nlohmann::json(*r.clean_predecessor) : nlohmann::json(nullptr)},
@@ -75,6 +76,7 @@ std::string step_stage_text(const BisectReport& r) {
   if (!r.origin) return "none bad (tested " + tested + ")";
   std::string text = "step " + std::to_string(r.origin->step) + " (tested " + tested + ")";
   if (r.clean_predecessor) text += "; " + std::to_string(*r.clean_predecessor) + " before it is clean";
+  if (r.in_order) text += "; in order, as the roll-forward derives each step from the one before";
   return text;
 }
 

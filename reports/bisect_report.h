@@ -52,8 +52,10 @@ struct BisectReport {
 
   std::optional<FirstNonfinite> origin;  // equals `run`'s first_nonfinite
   std::vector<OriginToken> origin_tokens;  // as `run` reports them
-  // Stage 1, step: binary search with the any-non-finite pass, in test order.
+  // Stage 1, step: binary search with the any-non-finite pass, in test order;
+  // `in_order` when the bundle rolls forward (derivation cannot skip a step).
   std::vector<BisectStepTest> step_tests;
+  bool in_order = false;
   std::optional<int64_t> clean_predecessor;  // the step before the first bad one, tested clean
   // Stage 2, layer: read off the flags of the bad step's pass (no replay of its own).
   // Stage 3, site/head/element: full probes on that block of that one pass.

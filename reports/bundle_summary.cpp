@@ -38,10 +38,11 @@ nlohmann::json summarize_bundle(const Bundle& bundle) {
   int64_t parameters = -1;
   for (const StepFiles& files : bundle.steps()) {
     const StepState state = bundle.load_state(files);
-    const int64_t count = parameter_count(files);
+    const int64_t count = files.has_model ? parameter_count(files) : parameters;
     if (parameters < 0) parameters = count;
     steps.push_back({{"step", files.step},
                      {"dir", printable(files.dir_label)},
+                     {"params", files.has_model ? "checkpoint" : "derived"},
                      {"optimizer_state", bundle.has_optimizer(files)},
                      {"logged_loss", optional_number(state.logged.loss)},
                      {"logged_grad_norm", optional_number(state.logged.grad_norm)},
@@ -134,13 +135,14 @@ std::string render_bundle_summary(const nlohmann::json& s) {
     out << "incident   step " << (s["incident"]["step"].is_null() ? "?" : s["incident"]["step"].dump()) << ": "
         << s["incident"]["symptom"].get<std::string>() << "\n";
   }
-  out << "steps      " << s["steps"].size() << "\n  step      optimizer  logged loss   lr\n";
+  out << "steps      " << s["steps"].size() << "\n  step      params      optimizer  logged loss   lr\n";
   for (const auto& step : s["steps"]) {
     char line[160];
     const auto number = [](const nlohmann::json& v) {
       return v.is_null() ? std::string("-") : v.is_string() ? v.get<std::string>() : format_number(v.get<double>());
     };
-    std::snprintf(line, sizeof(line), "  %-9lld %-10s %-13s %s\n", static_cast<long long>(step["step"].get<int64_t>()),
+    std::snprintf(line, sizeof(line), "  %-9lld %-11s %-10s %-13s %s\n",
+                  static_cast<long long>(step["step"].get<int64_t>()), step["params"].get<std::string>().c_str(),
                   step["optimizer_state"].get<bool>() ? "yes" : "no", number(step["logged_loss"]).c_str(),
                   number(step["lr"]).c_str());
     out << line;

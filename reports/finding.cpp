@@ -70,6 +70,8 @@ const std::vector<FindingCodeDef>& finding_code_table() {
        "a shard's sha256 differs from the manifest"},
       {C::kBundleDoesNotReproduce, "BUNDLE_DOES_NOT_REPRODUCE", L::kSystem, S::kError,
        "the healthy steps do not replay to what the job logged: the bundle describes another run"},
+      {C::kSystemTrajectoryDiverged, "SYSTEM_TRAJECTORY_DIVERGED", L::kSystem, S::kWarning,
+       "a step rolled forward from an earlier checkpoint no longer replays to the logged loss"},
   };
   return table;
 }

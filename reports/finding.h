@@ -44,6 +44,7 @@ enum class FindingCode : uint8_t {
   kSystemDeviceMismatch,
   kBundleChecksumMismatch,
   kBundleDoesNotReproduce,
+  kSystemTrajectoryDiverged,
 };
 
 struct FindingCodeDef {

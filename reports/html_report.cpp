@@ -244,6 +244,12 @@ std::string render_verdict(const ReplayReport& report) {
         << "% off, tolerance " << format_number(r.tolerance)
         << "): every verdict below is about another model or data order</div></section>";
   }
+  if (r.trajectory && r.trajectory->diverged_at) {
+    out << "<section class=\"verdict bad\" id=\"trajectory\"><div class=\"site\">ROLL-FORWARD DIVERGED</div>"
+        << "<div class=\"coords\">from step " << *r.trajectory->diverged_at
+        << " the derived steps miss the logged loss (tolerance " << format_number(r.trajectory->tolerance)
+        << "): what follows is the replay's own trajectory, not the run's</div></section>";
+  }
   if (report.first_nonfinite) {
     const FirstNonfinite& f = *report.first_nonfinite;
     out << "<section class=\"verdict bad\" id=\"verdict\"><div>REPRODUCED: first non-finite value</div>"
@@ -414,7 +420,8 @@ std::string render_steps(const ReplayReport& report) {
   for (const StepOutcome& s : report.steps) {
     const bool first = report.first_nonfinite && report.first_nonfinite->step == s.step;
     const std::string finite = !s.replayed ? "not replayed: " + s.not_replayed_reason : s.finite ? "yes" : "NO";
-    out << "<tr" << (first ? " class=\"first\"" : "") << "><td>" << s.step << "</td><td>"
+    out << "<tr" << (first ? " class=\"first\"" : "") << "><td>" << s.step << (s.derived ? " (derived)" : "")
+        << "</td><td>"
         << (s.replayed ? escape_html(format_number(s.loss)) : "-") << "</td><td>"
         << (s.logged_loss ? escape_html(format_number(*s.logged_loss)) : "-") << "</td><td>"
         << (s.replayed ? escape_html(format_number(s.grad_norm)) : "-") << "</td><td class=\"l\">" << escape_html(finite)

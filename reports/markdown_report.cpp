@@ -58,8 +58,19 @@ void write_reproduction(std::ostringstream& out, const ReplayReport& report) {
       << code("BUNDLE_DOES_NOT_REPRODUCE") << " under Findings for the gaps and what to check.\n\n";
 }
 
+// Rolling forward: where the derived steps stop following the logged losses.
+void write_trajectory(std::ostringstream& out, const ReplayReport& report) {
+  const auto& t = report.reproduction.trajectory;
+  if (!t || !t->diverged_at) return;
+  out << "**The roll-forward diverged from the run at step " << *t->diverged_at
+      << ":** from there the derived steps miss the logged loss (tolerance " << format_number(t->tolerance)
+      << "), so what the replay shows is its own trajectory. See " << code("SYSTEM_TRAJECTORY_DIVERGED")
+      << ".\n\n";
+}
+
 void write_verdict(std::ostringstream& out, const ReplayReport& report) {
   write_reproduction(out, report);
+  write_trajectory(out, report);
   if (report.first_nonfinite) {
     const FirstNonfinite& f = *report.first_nonfinite;
     out << "# nanreplay: REPRODUCED at step " << f.step << ", " << code(f.name()) << "\n\n"
@@ -102,7 +113,7 @@ void write_steps(std::ostringstream& out, const ReplayReport& report) {
                          : s.scaler_skipped && std::isfinite(s.loss) ? "no (fp16 overflow, scaler skips)"
                                        : "**NO**";
     if (first) finite += " (first non-finite)";
-    out << "| " << s.step << " | " << (s.replayed ? format_number(s.loss) : "-") << " | "
+    out << "| " << s.step << (s.derived ? " (derived)" : "") << " | " << (s.replayed ? format_number(s.loss) : "-") << " | "
         << (s.logged_loss ? format_number(*s.logged_loss) : "-") << " | "
         << (s.replayed ? format_number(s.grad_norm) : "-") << " | " << finite << " |\n";
   }

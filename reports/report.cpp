@@ -48,12 +48,20 @@ nlohmann::json first_to_json(const FirstNonfinite& first) {
   return out;
 }
 
+nlohmann::json trajectory_json(const ReproductionCheck::Trajectory& t) {
+  return {{"checked_steps", t.checked_steps},
+          {"tolerance", t.tolerance},
+          {"max_relative_gap", t.max_gap},
+          {"diverged_at", t.diverged_at ? nlohmann::json(*t.diverged_at) : nlohmann::json(nullptr)}};
+}
+
 nlohmann::json reproduction_json(const ReproductionCheck& r) {
   return {{"checked_steps", r.checked_steps},
           {"matching_steps", r.matching_steps},
           {"tolerance", r.tolerance},
           {"max_relative_gap", r.max_gap},
-          {"reproduces", r.reproduces ? nlohmann::json(*r.reproduces) : nlohmann::json(nullptr)}};
+          {"reproduces", r.reproduces ? nlohmann::json(*r.reproduces) : nlohmann::json(nullptr)},
+          {"trajectory", r.trajectory ? trajectory_json(*r.trajectory) : nlohmann::json(nullptr)}};
 }
 
 
@@ -79,6 +87,7 @@ nlohmann::json step_to_json(const StepOutcome& step) {
        step.logged_grad_norm ? json_number(*step.logged_grad_norm) : nlohmann::json(nullptr)},
       {"finite", step.replayed && step.finite},
       {"replayed", step.replayed},
+      {"params", step.derived ? "derived" : "checkpoint"},
       {"loss_scale", json_number(step.loss_scale)},
       {"scaler_skipped", step.scaler_skipped},
       {"handled_overflow", step.handled_overflow},

@@ -64,6 +64,15 @@ struct ReproductionCheck {
   double tolerance = 0.0;      // relative
   double max_gap = 0.0;        // largest relative gap seen
   std::optional<bool> reproduces;  // none: nothing to compare
+  // Rolling forward: the derived steps against the logged losses, with the
+  // looser trajectory tolerance (docs/triage.md). Empty without derived steps.
+  struct Trajectory {
+    int64_t checked_steps = 0;
+    double tolerance = 0.0;
+    double max_gap = 0.0;
+    std::optional<int64_t> diverged_at;  // the first derived step beyond the tolerance
+  };
+  std::optional<Trajectory> trajectory;
 };
 
 // The first non-finite value a probe record holds, as the report names it.
@@ -141,6 +150,7 @@ struct StepOutcome {
   double grad_norm = 0.0;
   std::optional<double> logged_grad_norm;
   bool finite = true;
+  bool derived = false;  // parameters from the tool's own update of the step before, not a checkpoint
   bool scaler_skipped = false;  // fp16: the loss scaler would skip this step
   // fp16: only the backward overflowed and the scaler skips the step: handled, not the incident.
   bool handled_overflow = false;

@@ -1,8 +1,8 @@
 // Terminal rendering of a ReplayReport. Pure: returns the text, never prints.
 #include "reports/terminal_text.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <sstream>
 
@@ -66,13 +66,23 @@ std::string original_text(const FirstNonfinite& f) {
   return "";
 }
 
+// Rolling forward: where the derived steps stop following the logged losses.
+std::string trajectory_line(const ReplayReport& report, const TextStyle& style) {
+  const auto& t = report.reproduction.trajectory;
+  if (!t || !t->diverged_at) return "";
+  return paint(style, "1;33", "ROLL-FORWARD DIVERGED") + "  from step " + std::to_string(*t->diverged_at) +
+         " the derived steps miss the logged loss (tolerance " + format_number(t->tolerance) +
+         "): what follows is the replay's own trajectory; see SYSTEM_TRAJECTORY_DIVERGED\n";
+}
+
 // Leads the verdict when the healthy steps do not replay to what the job logged.
 std::string reproduction_line(const ReplayReport& report, const TextStyle& style) {
   const ReproductionCheck& r = report.reproduction;
   if (!r.reproduces) {
-    return report.steps.empty() ? "" : "  (not checked against the run: no healthy step has a logged loss)\n";
+    return report.steps.empty() ? "" : "  (not checked against the run: no healthy step has a logged loss)\n" +
+                                           trajectory_line(report, style);
   }
-  if (*r.reproduces) return "";
+  if (*r.reproduces) return trajectory_line(report, style);
   std::ostringstream out;
   out << paint(style, "1;31", "DOES NOT REPRODUCE THE RUN") << "  " << (r.checked_steps - r.matching_steps) << " of "
       << r.checked_steps << " healthy step(s) miss what the job logged (up to " << format_percent(r.max_gap)
@@ -120,13 +130,16 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
                          : step.finite  ? "yes"
                                         : "NO";
     if (first) finite += "  <- first non-finite";
-    out << "  " << pad(std::to_string(step.step), 8)
+    out << "  " << pad(std::to_string(step.step) + (step.derived ? "*" : ""), 8)
         << pad(step.replayed ? format_number(step.loss) : "-", 14)
         << pad(step.logged_loss ? format_number(*step.logged_loss) : "-", 14)
         << pad(step.replayed ? format_number(step.grad_norm) : "-", 14)
         << (first || (!step.finite && step.replayed && !handled) ? paint(style, "31", finite)
                                                                              : finite)
         << "\n";
+  }
+  if (std::any_of(report.steps.begin(), report.steps.end(), [](const StepOutcome& s) { return s.derived; })) {
+    out << "  * derived: rolled forward by the tool's own update from the step before (no checkpoint)\n";
   }
   if (!report.propagation.empty()) {
     out << "\n  spread after the origin: ";

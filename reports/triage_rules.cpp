@@ -38,7 +38,10 @@ std::string where_text(const ProbeRecord& r) {
 
 TriageThresholds default_thresholds(Compute compute) {
   TriageThresholds t;
-  if (compute != Compute::kFp32) t.loss_rel_tol = 1e-2;
+  if (compute != Compute::kFp32) {
+    t.loss_rel_tol = 1e-2;
+    t.trajectory_rel_tol = 5e-2;
+  }
   return t;
 }
 
@@ -310,6 +313,16 @@ const std::vector<RootCauseRule>& root_cause_rules() {
       {C::kCheckpointNonfinite, W::kAlways, is_error,
        [](const Finding& f, const ReplayReport&) {
          return "the checkpoint itself already holds non-finite values (" + f.message + "): the replay only propagates them";
+       }},
+      // A roll-forward that left the run before the failure explains nothing about the run's failure.
+      {C::kSystemTrajectoryDiverged, W::kAlways,
+       [](const Finding& f, const ReplayReport& r) {
+         return !r.first_nonfinite || f.evidence.integer(K::kStep).value_or(0) <= r.first_nonfinite->step;
+       },
+       [](const Finding& f, const ReplayReport&) {
+         return "the roll-forward no longer follows the run from step " +
+                std::to_string(f.evidence.integer(K::kStep).value_or(-1)) +
+                ": what the replay shows from there is its own trajectory (see the finding for the causes)";
        }},
       // One a step's batch reads stops that step; one no step reads explains nothing about the replay.
       {C::kDataTokenOutOfRange, W::kAlways, [](const Finding& f, const ReplayReport&) { return f.evidence.has(K::kStep); },

@@ -16,6 +16,9 @@ namespace nanreplay {
 
 struct TriageThresholds {
   double loss_rel_tol = 1e-4;        // replayed vs logged loss / grad norm
+  // A derived (rolled-forward) step's loss vs the logged one: rounding
+  // differences between two AdamW implementations compound step by step.
+  double trajectory_rel_tol = 1e-3;
   double loss_outlier_z = 6.0;       // per-sample loss, robust z above the median
   double loss_outlier_nats = 1.0;    // ... and at least this far above it
   double fp8_scale_jump = 3.0;       // ratio between adjacent steps

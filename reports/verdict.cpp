@@ -234,6 +234,7 @@ void judge_reproduction(ReplayReport& report, const TriageThresholds& t) {
   for (const StepOutcome& s : report.steps) {
     for (Finding& f : logged_nonfinite_findings(s)) found.push_back(std::move(f));
     if (!s.replayed || !s.logged_loss || !std::isfinite(*s.logged_loss) || !std::isfinite(s.loss)) continue;
+    if (s.derived) continue;  // judge_trajectory's
     ++check.checked_steps;
     std::vector<Gap> step_gaps;
     const double loss_gap = relative_gap(s.loss, *s.logged_loss);
@@ -260,6 +261,35 @@ void judge_reproduction(ReplayReport& report, const TriageThresholds& t) {
     for (const Gap& g : gaps) found.push_back(odd_step(g));
   }
   report.findings.insert(report.findings.end(), found.begin(), found.end());
+  judge_trajectory(report, t);
+}
+
+void judge_trajectory(ReplayReport& report, const TriageThresholds& t) {
+  std::optional<ReproductionCheck::Trajectory>& trajectory = report.reproduction.trajectory;
+  trajectory.reset();
+  const StepOutcome* diverged = nullptr;
+  for (const StepOutcome& s : report.steps) {
+    if (!s.derived) continue;
+    if (!trajectory) trajectory = ReproductionCheck::Trajectory{0, t.trajectory_rel_tol, 0.0, std::nullopt};
+    if (!s.replayed || !s.logged_loss || !std::isfinite(*s.logged_loss) || !std::isfinite(s.loss)) continue;
+    ++trajectory->checked_steps;
+    const double gap = relative_gap(s.loss, *s.logged_loss);
+    trajectory->max_gap = std::max(trajectory->max_gap, gap);
+    if (gap > t.trajectory_rel_tol && diverged == nullptr) diverged = &s;
+  }
+  if (diverged == nullptr) return;
+  const StepOutcome& s = *diverged;
+  trajectory->diverged_at = s.step;
+  report.findings.push_back(make_finding(
+      FindingCode::kSystemTrajectoryDiverged, Severity::kWarning,
+      "step " + std::to_string(s.step) + " (rolled forward from an earlier checkpoint) replays to loss " +
+          format_number(s.loss) + " where the job logged " + format_number(*s.logged_loss) + " (relative " +
+          format_number(relative_gap(s.loss, *s.logged_loss)) + ", tolerance " + format_number(t.trajectory_rel_tol) +
+          "): from here on the replay follows its own trajectory, not the run's. Causes: a fault in the run "
+          "between the checkpoints (a flipped bit, a nondeterministic step), optimizer settings other than the "
+          "manifest's, or rounding compounded over many steps; replay from a checkpoint nearer the failure",
+      {{K::kStep, s.step}, {K::kExpected, *s.logged_loss}, {K::kAfter, s.loss},
+       {K::kRelative, relative_gap(s.loss, *s.logged_loss)}, {K::kTolerance, t.trajectory_rel_tol}}));
 }
 
 void fold_consequences(ReplayReport& report) {

@@ -19,6 +19,11 @@ void settle_verdict(ReplayReport& report, const TriageThresholds& thresholds);
 // Fills report.reproduction.
 void judge_reproduction(ReplayReport& report, const TriageThresholds& thresholds);
 
+// Rolling forward (called by judge_reproduction): the derived steps against
+// the logged losses with the trajectory tolerance; the first beyond it is
+// SYSTEM_TRAJECTORY_DIVERGED. Fills report.reproduction.trajectory.
+void judge_trajectory(ReplayReport& report, const TriageThresholds& thresholds);
+
 // Findings that follow from the first non-finite value (later non-finite
 // checkpoints, later non-finite steps, non-finite per-sample losses) become
 // one info entry per kind covering the step range.

@@ -318,6 +318,12 @@ struct Trainer {
     write_tensors(step_dir / "optimizer.safetensors", names, state, moments.step);
   }
 
+  bool has_checkpoint(int64_t s) const {
+    const FaultKind kind = spec.fault.kind;
+    const bool edited = s == spec.fault.step && (kind == FaultKind::kBitFlip || kind == FaultKind::kMlpOverflow);
+    return edited || (s - spec.first_step) % std::max<int64_t>(1, spec.checkpoint_every) == 0;
+  }
+
   nlohmann::json logged_values(int64_t s, const StepResult& grads) const {
     const FaultSpec& fault = spec.fault;
     nlohmann::json logged = {{"loss", json_number(grads.loss)},
@@ -359,7 +365,7 @@ struct Trainer {
     }
     const fs::path step_dir = root / entry.dir;
     fs::create_directories(step_dir);
-    write_checkpoint(step_dir);
+    if (has_checkpoint(s)) write_checkpoint(step_dir);
 
     StepState replayed_state;  // what the step computes with: its loss scale and fp8 scales
     replayed_state.step = s;

@@ -78,6 +78,10 @@ struct SyntheticSpec {
   OptimizerConfig optimizer;
   bool record_samples = true;   // write explicit samples into each step entry too
   bool write_optimizer = true;
+  // Rolling forward: a full checkpoint (model and optimizer) only every N
+  // steps from the first, and at a step whose checkpoint a fault edits; the
+  // steps between hold only state.json. 1: every step has one.
+  int64_t checkpoint_every = 1;
   bool checksums = true;
   // Bytes of a text corpus as the token stream (byte-level tokens: the
   // model's vocab_size must be 256); empty: random tokens.

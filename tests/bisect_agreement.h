@@ -36,7 +36,11 @@ inline nlohmann::json check_bisect_agrees_with_run(const std::filesystem::path& 
     if (first.contains("checkpoint_nonfinite_params")) {
       CHECK(origin["checkpoint_nonfinite_params"] == first["checkpoint_nonfinite_params"]);
     }
-    CHECK(bisect["replays"]["origin"].get<int>() < bisect["replays"]["full_probe_pass"].get<int>());
+    // In order (rolling forward), every step up to the bad one once with
+    // flags, then one block with full probes.
+    const bool in_order = bisect["stages"]["step"]["method"] == "in_order";
+    CHECK(bisect["replays"]["origin"].get<int>() <
+          bisect["replays"]["full_probe_pass"].get<int>() + (in_order ? 2 : 0));
   }
   CHECK(bisect["reproduced"] == run_report["reproduced"]);
   CHECK(bisect["stages"]["samples"].is_null());  // --no-samples
@@ -65,13 +69,20 @@ inline nlohmann::json check_bisect_agrees_with_run(const std::filesystem::path& 
     CHECK(tested["bad"] == bad_by_run.at(tested["step"].get<int64_t>()));
     replayed_tests += tested["replayed"] == true;
   }
-  if (origin.is_null()) {
+  if (bisect["stages"]["step"]["method"] == "in_order") {
+    // Rolling forward: every step from the first, in order, up to the bad one.
+    const nlohmann::json& steps = run_report["steps"];
+    REQUIRE(tested_steps.size() <= steps.size());
+    for (size_t i = 0; i < tested_steps.size(); ++i) CHECK(tested_steps[i]["step"] == steps[i]["step"]);
+    if (origin.is_null()) CHECK(tested_steps.size() == steps.size());
+  } else if (origin.is_null()) {
     // The last step first, then only the steps the log marks: P passes each
     // (none for a step that cannot be replayed).
     REQUIRE_FALSE(tested_steps.empty());
     CHECK(tested_steps[0]["step"] == run_report["steps"].back()["step"]);
     CHECK(bisect["replays"]["step"] == replayed_tests * bisect["passes_per_step"].get<int64_t>());
-  } else {
+  }
+  if (!origin.is_null()) {
     CHECK(bisect["stages"]["step"]["first_bad_step"] == first["step"]);
     CHECK(bisect["replays"]["site"] == (first["phase"] == "grad" ? 0 : 1));
   }

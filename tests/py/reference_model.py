@@ -12,6 +12,7 @@ as cast pairs at the same points, so autograd rounds gradients where it says
 """
 import json
 import math
+import re
 import struct
 from pathlib import Path
 
@@ -168,10 +169,16 @@ def gpt2_loss(cfg, p, inputs, targets, rnd=lambda t: t):
 
 def replay_step(bundle, step_dir, step):
     """Loss (mean over ranks of the mean over micro-batches), grad norm, per-rank values."""
+    params = {k: v.float().requires_grad_(True) for k, v in read_safetensors(bundle.root / step_dir / "model.safetensors").items()}
+    loss, norm, rank_losses, rank_norms, _ = step_gradients(bundle, params, step)
+    return loss, norm, rank_losses, rank_norms
+
+
+def step_gradients(bundle, params, step):
+    """replay_step on given parameters; also the all-reduced gradients (unclipped)."""
     m = bundle.manifest
     cfg = m["model"]
     d = m["data"]
-    params = {k: v.float().requires_grad_(True) for k, v in read_safetensors(bundle.root / step_dir / "model.safetensors").items()}
     loss_fn = llama_loss if cfg["arch"] == "llama" else gpt2_loss
     rnd = rounding(m.get("precision", {}).get("compute", "fp32"))
     world, accum, mbs = d.get("world_size", 1), d.get("grad_accum_steps", 1), d["micro_batch_size"]
@@ -192,4 +199,55 @@ def replay_step(bundle, step_dir, step):
         for k in total:
             total[k] += grads[k] / world
     norm = torch.norm(torch.stack([g.norm() for g in total.values()])).item()
-    return sum(rank_losses) / world, norm, rank_losses, rank_norms
+    for v in params.values():
+        v.grad = None
+    return sum(rank_losses) / world, norm, rank_losses, rank_norms, total
+
+
+def matches_glob(pattern, key):
+    """The bundle format's no_decay globs: * any run (dots included), ? one character."""
+    regex = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+    return re.fullmatch(regex, key) is not None
+
+
+def train_window(bundle):
+    """Rolls forward from the first step's checkpoint the way the training job
+    did, with PyTorch itself: clip_grad_norm_ and torch.optim.AdamW, its state
+    loaded from optimizer.safetensors. A step with its own checkpoint starts
+    from it. Returns {step: loss}. fp32 only (no loss scaler)."""
+    m = bundle.manifest
+    o = m["optimizer"]
+    steps = sorted(m["steps"], key=lambda e: e["step"])
+    first = bundle.root / steps[0]["dir"]
+    params = {k: v.float().requires_grad_(True) for k, v in read_safetensors(first / "model.safetensors").items()}
+    names = list(params)
+    decay = [n for n in names if not any(matches_glob(g, n) for g in o.get("no_decay", []))]
+    plain = [n for n in names if n not in decay]
+    groups = [{"params": [params[n] for n in decay], "weight_decay": o["weight_decay"]},
+              {"params": [params[n] for n in plain], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1.0, betas=tuple(o["betas"]), eps=o["eps"], foreach=False)
+    state = read_safetensors(first / "optimizer.safetensors")
+    count = float(state["step"].reshape(-1)[0])
+    for n in names:
+        opt.state[params[n]] = {"step": torch.tensor(count), "exp_avg": state[n + ".exp_avg"].float().clone(),
+                                "exp_avg_sq": state[n + ".exp_avg_sq"].float().clone()}
+    losses = {}
+    for entry in steps:
+        step_dir = bundle.root / entry["dir"]
+        if entry is not steps[0] and (step_dir / "model.safetensors").exists():
+            stored = read_safetensors(step_dir / "model.safetensors")
+            with torch.no_grad():
+                for n in names:
+                    params[n].copy_(stored[n].float())
+        loss, _, _, _, grads = step_gradients(bundle, params, entry["step"])
+        losses[entry["step"]] = loss
+        for n in names:
+            params[n].grad = grads[n].clone()
+        if o.get("grad_clip") is not None:
+            torch.nn.utils.clip_grad_norm_([params[n] for n in names], o["grad_clip"])
+        lr = json.loads((step_dir / "state.json").read_text())["lr"]
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses

@@ -1,0 +1,114 @@
+// See trajectory.h.
+#include "replay/trajectory.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include <torch/torch.h>
+
+#include "loaders/error.h"
+#include "loaders/safetensors.h"
+#include "replay/step_scan.h"
+
+namespace nanreplay {
+
+namespace {
+
+int64_t updates_applied(const SafetensorsFile& optimizer) {
+  const TensorInfo& step = optimizer.at("step");
+  if (step.dtype == DType::kI64) {
+    int64_t value = 0;
+    std::memcpy(&value, step.data, 8);
+    return value;
+  }
+  float value = 0;
+  std::memcpy(&value, step.data, 4);
+  return static_cast<int64_t>(value);
+}
+
+}  // namespace
+
+void Trajectory::start(const Bundle& bundle, const StepFiles& files) {
+  torch::NoGradGuard no_grad;
+  manifest_ = &bundle.manifest();
+  const ModelCheckpoint checkpoint(files, bundle.manifest().model);
+  params_.clear();
+  order_ = checkpoint.order();
+  const std::string label = files.label("optimizer.safetensors");
+  const SafetensorsFile optimizer = SafetensorsFile::open(files.optimizer.string(), label);
+  moments_ = AdamWMoments{};
+  moments_.step = updates_applied(optimizer);
+  for (const std::string& name : order_) {
+    params_.emplace(name, checkpoint.params().at(name).detach().clone().requires_grad_(true));
+    for (const char* moment : {".exp_avg", ".exp_avg_sq"}) {
+      const TensorInfo& info = optimizer.at(name + moment);
+      torch::Tensor value = tensor_from_safetensors(info, label).clone();
+      optimizer.release(info);
+      (std::string(moment) == ".exp_avg" ? moments_.exp_avg : moments_.exp_avg_sq).push_back(std::move(value));
+    }
+  }
+}
+
+void Trajectory::advance(const StepResult& result, const StepState& state, bool scaler_skipped) {
+  if (scaler_skipped) return;  // GradScaler: no update
+  if (!state.lr) throw std::logic_error("Trajectory::advance without lr (the structure check requires it)");
+  std::vector<torch::Tensor> plain, grads;
+  for (size_t i = 0; i < order_.size(); ++i) {
+    plain.push_back(params_.at(order_[i]).detach());
+    grads.push_back(result.grads.at(i).to(plain.back().device()));  // a replay on a device: masters stay on the host
+  }
+  adamw_update(plain, std::move(grads), result.grad_norm, moments_, *state.lr, *manifest_->optimizer, order_);
+}
+
+ModelCheckpoint Trajectory::snapshot() const {
+  torch::NoGradGuard no_grad;
+  ParamMap copy;
+  for (const auto& [name, tensor] : params_) copy.emplace(name, tensor.detach().clone().requires_grad_(true));
+  return ModelCheckpoint(std::move(copy), order_);
+}
+
+double LossScales::of(const StepState& state) {
+  current_ = rolls_forward_ && !state.loss_scale_given && carried_ ? *carried_ : state.loss_scale;
+  return current_;
+}
+
+void LossScales::step_done(bool scaler_skipped) { carried_ = scaler_skipped ? current_ / 2 : current_; }
+
+StepState with_loss_scale(StepState state, double loss_scale) {
+  state.loss_scale = loss_scale;
+  return state;
+}
+
+RolledStart roll_to(const Bundle& bundle, int64_t step) {
+  const std::vector<StepFiles>& steps = bundle.steps();
+  const Manifest& m = bundle.manifest();
+  const auto target = std::find_if(steps.begin(), steps.end(), [&](const StepFiles& f) { return f.step == step; });
+  if (target == steps.end()) throw std::logic_error("roll_to: step " + std::to_string(step) + " not listed");
+  auto from = target;
+  while (!from->has_model) --from;  // the first step always has one
+  // The parameters need only the steps since the last checkpoint; an fp16
+  // loss scale the step does not name is carried from the very first step.
+  const bool fp16 = m.precision.compute == Compute::kFp16;
+  if (fp16 && bundle.rolls_forward() && !bundle.load_state(*target).loss_scale_given) from = steps.begin();
+  Trajectory trajectory;
+  LossScales scales(bundle.rolls_forward());
+  for (auto it = from; it != target; ++it) {
+    const StepState logged = bundle.load_state(*it);
+    const StepState state = with_loss_scale(logged, scales.of(logged));
+    ModelCheckpoint checkpoint = it->has_model ? ModelCheckpoint(*it, m.model) : trajectory.checkpoint();
+    StepRequest request;
+    request.probes = ProbeLevel::kOff;
+    const StepResult result =
+        replay_step({m, bundle.tokens(), it->step, state, batch_of_step(bundle, it->step)}, checkpoint, {}, request);
+    const bool skipped = judge_step(result, m.precision.compute).scaler_skips;
+    scales.step_done(skipped);
+    if ((it + 1)->has_model) continue;  // the next step starts from its own checkpoint
+    if (it->has_model) trajectory.start(bundle, *it);
+    trajectory.advance(result, state, skipped);
+  }
+  const StepState logged = bundle.load_state(*target);
+  return {target->has_model ? ModelCheckpoint(*target, m.model) : trajectory.checkpoint(),
+          with_loss_scale(logged, scales.of(logged))};
+}
+
+}  // namespace nanreplay

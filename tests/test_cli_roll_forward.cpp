@@ -1,0 +1,199 @@
+// Rolling forward from one checkpoint, end to end through the CLI: each
+// incident preset written twice from the same training run (a checkpoint at
+// every step, and one at the first step only, `synth --checkpoint-every`)
+// replays to the same origin, findings and losses; a bit flip between two
+// checkpoints is still found; a roll-forward that leaves the run says so;
+// bad rolled bundles are refused with the file and key.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <set>
+#include <tuple>
+
+#include "tests/triage_harness.h"
+
+using nanreplay_test::read_json;
+using nanreplay_test::run_bundle;
+using nanreplay_test::run_cli;
+using nanreplay_test::ScratchDir;
+using nanreplay_test::triage;
+using nanreplay_test::Triaged;
+using nanreplay_test::with_code;
+
+namespace fs = std::filesystem;
+
+namespace {
+
+void write_json(const fs::path& path, const nlohmann::json& value) { std::ofstream(path) << value.dump(2) << "\n"; }
+
+// The findings a person acts on: (code, severity, step), info left out
+// (a per-step cascade folds its later non-finite checkpoints into info).
+std::multiset<std::tuple<std::string, std::string, int64_t>> actionable(const nlohmann::json& report) {
+  std::multiset<std::tuple<std::string, std::string, int64_t>> out;
+  for (const auto& f : report["findings"]) {
+    if (f["severity"] == "info") continue;
+    const auto& step = f["evidence"]["step"];
+    out.insert({f["code"], f["severity"], step.is_number() ? step.get<int64_t>() : -1});
+  }
+  return out;
+}
+
+bool same_number(const nlohmann::json& a, const nlohmann::json& b) {
+  if (a.is_null() || b.is_null() || a.is_string() || b.is_string()) return a == b;  // null or "nan"/"inf"
+  const double x = a.get<double>(), y = b.get<double>();
+  return std::fabs(x - y) <= 1e-6 * std::max(std::fabs(y), 1e-12);
+}
+
+// `preset` per step and rolled forward from its first checkpoint name the same origin and findings.
+void check_rolled_matches_per_step(const std::string& preset) {
+  INFO("preset " << preset);
+  ScratchDir per_step("roll-" + preset), rolled("rolled-" + preset);
+  const Triaged expected = triage(per_step, preset);
+  const Triaged got = triage(rolled, preset, {"--checkpoint-every", "1000"});
+  CHECK(got.status == expected.status);
+  CHECK(got.report["first_nonfinite"] == expected.report["first_nonfinite"]);
+  CHECK(got.report["root_cause"]["code"] == expected.report["root_cause"]["code"]);
+  CHECK(actionable(got.report) == actionable(expected.report));
+  CHECK(with_code(got.report, "SYSTEM_TRAJECTORY_DIVERGED").empty());
+  const auto& steps = got.report["steps"];
+  REQUIRE(steps.size() == expected.report["steps"].size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    INFO("step " << steps[i]["step"]);
+    const bool has_checkpoint = fs::exists(rolled / "bundle" / "steps" / std::to_string(steps[i]["step"].get<int>()) /
+                                           "model.safetensors");
+    CHECK(steps[i]["params"] == (has_checkpoint ? "checkpoint" : "derived"));
+    CHECK(expected.report["steps"][i]["params"] == "checkpoint");
+    CHECK(same_number(steps[i]["loss"], expected.report["steps"][i]["loss"]));
+    CHECK(same_number(steps[i]["grad_norm"], expected.report["steps"][i]["grad_norm"]));
+    CHECK(steps[i]["scaler_skipped"] == expected.report["steps"][i]["scaler_skipped"]);
+  }
+  CHECK(steps.back()["params"] == (preset == "bit-flip" || preset == "silent-bit-flip" ? "checkpoint" : "derived"));
+  const auto& trajectory = got.report["reproduction"]["trajectory"];
+  REQUIRE(trajectory.is_object());
+  CHECK(trajectory["diverged_at"].is_null());
+  CHECK(expected.report["reproduction"]["trajectory"].is_null());
+}
+
+}  // namespace
+
+TEST_CASE("rolled forward from one checkpoint, the numeric incidents name the same origin and findings",
+          "[cli][roll]") {
+  for (const char* preset : {"head-overflow", "zero-embedding", "cascade", "fp8-scale-jump", "mlp-overflow"}) {
+    check_rolled_matches_per_step(preset);
+  }
+}
+
+TEST_CASE("rolled forward, the fp16 scaler's skips and loss scales follow the run", "[cli][roll]") {
+  for (const char* preset : {"transient-fp16", "loss-scale-overflow", "clean-fp16"}) check_rolled_matches_per_step(preset);
+}
+
+TEST_CASE("rolled forward, bit flips between checkpoints are still found", "[cli][roll]") {
+  for (const char* preset : {"bit-flip", "silent-bit-flip"}) check_rolled_matches_per_step(preset);
+  ScratchDir dir("rolled-flip");
+  const Triaged t = triage(dir, "silent-bit-flip", {"--checkpoint-every", "1000"});
+  const auto flips = with_code(t.report, "SYSTEM_BIT_FLIP");
+  REQUIRE(flips.size() == 1);
+  CHECK(flips[0]["evidence"]["step"] == t.planted["fault_step"]);
+  CHECK(flips[0]["evidence"]["param"] == t.planted["fault_param"]);
+  CHECK(t.report["steps"][0]["params"] == "checkpoint");
+  CHECK(t.report["steps"][1]["params"] == "derived");
+}
+
+TEST_CASE("rolled forward, clean runs of every layout stay clean and match their checkpoints", "[cli][roll]") {
+  for (const char* preset : {"clean-fp32", "clean-bf16", "clean-dp", "clean-accum", "clean-gpt2", "rank-mismatch"}) {
+    check_rolled_matches_per_step(preset);
+  }
+}
+
+TEST_CASE("a checkpoint every two steps: later checkpoints are replayed from and compared with the derived update",
+          "[cli][roll]") {
+  ScratchDir per_step("every2-ref"), dir("every2");
+  const Triaged expected = triage(per_step, "clean-fp32");
+  const Triaged t = triage(dir, "clean-fp32", {"--checkpoint-every", "2"});
+  CHECK(t.status == 0);
+  std::vector<std::string> params;
+  for (const auto& s : t.report["steps"]) params.push_back(s["params"]);
+  CHECK(params == std::vector<std::string>{"checkpoint", "derived", "checkpoint", "derived"});
+  CHECK(actionable(t.report).empty());
+  for (size_t i = 0; i < params.size(); ++i) {
+    CHECK(same_number(t.report["steps"][i]["loss"], expected.report["steps"][i]["loss"]));
+  }
+}
+
+TEST_CASE("a roll-forward that leaves the run is SYSTEM_TRAJECTORY_DIVERGED, said before the verdict",
+          "[cli][roll][verdict]") {
+  ScratchDir dir("diverged");
+  REQUIRE(run_cli({"synth", "clean-fp32", (dir / "bundle").string(), "--checkpoint-every", "1000"}).status == 0);
+  // The job really ran step 100 with 30x the learning rate its state.json
+  // says: the replay's step 101 starts elsewhere than the run's.
+  const fs::path state = dir / "bundle" / "steps" / "100" / "state.json";
+  nlohmann::json s = read_json(state);
+  s["lr"] = 0.1;
+  write_json(state, s);
+  const Triaged t = run_bundle(dir);
+  CHECK(t.status == 0);  // a warning: nothing went non-finite
+  const auto diverged = with_code(t.report, "SYSTEM_TRAJECTORY_DIVERGED");
+  REQUIRE(diverged.size() == 1);
+  CHECK(diverged[0]["severity"] == "warning");
+  CHECK(diverged[0]["evidence"]["step"] == 101);
+  CHECK(diverged[0]["evidence"]["expected"] == t.report["steps"][1]["logged_loss"]);
+  CHECK(diverged[0]["evidence"]["after"] == t.report["steps"][1]["loss"]);
+  CHECK(t.report["reproduction"]["trajectory"]["diverged_at"] == 101);
+  CHECK(t.report["reproduction"]["reproduces"] == true);  // step 100 itself replays to the log
+  CHECK(t.report["root_cause"]["code"] == "SYSTEM_TRAJECTORY_DIVERGED");
+  CHECK(t.verdict.find("ROLL-FORWARD DIVERGED") < t.verdict.find("NOT REPRODUCED"));
+}
+
+TEST_CASE("bisect walks a rolled-forward window in order and names run's origin", "[cli][roll][bisect]") {
+  ScratchDir dir("rolled-bisect");
+  const Triaged t = triage(dir, "head-overflow", {"--checkpoint-every", "1000"});  // checks agreement with run
+  const auto bisect =
+      nlohmann::json::parse(run_cli({"bisect", (dir / "bundle").string(), "--json", "--no-samples"}).out);
+  CHECK(bisect["stages"]["step"]["method"] == "in_order");
+  const auto& tested = bisect["stages"]["step"]["tested"];
+  REQUIRE(tested.size() == t.report["steps"].size());  // the incident is at the last step
+  CHECK(bisect["stages"]["step"]["clean_predecessor"] == tested[tested.size() - 2]["step"]);
+  const auto text = run_cli({"bisect", (dir / "bundle").string(), "--no-samples"});
+  CHECK(text.out.find("in order") != std::string::npos);
+}
+
+TEST_CASE("bad rolled-forward bundles are refused with the file and key", "[cli][roll][bad]") {
+  ScratchDir dir("rolled-bad");
+  const fs::path good = dir / "good";
+  REQUIRE(run_cli({"synth", "clean-fp32", good.string(), "--checkpoint-every", "1000"}).status == 0);
+  const auto refused = [&](const std::string& name, const std::function<void(const fs::path&)>& edit,
+                           const std::string& file, const std::string& key) {
+    INFO(name);
+    const fs::path bundle = dir / name;
+    fs::copy(good, bundle, fs::copy_options::recursive);
+    edit(bundle);
+    const auto run = run_cli({"run", bundle.string(), "--out", (dir / (name + "-out")).string()});
+    CHECK(run.status == 2);
+    CHECK(std::count(run.err.begin(), run.err.end(), '\n') == 1);
+    CHECK(run.err.find(file) != std::string::npos);
+    CHECK(run.err.find(key) != std::string::npos);
+    CHECK_FALSE(fs::exists(dir / (name + "-out")));
+  };
+  refused("no-lr", [](const fs::path& b) {
+    nlohmann::json s = read_json(b / "steps" / "101" / "state.json");
+    s.erase("lr");
+    write_json(b / "steps" / "101" / "state.json", s);
+  }, "steps/101/state.json", "lr");
+  refused("gap", [](const fs::path& b) {
+    nlohmann::json m = read_json(b / "manifest.json");
+    m["steps"].erase(m["steps"].begin() + 2);  // steps 100, 101, 103: 103 has no checkpoint
+    write_json(b / "manifest.json", m);
+  }, "manifest.json", "a gap before step 103");
+  refused("no-optimizer", [](const fs::path& b) { fs::remove(b / "steps" / "100" / "optimizer.safetensors"); },
+          "steps/100/optimizer.safetensors", "optimizer");
+  refused("no-first-model", [](const fs::path& b) { fs::remove(b / "steps" / "100" / "model.safetensors"); },
+          "steps/100/model.safetensors", "model");
+  refused("no-optimizer-config", [](const fs::path& b) {
+    nlohmann::json m = read_json(b / "manifest.json");
+    m.erase("optimizer");
+    write_json(b / "manifest.json", m);
+  }, "manifest.json", "optimizer");
+}
