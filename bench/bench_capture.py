@@ -1,9 +1,11 @@
 """Per-step cost of capture/nanreplay_capture.py on a healthy training step, side by side:
-the same llama trained with and without a Recorder, median step times, the recorder's own
-calls (begin_step + end_step), and the time and size of one dump.
+the same llama trained without a Recorder, with the ring of `window` full steps, and in
+snapshot mode (a full snapshot every K steps, the last two kept); median step times, the
+recorder's own calls (begin_step + end_step), host memory bounds, and one dump of each.
 
 Usage: /usr/bin/python3 bench/bench_capture.py [--hidden 256 --layers 4 --vocab 4096 --seq 128
-       --batch 4 --window 10 --steps 30 --device cpu|cuda --threads N]   (defaults: a 5.2M-param llama)
+       --batch 4 --window 10 --snapshot-every 8 --steps 30 --device cpu|cuda --threads N]
+       (defaults: a 5.2M-param llama)
 """
 import argparse
 import statistics
@@ -29,6 +31,7 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--snapshot-every", type=int, default=8)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0)
@@ -45,14 +48,15 @@ def main():
     shard.write_bytes(tokens.to(torch.int16).numpy().tobytes())
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def run(with_recorder):
+    def run(mode):
         torch.manual_seed(0)
         model = torch_models.LlamaForCausalLM(cfg).to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         rec = None
-        if with_recorder:
+        if mode:
+            snapshots = dict(snapshot_every=args.snapshot_every) if mode == "snapshots" else {}
             rec = nanreplay_capture.Recorder(
-                model, opt, work / "incidents", arch="llama", window=args.window,
+                model, opt, work / "incidents", arch="llama", window=args.window, **snapshots,
                 model_config=dict(num_heads=cfg["num_heads"], rope_theta=cfg["rope_theta"]),
                 data=dict(shards=[str(shard)], seq_len=args.seq, micro_batch_size=args.batch), grad_clip=1.0)
         step_times, call_times = [], []
@@ -75,25 +79,31 @@ def main():
             opt.step()
             opt.zero_grad(set_to_none=True)
             sync()
-            if step >= min(args.window, args.steps // 2):  # the ring is full: its buffers exist
+            if step >= min(max(args.window, 2 * args.snapshot_every), args.steps // 2):  # buffers exist
                 step_times.append(time.perf_counter() - t0)
                 call_times.append((t1 - t0) + (t3 - t2))
         return statistics.median(step_times), (statistics.median(call_times) if rec else 0.0), rec, model
 
-    base, _, _, model = run(False)
-    with_rec, calls, rec, _ = run(True)
+    base, _, _, model = run(None)
     params = sum(p.numel() for p in model.parameters())
-    t0 = time.perf_counter()
-    bundle = rec.dump(work / "bundle")
-    dump_s = time.perf_counter() - t0
-    size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
     print(f"llama {params / 1e6:.1f}M params on {args.device} ({torch.get_num_threads()} threads), "
-          f"batch {args.batch}x{args.seq}, window {args.window}")
+          f"batch {args.batch}x{args.seq}, ring window {args.window}, snapshot every {args.snapshot_every}")
     print(f"  step without recorder  {base * 1e3:9.2f} ms")
-    print(f"  step with recorder     {with_rec * 1e3:9.2f} ms   ({100 * (with_rec - base) / base:+.1f}%)")
-    print(f"  begin_step + end_step  {calls * 1e3:9.2f} ms   ({100 * calls / base:.1f}% of a step)")
-    print(f"  host memory bound      {rec.host_bytes_bound / 2**20:9.1f} MiB")
-    print(f"  dump                   {dump_s:9.2f} s    ({size / 2**20:.1f} MiB bundle)")
+    measured = {}
+    for mode in ("ring", "snapshots"):
+        with_rec, calls, rec, _ = run(mode)
+        t0 = time.perf_counter()
+        bundle = rec.dump(work / f"bundle-{mode}")
+        dump_s = time.perf_counter() - t0
+        size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+        steps = len(list((bundle / "steps").iterdir()))
+        measured[mode] = calls
+        print(f"{mode}:")
+        print(f"  step with recorder     {with_rec * 1e3:9.2f} ms   ({100 * (with_rec - base) / base:+.1f}%)")
+        print(f"  begin_step + end_step  {calls * 1e3:9.2f} ms   ({100 * calls / base:.1f}% of a step)")
+        print(f"  host memory bound      {rec.host_bytes_bound / 2**20:9.1f} MiB")
+        print(f"  dump                   {dump_s:9.2f} s    ({size / 2**20:.1f} MiB bundle, {steps} steps)")
+    print(f"RATIO recorder calls per step, snapshots / ring: {measured['snapshots'] / measured['ring']:.2f}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@
 //   eager    replay step / the same step in eager PyTorch         (target <= 1.0)
 //   memory   peak RSS of `nanreplay run` on a 10-step bundle / on a 1-step
 //            bundle of the same model                             (target <= 1.2)
+//   derived  a rolled-forward step (probes on, then clip and AdamW) / an
+//            eager PyTorch training step (forward, backward, clip_grad_norm_,
+//            torch.optim.AdamW)                                   (target <= 1.0)
+//   rolling  peak RSS of `nanreplay run` on a 50-step / a 5-step window rolled
+//            forward from one checkpoint, probes on               (target <= 1.2)
 // A step is every micro-batch forward and backward from the step's checkpoint
 // plus (probes on) the parameter-gradient probes: replay_step(), the replay's
 // inner loop, with the checkpoint already mapped (loading is timed apart).
@@ -42,6 +47,7 @@
 #include "replay/replay_engine.h"
 #include "replay/step.h"
 #include "replay/step_scan.h"
+#include "replay/trajectory.h"
 #include "synth/synthetic_bundle.h"
 
 namespace fs = std::filesystem;
@@ -53,7 +59,7 @@ struct BenchConfig {
   int64_t hidden = 512, layers = 8, heads = 8, seq = 256, batch = 2, vocab = 8192;
   int repetitions = 7;
   int threads = 2;
-  bool eager = true, memory = true;
+  bool eager = true, memory = true, roll = true;
   std::string only;  // "on" or "off": time that side alone (for a profiler)
   fs::path work, cli, python, eager_script;
 };
@@ -67,7 +73,7 @@ double median(std::vector<double> values) {
   return values[values.size() / 2];
 }
 
-nanreplay::SyntheticSpec bench_spec(const BenchConfig& c, int64_t steps) {
+nanreplay::SyntheticSpec bench_spec(const BenchConfig& c, int64_t steps, int64_t checkpoint_every) {
   nanreplay::SyntheticSpec spec = nanreplay::synthetic_preset("clean-fp32");
   nanreplay::ModelConfig& m = spec.model;
   m.hidden_size = c.hidden;
@@ -81,19 +87,22 @@ nanreplay::SyntheticSpec bench_spec(const BenchConfig& c, int64_t steps) {
   spec.micro_batch_size = c.batch;
   spec.grad_accum_steps = 1;
   spec.num_steps = steps;
+  spec.checkpoint_every = checkpoint_every;
   spec.num_tokens = std::max<int64_t>(65536, (4 * steps * c.batch + 1) * c.seq + 1);
   return spec;
 }
 
-// The bundle of `steps` steps for this model, written on first use.
-fs::path bundle_for(const BenchConfig& c, int64_t steps) {
+// The bundle of `steps` steps for this model, written on first use; rolled
+// forward from its first checkpoint when `rolled`.
+fs::path bundle_for(const BenchConfig& c, int64_t steps, bool rolled = false) {
   const fs::path dir = c.work / ("llama-h" + std::to_string(c.hidden) + "-l" + std::to_string(c.layers) +
                                  "-s" + std::to_string(c.seq) + "-b" + std::to_string(c.batch) + "-v" +
-                                 std::to_string(c.vocab) + "-" + std::to_string(steps) + "steps");
+                                 std::to_string(c.vocab) + "-" + std::to_string(steps) + "steps" +
+                                 (rolled ? "-rolled" : ""));
   if (!fs::exists(dir / "manifest.json")) {
     std::printf("writing %s ...\n", dir.c_str());
     std::fflush(stdout);
-    nanreplay::write_synthetic_bundle(dir, bench_spec(c, steps));
+    nanreplay::write_synthetic_bundle(dir, bench_spec(c, steps, rolled ? steps : 1));
   }
   return dir;
 }
@@ -102,7 +111,8 @@ fs::path bundle_for(const BenchConfig& c, int64_t steps) {
 class EagerPeer {
  public:
   // `users_environment`: drop the OpenMP spin this program set for itself.
-  EagerPeer(const BenchConfig& c, const fs::path& bundle, int64_t step, bool users_environment) {
+  // `train`: each step also clips and applies torch.optim.AdamW.
+  EagerPeer(const BenchConfig& c, const fs::path& bundle, int64_t step, bool users_environment, bool train = false) {
     int to_child[2], from_child[2];
     if (pipe(to_child) != 0 || pipe(from_child) != 0) throw std::runtime_error("pipe failed");
     std::fflush(stdout);  // or the child's stdio would print our buffered lines again
@@ -118,7 +128,8 @@ class EagerPeer {
       }
       const std::string threads = std::to_string(c.threads), step_text = std::to_string(step);
       execl(c.python.c_str(), c.python.c_str(), c.eager_script.c_str(), "--bundle", bundle.c_str(),
-            "--step", step_text.c_str(), "--threads", threads.c_str(), static_cast<char*>(nullptr));
+            "--step", step_text.c_str(), "--threads", threads.c_str(), train ? "--train" : static_cast<char*>(nullptr),
+            static_cast<char*>(nullptr));
       std::perror("exec python");
       _exit(127);
     }
@@ -176,7 +187,8 @@ double peak_rss_mib(const BenchConfig& c, const fs::path& bundle, int* exit_code
 }
 
 BenchConfig parse(int argc, char** argv) {
-  cxxopts::Options options("bench_replay", "Replay cost ratios: probes on/off, replay/eager, peak RSS 10/1 steps");
+  cxxopts::Options options("bench_replay", "Replay cost ratios: probes on/off, replay/eager, peak RSS 10/1 "
+                                           "steps, derived/eager training step, peak RSS 50/5 derived steps");
   BenchConfig c;
   const fs::path exe_dir = fs::absolute(argv[0]).parent_path();
   options.add_options()
@@ -193,6 +205,7 @@ BenchConfig parse(int argc, char** argv) {
       ("python", "Python with torch", cxxopts::value<std::string>()->default_value("/usr/bin/python3"))
       ("skip-eager", "leave out the eager comparison")
       ("skip-memory", "leave out the peak RSS comparison")
+      ("skip-roll", "leave out rolling forward (derived step / eager training step, peak RSS 50/5 steps)")
       ("only", "run only the probes 'on' or 'off' replay, --reps times, no ratios (to profile it)",
        cxxopts::value<std::string>())
       ("h,help", "show this help");
@@ -214,6 +227,7 @@ BenchConfig parse(int argc, char** argv) {
   c.python = args["python"].as<std::string>();
   c.eager = args.count("skip-eager") == 0;
   c.memory = args.count("skip-memory") == 0;
+  c.roll = args.count("skip-roll") == 0 && c.eager;
   if (args.count("only")) {
     c.only = args["only"].as<std::string>();
     if (c.only != "on" && c.only != "off") throw std::invalid_argument("--only takes on or off");
@@ -266,11 +280,24 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  std::unique_ptr<EagerPeer> eager, eager_default;
+  std::unique_ptr<EagerPeer> eager, eager_default, eager_training;
   if (c.eager) {
     eager = std::make_unique<EagerPeer>(c, ten, files.step, false);
     eager_default = std::make_unique<EagerPeer>(c, ten, files.step, true);
   }
+  if (c.roll) eager_training = std::make_unique<EagerPeer>(c, ten, files.step, false, /*train=*/true);
+  // Rolling forward: the step's parameters and AdamW state, advanced by every derived step.
+  nanreplay::Trajectory trajectory;
+  if (c.roll) trajectory.start(bundle, files);
+  auto derive_once = [&] {
+    nanreplay::ModelCheckpoint current = trajectory.checkpoint();
+    nanreplay::StepRequest request;
+    request.probes = nanreplay::ProbeLevel::kFull;
+    nanreplay::StepResult step =
+        nanreplay::replay_step({bundle.manifest(), bundle.tokens(), files.step, state, batch}, current, {}, request);
+    trajectory.advance(step, state, /*scaler_skipped=*/false);
+    return step;
+  };
   const char* spin = std::getenv("GOMP_SPINCOUNT");
   const char* policy = std::getenv("OMP_WAIT_POLICY");
   const bool spin_is_ours = std::getenv(nanreplay::kSpinSetByNanreplay) != nullptr;
@@ -281,7 +308,8 @@ int main(int argc, char** argv) {
 
   size_t probe_count = 0;
   double loss_on = 0, loss_off = 0;
-  EagerPeer::Reply eager_reply, eager_default_reply;
+  EagerPeer::Reply eager_reply, eager_default_reply, eager_training_reply;
+  double loss_derived = 0;
   std::vector<std::function<double()>> sides = {
       [&] {
         const auto start = Clock::now();
@@ -305,8 +333,17 @@ int main(int argc, char** argv) {
       [&] {
         eager_default_reply = eager_default->step();
         return eager_default_reply.seconds;
+      },
+      [&] {
+        const auto start = Clock::now();
+        loss_derived = derive_once().loss;
+        return seconds_since(start);
+      },
+      [&] {
+        eager_training_reply = eager_training->step();
+        return eager_training_reply.seconds;
       }};
-  const size_t side_count = eager ? 4 : 2;
+  const size_t side_count = c.roll ? 6 : eager ? 4 : 2;
   for (size_t s = 0; s < side_count; ++s) sides[s]();  // warm up: page in, thread pools, allocator
   std::vector<std::vector<double>> times(side_count);
   for (int r = 0; r < c.repetitions; ++r) {
@@ -327,11 +364,13 @@ int main(int argc, char** argv) {
   std::vector<Summary> sum;
   for (const std::vector<double>& t : times) sum.push_back({median(t), *std::min_element(t.begin(), t.end())});
   const char* names[] = {"replay step, probes on", "replay step, probes off",
-                         "eager PyTorch, same OpenMP wait as the replay", "eager PyTorch, the user's environment"};
+                         "eager PyTorch, same OpenMP wait as the replay", "eager PyTorch, the user's environment",
+                         "derived step, probes on, clip + AdamW", "eager training step, clip + torch AdamW"};
   std::printf("%-46s %8s %8s\n", "seconds per step", "median", "best");
   for (size_t s = 0; s < side_count; ++s) std::printf("%-46s %8.3f %8.3f\n", names[s], sum[s].median, sum[s].best);
   std::printf("losses: probes on %.9g, probes off %.9g", loss_on, loss_off);
   if (eager) std::printf(", eager %.9g and %.9g", eager_reply.loss, eager_default_reply.loss);
+  if (c.roll) std::printf("; training (last repetition): derived %.9g, eager %.9g", loss_derived, eager_training_reply.loss);
   std::printf("; %zu probe records\n", probe_count);
   auto ratio = [&](const char* label, size_t a, size_t b, const char* target) {
     std::printf("RATIO %-44s median %.3f  best %.3f  %s\n", label, sum[a].median / sum[b].median,
@@ -344,6 +383,10 @@ int main(int argc, char** argv) {
     ratio("replay (probes on) / eager, user's env", 0, 3, "(target <= 1.0)");
     ratio("replay (probes on) / eager, same OpenMP wait", 0, 2, "(target <= 1.0)");
     ratio("replay (probes off) / eager, same OpenMP wait", 1, 2, "");
+  }
+  if (c.roll) {
+    eager_training.reset();
+    ratio("derived step / eager training step", 4, 5, "(target <= 1.0)");
   }
 
   if (c.memory) {
@@ -359,6 +402,15 @@ int main(int argc, char** argv) {
     std::printf("nanreplay run, peak RSS: 1-step bundle %.0f MiB (exit %d), 10-step bundle %.0f MiB (exit %d)\n",
                 peak_one, rc_one, peak_ten, rc_ten);
     std::printf("RATIO peak RSS 10 steps / 1 step %.3f  (target <= 1.2)\n", peak_ten / peak_one);
+  }
+  if (c.roll) {
+    // One run each: a 50-step run takes about a minute on 2 threads.
+    int rc_five = 0, rc_fifty = 0;
+    const double five = peak_rss_mib(c, bundle_for(c, 5, true), &rc_five);
+    const double fifty = peak_rss_mib(c, bundle_for(c, 50, true), &rc_fifty);
+    std::printf("nanreplay run rolled forward from one checkpoint, probes on, peak RSS: 5 steps %.0f MiB (exit %d), "
+                "50 steps %.0f MiB (exit %d)\n", five, rc_five, fifty, rc_fifty);
+    std::printf("RATIO peak RSS 50 derived steps / 5 %.3f  (target <= 1.2)\n", fifty / five);
   }
   return 0;
 }

@@ -12,6 +12,11 @@ device synchronisation on CUDA: copies go to pinned buffers asynchronously).
 Host memory is bounded by `window * (P * param_bytes + 2 * P * moment_bytes)`;
 with fp32 masters and moments that is `12 * P * window` bytes.
 
+With `snapshot_every=K` it keeps two full snapshots instead (one every K steps,
+the last two) plus each step's light record (samples, lr, loss scale, what the
+job logged), so host memory is `2 * 12 * P` bytes whatever K; the bundle starts
+at the older snapshot and nanreplay rolls the steps after it forward.
+
 Full API and the on-disk choices: docs/capture.md in the nanreplay repository.
 """
 
@@ -322,12 +327,14 @@ def _randperm_samples(sampler, num_samples, world, per_rank_step, step):
 # The ring buffer.
 
 class _StepSlot:
-    """One recorded step: host copies made at begin_step, scalars added at end_step."""
+    """One recorded step: host copies made at begin_step (none for a light record, whose
+    parameters nanreplay derives), scalars added at end_step."""
 
-    def __init__(self, params, pin):
-        self.params = [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for p in params]
-        self.exp_avg = [None] * len(params)      # host buffers, allocated on first AdamW state
-        self.exp_avg_sq = [None] * len(params)
+    def __init__(self, params, pin, full=True):
+        self.full = full
+        self.params = [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for p in params] if full else []
+        self.exp_avg = [None] * len(self.params)      # host buffers, allocated on first AdamW state
+        self.exp_avg_sq = [None] * len(self.params)
         self.pin = pin
         self._steps = None
         self.reset()
@@ -378,6 +385,9 @@ class Recorder:
         header_bytes=0, seq_len, micro_batch_size, grad_accum_steps=1, world_size=1,
         sampler=None or dict(kind="randperm", seed, epoch=0, epoch_start_step=0)).
       window: steps kept (the bundle holds at most this many).
+      snapshot_every: instead of a ring of `window` full steps, a full snapshot every K steps (the
+        last two kept) and a light record of every step since the older one; the bundle then rolls
+        forward from that snapshot (K + 1 to 2K steps). Host memory: two snapshots.
       precision: "fp32", "bf16" (autocast), "fp16" (autocast + GradScaler) or "fp8".
       grad_clip: the max_norm given to clip_grad_norm_, or None.
       param_names: dict or callable mapping the model's parameter names to the bundle's keys
@@ -389,9 +399,12 @@ class Recorder:
 
     def __init__(self, model, optimizer, out_dir, *, arch, data, model_config=None, window=DEFAULT_WINDOW,
                  precision="fp32", grad_clip=None, param_names=None, data_copy="auto",
-                 whole_copy_limit=DEFAULT_WHOLE_COPY_LIMIT, pin_memory=None):
+                 whole_copy_limit=DEFAULT_WHOLE_COPY_LIMIT, pin_memory=None, snapshot_every=None):
         if window < 1:
             raise CaptureError("window must be at least 1")
+        if snapshot_every is not None and int(snapshot_every) < 1:
+            raise CaptureError("snapshot_every must be at least 1 (or None for the ring of full steps)")
+        self.snapshot_every = None if snapshot_every is None else int(snapshot_every)
         if precision not in _PRECISIONS:
             raise CaptureError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
         if data_copy not in ("auto", "whole", "window"):
@@ -434,8 +447,9 @@ class Recorder:
 
         self._async = any(p.is_cuda for p in self.params)
         self._pin = (self._async and torch.cuda.is_available()) if pin_memory is None else bool(pin_memory)
-        self._free = []                                  # slots evicted from the ring, reused
+        self._free = []                                  # full slots evicted from the ring, reused
         self._ring = collections.deque()                 # slots in step order, oldest first
+        self._copying = None                             # the full slot whose copies may be in flight
         self._copy_stream = None
         if self._async and hasattr(optimizer, "register_step_pre_hook"):
             optimizer.register_step_pre_hook(self._order_update_after_copies)
@@ -505,9 +519,11 @@ class Recorder:
 
     @property
     def host_bytes_bound(self):
-        """The most host memory the ring can hold: window * (params + two AdamW moments)."""
+        """The most host memory the recorder can hold: window (or, with snapshot_every, two) times
+        params + two AdamW moments."""
         moments = sum(2 * p.numel() * p.element_size() for p in self.params)  # AdamW keeps the param dtype
-        return self.window * (self.param_bytes + moments)
+        full_steps = self.window if self.snapshot_every is None else 2
+        return full_steps * (self.param_bytes + moments)
 
     def set_epoch(self, epoch, epoch_start_step):
         """Tell the recorder the randperm sampler moved to a new epoch (as DistributedSampler.set_epoch)."""
@@ -527,16 +543,19 @@ class Recorder:
         loss_scale: GradScaler.get_scale() for fp16.
         """
         step = int(step)
-        if self._ring and step <= self._ring[-1].step:
-            self._free.extend(self._ring)  # the run went back (a restart): the old window is not its past
+        # The run went back (a restart) or, when rolling forward, skipped steps: the old window is not its past.
+        if self._ring and (step <= self._ring[-1].step or (self.snapshot_every and step != self._ring[-1].step + 1)):
+            self._free.extend(s for s in self._ring if s.full)
             self._ring.clear()
-        slot = self._take_slot()
+        slot = self._take_slot(step)
         slot.step = step
         slot.sampler = self.sampler
         slot.rows, slot.rows_are_samples = self._rows(step, samples, offsets)
         slot.lr = _as_float(lr) if lr is not None else self._optimizer_lr()
         slot.loss_scale = _as_float(loss_scale)
-        self._snapshot(slot)
+        if slot.full:
+            self._snapshot(slot)
+            self._copying = slot
         self._ring.append(slot)
 
     def _snapshot(self, slot):
@@ -576,9 +595,10 @@ class Recorder:
             slot.event.record(self._copy_stream)
 
     def _order_update_after_copies(self, *_):
-        """The update about to run rewrites what the newest slot is still copying: make it wait."""
-        if self._ring and self._ring[-1].event is not None:
-            torch.cuda.current_stream(self.params[0].device).wait_event(self._ring[-1].event)
+        """The update about to run rewrites what the newest full slot is still copying: make it wait."""
+        if self._copying is not None and self._copying.event is not None:
+            torch.cuda.current_stream(self.params[0].device).wait_event(self._copying.event)
+            self._copying = None
 
     def end_step(self, *, loss, grad_norm=None, rank_losses=None, rank_grad_norms=None, skipped=None):
         """Record what the job logged for the step begun last; dump the window on a non-finite loss
@@ -610,13 +630,31 @@ class Recorder:
             return f"grad_norm={_json_number(norm)}"
         return None
 
-    def _take_slot(self):
+    def _take_slot(self, step):
+        if self.snapshot_every is not None:
+            return self._take_snapshot_slot(step)
         if len(self._ring) >= self.window:
             slot = self._ring.popleft()
         elif self._free:
             slot = self._free.pop()
         else:
             return _StepSlot(self.params, self._pin)
+        return self._reused(slot)
+
+    def _take_snapshot_slot(self, step):
+        """A full slot every snapshot_every steps, a light one otherwise. A third snapshot evicts
+        the oldest with the light records before the second: the ring then starts at a snapshot."""
+        fulls = [s for s in self._ring if s.full]
+        if fulls and step - fulls[-1].step < self.snapshot_every:
+            return _StepSlot(self.params, self._pin, full=False)
+        if len(fulls) >= 2:
+            while self._ring[0] is not fulls[1]:
+                evicted = self._ring.popleft()
+                if evicted.full:
+                    self._free.append(evicted)
+        return self._reused(self._free.pop()) if self._free else _StepSlot(self.params, self._pin)
+
+    def _reused(self, slot):
         if slot.event is not None:
             slot.event.synchronize()  # its previous copies must land before they are overwritten
         slot.reset()
@@ -674,6 +712,7 @@ class Recorder:
         slots = list(self._ring)
         if not slots:
             raise CaptureError("nothing recorded yet: call begin_step() first")
+        assert slots[0].full, "a window starts at a full step"
         for slot in slots:
             if slot.event is not None:
                 slot.event.synchronize()
@@ -703,7 +742,8 @@ class Recorder:
                 "capture": {"writer": "nanreplay_capture", "version": CAPTURE_VERSION,
                             "torch": torch.__version__, "host": socket.gethostname(),
                             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                            "window": self.window},
+                            "window": self.window,
+                            **({"snapshot_every": self.snapshot_every} if self.snapshot_every else {})},
             }
             _write_json(tmp / "manifest.json", manifest)  # last: its presence marks a complete bundle
             if path.exists():
@@ -716,6 +756,11 @@ class Recorder:
 
     def _write_step(self, step_dir, slot):
         step_dir.mkdir(parents=True)
+        if slot.full:
+            self._write_checkpoint(step_dir, slot)
+        _write_json(step_dir / "state.json", self._step_state(slot))
+
+    def _write_checkpoint(self, step_dir, slot):
         write_safetensors(step_dir / "model.safetensors", list(zip(self.names, slot.params)))
         tensors = []
         for i, name in enumerate(self.names):
@@ -732,6 +777,9 @@ class Recorder:
                                f"({sorted(set(adam_steps))}); bundle v1 has one")
         tensors.append(("step", torch.tensor(adam_steps[0] if adam_steps else 0, dtype=torch.int64)))
         write_safetensors(step_dir / "optimizer.safetensors", tensors)
+
+    @staticmethod
+    def _step_state(slot):
         state = {"step": slot.step, "lr": _json_number(slot.lr)}
         if slot.loss_scale is not None:
             state["loss_scale"] = _json_number(slot.loss_scale)
@@ -743,7 +791,7 @@ class Recorder:
                 continue
             logged[key] = [_json_number(v) for v in value] if isinstance(value, list) else _json_number(value)
         state["logged"] = logged
-        _write_json(step_dir / "state.json", state)
+        return state
 
     def _write_data(self, root, slots, mode):
         """Writes the token data the slots read; returns (manifest "data", samples per slot, extra

@@ -59,10 +59,11 @@ void pause_for_test_at(const ReplayProgress& p) {
   std::raise(SIGSTOP);
 }
 
-ReplayReport replay_showing_progress(const Incident& incident, bool quiet, CommandIo& io) {
+ReplayReport replay_showing_progress(const Incident& incident, bool quiet, CommandIo& io, RunOutputs& outputs) {
   ProgressLine progress(io.err, !quiet && io.err_is_terminal);  // cleared on the way out
   IncidentHooks hooks;
   hooks.stop_requested = stop_requested;
+  hooks.on_step_probes = outputs.probe_sink();
   hooks.on_replay_progress = [&](const ReplayProgress& p) {
     pause_for_test_at(p);
     progress.update(p);
@@ -112,7 +113,7 @@ ReplayReport replay_and_write(const RunSettings& settings, CommandIo& io) {
   const Incident incident(settings.incident, IncidentUse::kReplay);
   const StopDeferral staged_output;  // destroyed after `outputs`: its cleanup runs first
   RunOutputs outputs(settings.out, incident.bundle().root(), settings.replace_existing);
-  const ReplayReport report = replay_showing_progress(incident, settings.quiet, io);
+  const ReplayReport report = replay_showing_progress(incident, settings.quiet, io, outputs);
   outputs.write_and_commit(report, incident.steps_to_replay(), stop_requested);
   announce_committed(settings.out);
   return report;

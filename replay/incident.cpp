@@ -1,10 +1,13 @@
 // The incident entry points of `run`, `demo` and `bisect`; see incident.h.
 #include "replay/incident.h"
 
+#include <algorithm>
+
 #include "loaders/error.h"
 #include "loaders/mapped_file.h"
 #include "nanreplay_version.h"
 #include "replay/bundle_structure.h"
+#include "replay/probe_retention.h"
 #include "replay/runtime.h"
 
 namespace nanreplay {
@@ -35,9 +38,12 @@ Incident::Incident(const IncidentSettings& settings, IncidentUse use)
       steps_to_replay_(count_selected_steps(bundle_, settings_.only_steps)) {
   for (const WhatIf& w : settings_.what_ifs) check_what_if(w, bundle_.manifest());
   // Refused before any checkpoint is opened or any output directory created.
-  const MemoryEstimate estimate = use == IncidentUse::kReplay
-                                      ? estimate_replay_memory(bundle_.manifest(), steps_to_replay_, settings_.probes)
-                                      : estimate_replay_memory(bundle_.manifest(), 1, true);
+  // `run` streams each step's probe records to the trace and keeps only the steps that matter.
+  const size_t steps_with_probes = std::min(steps_to_replay_, ProbeRetention::kMostStepsHeld);
+  const MemoryEstimate estimate =
+      use == IncidentUse::kReplay
+          ? estimate_replay_memory(bundle_.manifest(), steps_with_probes, settings_.probes, bundle_.rolls_forward())
+          : estimate_replay_memory(bundle_.manifest(), 1, true, bundle_.rolls_forward());
   require_memory_fits(estimate, settings_.max_memory ? *settings_.max_memory : default_memory_limit());
   // Every structural fault `inspect` reports, before any work or output.
   validate_bundle_structure(bundle_);
@@ -60,6 +66,7 @@ ReplayReport Incident::replay(const IncidentHooks& hooks) const {
   options.cross_check = settings_.cross_check;
   options.native_low_precision = settings_.native_low_precision;
   options.should_stop = poll(hooks);
+  options.on_step_probes = hooks.on_step_probes;
   ReplayReport report = replay_bundle(bundle_, options);
   if (!settings_.what_ifs.empty()) {
     const auto before_pass = [&] {

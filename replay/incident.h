@@ -47,6 +47,8 @@ struct IncidentHooks {
   std::function<bool()> stop_requested;
   std::function<void(const ReplayProgress&)> on_replay_progress;
   std::function<void(const BisectProgress&)> on_bisect_progress;
+  // A replay's probe records, step by step, for the trace (ReplayOptions::on_step_probes).
+  std::function<void(const std::vector<ProbeRecord>&)> on_step_probes;
 };
 
 class Incident {

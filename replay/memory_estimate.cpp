@@ -185,8 +185,8 @@ std::string lower(std::string text) {
 
 }  // namespace
 
-MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_replayed,
-                                      bool probes) {
+MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_with_probes, bool probes,
+                                      bool rolls_forward) {
   const Dims d = dims_of(manifest);
   const ParamCount params = count_parameters(manifest, d);
   const bool reduced = manifest.precision.compute == Compute::kBf16 ||
@@ -198,7 +198,8 @@ MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_rep
   // param.grad, the rank's unscaled copy and the cross-rank sum (gradients.cpp).
   estimate.gradients = params.elements * kFloatBytes * 3;
   estimate.activations = activation_bytes(manifest, d);
-  estimate.probes = probes ? probe_record_bytes(manifest, d, params.tensors, steps_replayed) : 0;
+  estimate.probes = probes ? probe_record_bytes(manifest, d, params.tensors, steps_with_probes) : 0;
+  estimate.rolling = rolls_forward ? params.elements * kFloatBytes * 4 : 0;
   estimate.runtime = kRuntimeBytes;
   return estimate;
 }
@@ -270,18 +271,19 @@ namespace {
 // Which part of the estimate dominates, and what sets it, so the refusal
 // points at the cause (a typo'd vocab_size, a huge micro-batch, many steps).
 std::string dominant_cause(const MemoryEstimate& e) {
-  const double weights = e.parameters + e.gradients;
+  const double weights = e.parameters + e.gradients + e.rolling;
   const double largest = std::max({weights, e.activations, e.probes, e.runtime});
   if (largest == e.runtime) return "the runtime's fixed cost (LibTorch itself)";
   if (largest == weights) {
-    return "parameters and gradients, set by model.vocab_size, model.hidden_size, "
+    return std::string(e.rolling > 0 ? "parameters, gradients and the rolled-forward AdamW state" : "parameters and gradients") +
+           ", set by model.vocab_size, model.hidden_size, "
            "model.intermediate_size and model.num_layers in manifest.json";
   }
   if (largest == e.activations) {
     return "activations, set by data.micro_batch_size, data.seq_len, model.num_heads, "
            "model.hidden_size and model.vocab_size in manifest.json";
   }
-  return "probe records, set by the number of steps (see --steps), data.grad_accum_steps, "
+  return "probe records, set by data.grad_accum_steps, "
          "data.world_size, model.num_layers and model.num_heads in manifest.json; "
          "--no-probes drops them";
 }
@@ -295,7 +297,9 @@ void require_memory_fits(const MemoryEstimate& estimate, const MemoryLimit& limi
           << " of memory (parameters " << format_bytes(estimate.parameters) << ", gradients "
           << format_bytes(estimate.gradients) << ", activations of one micro-batch "
           << format_bytes(estimate.activations) << ", probe records "
-          << format_bytes(estimate.probes) << ", runtime " << format_bytes(estimate.runtime)
+          << format_bytes(estimate.probes)
+          << (estimate.rolling > 0 ? ", rolled-forward parameters and AdamW state " + format_bytes(estimate.rolling) : "")
+          << ", runtime " << format_bytes(estimate.runtime)
           << "), more than the limit of " << format_bytes(static_cast<double>(limit.bytes))
           << " (" << limit.source << "); most of it is " << dominant_cause(estimate)
           << ". Nothing was loaded; if the machine has the room, raise the limit with "

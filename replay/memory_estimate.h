@@ -20,14 +20,16 @@ struct MemoryEstimate {
   double gradients = 0;    // parameter grads, each rank's unscaled copy, the accumulated sum
   double activations = 0;  // what autograd keeps for one micro-batch, plus the backward's working set
   double probes = 0;       // probe records kept for the report and the trace
+  double rolling = 0;      // rolling forward: the derived parameters, both AdamW moments, one copy for the self-checks
   double runtime = 0;      // LibTorch, its thread pools and the process itself
-  double total() const { return parameters + gradients + activations + probes + runtime; }
+  double total() const { return parameters + gradients + activations + probes + rolling + runtime; }
 };
 
-// `steps_replayed`: how many steps the run will replay (probe records pile up
-// across steps); `probes`: whether probes are on.
-MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_replayed,
-                                      bool probes);
+// `steps_with_probes`: how many steps' probe records are held at once (a
+// `run` streams them to the trace: replay/probe_retention.h bounds it);
+// `probes`: whether probes are on; `rolls_forward`: some step is derived.
+MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_with_probes, bool probes,
+                                      bool rolls_forward = false);
 
 // A memory limit and where it came from, for the refusal message.
 struct MemoryLimit {

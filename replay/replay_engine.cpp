@@ -18,6 +18,7 @@
 #include "replay/data_findings.h"
 #include "replay/origin_tokens.h"
 #include "replay/probe_comparison.h"
+#include "replay/probe_retention.h"
 #include "replay/self_checks.h"
 #include "replay/step.h"
 #include "replay/step_scan.h"
@@ -76,6 +77,7 @@ class BundleReplay {
 
   void replay_steps() {
     for (size_t index = 0; index < todo_.size(); ++index) replay_one(*todo_[index], index);
+    retention_.finish();
   }
 
   // What the steps found together.
@@ -178,9 +180,15 @@ class BundleReplay {
     }
     roll_forward(files, state, step, outcome);
     loss_scales_.step_done(outcome.scaler_skipped);
+    outcome.probe_summary = summarize_probes(step.probes);
     report_.steps.push_back(outcome);
-    report_.probes.insert(report_.probes.end(), std::make_move_iterator(step.probes.begin()),
-                          std::make_move_iterator(step.probes.end()));
+    if (options_.on_step_probes) {
+      options_.on_step_probes(step.probes);
+      retention_.step_done(files.step, std::move(step.probes), first_ ? std::optional(first_->step) : std::nullopt);
+    } else {
+      report_.probes.insert(report_.probes.end(), std::make_move_iterator(step.probes.begin()),
+                            std::make_move_iterator(step.probes.end()));
+    }
     step = StepResult{};
     return_freed_memory();
   }
@@ -312,6 +320,7 @@ class BundleReplay {
   bool trajectory_ok_ = true;
   LossScales loss_scales_{bundle_.rolls_forward()};
   std::optional<ModelCheckpoint> recheck_params_;
+  ProbeRetention retention_{report_.probes};  // with on_step_probes
 };
 
 }  // namespace

@@ -41,6 +41,10 @@ struct ReplayOptions {
   // bf16/fp16 in the low type on a GPU ("native"); emulated by rounding fp32
   // elsewhere and when false.
   bool native_low_precision = true;
+  // When set, each step's probe records go here as the step ends (to the
+  // trace), and report.probes keeps only the steps that matter
+  // (replay/probe_retention.h): memory stays flat however long the window.
+  std::function<void(const std::vector<ProbeRecord>&)> on_step_probes;
 };
 
 // What the Interrupted (loaders/error.h) thrown when should_stop() returned

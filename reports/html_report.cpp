@@ -20,6 +20,8 @@ namespace nanreplay {
 namespace {
 
 constexpr size_t kPropagationShown = 10;
+// Long windows: the step strip has at most this many cells.
+constexpr size_t kStripCells = 400;
 constexpr int64_t kTokenWindowRadius = 12;
 
 std::string escape_html(const std::string& text) {
@@ -85,6 +87,10 @@ details.step summary{cursor:pointer;font-weight:600}
 .heat th.col div{transform:rotate(-60deg);transform-origin:left bottom;width:18px;margin-left:12px;white-space:nowrap}
 .heat td{width:30px;height:24px;text-align:center;border:1px solid #fff;font-size:10px;color:#fff}
 .heat td.empty{background:#f1f3f5}
+.strip{display:flex;flex-wrap:wrap;gap:1px;background:#fff;padding:6px;border-radius:8px}
+.strip span{width:6px;height:18px;background:#dee2e6}
+.strip span.nf{background:#e03131}
+.strip span.shown{outline:2px solid #000}
 .heat td.nonfinite{background:#e03131;font-weight:700}
 .heat td.origin{outline:3px solid #000;outline-offset:-2px;position:relative}
 .legend{display:flex;align-items:center;gap:8px;font-size:12px;color:#5c6373;margin:6px 0}
@@ -325,14 +331,67 @@ std::string render_triage(const ReplayReport& report) {
   return out.str();
 }
 
+// The steps whose probe records the report kept (all of them, or the ones
+// that matter when the trace took the rest: replay/probe_retention.h).
+std::set<int64_t> steps_with_records(const ReplayReport& report) {
+  std::set<int64_t> steps;
+  for (const ProbeRecord& r : report.probes) steps.insert(r.step);
+  return steps;
+}
+
+// One cell per step (or per group of steps in a long window): the step's
+// largest forward |x|, red where a site went non-finite. The heatmaps below
+// cover the steps that matter; trace.h5 holds every record.
+std::string render_step_strip(const ReplayReport& report, const std::set<int64_t>& detailed) {
+  const size_t n = report.steps.size();
+  if (n < 2) return "";
+  const size_t per_cell = (n + kStripCells - 1) / kStripCells;
+  double low = std::numeric_limits<double>::infinity(), high = -low;
+  for (const StepOutcome& s : report.steps) {
+    if (s.probe_summary.probed && s.probe_summary.forward_max_abs > 0) {
+      low = std::min(low, std::log10(s.probe_summary.forward_max_abs));
+      high = std::max(high, std::log10(s.probe_summary.forward_max_abs));
+    }
+  }
+  if (!std::isfinite(low)) return "";
+  if (high - low < 1e-9) high = low + 1.0;
+  std::ostringstream out;
+  out << "<h2>Every step: largest forward max|x|</h2><div class=\"strip\">";
+  for (size_t begin = 0; begin < n; begin += per_cell) {
+    const size_t end = std::min(n, begin + per_cell);
+    double largest = 0;
+    int64_t nonfinite = 0;
+    bool shown_below = false;
+    for (size_t i = begin; i < end; ++i) {
+      const StepOutcome& s = report.steps[i];
+      largest = std::max(largest, s.probe_summary.forward_max_abs);
+      nonfinite += s.probe_summary.nonfinite_records + (s.replayed && !s.finite ? 1 : 0);
+      shown_below = shown_below || detailed.count(s.step);
+    }
+    const std::string steps = begin + 1 == end ? "step " + std::to_string(report.steps[begin].step)
+                                               : "steps " + std::to_string(report.steps[begin].step) + "-" +
+                                                     std::to_string(report.steps[end - 1].step);
+    const double t = largest > 0 ? (std::log10(largest) - low) / (high - low) : 0.0;
+    out << "<span title=\"" << steps << ": max|x| " << escape_html(format_number(largest))
+        << (nonfinite ? ", non-finite" : "") << (shown_below ? " (heatmap below)" : "") << "\" class=\""
+        << (nonfinite ? "nf" : "") << (shown_below ? " shown" : "") << "\""
+        << (nonfinite ? "" : " style=\"background:" + ramp_colour(t) + "\"") << "></span>";
+  }
+  out << "</div><p class=\"meta\">" << n << " steps" << (per_cell > 1 ? ", " + std::to_string(per_cell) + " per cell" : "")
+      << "; outlined: heatmaps below. trace.h5 holds every probe of every step.</p>";
+  return out.str();
+}
+
 std::string render_heatmaps(const ReplayReport& report) {
   if (report.probes.empty()) return "";
   const Scale forward = phase_scale(report, Phase::kForward);
   const Scale backward = phase_scale(report, Phase::kBackward);
+  const std::set<int64_t> detailed = steps_with_records(report);
   std::ostringstream out;
+  out << render_step_strip(report, detailed);
   out << "<h2>log10 max|x| by layer and site</h2>" << render_legend(forward, backward);
   for (const StepOutcome& s : report.steps) {
-    if (!s.replayed) continue;
+    if (!s.replayed || !detailed.count(s.step)) continue;
     const bool origin_step = report.first_nonfinite && report.first_nonfinite->step == s.step;
     const bool open = origin_step || (!report.first_nonfinite && &s == &report.steps.back());
     out << "<details class=\"step\"" << (open ? " open" : "") << "><summary>step " << s.step << " &mdash; loss "
@@ -393,6 +452,7 @@ std::string render_loss_chart(const ReplayReport& report) {
       if (line.logged ? !s.logged_loss : !s.replayed) continue;
       if (std::isfinite(v)) {
         points += fixed(x_of(i), 1) + "," + fixed(y_of(v), 1) + " ";
+        if (n > kListedSteps) continue;  // a line only: thousands of dots say nothing more
         out << "<circle cx=\"" << fixed(x_of(i), 1) << "\" cy=\"" << fixed(y_of(v), 1) << "\" r=\"3\" fill=\"" << line.colour << "\"/>";
       } else {
         out << "<text x=\"" << fixed(x_of(i) - 4, 1) << "\" y=\"" << top - 4 + (line.logged ? 12 : 0) << "\" font-size=\"13\" "
@@ -402,7 +462,8 @@ std::string render_loss_chart(const ReplayReport& report) {
     out << "<polyline fill=\"none\" stroke=\"" << line.colour << "\" stroke-width=\"" << (line.logged ? 1.5 : 3) << "\" stroke-dasharray=\"" << line.dash
         << "\" points=\"" << points << "\"/>";
   }
-  for (size_t i = 0; i < n; ++i) {
+  const size_t label_every = std::max<size_t>(1, (n + 11) / 12);
+  for (size_t i = 0; i < n; i += label_every) {
     out << "<text x=\"" << fixed(x_of(i), 1) << "\" y=\"" << height - 10 << "\" font-size=\"11\" text-anchor=\"middle\" "
         << "fill=\"#5c6373\">" << report.steps[i].step << "</text>";
   }
@@ -417,7 +478,13 @@ std::string render_steps(const ReplayReport& report) {
   out << "<h2>Replayed against logged loss</h2><div class=\"two\"><div class=\"panel\">" << render_loss_chart(report)
       << "</div><table class=\"grid\"><tr><th>step</th><th>replayed loss</th><th>logged loss</th><th>grad norm</th>"
       << "<th class=\"l\">finite</th></tr>";
-  for (const StepOutcome& s : report.steps) {
+  const std::vector<size_t> rows = steps_worth_listing(report);
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const StepOutcome& s = report.steps[rows[k]];
+    if (k > 0 && rows[k] != rows[k - 1] + 1) {
+      out << "<tr><td colspan=\"5\" class=\"l\">&hellip; " << (rows[k] - rows[k - 1] - 1)
+          << " steps, in report.json</td></tr>";
+    }
     const bool first = report.first_nonfinite && report.first_nonfinite->step == s.step;
     const std::string finite = !s.replayed ? "not replayed: " + s.not_replayed_reason : s.finite ? "yes" : "NO";
     out << "<tr" << (first ? " class=\"first\"" : "") << "><td>" << s.step << (s.derived ? " (derived)" : "")

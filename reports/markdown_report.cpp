@@ -106,7 +106,10 @@ void write_verdict(std::ostringstream& out, const ReplayReport& report) {
 
 void write_steps(std::ostringstream& out, const ReplayReport& report) {
   out << "\n## Steps\n\n| step | replayed loss | logged loss | grad norm | finite |\n|---:|---:|---:|---:|:---|\n";
-  for (const StepOutcome& s : report.steps) {
+  const std::vector<size_t> rows = steps_worth_listing(report);
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const StepOutcome& s = report.steps[rows[k]];
+    if (k > 0 && rows[k] != rows[k - 1] + 1) out << "| ... | " << (rows[k] - rows[k - 1] - 1) << " steps in report.json | | | |\n";
     const bool first = report.first_nonfinite && report.first_nonfinite->step == s.step;
     std::string finite = !s.replayed   ? "not replayed: " + escape_markdown(s.not_replayed_reason)
                          : s.finite    ? "yes"

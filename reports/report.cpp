@@ -2,7 +2,9 @@
 // project adds are documented in docs/report-format.md.
 #include "reports/report.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "loaders/error.h"
 
@@ -77,6 +79,13 @@ nlohmann::json what_if_outcome_json(const WhatIfOutcome& w) {
           {"replays", w.replays}};
 }
 
+nlohmann::json probe_summary_json(const ProbeSummary& p) {
+  if (!p.probed) return nullptr;
+  return {{"forward_max_abs", json_number(p.forward_max_abs)},
+          {"backward_max_abs", json_number(p.backward_max_abs)},
+          {"nonfinite_records", p.nonfinite_records}};
+}
+
 nlohmann::json step_to_json(const StepOutcome& step) {
   nlohmann::json out = {
       {"step", step.step},
@@ -99,10 +108,36 @@ nlohmann::json step_to_json(const StepOutcome& step) {
   for (double value : step.rank_grad_norms) rank_norms.push_back(json_number(value));
   out["rank_losses"] = rank_losses;
   out["rank_grad_norms"] = rank_norms;
+  out["probe_summary"] = probe_summary_json(step.probe_summary);
   return out;
 }
 
 }  // namespace
+
+ProbeSummary summarize_probes(const std::vector<ProbeRecord>& step_records) {
+  ProbeSummary summary;
+  for (const ProbeRecord& r : step_records) {
+    if (r.head != -1 || r.phase == Phase::kGrad) continue;
+    summary.probed = true;
+    if (!r.stats.all_finite()) ++summary.nonfinite_records;
+    if (!std::isfinite(r.stats.max_abs)) continue;
+    double& largest = r.phase == Phase::kForward ? summary.forward_max_abs : summary.backward_max_abs;
+    largest = std::max(largest, r.stats.max_abs);
+  }
+  return summary;
+}
+
+std::vector<size_t> steps_worth_listing(const ReplayReport& report) {
+  const size_t n = report.steps.size();
+  std::vector<size_t> rows;
+  for (size_t i = 0; i < n; ++i) {
+    const bool near_origin =
+        report.first_nonfinite &&
+        std::llabs(report.steps[i].step - report.first_nonfinite->step) <= static_cast<int64_t>(kListedEdge / 2);
+    if (n <= kListedSteps || i < kListedEdge || i + kListedEdge >= n || near_origin) rows.push_back(i);
+  }
+  return rows;
+}
 
 FirstNonfinite first_nonfinite_of(const ProbeRecord& record) {
   FirstNonfinite first;

@@ -141,6 +141,18 @@ struct CrossDeviceCheck : ReplayComparison {
   double max_abs_a = 0.0, max_abs_b = 0.0, sum_a = 0.0, sum_b = 0.0;
 };
 
+// One step's probes in three numbers, for the compact strip of report.html
+// and for scripts: the largest finite |x| forward and backward over every
+// whole-tensor site, and how many site records hold a non-finite value.
+struct ProbeSummary {
+  bool probed = false;
+  double forward_max_abs = 0.0;
+  double backward_max_abs = 0.0;
+  int64_t nonfinite_records = 0;
+};
+ProbeSummary summarize_probes(const std::vector<ProbeRecord>& step_records);
+
+
 struct StepOutcome {
   int64_t step = 0;
   bool replayed = false;
@@ -157,6 +169,7 @@ struct StepOutcome {
   double loss_scale = 1.0;
   std::vector<double> rank_losses;
   std::vector<double> rank_grad_norms;
+  ProbeSummary probe_summary;
 };
 
 struct ReplayReport {
@@ -178,7 +191,8 @@ struct ReplayReport {
   std::vector<std::string> devices{"cpu"};
   std::string low_precision = "emulated";
   std::optional<CrossDeviceCheck> cross_check;
-  std::vector<ProbeRecord> probes;  // every probe, for the trace
+  // Every probe, or with ReplayOptions::on_step_probes those of the steps that matter.
+  std::vector<ProbeRecord> probes;
   // The token ids of first_nonfinite's sample (seq_len + 1 of them, the first
   // at global token index offending_tokens_start), for the HTML token window.
   // Empty when the origin names no sample.
@@ -192,6 +206,14 @@ struct ReplayReport {
   // `run --what-if`: one outcome per what-if, in the order given.
   std::optional<std::vector<WhatIfOutcome>> what_if;
 };
+
+// Steps tables of long windows: every step up to kListedSteps, else the
+// first and last kListedEdge steps and those within kListedEdge / 2 of the
+// first non-finite value (indices into report.steps, increasing). The
+// terminal, report.md and report.html list these; report.json has them all.
+constexpr size_t kListedSteps = 200;
+constexpr size_t kListedEdge = 20;
+std::vector<size_t> steps_worth_listing(const ReplayReport& report);
 
 // A JSON number, or "nan"/"inf"/"-inf" for non-finite values.
 nlohmann::json json_number(double value);

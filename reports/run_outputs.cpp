@@ -9,7 +9,6 @@
 #include "loaders/mapped_file.h"
 #include "reports/html_report.h"
 #include "reports/markdown_report.h"
-#include "reports/trace_writer.h"
 
 namespace nanreplay {
 
@@ -34,11 +33,21 @@ RunOutputs::RunOutputs(const std::filesystem::path& dir, const std::filesystem::
 void RunOutputs::stage(const ReplayReport& report) {
   const TraceHeader header{report.bundle, report.tool_version, compute_name(report.precision),
                            arch_name(report.arch), {}};
-  write_trace(dir_.staging_path("trace.h5").string(), header, report.probes, trace_step_rows(report),
-              dir_.display_path("trace.h5"));
+  if (!streamed_) trace().append(report.probes);
+  trace().finish(header, trace_step_rows(report));
   dir_.write_text("report.json", report_to_json(report).dump(2) + "\n");
   dir_.write_text("report.md", render_markdown(report));
   dir_.write_text("report.html", render_html(report));
+}
+
+TraceStream& RunOutputs::trace() {
+  if (!trace_) trace_.emplace(dir_.staging_path("trace.h5").string(), dir_.display_path("trace.h5"));
+  return *trace_;
+}
+
+std::function<void(const std::vector<ProbeRecord>&)> RunOutputs::probe_sink() {
+  streamed_ = true;
+  return [this](const std::vector<ProbeRecord>& records) { trace().append(records); };
 }
 
 void RunOutputs::write_and_commit(const ReplayReport& report, size_t steps_replayed,

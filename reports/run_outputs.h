@@ -9,9 +9,12 @@
 #include <cstddef>
 #include <filesystem>
 #include <functional>
+#include <optional>
+#include <vector>
 
 #include "reports/output_dir.h"
 #include "reports/report.h"
+#include "reports/trace_writer.h"
 
 namespace nanreplay {
 
@@ -29,10 +32,19 @@ class RunOutputs {
   void write_and_commit(const ReplayReport& report, size_t steps_replayed,
                         const std::function<bool()>& stop_requested);
 
+  // Where the replay hands each step's probe records (ReplayOptions::
+  // on_step_probes): appended to the staged trace.h5 at once, so memory does
+  // not grow with the window; a full disk stops the replay there
+  // (OutputError). Without it, the trace takes report.probes.
+  std::function<void(const std::vector<ProbeRecord>&)> probe_sink();
+
  private:
   void stage(const ReplayReport& report);
+  TraceStream& trace();
 
   OutputDir dir_;
+  bool streamed_ = false;
+  std::optional<TraceStream> trace_;  // after dir_: removed before the staging directory
 };
 
 }  // namespace nanreplay

@@ -121,7 +121,10 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
   }
   out << "\n  " << pad("step", 8) << pad("loss", 14) << pad("logged loss", 14) << pad("grad norm", 14)
       << "finite\n";
-  for (const StepOutcome& step : report.steps) {
+  const std::vector<size_t> rows = steps_worth_listing(report);
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const StepOutcome& step = report.steps[rows[k]];
+    if (k > 0 && rows[k] != rows[k - 1] + 1) out << "  ... " << (rows[k] - rows[k - 1] - 1) << " steps (report.json)\n";
     const bool first = report.first_nonfinite && report.first_nonfinite->step == step.step;
     // A step whose only overflow is the loss scaler's business reads as handled.
     const bool handled = step.scaler_skipped && !first && std::isfinite(step.loss);

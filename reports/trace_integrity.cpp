@@ -32,15 +32,20 @@ const char* const kRegenerate = "regenerate it with `nanreplay run`";
 
 }  // namespace
 
+std::string trace_integrity_block(uint64_t length, const std::string& sha256_hex) {
+  char digits[kLengthDigits + 1];
+  std::snprintf(digits, sizeof digits, "%020llu", static_cast<unsigned long long>(length));
+  std::string block = std::string(kMagic) + kLengthKey + digits + "\n" + kShaKey + sha256_hex + "\n";
+  block.resize(kTraceIntegrityBlockBytes, '\0');
+  return block;
+}
+
 void seal_trace_image(std::vector<uint8_t>& file) {
   if (file.size() < kTraceIntegrityBlockBytes) throw std::logic_error("seal_trace_image: no room for the block");
   const size_t length = file.size() - kTraceIntegrityBlockBytes;
-  const std::string digest = sha256_hex(file.data() + kTraceIntegrityBlockBytes, length);
-  char digits[kLengthDigits + 1];
-  std::snprintf(digits, sizeof digits, "%020llu", static_cast<unsigned long long>(length));
-  const std::string text = std::string(kMagic) + kLengthKey + digits + "\n" + kShaKey + digest + "\n";
-  std::fill(file.begin(), file.begin() + kTraceIntegrityBlockBytes, uint8_t{0});
-  std::memcpy(file.data(), text.data(), text.size());
+  const std::string block =
+      trace_integrity_block(length, sha256_hex(file.data() + kTraceIntegrityBlockBytes, length));
+  std::memcpy(file.data(), block.data(), block.size());
 }
 
 void verify_trace_image(const uint8_t* bytes, size_t size, const std::string& label) {

@@ -20,6 +20,9 @@ namespace nanreplay {
 
 constexpr size_t kTraceIntegrityBlockBytes = 512;
 
+// The 512 bytes of the block for `length` bytes whose SHA-256 is `sha256_hex`.
+std::string trace_integrity_block(uint64_t length, const std::string& sha256_hex);
+
 // Writes the block for file[512, end) into file[0, 512); file.size() >= 512.
 void seal_trace_image(std::vector<uint8_t>& file);
 

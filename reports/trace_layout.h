@@ -26,7 +26,7 @@ constexpr const char* kStepsGroup = "steps";
 // Lists the names of TraceHeader::extra (newline-separated), so the reader
 // opens attributes by name and never iterates over a file's attributes.
 constexpr const char* kExtraAttributesName = "extra_attributes";
-// HDF5's core driver grows the in-memory file by this much at a time.
+// HDF5's core driver (the reader's) grows the in-memory file by this much at a time.
 constexpr size_t kImageIncrement = size_t{1} << 20;
 // No column may claim more decoded bytes than this many times the file's size
 // (deflate's best ratio is about 1032:1): a dataset with no storage but a
@@ -34,10 +34,8 @@ constexpr size_t kImageIncrement = size_t{1} << 20;
 constexpr uint64_t kMaxExpansion = 1100;
 // Widest string column or attribute the reader accepts.
 constexpr size_t kMaxStringWidth = size_t{1} << 20;
-// Largest chunk the reader lets HDF5 decompress (the writer's are 256 KiB).
+// Largest chunk the reader lets HDF5 decompress (the writer's are at most kChunkBytes).
 constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 22;
-// Columns shorter than this stay contiguous: chunking buys nothing there.
-constexpr hsize_t kChunkThreshold = 4096;
 constexpr hsize_t kChunkBytes = hsize_t{1} << 18;
 
 // --- HDF5 plumbing -------------------------------------------------------
@@ -106,8 +104,8 @@ inline std::string take_hdf5_error() {
 }
 
 
-// Writer-side HDF5 failures (the file is built in memory: a bug or no
-// memory): std::runtime_error naming the file and the step.
+// Writer-side HDF5 failures (I/O errors are latched by the file driver and
+// reported apart): std::runtime_error naming the file and the step.
 [[noreturn]] inline void fail_write(const std::string& path, const std::string& what) {
   const std::string detail = take_hdf5_error();
   throw std::runtime_error("cannot write trace " + path + ": " + what +
@@ -157,6 +155,9 @@ struct RealColumn {
 template <class Row>
 struct TextColumn {
   const char* name;
+  // Least stored width in bytes. A streamed column's width is fixed by its
+  // first rows (at least this): a longer value later is refused by the writer.
+  size_t width;
   std::string (*get)(const Row&);
   bool (*set)(Row&, const std::string&);  // false: not a valid value
 };
@@ -259,10 +260,10 @@ const RealColumn<Probe> kProbeRealColumns[] = {
 };
 
 const TextColumn<Probe> kProbeTextColumns[] = {
-    {"phase", [](const Probe& r) -> std::string { return phase_name(r.phase); },
+    {"phase", 16, [](const Probe& r) -> std::string { return phase_name(r.phase); },
      [](Probe& r, const std::string& v) { return parse_phase(v, r.phase); }},
     // After "phase": a parameter's key for phase grad, a site's name otherwise.
-    {"site", [](const Probe& r) { return probe_name(r); },
+    {"site", 256, [](const Probe& r) { return probe_name(r); },
      [](Probe& r, const std::string& v) {
        if (r.phase == Phase::kGrad) {
          r.param = v;
@@ -272,12 +273,12 @@ const TextColumn<Probe> kProbeTextColumns[] = {
        if (site) r.site = *site;
        return site.has_value();
      }},
-    {"first_kind",
+    {"first_kind", 16,
      [](const Probe& r) -> std::string { return nonfinite_kind_name(r.stats.first_kind); },
      [](Probe& r, const std::string& v) { return parse_kind(v, r.stats.first_kind); }},
-    {"shape", [](const Probe& r) { return join_dims(r.shape); },
+    {"shape", 192, [](const Probe& r) { return join_dims(r.shape); },
      [](Probe& r, const std::string& v) { return split_dims(v, r.shape); }},
-    {"first_index", [](const Probe& r) { return join_dims(r.first_index); },
+    {"first_index", 192, [](const Probe& r) { return join_dims(r.first_index); },
      [](Probe& r, const std::string& v) { return split_dims(v, r.first_index); }},
 };
 

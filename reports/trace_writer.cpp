@@ -1,9 +1,9 @@
 // Writes trace.h5 (layout in trace_writer.h and docs/trace-format.md) with
-// the HDF5 C API. HDF5 only ever works on memory (its core driver): the file
-// image is built in memory and written to disk by us, so a full disk is one
-// checked write(), not an error inside HDF5. HDF5 never prints: its errors
-// become exceptions. Serial HDF5 is not thread-safe: one write_trace or
-// read_trace at a time per process.
+// the HDF5 C API, on disk as the replay goes, through the latching file
+// driver (trace_file_driver.h): an I/O error never reaches HDF5, it is
+// reported here as OutputError and the file removed. HDF5 never prints: its
+// errors become exceptions. Serial HDF5 is not thread-safe: one trace written
+// or read at a time per process.
 #include "reports/trace_writer.h"
 
 #include <fcntl.h>
@@ -12,18 +12,18 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
-#include <new>
-#include <set>
-#include <sstream>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 
 #include "loaders/error.h"
+#include "loaders/sha256.h"
+#include "reports/trace_file_driver.h"
 #include "reports/trace_integrity.h"
 #include "reports/trace_layout.h"
 
@@ -31,8 +31,6 @@ namespace nanreplay {
 namespace {
 
 using namespace trace_layout;
-
-// --- Writing -------------------------------------------------------------
 
 std::string utc_timestamp() {
   const std::time_t now = std::time(nullptr);
@@ -52,224 +50,335 @@ Handle string_type(size_t width, const std::string& path) {
   return type;
 }
 
-class TraceFileWriter {
+// One column: a 1-D dataset of unlimited length, chunked and compressed,
+// that rows are appended to.
+class AppendableColumn {
  public:
-  TraceFileWriter(std::string display_path, hid_t file)
-      : path_(std::move(display_path)), file_(file) {}
-
-  void write_string_attribute(const char* name, const std::string& value) {
-    Handle type = string_type(value.size(), path_);
-    Handle space = checked(H5Screate(H5S_SCALAR), H5Sclose, path_, "attribute space");
-    Handle attribute =
-        checked(H5Acreate2(file_, name, type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT),
-                H5Aclose, path_, std::string("attribute ") + name);
-    std::string padded = value;
-    padded.resize(std::max<size_t>(value.size(), 1), '\0');
-    checked(H5Awrite(attribute.get(), type.get(), padded.data()), path_,
-            std::string("attribute ") + name);
-  }
-
-  void write_int_attribute(const char* name, int value) {
-    Handle space = checked(H5Screate(H5S_SCALAR), H5Sclose, path_, "attribute space");
-    Handle attribute =
-        checked(H5Acreate2(file_, name, H5T_STD_I32LE, space.get(), H5P_DEFAULT, H5P_DEFAULT),
-                H5Aclose, path_, std::string("attribute ") + name);
-    checked(H5Awrite(attribute.get(), H5T_NATIVE_INT, &value), path_,
-            std::string("attribute ") + name);
-  }
-
-  Handle create_group(const char* name) {
-    return checked(H5Gcreate2(file_, name, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose, path_,
-                   std::string("group /") + name);
-  }
-
-  template <class Row, size_t N>
-  void write_columns(hid_t group, const std::string& group_name, const std::vector<Row>& rows,
-                     const IntegerColumn<Row> (&columns)[N]) {
-    std::vector<int64_t> values(rows.size());
-    for (const IntegerColumn<Row>& column : columns) {
-      for (size_t i = 0; i < rows.size(); ++i) values[i] = column.get(rows[i]);
-      // HDF5 narrows the int64 buffer to the column's stored width.
-      write_dataset(group, group_name, column.name, file_type(column.storage), H5T_NATIVE_INT64,
-                    sizeof(int64_t), rows.size(), values.data());
+  AppendableColumn(hid_t group, const std::string& where, const char* name, hid_t stored, hid_t in_memory,
+                   size_t element_size, const std::string& path)
+      : where_(where + "/" + name), in_memory_(in_memory), path_(path) {
+    const hsize_t empty[1] = {0};
+    const hsize_t unlimited[1] = {H5S_UNLIMITED};
+    Handle space = checked(H5Screate_simple(1, empty, unlimited), H5Sclose, path_, where_);
+    Handle properties = checked(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, path_, where_);
+    const hsize_t chunk[1] = {std::max<hsize_t>(1, kChunkBytes / element_size)};
+    checked(H5Pset_chunk(properties.get(), 1, chunk), path_, where_);
+    // Shuffle + deflate are built into every HDF5, so h5dump and h5py read them.
+    if (H5Zfilter_avail(H5Z_FILTER_DEFLATE) > 0) {
+      checked(H5Pset_shuffle(properties.get()), path_, where_);
+      checked(H5Pset_deflate(properties.get(), 1), path_, where_);
     }
+    dataset_ = checked(H5Dcreate2(group, name, stored, space.get(), H5P_DEFAULT, properties.get(), H5P_DEFAULT),
+                       H5Dclose, path_, where_);
   }
 
-  template <class Row, size_t N>
-  void write_columns(hid_t group, const std::string& group_name, const std::vector<Row>& rows,
-                     const RealColumn<Row> (&columns)[N]) {
-    std::vector<double> values(rows.size());
-    for (const RealColumn<Row>& column : columns) {
-      for (size_t i = 0; i < rows.size(); ++i) values[i] = column.get(rows[i]);
-      write_dataset(group, group_name, column.name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE,
-                    sizeof(double), rows.size(), values.data());
-    }
+  void append(const void* data, hsize_t rows) {
+    if (rows == 0) return;
+    const hsize_t size[1] = {length_ + rows};
+    checked(H5Dset_extent(dataset_.get(), size), path_, where_);
+    Handle file_space = checked(H5Dget_space(dataset_.get()), H5Sclose, path_, where_);
+    const hsize_t start[1] = {length_};
+    const hsize_t count[1] = {rows};
+    checked(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr), path_, where_);
+    Handle memory_space = checked(H5Screate_simple(1, count, nullptr), H5Sclose, path_, where_);
+    checked(H5Dwrite(dataset_.get(), in_memory_, memory_space.get(), file_space.get(), H5P_DEFAULT, data), path_,
+            where_);
+    length_ += rows;
   }
 
-  template <class Row, size_t N>
-  void write_columns(hid_t group, const std::string& group_name, const std::vector<Row>& rows,
-                     const TextColumn<Row> (&columns)[N]) {
-    for (const TextColumn<Row>& column : columns) {
-      std::vector<std::string> texts(rows.size());
-      size_t width = 1;
-      for (size_t i = 0; i < rows.size(); ++i) {
-        texts[i] = column.get(rows[i]);
-        width = std::max(width, texts[i].size());
-      }
-      std::vector<char> packed(rows.size() * width, '\0');
-      for (size_t i = 0; i < rows.size(); ++i) {
-        std::memcpy(packed.data() + i * width, texts[i].data(), texts[i].size());
-      }
-      Handle type = string_type(width, path_);
-      write_dataset(group, group_name, column.name, type.get(), type.get(), width, rows.size(),
-                    packed.data());
-    }
+  void close() {
+    if (!dataset_.close()) fail_write(path_, "closing " + where_);
   }
 
  private:
-  void write_dataset(hid_t group, const std::string& group_name, const char* name, hid_t stored,
-                     hid_t in_memory, size_t element_size, size_t length, const void* data) {
-    const std::string where = "dataset /" + group_name + "/" + name;
-    const hsize_t dims[1] = {length};
-    Handle space = checked(H5Screate_simple(1, dims, nullptr), H5Sclose, path_, where);
-    Handle properties = checked(H5Pcreate(H5P_DATASET_CREATE), H5Pclose, path_, where);
-    if (length >= kChunkThreshold) {
-      const hsize_t chunk[1] = {
-          std::min<hsize_t>(length, std::max<hsize_t>(1, kChunkBytes / element_size))};
-      checked(H5Pset_chunk(properties.get(), 1, chunk), path_, where);
-      // Shuffle + deflate are built into every HDF5, so h5dump and h5py read them.
-      if (H5Zfilter_avail(H5Z_FILTER_DEFLATE) > 0) {
-        checked(H5Pset_shuffle(properties.get()), path_, where);
-        checked(H5Pset_deflate(properties.get(), 1), path_, where);
-      }
-    }
-    Handle dataset = checked(
-        H5Dcreate2(group, name, stored, space.get(), H5P_DEFAULT, properties.get(), H5P_DEFAULT),
-        H5Dclose, path_, where);
-    if (length > 0) {
-      checked(H5Dwrite(dataset.get(), in_memory, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), path_,
-              where);
-    }
-  }
-
-  std::string path_;
-  hid_t file_;
+  std::string where_;
+  hid_t in_memory_;
+  const std::string& path_;
+  Handle dataset_;
+  hsize_t length_ = 0;
 };
 
-void write_trace_file(const std::string& path, hid_t file, const TraceHeader& header,
-                      const std::vector<ProbeRecord>& probes,
-                      const std::vector<TraceStepRow>& steps) {
-  TraceFileWriter writer(path, file);
-  writer.write_string_attribute("format", kFormatName);
-  writer.write_int_attribute("format_version", kFormatVersion);
-  for (const HeaderAttribute& attribute : kHeaderAttributes) {
-    writer.write_string_attribute(attribute.name, header.*attribute.field);
+// The columns of one table (probes or steps), created empty.
+template <class Row>
+class AppendableTable {
+ public:
+  AppendableTable(hid_t file, const char* group_name, const std::string& path)
+      : path_(path),
+        where_(std::string("dataset /") + group_name),
+        group_(checked(H5Gcreate2(file, group_name, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose, path,
+                       std::string("group /") + group_name)) {}
+
+  template <size_t N>
+  AppendableTable& with(const IntegerColumn<Row> (&columns)[N]) {
+    for (const IntegerColumn<Row>& column : columns) {
+      integer_getters_.push_back(column.get);
+      // HDF5 narrows the int64 buffer to the column's stored width.
+      integers_.emplace_back(group_.get(), where_, column.name, file_type(column.storage), H5T_NATIVE_INT64,
+                             sizeof(int64_t), path_);
+    }
+    return *this;
   }
-  writer.write_string_attribute("created_utc", utc_timestamp());
+
+  template <size_t N>
+  AppendableTable& with(const RealColumn<Row> (&columns)[N]) {
+    for (const RealColumn<Row>& column : columns) {
+      real_getters_.push_back(column.get);
+      reals_.emplace_back(group_.get(), where_, column.name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, sizeof(double),
+                          path_);
+    }
+    return *this;
+  }
+
+  // Each column as wide as its longest value among `first_rows`, and at
+  // least its table width.
+  template <size_t N>
+  AppendableTable& with(const TextColumn<Row> (&columns)[N], const std::vector<Row>& first_rows) {
+    for (const TextColumn<Row>& column : columns) {
+      size_t width = column.width;
+      for (const Row& row : first_rows) width = std::max(width, column.get(row).size());
+      text_columns_.push_back({column.name, width, column.get});
+      text_types_.push_back(string_type(width, path_));
+      texts_.emplace_back(group_.get(), where_, column.name, text_types_.back().get(), text_types_.back().get(),
+                          width, path_);
+    }
+    return *this;
+  }
+
+  void append(const std::vector<Row>& rows) {
+    std::vector<int64_t> integers(rows.size());
+    for (size_t c = 0; c < integers_.size(); ++c) {
+      for (size_t i = 0; i < rows.size(); ++i) integers[i] = integer_getters_[c](rows[i]);
+      integers_[c].append(integers.data(), rows.size());
+    }
+    std::vector<double> reals(rows.size());
+    for (size_t c = 0; c < reals_.size(); ++c) {
+      for (size_t i = 0; i < rows.size(); ++i) reals[i] = real_getters_[c](rows[i]);
+      reals_[c].append(reals.data(), rows.size());
+    }
+    for (size_t c = 0; c < texts_.size(); ++c) {
+      const TextInfo& column = text_columns_[c];
+      std::vector<char> packed(rows.size() * column.width, '\0');
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const std::string text = column.get(rows[i]);
+        if (text.size() > column.width) {
+          throw std::runtime_error("cannot write trace " + path_ + ": a value of column " + column.name +
+                                   " is longer than its " + std::to_string(column.width) + " bytes: " +
+                                   printable(text.substr(0, 64)) + "...");
+        }
+        std::memcpy(packed.data() + i * column.width, text.data(), text.size());
+      }
+      texts_[c].append(packed.data(), rows.size());
+    }
+  }
+
+  void close() {
+    for (AppendableColumn& column : integers_) column.close();
+    for (AppendableColumn& column : reals_) column.close();
+    for (AppendableColumn& column : texts_) column.close();
+    text_types_.clear();
+    if (!group_.close()) fail_write(path_, "closing a group");
+  }
+
+ private:
+  struct TextInfo {
+    const char* name;
+    size_t width;
+    std::string (*get)(const Row&);
+  };
+  const std::string& path_;
+  std::string where_;
+  Handle group_;
+  std::vector<int64_t (*)(const Row&)> integer_getters_;
+  std::vector<double (*)(const Row&)> real_getters_;
+  std::vector<TextInfo> text_columns_;
+  std::vector<Handle> text_types_;
+  std::vector<AppendableColumn> integers_, reals_, texts_;
+};
+
+void write_string_attribute(hid_t file, const std::string& path, const char* name, const std::string& value) {
+  Handle type = string_type(value.size(), path);
+  Handle space = checked(H5Screate(H5S_SCALAR), H5Sclose, path, "attribute space");
+  Handle attribute = checked(H5Acreate2(file, name, type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose,
+                             path, std::string("attribute ") + name);
+  std::string padded = value;
+  padded.resize(std::max<size_t>(value.size(), 1), '\0');
+  checked(H5Awrite(attribute.get(), type.get(), padded.data()), path, std::string("attribute ") + name);
+}
+
+void write_int_attribute(hid_t file, const std::string& path, const char* name, int value) {
+  Handle space = checked(H5Screate(H5S_SCALAR), H5Sclose, path, "attribute space");
+  Handle attribute = checked(H5Acreate2(file, name, H5T_STD_I32LE, space.get(), H5P_DEFAULT, H5P_DEFAULT),
+                             H5Aclose, path, std::string("attribute ") + name);
+  checked(H5Awrite(attribute.get(), H5T_NATIVE_INT, &value), path, std::string("attribute ") + name);
+}
+
+void write_header(hid_t file, const std::string& path, const TraceHeader& header) {
+  write_string_attribute(file, path, "format", kFormatName);
+  write_int_attribute(file, path, "format_version", kFormatVersion);
+  for (const HeaderAttribute& attribute : kHeaderAttributes) {
+    write_string_attribute(file, path, attribute.name, header.*attribute.field);
+  }
+  write_string_attribute(file, path, "created_utc", utc_timestamp());
   std::string extra_names;
   for (const auto& [name, value] : header.extra) {
-    writer.write_string_attribute(name.c_str(), value);
+    write_string_attribute(file, path, name.c_str(), value);
     extra_names += (extra_names.empty() ? "" : "\n") + name;
   }
-  if (!header.extra.empty()) writer.write_string_attribute(kExtraAttributesName, extra_names);
-
-  Handle probe_group = writer.create_group(kProbesGroup);
-  writer.write_columns(probe_group.get(), kProbesGroup, probes, kProbeIntegerColumns);
-  writer.write_columns(probe_group.get(), kProbesGroup, probes, kProbeRealColumns);
-  writer.write_columns(probe_group.get(), kProbesGroup, probes, kProbeTextColumns);
-
-  Handle step_group = writer.create_group(kStepsGroup);
-  writer.write_columns(step_group.get(), kStepsGroup, steps, kStepIntegerColumns);
-  writer.write_columns(step_group.get(), kStepsGroup, steps, kStepRealColumns);
+  if (!header.extra.empty()) write_string_attribute(file, path, kExtraAttributesName, extra_names);
 }
 
-// --- Reading -------------------------------------------------------------
-
-// Reads a verified file image. Every attribute is opened by name, checked to
-// be one value of the expected class before it is read; every column is
-// checked for rank, type, filters and size before a byte of it is decoded.
-std::vector<uint8_t> build_trace_image(const std::string& label, const TraceHeader& header,
-                                       const std::vector<ProbeRecord>& probes,
-                                       const std::vector<TraceStepRow>& steps) {
-  Handle access = checked(H5Pcreate(H5P_FILE_ACCESS), H5Pclose, label, "file access list");
-  checked(H5Pset_fapl_core(access.get(), kImageIncrement, /*backing_store=*/false), label, "file access list");
-  // Closing the file closes whatever is still open in it: no error path leaves it held.
-  checked(H5Pset_fclose_degree(access.get(), H5F_CLOSE_STRONG), label, "file access list");
-  Handle creation = checked(H5Pcreate(H5P_FILE_CREATE), H5Pclose, label, "file creation list");
-  checked(H5Pset_userblock(creation.get(), kTraceIntegrityBlockBytes), label, "file creation list");
-  static std::atomic<unsigned> images{0};
-  const std::string name = "nanreplay-trace-image-" + std::to_string(images++);
-  Handle file = checked(H5Fcreate(name.c_str(), H5F_ACC_TRUNC, creation.get(), access.get()), H5Fclose, label,
-                        "creating the file in memory");
-  write_trace_file(label, file.get(), header, probes, steps);
-  checked(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), label, "flushing the file");
-  const ssize_t size = H5Fget_file_image(file.get(), nullptr, 0);
-  if (size <= 0) fail_write(label, "reading back the file image");
-  std::vector<uint8_t> image(kTraceIntegrityBlockBytes + static_cast<size_t>(size));
-  if (H5Fget_file_image(file.get(), image.data() + kTraceIntegrityBlockBytes, static_cast<size_t>(size)) != size) {
-    fail_write(label, "reading back the file image");
+void check_extra_attribute_names(const TraceHeader& header) {
+  for (const auto& entry : header.extra) {
+    if (reserved_attribute_names().count(entry.first) != 0 || entry.first.empty() ||
+        entry.first.find('\n') != std::string::npos) {
+      throw std::invalid_argument("trace: extra attribute name '" + entry.first + "' is reserved or invalid");
+    }
   }
-  if (!file.close()) fail_write(label, "closing the file");
-  static const uint8_t kSignature[8] = {0x89, 'H', 'D', 'F', '\r', '\n', 0x1a, '\n'};
-  const auto signature_at = [&](size_t offset) {
-    return image.size() >= offset + 8 && std::memcmp(image.data() + offset, kSignature, 8) == 0;
-  };
-  if (!signature_at(kTraceIntegrityBlockBytes)) {
-    if (!signature_at(2 * kTraceIntegrityBlockBytes)) fail_write(label, "unexpected file image layout");
-    image.erase(image.begin(), image.begin() + kTraceIntegrityBlockBytes);  // it held the userblock
-  }
-  seal_trace_image(image);
-  return image;
 }
 
-// Writes `bytes` under a temporary name beside `path`, flushed to disk, and
-// renames it into place: `path` is whole or absent. OutputError on failure.
-void write_file_whole(const std::string& path, const std::string& label, const std::vector<uint8_t>& bytes) {
+// Reads the file after its first 512 bytes back, hashes it and writes the
+// integrity block in front, flushed to disk. Returns an error text or "".
+std::string seal_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return errno_text();
+  std::string error;
+  Sha256 sha;
+  std::vector<uint8_t> block(size_t{1} << 20);
+  uint64_t length = 0;
+  for (off_t at = kTraceIntegrityBlockBytes;;) {
+    const ssize_t n = ::pread(fd, block.data(), block.size(), at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) error = errno_text();
+    if (n <= 0) break;
+    sha.update(block.data(), static_cast<size_t>(n));
+    length += static_cast<uint64_t>(n);
+    at += n;
+  }
+  if (error.empty()) {
+    const std::string integrity = trace_integrity_block(length, sha.hex_digest());
+    if (::pwrite(fd, integrity.data(), integrity.size(), 0) != static_cast<ssize_t>(integrity.size())) {
+      error = errno != 0 ? errno_text() : "short write";
+    } else if (::fsync(fd) != 0) {
+      error = errno_text();
+    }
+  }
+  if (::close(fd) != 0 && error.empty()) error = errno_text();
+  return error;
+}
+
+}  // namespace
+
+// The open HDF5 file and its probe table.
+struct TraceStream::File {
+  File(const std::string& path) : path(path) {
+    silence_hdf5();
+    access = Handle(latching_file_access(latch), H5Pclose);
+    checked(H5Pset_fclose_degree(access.get(), H5F_CLOSE_STRONG), path, "file access list");
+    Handle creation = checked(H5Pcreate(H5P_FILE_CREATE), H5Pclose, path, "file creation list");
+    checked(H5Pset_userblock(creation.get(), kTraceIntegrityBlockBytes), path, "file creation list");
+    file = Handle(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, creation.get(), access.get()), H5Fclose);
+    if (file.get() < 0) {
+      if (latch.open_error_number == 0) fail_write(path, "creating the file");
+      take_hdf5_error();
+      latch.error_number = latch.open_error_number;
+      latch.during = "creating the file";
+    }
+  }
+
+  // Created with the first records, which fix the widths of its text columns.
+  AppendableTable<ProbeRecord>& probe_table(const std::vector<ProbeRecord>& first_records) {
+    if (!probes) {
+      probes.emplace(file.get(), kProbesGroup, path);
+      probes->with(kProbeIntegerColumns).with(kProbeRealColumns).with(kProbeTextColumns, first_records);
+    }
+    return *probes;
+  }
+
+  std::string path;
+  TraceFileLatch latch;  // before the handles: it outlives the file
+  Handle access;
+  Handle file;
+  std::optional<AppendableTable<ProbeRecord>> probes;
+  uint64_t records = 0;
+};
+
+TraceStream::TraceStream(std::string path, std::string label)
+    : path_(std::move(path)), label_(label.empty() ? path_ : std::move(label)) {
+  try {
+    file_ = std::make_unique<File>(path_);
+    guarded([] {});
+  } catch (...) {
+    file_.reset();
+    ::unlink(path_.c_str());
+    throw;
+  }
+}
+
+TraceStream::~TraceStream() {
+  if (finished_) return;
+  file_.reset();  // closes whatever is open; errors no longer matter
+  ::unlink(path_.c_str());
+}
+
+// Runs `work`; an I/O failure the driver latched, during it or before, is
+// OutputError naming the file whatever HDF5 made of it.
+template <class Work>
+void TraceStream::guarded(Work&& work) {
+  try {
+    if (!file_->latch.failed()) work();
+  } catch (const std::runtime_error&) {
+    if (!file_->latch.failed()) throw;
+  }
+  if (file_->latch.failed()) throw OutputError(label_, "cannot write trace: " + file_->latch.text());
+}
+
+void TraceStream::append(const std::vector<ProbeRecord>& records) {
+  if (finished_) throw std::logic_error("TraceStream::append after finish");
+  guarded([&] {
+    if (records.empty()) return;
+    file_->probe_table(records).append(records);
+    file_->records += records.size();
+  });
+}
+
+void TraceStream::finish(const TraceHeader& header, const std::vector<TraceStepRow>& steps) {
+  if (finished_) throw std::logic_error("TraceStream::finish twice");
+  check_extra_attribute_names(header);
+  guarded([&] {
+    File& f = *file_;
+    f.probe_table({}).close();
+    f.probes.reset();
+    write_header(f.file.get(), f.path, header);
+    AppendableTable<TraceStepRow> table(f.file.get(), kStepsGroup, f.path);
+    table.with(kStepIntegerColumns).with(kStepRealColumns).append(steps);
+    table.close();
+    if (!f.file.close()) fail_write(f.path, "closing the file");
+  });
+  const std::string error = seal_file(path_);
+  if (!error.empty()) throw OutputError(label_, "cannot write trace: " + error);
+  finished_ = true;
+}
+
+uint64_t TraceStream::records_written() const { return file_ ? file_->records : 0; }
+
+void write_trace(const std::string& path, const TraceHeader& header, const std::vector<ProbeRecord>& probes,
+                 const std::vector<TraceStepRow>& steps, const std::string& label) {
+  check_extra_attribute_names(header);
+  const std::string shown = label.empty() ? path : label;
   std::string temporary = path + ".tmp-XXXXXX";
   const int fd = ::mkstemp(temporary.data());
-  if (fd < 0) throw OutputError(label, "cannot write trace: " + errno_text());
-  const auto fail = [&](const std::string& reason) {
-    ::close(fd);
-    ::unlink(temporary.c_str());
-    throw OutputError(label, "cannot write trace: " + reason);
-  };
-  if (::fchmod(fd, 0644) != 0) fail(errno_text());
-  size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail(n < 0 ? errno_text() : "nothing written");
-    written += static_cast<size_t>(n);
-  }
-  // A full disk or a quota often shows only here (delayed allocation, NFS).
-  if (::fsync(fd) != 0) fail(errno_text());
-  if (::close(fd) != 0) {
-    const std::string reason = errno_text();
-    ::unlink(temporary.c_str());
-    throw OutputError(label, "cannot write trace: " + reason);
+  if (fd < 0) throw OutputError(shown, "cannot write trace: " + errno_text());
+  ::close(fd);
+  {
+    TraceStream stream(temporary, shown);
+    stream.append(probes);
+    stream.finish(header, steps);
   }
   if (std::rename(temporary.c_str(), path.c_str()) != 0) {
     const std::string reason = errno_text();
     ::unlink(temporary.c_str());
-    throw OutputError(label, "cannot write trace: renaming " + temporary + " into place failed: " + reason);
+    throw OutputError(shown, "cannot write trace: renaming " + temporary + " into place failed: " + reason);
   }
-}
-
-// A regular file, read whole. O_NONBLOCK: opening a FIFO must not wait for a writer.
-
-}  // namespace
-
-void write_trace(const std::string& path, const TraceHeader& header, const std::vector<ProbeRecord>& probes,
-                 const std::vector<TraceStepRow>& steps, const std::string& label) {
-  for (const auto& entry : header.extra) {
-    if (reserved_attribute_names().count(entry.first) != 0 || entry.first.empty() ||
-        entry.first.find('\n') != std::string::npos) {
-      throw std::invalid_argument("write_trace: extra attribute name '" + entry.first + "' is reserved or invalid");
-    }
-  }
-  silence_hdf5();
-  const std::string shown = label.empty() ? path : label;
-  write_file_whole(path, shown, build_trace_image(shown, header, probes, steps));
 }
 
 }  // namespace nanreplay

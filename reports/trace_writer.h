@@ -20,12 +20,14 @@
 //                     grad_norm f64, finite u8
 //
 // Strings are fixed-length, null-padded ASCII. -1 marks "not applicable".
-// The file is built in memory and written under a temporary name, flushed and
-// renamed when complete.
+// Columns are chunked, extendible and compressed (shuffle + deflate): the
+// records of each step are appended as the step ends (TraceStream), so a
+// replay holds one step's records however long the window.
 #pragma once
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -49,7 +51,37 @@ struct TraceHeader {
   std::map<std::string, std::string> extra;  // further string attributes
 };
 
-// Throws OutputError naming `label` (default: `path`) when the file cannot be
+// trace.h5 written as the replay goes: append() each step's records, then
+// finish() with the header and the step rows, which seals the file (its
+// integrity block). Until finish() returns, the file at `path` is incomplete,
+// and it is removed when the stream is destroyed unfinished. An I/O failure
+// (a full disk, a read-only file system, a missing directory) is OutputError
+// naming `label` (default: `path`), from the call that met it or the next
+// one; an HDF5 failure std::runtime_error. Never prints.
+class TraceStream {
+ public:
+  explicit TraceStream(std::string path, std::string label = "");
+  ~TraceStream();
+  TraceStream(const TraceStream&) = delete;
+  TraceStream& operator=(const TraceStream&) = delete;
+
+  void append(const std::vector<ProbeRecord>& records);
+  void finish(const TraceHeader& header, const std::vector<TraceStepRow>& steps);
+  uint64_t records_written() const;
+
+ private:
+  struct File;
+  template <class Work>
+  void guarded(Work&& work);
+
+  std::unique_ptr<File> file_;
+  std::string path_;
+  std::string label_;
+  bool finished_ = false;
+};
+
+// The whole trace at once, under a temporary name renamed into place: `path`
+// is whole or absent. Throws OutputError naming `label` (default: `path`) when the file cannot be
 // written (a full disk, a read-only file system, a directory in the way), and
 // std::runtime_error on an HDF5 failure; no partial file is left either way.
 void write_trace(const std::string& path, const TraceHeader& header, const std::vector<ProbeRecord>& probes,

@@ -3,11 +3,13 @@
 // with stock h5dump and with the h5py example of docs/trace-format.md, failures
 // leave no temporary file and HDF5 prints nothing. No LibTorch here.
 #include <hdf5.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -541,6 +543,98 @@ TEST_CASE("read_trace rejects bad files with InputError naming file and key", "[
     const InputError error = expect_input_error(path);
     REQUIRE(error.key() == "format_version");
     REQUIRE(std::string(error.what()).find("nanreplay run") != std::string::npos);
+  }
+}
+
+}  // namespace nanreplay
+
+namespace nanreplay {
+namespace {
+
+// A file-size limit makes every write past it fail with EFBIG, as a full disk
+// fails with ENOSPC; SIGXFSZ ignored so the process sees the error instead.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &saved_);
+    previous_handler_ = std::signal(SIGXFSZ, SIG_IGN);
+    rlimit limit = saved_;
+    limit.rlim_cur = bytes;
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &saved_);
+    std::signal(SIGXFSZ, previous_handler_);
+  }
+
+ private:
+  rlimit saved_{};
+  void (*previous_handler_)(int) = SIG_DFL;
+};
+
+std::vector<ProbeRecord> one_step_of_probes(int64_t step) {
+  std::vector<ProbeRecord> records;
+  for (int i = 0; i < 300; ++i) records.push_back(forward_probe(step, 0, i, "layers." + std::to_string(i % 7) + ".output"));
+  return records;
+}
+
+}  // namespace
+
+TEST_CASE("TraceStream appends step by step and reads back as one table", "[trace][stream]") {
+  ScratchDir dir("trace_stream");
+  const std::string path = dir.file("trace.h5");
+  std::vector<ProbeRecord> all;
+  {
+    TraceStream stream(path);
+    for (int64_t step = 0; step < 40; ++step) {
+      const std::vector<ProbeRecord> records = one_step_of_probes(step);
+      stream.append(records);
+      all.insert(all.end(), records.begin(), records.end());
+    }
+    stream.append({});
+    REQUIRE(stream.records_written() == all.size());
+    stream.finish(sample_header(), sample_steps());
+  }
+  const TraceContents contents = read_trace(path);
+  REQUIRE(contents.probes.size() == all.size());
+  for (size_t i : {size_t{0}, size_t{299}, size_t{300}, size_t{6001}, all.size() - 1}) {
+    require_same_probe(contents.probes[i], all[i]);
+  }
+  REQUIRE(contents.steps.size() == sample_steps().size());
+}
+
+TEST_CASE("TraceStream: unfinished, a failing disk or a value too wide leave no file", "[trace][stream]") {
+  ScratchDir dir("trace_stream_faults");
+  const std::string path = dir.file("trace.h5");
+  SECTION("destroyed before finish") {
+    {
+      TraceStream stream(path);
+      stream.append(one_step_of_probes(0));
+      REQUIRE(fs::exists(path));
+    }
+    REQUIRE_FALSE(fs::exists(path));
+  }
+  SECTION("the disk fails part-way: OutputError naming the file and the system error, nothing left") {
+    StderrCapture capture(dir.file("stderr.txt"));
+    {
+      FileSizeLimit limit(256 * 1024);
+      TraceStream stream(path, "out/trace.h5");
+      const auto fill = [&] {
+        for (int64_t step = 0; step < 2000; ++step) stream.append(one_step_of_probes(step));
+        stream.finish(sample_header(), sample_steps());
+      };
+      REQUIRE_THROWS_WITH(fill(), Catch::Contains("out/trace.h5") && Catch::Contains("File too large"));
+    }
+    REQUIRE(capture.finish().empty());
+    REQUIRE_FALSE(fs::exists(path));
+  }
+  SECTION("a later value wider than its column's first rows fixed") {
+    TraceStream stream(path);
+    stream.append(one_step_of_probes(0));
+    std::vector<ProbeRecord> wide = one_step_of_probes(1);
+    wide[0].phase = Phase::kGrad;
+    wide[0].param = std::string(400, 'p');
+    REQUIRE_THROWS_WITH(stream.append(wide), Catch::Contains("column site"));
   }
 }
 

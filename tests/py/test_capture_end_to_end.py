@@ -152,14 +152,15 @@ def llama_data(shards):
                 sampler=dict(kind="randperm", seed=SAMPLER_SEED, epoch=0, epoch_start_step=0))
 
 
-def train_until_nan(work, shards):
+def train_until_nan(work, shards, **recorder_options):
     """The training loop a user writes, plus the recorder's two calls. Returns what it saw."""
     model, opt, sched = make_llama()
     hooks = FirstNonfiniteHook(model)
-    recorder = nanreplay_capture.Recorder(model, opt, work / "incidents", arch="llama", window=WINDOW,
+    recorder = nanreplay_capture.Recorder(model, opt, work / "incidents", arch="llama",
                                           model_config=dict(num_heads=LLAMA["num_heads"],
                                                             rope_theta=LLAMA["rope_theta"]),
-                                          data=llama_data(shards), grad_clip=1.0)
+                                          data=llama_data(shards), grad_clip=1.0,
+                                          **dict(dict(window=WINDOW), **recorder_options))
     dataset = TokenWindows(shards, SEQ_LEN)
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=SAMPLER_SEED, drop_last=True)
     sampler.set_epoch(0)
@@ -263,6 +264,36 @@ def llama_incident(cli, work):
         check_origin("window", first, seen, entry["original_samples"][first["rank"]][row])
         check_healthy_steps("window", report, logged)
         check_no_capture_findings("window", report)
+
+
+def llama_incident_rolled(cli, work):
+    """The same run captured in snapshot mode: a full snapshot every 4 steps, the last two kept,
+    light records between; nanreplay rolls the window forward from the older snapshot."""
+    every = 4
+    (work / "rolled").mkdir()
+    shards, _ = write_shards(work / "rolled")
+    recorder, seen, bundle, logged = train_until_nan(work / "rolled", shards, snapshot_every=every)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    steps = [e["step"] for e in manifest["steps"]]
+    older = (FAULT_STEP // every - 1) * every
+    check(steps == list(range(older, FAULT_STEP + 1)), f"snapshot mode: the bundle starts at the older snapshot {steps}")
+    with_checkpoint = [s for s in steps if (bundle / "steps" / str(s) / "model.safetensors").exists()]
+    check(with_checkpoint == [older, older + every], f"snapshot mode: checkpoints only at the snapshots {with_checkpoint}")
+    full_slots = sum(s.full for s in recorder._ring) + len(recorder._free)
+    check(full_slots <= 2, f"snapshot mode holds two snapshots ({full_slots} full slots)")
+    one_step = sum(3 * p.numel() * p.element_size() for p in recorder.params)
+    check(recorder.host_bytes_bound == 2 * one_step, "snapshot mode's host bound is two snapshots")
+    proc, report = run_nanreplay(cli, bundle, work / "out-rolled")
+    check(proc.returncode == 1 and report is not None,
+          f"nanreplay run (rolled bundle) exits 1 (got {proc.returncode}) {proc.stderr.strip()}")
+    if report:
+        first = report["first_nonfinite"]
+        check_origin("rolled", first, seen, first and first["sample"])
+        check_healthy_steps("rolled", report, logged)
+        check_no_capture_findings("rolled", report)
+        params = {row["step"]: row["params"] for row in report["steps"]}
+        expected = {s: "checkpoint" if s in with_checkpoint else "derived" for s in steps}
+        check(params == expected, f"rolled: steps[].params {params}")
 
 
 def gpt2_on_demand(cli, work):
@@ -375,6 +406,7 @@ def main():
     torch.set_num_threads(1)
     started = time.perf_counter()
     llama_incident(args.cli, work)
+    llama_incident_rolled(args.cli, work)
     gpt2_on_demand(args.cli, work)
     healthy_step_cost(work)
     print(f"{len(failures)} failed; {time.perf_counter() - started:.1f} s")
