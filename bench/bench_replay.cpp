@@ -60,6 +60,7 @@ struct BenchConfig {
   int repetitions = 7;
   int threads = 2;
   bool eager = true, memory = true, roll = true;
+  int64_t roll_steps = 50;
   std::string only;  // "on" or "off": time that side alone (for a profiler)
   fs::path work, cli, python, eager_script;
 };
@@ -206,6 +207,8 @@ BenchConfig parse(int argc, char** argv) {
       ("skip-eager", "leave out the eager comparison")
       ("skip-memory", "leave out the peak RSS comparison")
       ("skip-roll", "leave out rolling forward (derived step / eager training step, peak RSS 50/5 steps)")
+      ("roll-steps", "steps of the long rolled window (the short one has 5)",
+       cxxopts::value<int64_t>()->default_value("50"))
       ("only", "run only the probes 'on' or 'off' replay, --reps times, no ratios (to profile it)",
        cxxopts::value<std::string>())
       ("h,help", "show this help");
@@ -228,6 +231,7 @@ BenchConfig parse(int argc, char** argv) {
   c.eager = args.count("skip-eager") == 0;
   c.memory = args.count("skip-memory") == 0;
   c.roll = args.count("skip-roll") == 0 && c.eager;
+  c.roll_steps = std::max<int64_t>(6, args["roll-steps"].as<int64_t>());
   if (args.count("only")) {
     c.only = args["only"].as<std::string>();
     if (c.only != "on" && c.only != "off") throw std::invalid_argument("--only takes on or off");
@@ -404,13 +408,22 @@ int main(int argc, char** argv) {
     std::printf("RATIO peak RSS 10 steps / 1 step %.3f  (target <= 1.2)\n", peak_ten / peak_one);
   }
   if (c.roll) {
-    // One run each: a 50-step run takes about a minute on 2 threads.
-    int rc_five = 0, rc_fifty = 0;
-    const double five = peak_rss_mib(c, bundle_for(c, 5, true), &rc_five);
-    const double fifty = peak_rss_mib(c, bundle_for(c, 50, true), &rc_fifty);
+    // One run each: a 50-step run of the default model takes about a minute on 2 threads.
+    int rc_short = 0, rc_long = 0;
+    const fs::path short_window = bundle_for(c, 5, true), long_window = bundle_for(c, c.roll_steps, true);
+    const double peak_short = peak_rss_mib(c, short_window, &rc_short);
+    const double peak_long = peak_rss_mib(c, long_window, &rc_long);
+    const auto output_mib = [&](const fs::path& window, const char* name) {
+      return static_cast<double>(fs::file_size(c.work / ("rss-" + window.filename().string()) / name)) / (1 << 20);
+    };
     std::printf("nanreplay run rolled forward from one checkpoint, probes on, peak RSS: 5 steps %.0f MiB (exit %d), "
-                "50 steps %.0f MiB (exit %d)\n", five, rc_five, fifty, rc_fifty);
-    std::printf("RATIO peak RSS 50 derived steps / 5 %.3f  (target <= 1.2)\n", fifty / five);
+                "%lld steps %.0f MiB (exit %d)\n", peak_short, rc_short, static_cast<long long>(c.roll_steps),
+                peak_long, rc_long);
+    std::printf("  report.html %.2f MiB / %.2f MiB, trace.h5 %.2f MiB / %.2f MiB\n",
+                output_mib(short_window, "report.html"), output_mib(long_window, "report.html"),
+                output_mib(short_window, "trace.h5"), output_mib(long_window, "trace.h5"));
+    std::printf("RATIO peak RSS %lld derived steps / 5 %.3f  (target <= 1.2)\n",
+                static_cast<long long>(c.roll_steps), peak_long / peak_short);
   }
   return 0;
 }

@@ -60,21 +60,35 @@ class CaptureError(RuntimeError):
 
 def expected_parameters(arch, cfg):
     """[(safetensors key, shape)] that bundle v1 requires for `arch` and the model config `cfg`
-    (docs/bundle-format.md, "Parameter names and shapes")."""
+    (docs/bundle-format.md, "Parameter names and shapes"), including the parameters llama's
+    `attention_bias` and `qk_norm` options add (absent keys: the defaults, no extra parameters)."""
     C, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_layers"]
     out = []
     if arch == "llama":
-        kv = cfg["num_kv_heads"] * (C // cfg["num_heads"])
+        H, D = cfg["num_heads"], C // cfg["num_heads"]
+        kv = cfg["num_kv_heads"] * D
         ffn = cfg["intermediate_size"]
+        bias = bool(cfg.get("attention_bias", False))
+        qk_norm = cfg.get("qk_norm")
+        if qk_norm not in (None, "head", "full"):
+            raise CaptureError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
+        # Qwen3 normalises each head (head_dim weights), OLMo 2 the whole projection.
+        norm_shapes = {"q": (D,) if qk_norm == "head" else (H * D,), "k": (D,) if qk_norm == "head" else (kv,)}
         out.append(("model.embed_tokens.weight", (V, C)))
         for i in range(L):
             p = f"model.layers.{i}."
-            out += [(p + "input_layernorm.weight", (C,)),
-                    (p + "self_attn.q_proj.weight", (C, C)),
-                    (p + "self_attn.k_proj.weight", (kv, C)),
-                    (p + "self_attn.v_proj.weight", (kv, C)),
-                    (p + "self_attn.o_proj.weight", (C, C)),
-                    (p + "post_attention_layernorm.weight", (C,)),
+            out.append((p + "input_layernorm.weight", (C,)))
+            # Hugging Face's module order, which the replay's parameter table follows: a bias right
+            # after its weight, q_norm and k_norm after o_proj.
+            for proj, rows in (("q", C), ("k", kv), ("v", kv)):
+                out.append((f"{p}self_attn.{proj}_proj.weight", (rows, C)))
+                if bias:
+                    out.append((f"{p}self_attn.{proj}_proj.bias", (rows,)))
+            out.append((p + "self_attn.o_proj.weight", (C, C)))
+            if qk_norm is not None:
+                out += [(p + "self_attn.q_norm.weight", norm_shapes["q"]),
+                        (p + "self_attn.k_norm.weight", norm_shapes["k"])]
+            out += [(p + "post_attention_layernorm.weight", (C,)),
                     (p + "mlp.gate_proj.weight", (ffn, C)),
                     (p + "mlp.up_proj.weight", (ffn, C)),
                     (p + "mlp.down_proj.weight", (C, ffn))]
@@ -121,8 +135,9 @@ def _module_eps(model, names):
 def _infer_model_config(arch, model, named, given, seq_len):
     """The manifest's model section: shapes read off the parameters, the rest from `given`
     (or from the modules where they carry it, e.g. LayerNorm.eps). A given value that
-    contradicts the parameters is an error, never silently overridden."""
-    cfg = dict(given)
+    contradicts the parameters is an error, never silently overridden. llama's model options
+    (_model_options) are settled after the shapes."""
+    cfg = {k: v for k, v in given.items() if k not in LLAMA_OPTION_DEFAULTS}
 
     def settle(key, inferred):
         if key in cfg and inferred is not None and cfg[key] != inferred:
@@ -178,7 +193,205 @@ def _infer_model_config(arch, model, named, given, seq_len):
         raise CaptureError("num_heads must divide hidden_size and num_kv_heads must divide num_heads")
     if seq_len > cfg["max_seq_len"]:
         raise CaptureError(f"data seq_len {seq_len} exceeds model max_seq_len {cfg['max_seq_len']}")
-    return dict({"arch": arch}, **{k: v for k, v in cfg.items() if k != "arch"})
+    options = _model_options(arch, model, named, given, cfg)
+    return dict({"arch": arch}, **{k: v for k, v in cfg.items() if k != "arch"}, **options)
+
+
+# ---------------------------------------------------------------------------
+# llama's model options (docs/bundle-format.md, "Model options"): what the model computes beyond
+# plain llama. Read off a Hugging Face style `model.config` where it says, or given in model_config;
+# a parameter only an option explains, with that option off, is an error: never a guess.
+
+LLAMA_OPTION_DEFAULTS = {"rope_style": "rotate_half", "rope_scaling": None, "attention_bias": False,
+                         "qk_norm": None, "attn_logit_softcap": None, "final_logit_softcap": None,
+                         "sliding_window": None}
+_QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full"}
+# Qwen2Config has no attention_bias: Qwen2's q, k and v projections always carry one.
+_BIAS_BY_MODEL_TYPE = {"qwen2": True}
+# Models whose window applies to every other layer only, which bundle v1 cannot express.
+_ALTERNATING_WINDOW_TYPES = ("gemma2", "gemma3", "gemma3_text", "cohere2")
+_LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.bias")
+_QK_NORM_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_(?:norm|layernorm)\.weight")
+_O_BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.o_proj\.bias")
+_MISSING = object()
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _rope_scaling(value, where):
+    """A rope_scaling dict (Hugging Face's, or model_config's) in the manifest's form: None, or
+    Llama 3.1's llama3 scaling. Any other scaling would be replayed wrong, so it is refused."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise CaptureError(f"{where} must be None or a dict, got {value!r}")
+    kind = value.get("rope_type", value.get("type"))
+    if kind == "default":  # transformers' spelling of "no scaling"
+        return None
+    if kind != "llama3":
+        raise CaptureError(f"{where} has rope_type {kind!r}; bundle v1 replays only 'llama3' "
+                           "(Llama 3.1) frequency scaling")
+    out = {"rope_type": "llama3"}
+    for key in _LLAMA3_SCALING_KEYS:
+        v = value.get(key)
+        if not _is_number(v) or v <= 0:
+            raise CaptureError(f"{where}[{key!r}] must be a number > 0, got {v!r}")
+        out[key] = float(v)
+    if out["original_max_position_embeddings"] != int(out["original_max_position_embeddings"]):
+        raise CaptureError(f"{where}['original_max_position_embeddings'] must be an integer")
+    out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise CaptureError(f"{where}: high_freq_factor must exceed low_freq_factor "
+                           "(llama3 divides by their difference)")
+    return out
+
+
+def _option_value(key, value, where):
+    """`value` of option `key` in the manifest's form, or CaptureError naming `where` it came from."""
+    if key == "rope_scaling":
+        return _rope_scaling(value, where)
+    if key == "rope_style" and value in ("rotate_half", "interleaved"):
+        return value
+    if key == "attention_bias" and isinstance(value, bool):
+        return value
+    if key == "qk_norm" and (value is None or value in ("head", "full")):
+        return value
+    if key.endswith("_softcap") and (value is None or (_is_number(value) and value > 0)):
+        return None if value is None else float(value)
+    if key == "sliding_window" and (value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                                      and value >= 1)):
+        return value
+    allowed = {"rope_style": "'rotate_half' or 'interleaved'", "attention_bias": "True or False",
+               "qk_norm": "None, 'head' or 'full'", "attn_logit_softcap": "None or a number > 0",
+               "final_logit_softcap": "None or a number > 0", "sliding_window": "None or an integer >= 1"}
+    raise CaptureError(f"{where} must be {allowed[key]}, got {value!r}")
+
+
+def _config_attr(config, name):
+    if isinstance(config, dict):
+        return config.get(name, _MISSING)
+    return getattr(config, name, _MISSING)
+
+
+def _config_window(config, model_type, num_layers):
+    """The sliding window every layer of a Hugging Face style config uses (None: none, _MISSING:
+    the config does not say). A window on only some layers cannot be replayed: CaptureError."""
+    window = _config_attr(config, "sliding_window")
+    if window is _MISSING:
+        return _MISSING
+    mixed = ("model.config gives a sliding window to only some layers ({}); bundle v1's sliding_window "
+             "applies to every layer (alternating window layers, as Gemma 2's, are not supported)")
+    layer_types = _config_attr(config, "layer_types")  # newer transformers spell it out per layer
+    if isinstance(layer_types, (list, tuple)) and layer_types:
+        kinds = set(layer_types)
+        if kinds == {"full_attention"}:
+            return None
+        if kinds == {"sliding_attention"}:
+            return window
+        raise CaptureError(mixed.format(f"layer_types {sorted(kinds)}"))
+    if model_type in _ALTERNATING_WINDOW_TYPES and window is not None:
+        raise CaptureError(mixed.format(f"{model_type} alternates, sliding_window={window}"))
+    use = _config_attr(config, "use_sliding_window")  # Qwen2: sliding_window is inert unless this is set
+    if use is not _MISSING:
+        if not use:
+            return None
+        first = _config_attr(config, "max_window_layers")  # Qwen2: layers from this index on slide
+        if isinstance(first, int) and first >= num_layers:
+            return None
+        if isinstance(first, int) and first > 0:
+            raise CaptureError(mixed.format(f"max_window_layers={first} of {num_layers}"))
+    return window
+
+
+def _options_from_config(config, num_layers):
+    """{option: (value, where it was read)} for what a Hugging Face style config object says;
+    options it is silent on are left out (model_config, or the default, then decides)."""
+    said = {}
+    model_type = _config_attr(config, "model_type")
+    if isinstance(model_type, str):  # every transformers PretrainedConfig has one
+        said["rope_style"] = ("rotate_half", f"model.config (Hugging Face {model_type or 'model'}, "
+                                             "whose rotary embeddings rotate halves)")
+    for attr in ("rope_scaling", "rope_parameters"):  # transformers >= 5 names it rope_parameters
+        value = _config_attr(config, attr)
+        if value is not _MISSING:
+            said["rope_scaling"] = (_rope_scaling(value, f"model.config.{attr}"), f"model.config.{attr}")
+            break
+    if model_type in _BIAS_BY_MODEL_TYPE:
+        said["attention_bias"] = (_BIAS_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
+    elif _config_attr(config, "attention_bias") is not _MISSING:
+        said["attention_bias"] = (bool(_config_attr(config, "attention_bias")), "model.config.attention_bias")
+    if model_type in _QK_NORM_BY_MODEL_TYPE:
+        said["qk_norm"] = (_QK_NORM_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
+    for key, attr in (("attn_logit_softcap", "attn_logit_softcapping"),
+                      ("final_logit_softcap", "final_logit_softcapping")):  # Gemma 2's names
+        value = _config_attr(config, attr)
+        if value is not _MISSING:
+            said[key] = (_option_value(key, value, f"model.config.{attr}"), f"model.config.{attr}")
+    window = _config_window(config, model_type, num_layers)
+    if window is not _MISSING:
+        said["sliding_window"] = (_option_value("sliding_window", window, "model.config.sliding_window"),
+                                  "model.config.sliding_window")
+    return said
+
+
+def _model_options(arch, model, named, given, cfg):
+    """The model options that differ from their defaults, for the manifest's model section:
+    model.config's word where it has one, model_config's otherwise; the two must agree."""
+    given = {k: given[k] for k in LLAMA_OPTION_DEFAULTS if k in given}
+    if arch != "llama":
+        on = [k for k, v in given.items() if _option_value(k, v, f"model_config[{k!r}]") != LLAMA_OPTION_DEFAULTS[k]]
+        if on:
+            raise CaptureError(f"model options {on} apply to arch 'llama' only")
+        return {}
+    config = getattr(model, "config", None)
+    said = {}
+    if config is not None:
+        head_dim = _config_attr(config, "head_dim")
+        if isinstance(head_dim, int) and head_dim != cfg["hidden_size"] // cfg["num_heads"]:
+            raise CaptureError(f"model.config.head_dim = {head_dim}, but bundle v1's head_dim is hidden_size / "
+                               f"num_heads = {cfg['hidden_size'] // cfg['num_heads']}")
+        said = _options_from_config(config, cfg["num_layers"])
+    out = {}
+    for key, default in LLAMA_OPTION_DEFAULTS.items():
+        value, where = said.get(key, (default, None))
+        if key in given:
+            mine = _option_value(key, given[key], f"model_config[{key!r}]")
+            if where is not None and mine != value:
+                raise CaptureError(f"model_config[{key!r}] = {mine!r} contradicts {where}, which says {value!r}")
+            value = mine
+        if value != default:
+            out[key] = value
+    _check_option_parameters(named, out)
+    return out
+
+
+def _check_option_parameters(named, options):
+    """Parameters that only an option explains must not be there with that option off: the replay
+    would not read them, and the bundle would describe a different model."""
+    for name in named:
+        if _BIAS_PARAM.fullmatch(name) and not options.get("attention_bias"):
+            raise CaptureError(f"the model has {name}, but attention_bias is off: if q, k and v carry biases "
+                               "(Qwen2's layout), pass model_config=dict(attention_bias=True, ...)")
+        if _QK_NORM_PARAM.fullmatch(name) and not options.get("qk_norm"):
+            raise CaptureError(f"the model has {name}, but qk_norm is not set: pass model_config=dict(qk_norm="
+                               "'head', ...) for a norm over each head (Qwen3) or qk_norm='full' for one over "
+                               "the whole projection (OLMo 2)")
+        if _O_BIAS_PARAM.fullmatch(name):
+            raise CaptureError(f"the model has {name}: bundle v1's attention_bias puts biases on q, k and v only, "
+                               "as Qwen2 does (Hugging Face Llama's attention_bias=True also biases o_proj, "
+                               "which bundle v1 does not replay)")
+
+
+def _option_needing(name, cfg):
+    """For error messages: the option that asks for parameter `name`, when one does."""
+    if _BIAS_PARAM.fullmatch(name):
+        return ", with attention_bias=True"
+    if _QK_NORM_PARAM.fullmatch(name):
+        return f", with qk_norm={cfg.get('qk_norm')!r}"
+    return ""
 
 
 # ---------------------------------------------------------------------------
@@ -380,7 +593,10 @@ class Recorder:
       out_dir: where automatic dumps go (`<out_dir>/incident-step<step>`).
       arch: "llama" or "gpt2" (bundle v1 architectures).
       model_config: manifest model keys; shapes are read off the parameters, `num_heads` is
-        required, `norm_eps` / `rope_theta` are required unless the modules carry them.
+        required, `norm_eps` / `rope_theta` are required unless the modules carry them. llama's
+        options (rope_style, rope_scaling, attention_bias, qk_norm, attn_logit_softcap,
+        final_logit_softcap, sliding_window) are read off a Hugging Face style `model.config`
+        where it says them, else taken from here (default: off); the two must agree.
       data: dict(shards=[paths or dicts(path, dtype, header_bytes)], token_dtype="uint16",
         header_bytes=0, seq_len, micro_batch_size, grad_accum_steps=1, world_size=1,
         sampler=None or dict(kind="randperm", seed, epoch=0, epoch_start_step=0)).
@@ -432,9 +648,11 @@ class Recorder:
         for name, shape in spec:
             p = named.get(name)
             if p is None:
-                raise CaptureError(f"the model has no parameter {name!r} (bundle v1, {arch})")
+                raise CaptureError(f"the model has no parameter {name!r} (bundle v1, {arch}"
+                                   f"{_option_needing(name, self.model_config)})")
             if tuple(p.shape) != tuple(shape):
-                raise CaptureError(f"{name} has shape {tuple(p.shape)}, bundle v1 expects {tuple(shape)}")
+                raise CaptureError(f"{name} has shape {tuple(p.shape)}, bundle v1 expects {tuple(shape)}"
+                                   f"{_option_needing(name, self.model_config)}")
             if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise CaptureError(f"{name} is {p.dtype}; bundle v1 stores F32, BF16 or F16")
             self.params.append(p)

@@ -49,11 +49,12 @@ TensorStats compute_stats(const void* data, ElemType type, int64_t numel);
 
 // Per-head statistics of a contiguous [batch, heads, rows, cols] buffer:
 // result[h] covers head h over every batch row. With `causal`, only elements
-// with col <= row count (requires rows == cols); masked elements are skipped
+// with col <= row count (requires rows == cols), and with a sliding `window`
+// W > 0 only those with row - W < col <= row; masked elements are skipped
 // entirely (not counted, not checked). Indices are row-major over the full buffer.
 std::vector<TensorStats> compute_head_stats(const void* data, ElemType type, int64_t batch,
                                             int64_t heads, int64_t rows, int64_t cols,
-                                            bool causal);
+                                            bool causal, int64_t window = 0);
 
 // Combines per-head results into whole-tensor statistics whose
 // first_nonfinite is the lowest index over all heads.

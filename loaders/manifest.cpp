@@ -194,30 +194,70 @@ void apply_gpt2_rules(const JsonReader& model, ModelConfig& config) {
   config.tie_embeddings = true;
 }
 
-// The model options of later bundle formats (rotary variants, biases, QK-norm,
-// soft-capping, sliding windows, mixtures of experts). This nanreplay replays
-// none of them: a bundle that sets one describes another model than the one
-// it would replay, so it is refused rather than silently replayed wrongly.
-void refuse_unsupported_options(const JsonReader& model) {
-  // Absent and null both mean the default (JsonReader::has is false for null).
-  static const std::pair<const char*, nlohmann::json> kDefaults[] = {
-      {"rope_style", "rotate_half"},  {"rope_scaling", nullptr},        {"attention_bias", false},
-      {"qk_norm", nullptr},           {"attn_logit_softcap", nullptr},  {"final_logit_softcap", nullptr},
-      {"sliding_window", nullptr},    {"moe", nullptr},
-  };
-  for (const auto& [key, default_value] : kDefaults) {
-    if (!model.has(key) || model.json().at(key) == default_value) continue;
-    throw InputError(model.file(), model.key_path(key),
-                     "this nanreplay replays only the default (" + default_value.dump() + "), got " +
-                         json_describe(model.json().at(key)) +
+// The llama family's options (docs/bundle-format.md, "Model options").
+// Absent and null both mean the default (JsonReader::has is false for null).
+const char* const kLlamaOptions[] = {"rope_style",         "rope_scaling",        "attention_bias", "qk_norm",
+                                     "attn_logit_softcap", "final_logit_softcap", "sliding_window"};
+
+RopeScaling parse_rope_scaling(const JsonReader& scaling) {
+  // Hugging Face's configs name the type "rope_type" (older ones "type").
+  const char* type_key = scaling.has("rope_type") || !scaling.has("type") ? "rope_type" : "type";
+  one_of(scaling, type_key, {"llama3"});
+  RopeScaling config;
+  config.factor = finite_number_above(scaling, "factor", 0, false);
+  config.low_freq_factor = finite_number_above(scaling, "low_freq_factor", 0, false);
+  config.high_freq_factor = finite_number_above(scaling, "high_freq_factor", 0, false);
+  if (!(config.high_freq_factor > config.low_freq_factor)) {
+    throw InputError(scaling.file(), scaling.key_path("high_freq_factor"),
+                     "expected more than low_freq_factor (" + format_number(config.low_freq_factor) + "), got " +
+                         format_number(config.high_freq_factor));
+  }
+  config.original_max_position_embeddings = positive_integer(scaling, "original_max_position_embeddings");
+  return config;
+}
+
+void parse_llama_options(const JsonReader& model, ModelConfig& config) {
+  if (model.has("rope_style")) {
+    config.rope_style = one_of(model, "rope_style", {"rotate_half", "interleaved"}) == "interleaved"
+                            ? RopeStyle::kInterleaved
+                            : RopeStyle::kRotateHalf;
+  }
+  if (model.has("rope_scaling")) config.rope_scaling = parse_rope_scaling(model.object("rope_scaling"));
+  config.attention_bias = model.optional_boolean("attention_bias").value_or(false);
+  if (model.has("qk_norm")) {
+    config.qk_norm = one_of(model, "qk_norm", {"head", "full"}) == "head" ? QkNorm::kHead : QkNorm::kFull;
+  }
+  if (model.has("attn_logit_softcap")) {
+    config.attn_logit_softcap = finite_number_above(model, "attn_logit_softcap", 0, false);
+  }
+  if (model.has("final_logit_softcap")) {
+    config.final_logit_softcap = finite_number_above(model, "final_logit_softcap", 0, false);
+  }
+  if (model.has("sliding_window")) config.sliding_window = positive_integer(model, "sliding_window");
+}
+
+// gpt2 is nanoGPT's model: none of the llama family's options, and no mixture
+// of experts yet; a bundle that sets one describes another model than the one
+// this nanreplay would replay, so it is refused rather than replayed wrongly.
+void refuse_unsupported_options(const JsonReader& model, Arch arch) {
+  if (model.has("moe")) {
+    throw InputError(model.file(), model.key_path("moe"),
+                     "this nanreplay replays dense models only (null), got " + json_describe(model.json().at("moe")) +
                          "; replaying the bundle without it would replay another model than the run's");
+  }
+  if (arch != Arch::kGpt2) return;
+  for (const char* key : kLlamaOptions) {
+    if (!model.has(key)) continue;
+    throw InputError(model.file(), model.key_path(key),
+                     std::string("is a llama-family option; gpt2 (nanoGPT's model) has none, got ") +
+                         json_describe(model.json().at(key)));
   }
 }
 
 ModelConfig parse_model(const JsonReader& model) {
-  refuse_unsupported_options(model);
   ModelConfig config;
   config.arch = parse_arch(model);
+  refuse_unsupported_options(model, config.arch);
   config.vocab_size = positive_integer(model, "vocab_size");
   config.hidden_size = positive_integer(model, "hidden_size");
   config.num_layers = positive_integer(model, "num_layers");
@@ -232,6 +272,7 @@ ModelConfig parse_model(const JsonReader& model) {
   if (config.arch == Arch::kLlama) {
     config.intermediate_size = positive_integer(model, "intermediate_size");
     config.tie_embeddings = model.optional_boolean("tie_embeddings").value_or(false);
+    parse_llama_options(model, config);
   } else {
     apply_gpt2_rules(model, config);
   }

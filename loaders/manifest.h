@@ -18,6 +18,19 @@ enum class TokenDtype { kUint16, kUint32 };
 const char* arch_name(Arch arch);
 const char* compute_name(Compute compute);
 
+// The llama family's model options (docs/bundle-format.md, "Model options"),
+// each as the Hugging Face model it comes from.
+enum class RopeStyle { kRotateHalf, kInterleaved };  // interleaved: Meta, torchtitan, llama2.c
+enum class QkNorm { kNone, kHead, kFull };           // head: Qwen3; full: OLMo 2
+
+// Llama 3.1's rotary frequency scaling (rope_type "llama3").
+struct RopeScaling {
+  double factor = 8.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
 struct ModelConfig {
   Arch arch = Arch::kLlama;
   int64_t vocab_size = 0;
@@ -30,6 +43,17 @@ struct ModelConfig {
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
   bool tie_embeddings = false;    // gpt2: always true
+  // llama only:
+  RopeStyle rope_style = RopeStyle::kRotateHalf;
+  std::optional<RopeScaling> rope_scaling;
+  bool attention_bias = false;                // Qwen2: q, k, v projections carry a bias
+  QkNorm qk_norm = QkNorm::kNone;
+  std::optional<double> attn_logit_softcap;   // Gemma 2: c * tanh(scores / c)
+  std::optional<double> final_logit_softcap;  // Gemma 2: c * tanh(logits / c)
+  int64_t sliding_window = 0;                 // Mistral: 0 = full causal attention
+  // Not a manifest key: the qk-norm what-if normalises q and k with unit
+  // weights, which no checkpoint holds.
+  bool qk_norm_unit_weights = false;
 
   int64_t head_dim() const { return hidden_size / num_heads; }
 };

@@ -20,6 +20,15 @@ Shape qkv(const ModelConfig& m) { return {3 * m.hidden_size, m.hidden_size}; }
 Shape qkv_bias(const ModelConfig& m) { return {3 * m.hidden_size}; }
 Shape positions(const ModelConfig& m) { return {m.max_seq_len, m.hidden_size}; }
 Shape mlp_width(const ModelConfig& m) { return {m.intermediate_size}; }
+Shape q_width(const ModelConfig& m) { return {m.num_heads * m.head_dim()}; }
+Shape kv_width(const ModelConfig& m) { return {m.num_kv_heads * m.head_dim()}; }
+// Qwen3 normalises each head (head_dim weights), OLMo 2 the whole projection.
+Shape q_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead ? Shape{m.head_dim()} : q_width(m); }
+Shape k_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead ? Shape{m.head_dim()} : kv_width(m); }
+
+bool with_attention_bias(const ModelConfig& m) { return m.attention_bias; }
+bool with_qk_norm(const ModelConfig& m) { return m.qk_norm != QkNorm::kNone; }
+bool untied_head(const ModelConfig& m) { return !m.tie_embeddings; }
 
 std::string with_layer(const char* key, int layer) {
   std::string text = key;
@@ -34,16 +43,22 @@ const std::vector<ParamDef>& param_table(Arch arch) {
   static const std::vector<ParamDef> llama = {
       {R::kTokenEmbedding, "model.embed_tokens.weight", ParamPlace::kBefore, vocab_rows},
       {R::kAttnNorm, "model.layers.{i}.input_layernorm.weight", ParamPlace::kLayer, hidden},
+      // Hugging Face's module order: a bias after its weight, q_norm and k_norm after o_proj.
       {R::kQProj, "model.layers.{i}.self_attn.q_proj.weight", ParamPlace::kLayer, square},
+      {R::kQBias, "model.layers.{i}.self_attn.q_proj.bias", ParamPlace::kLayer, q_width, with_attention_bias},
       {R::kKProj, "model.layers.{i}.self_attn.k_proj.weight", ParamPlace::kLayer, kv_rows},
+      {R::kKBias, "model.layers.{i}.self_attn.k_proj.bias", ParamPlace::kLayer, kv_width, with_attention_bias},
       {R::kVProj, "model.layers.{i}.self_attn.v_proj.weight", ParamPlace::kLayer, kv_rows},
+      {R::kVBias, "model.layers.{i}.self_attn.v_proj.bias", ParamPlace::kLayer, kv_width, with_attention_bias},
       {R::kOProj, "model.layers.{i}.self_attn.o_proj.weight", ParamPlace::kLayer, square},
+      {R::kQNorm, "model.layers.{i}.self_attn.q_norm.weight", ParamPlace::kLayer, q_norm, with_qk_norm},
+      {R::kKNorm, "model.layers.{i}.self_attn.k_norm.weight", ParamPlace::kLayer, k_norm, with_qk_norm},
       {R::kMlpNorm, "model.layers.{i}.post_attention_layernorm.weight", ParamPlace::kLayer, hidden},
       {R::kGateProj, "model.layers.{i}.mlp.gate_proj.weight", ParamPlace::kLayer, mlp_in},
       {R::kUpProj, "model.layers.{i}.mlp.up_proj.weight", ParamPlace::kLayer, mlp_in},
       {R::kDownProj, "model.layers.{i}.mlp.down_proj.weight", ParamPlace::kLayer, mlp_out},
       {R::kFinalNorm, "model.norm.weight", ParamPlace::kAfter, hidden},
-      {R::kLmHead, "lm_head.weight", ParamPlace::kAfter, vocab_rows},
+      {R::kLmHead, "lm_head.weight", ParamPlace::kAfter, vocab_rows, untied_head},
   };
   // nanoGPT's names; the MLP is 4 x hidden_size wide (intermediate_size says so).
   static const std::vector<ParamDef> gpt2 = {
@@ -66,6 +81,8 @@ const std::vector<ParamDef>& param_table(Arch arch) {
   };
   return arch == Arch::kLlama ? llama : gpt2;
 }
+
+bool has_parameter(const ParamDef& def, const ModelConfig& m) { return def.present == nullptr || def.present(m); }
 
 std::string param_key(Arch arch, ParamRole role, int layer) {
   for (const ParamDef& def : param_table(arch)) {

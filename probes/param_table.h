@@ -16,6 +16,11 @@ namespace nanreplay {
 enum class ParamRole : uint8_t {
   kTokenEmbedding,
   kPositionEmbedding,  // gpt2
+  kQBias,              // llama with attention_bias (Qwen2)
+  kKBias,
+  kVBias,
+  kQNorm,              // llama with qk_norm (Qwen3, OLMo 2)
+  kKNorm,
   kAttnNorm,
   kAttnNormBias,       // gpt2
   kQProj,
@@ -45,7 +50,11 @@ struct ParamDef {
   const char* key;  // "model.layers.{i}.self_attn.q_proj.weight"; "{i}" only in per-layer keys
   ParamPlace place;
   std::vector<int64_t> (*shape)(const ModelConfig& m);
+  bool (*present)(const ModelConfig& m) = nullptr;  // null: always; else only when a model option says so
 };
+
+// Whether the model has this parameter (its options decide for some).
+bool has_parameter(const ParamDef& def, const ModelConfig& m);
 
 // The architecture's parameters in the bundle format's order within a layer
 // and outside (embeddings, layers, final norm, head).

@@ -90,7 +90,7 @@ std::vector<ParamSpec> expected_parameters(const ModelConfig& m) {
   std::vector<ParamSpec> params;
   auto add_place = [&](ParamPlace place, int layer) {
     for (const ParamDef& def : param_table(m.arch)) {
-      if (def.place != place || (def.role == ParamRole::kLmHead && m.tie_embeddings)) continue;
+      if (def.place != place || !has_parameter(def, m)) continue;
       params.push_back({param_key(m.arch, def.role, layer), def.shape(m)});
     }
   };

@@ -21,7 +21,7 @@ ElemType elem_type_of(const torch::Tensor& t) {
   }
 }
 
-torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal) {
+torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal, int64_t window) {
   torch::NoGradGuard no_grad;
   const torch::Tensor x = t.detach().to(torch::kFloat64);
   if (x.numel() == 0) {  // no elements: zero counts, no first non-finite
@@ -41,8 +41,9 @@ torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool caus
     per_batch = rows * cols;
     values = x.transpose(0, 1).reshape({heads, -1});  // (H, B*R*C), (b, r, c) order
     if (causal) {
-      const torch::Tensor lower =
-          torch::ones({rows, cols}, i64.dtype(torch::kBool)).tril();  // col <= row
+      const torch::Tensor ones = torch::ones({rows, cols}, i64.dtype(torch::kBool));
+      torch::Tensor lower = ones.tril();  // col <= row
+      if (window > 0) lower = lower & ones.triu(1 - window);  // and row - col < window
       valid = lower.reshape({1, 1, rows * cols}).expand({heads, batch, rows * cols}).reshape({heads, -1});
     }
   } else {

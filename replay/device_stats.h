@@ -21,7 +21,7 @@ constexpr int64_t kDeviceStatsColumns = 10;
 // for a per-head [batch, heads, rows, cols] tensor, float64 on t's device.
 // With `causal`, elements with col > row are skipped, as the CPU kernel does.
 // Indices are row-major over the full tensor.
-torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal);
+torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal, int64_t window = 0);
 
 // The statistics kernels' element type of an f32, bf16 or f16 tensor
 // (std::logic_error for any other dtype: probes never see one).

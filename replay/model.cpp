@@ -5,6 +5,7 @@
 #include "replay/model.h"
 
 #include <cmath>
+#include <optional>
 
 #include <torch/torch.h>
 
@@ -41,25 +42,74 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return x / torch::sqrt(mean_square + eps) * weight;
 }
 
-// Rotate-half rotary embedding over the last dim of x: (B, heads, T, D).
-torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos,
-                           const torch::Tensor& sin) {
+// Qwen3's q_norm / k_norm: RMSNorm over each head's head_dim of x (B, T,
+// heads, D). The zero-norm check sees each token's smallest head moment.
+torch::Tensor head_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, ProbeSession& probes,
+                            const SiteRef& site) {
+  const torch::Tensor mean_square = x.pow(2).mean(-1, /*keepdim=*/true);  // (B, T, heads, 1)
+  probes.check_norm(site, std::get<0>(mean_square.squeeze(-1).min(-1)), eps, "mean square");
+  return x / torch::sqrt(mean_square + eps) * weight;
+}
+
+// Rotary embedding over the last dim of x: (B, heads, T, D). Rotate-half
+// (Hugging Face) pairs element i with i + D/2; interleaved (Meta's reference
+// llama, torchtitan, llama2.c) pairs 2i with 2i+1. The tables match the style.
+torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                           RopeStyle style) {
+  if (style == RopeStyle::kInterleaved) {
+    std::vector<int64_t> paired = x.sizes().vec();
+    paired.back() /= 2;
+    paired.push_back(2);
+    const torch::Tensor pairs = x.reshape(paired);  // (..., D/2, 2)
+    const torch::Tensor even = pairs.select(-1, 0), odd = pairs.select(-1, 1);
+    return x * cos + torch::stack({-odd, even}, -1).flatten(-2) * sin;
+  }
   const int64_t half = x.size(-1) / 2;
   const torch::Tensor x1 = x.narrow(-1, 0, half);
   const torch::Tensor x2 = x.narrow(-1, half, half);
   return x * cos + torch::cat({-x2, x1}, -1) * sin;
 }
 
-// cos and sin tables (T, D) with frequencies theta^(-2i/D), computed as
-// Hugging Face's LlamaRotaryEmbedding does in fp32.
-std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t seq, int64_t head_dim, double theta,
-                                                      const torch::Device& device) {
+// Llama 3.1's frequency scaling, as Hugging Face's _compute_llama3_parameters:
+// long wavelengths divided by `factor`, short ones kept, a smooth blend between.
+torch::Tensor llama3_scaled(const torch::Tensor& inv_freq, const RopeScaling& s) {
+  const double old_context = static_cast<double>(s.original_max_position_embeddings);
+  const double low_freq_wavelen = old_context / s.low_freq_factor;
+  const double high_freq_wavelen = old_context / s.high_freq_factor;
+  const torch::Tensor wavelen = 2 * M_PI / inv_freq;
+  torch::Tensor scaled = torch::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
+  const torch::Tensor smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+  const torch::Tensor smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
+  const torch::Tensor medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen);
+  return torch::where(medium, smoothed, scaled);
+}
+
+// cos and sin tables (T, D) with frequencies theta^(-2i/D) (scaled for
+// rope_scaling), computed as Hugging Face's LlamaRotaryEmbedding does in fp32.
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t seq, const ModelConfig& m, const torch::Device& device) {
+  const int64_t head_dim = m.head_dim();
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
-  const torch::Tensor inv_freq =
-      1.0 / torch::pow(theta, torch::arange(0, head_dim, 2, f32) / static_cast<double>(head_dim));
+  torch::Tensor inv_freq =
+      1.0 / torch::pow(m.rope_theta, torch::arange(0, head_dim, 2, f32) / static_cast<double>(head_dim));
+  if (m.rope_scaling) inv_freq = llama3_scaled(inv_freq, *m.rope_scaling);
   const torch::Tensor freqs = torch::outer(torch::arange(seq, f32), inv_freq);
-  const torch::Tensor angles = torch::cat({freqs, freqs}, -1);
+  const torch::Tensor angles = m.rope_style == RopeStyle::kInterleaved ? freqs.repeat_interleave(2, -1)
+                                                                        : torch::cat({freqs, freqs}, -1);
   return {angles.cos(), angles.sin()};
+}
+
+// Gemma 2's soft cap c * tanh(x / c), in fp32 from the (rounded) input.
+torch::Tensor soft_capped(const torch::Tensor& x, const std::optional<double>& cap) {
+  if (!cap) return x;
+  return *cap * torch::tanh(x.to(torch::kFloat32) / *cap);
+}
+
+// (T, T) true where query i must not see key j: the future, and with a
+// sliding window W (Mistral) keys j <= i - W.
+torch::Tensor hidden_keys(int64_t T, int64_t window, const torch::Device& device) {
+  const torch::Tensor ones = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(device));
+  const torch::Tensor future = ones.triu(1);
+  return window > 0 ? future | ones.tril(-window) : future;
 }
 
 struct AttentionInputs {
@@ -80,13 +130,13 @@ torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, 
     k = k.repeat_interleave(H / G, 1);  // (B, H, T, D)
     v = v.repeat_interleave(H / G, 1);
   }
+  // The scores site is before any soft cap: the cap hides how close they came to overflowing.
   const torch::Tensor scores =
       probes.site({SiteId::kAttnScores, layer}, numerics.attention_scores(q, k));  // (B, H, T, T)
-  const torch::Tensor future =
-      torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(scores.device())).triu(1);
+  const torch::Tensor visible_not = hidden_keys(T, m.sliding_window, scores.device());
   const torch::Tensor probs = probes.site(
       {SiteId::kAttnProbs, layer},
-      torch::softmax(scores.masked_fill(future, -std::numeric_limits<float>::infinity()), -1));
+      torch::softmax(soft_capped(scores, m.attn_logit_softcap).masked_fill(visible_not, -std::numeric_limits<float>::infinity()), -1));
   const torch::Tensor context =
       probes.site({SiteId::kAttnContext, layer}, numerics.matmul(probs, v));  // (B, H, T, D)
   return context.transpose(1, 2).reshape({B, T, H * D});
@@ -98,10 +148,10 @@ torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, 
 // outlier check reuse the log-probabilities instead of a second log_softmax
 // over the whole (tokens, vocab) logits.
 ForwardResult next_token_loss(const torch::Tensor& logits, const torch::Tensor& all_targets,
-                              ProbeSession& probes) {
+                              ProbeSession& probes, const std::optional<double>& final_softcap = std::nullopt) {
   const torch::Tensor targets = all_targets.to(logits.device()).reshape({-1});
   const int64_t V = logits.size(-1);
-  const torch::Tensor log_probs = torch::log_softmax(logits.reshape({-1, V}), 1);
+  const torch::Tensor log_probs = torch::log_softmax(soft_capped(logits, final_softcap).reshape({-1, V}), 1);
   ForwardResult result;
   result.loss = probes.site({SiteId::kLoss, -1}, torch::nll_loss(log_probs, targets));
   if (probes.enabled()) {  // per-sample losses for the outlier check
@@ -119,11 +169,11 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
                 D = m.head_dim();
   using R = ParamRole;
   const Weights w{p, Arch::kLlama};
-  const auto [cos0, sin0] = rotary_tables(T, D, m.rope_theta, w(R::kTokenEmbedding).device());
+  const auto [cos0, sin0] = rotary_tables(T, m, w(R::kTokenEmbedding).device());
   torch::Tensor cos = cos0, sin = sin0;  // moved along with the activations
   auto rope = [&, &cos = cos, &sin = sin](const torch::Tensor& x, int64_t heads) {
     const torch::Tensor per_head = x.view({B, T, heads, D}).transpose(1, 2);  // (B, heads, T, D)
-    return apply_rotary(per_head, cos, sin).transpose(1, 2).reshape({B, T, heads * D});
+    return apply_rotary(per_head, cos, sin, m.rope_style).transpose(1, 2).reshape({B, T, heads * D});
   };
   const torch::Tensor embedding = w(R::kTokenEmbedding);
   torch::Tensor x = probes.site({SiteId::kEmbed, -1},
@@ -138,8 +188,23 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
       sin = sin.to(device);
     }
     const Numerics block = numerics.in_layer(layer);  // what-ifs may run a layer in fp32
-    auto proj = [&](const torch::Tensor& in, R role) {
-      return block.linear(in, w(role, layer), {}, w.module(role, layer));
+    auto proj = [&](const torch::Tensor& in, R role, std::optional<R> bias = std::nullopt) {
+      return block.linear(in, w(role, layer), bias ? w(*bias, layer) : torch::Tensor(), w.module(role, layer));
+    };
+    const auto with_bias = [&](R bias) { return m.attention_bias ? std::optional<R>(bias) : std::nullopt; };
+    // q_norm / k_norm before rotary: in fp32 from the rounded projection (as
+    // autocast hands it over), rounded again as the site they feed would be.
+    auto qk_normed = [&](const torch::Tensor& projected, R weight, SiteId site, int64_t heads) {
+      if (m.qk_norm == QkNorm::kNone) return projected;
+      const SiteRef ref{site, layer};
+      const auto rounded = [&](const torch::Tensor& t) { return block.rounds_site(ref) ? block.round(t) : t; };
+      const torch::Tensor in = rounded(projected);
+      const torch::Tensor scale = m.qk_norm_unit_weights ? torch::ones({D}, in.options()) : w(weight, layer);
+      const torch::Tensor normed =
+          m.qk_norm == QkNorm::kHead
+              ? head_rms_norm(in.view({B, T, heads, D}), scale, m.norm_eps, probes, ref).reshape({B, T, heads * D})
+              : rms_norm(in, scale, m.norm_eps, probes, ref);
+      return rounded(normed);
     };
     probes.alias({SiteId::kInput, layer}, stream);
     const torch::Tensor h = probes.site(
@@ -147,11 +212,11 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
         rms_norm(x, w(R::kAttnNorm, layer), m.norm_eps, probes, {SiteId::kAttnNorm, layer}));
     AttentionInputs attn;
     attn.q = probes.site({SiteId::kAttnQ, layer},
-                         rope(proj(h, R::kQProj), H));
+                         rope(qk_normed(proj(h, R::kQProj, with_bias(R::kQBias)), R::kQNorm, SiteId::kAttnQ, H), H));
     attn.k = probes.site({SiteId::kAttnK, layer},
-                         rope(proj(h, R::kKProj), G));
+                         rope(qk_normed(proj(h, R::kKProj, with_bias(R::kKBias)), R::kKNorm, SiteId::kAttnK, G), G));
     attn.v = probes.site({SiteId::kAttnV, layer},
-                         proj(h, R::kVProj));
+                         proj(h, R::kVProj, with_bias(R::kVBias)));
     const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
     const torch::Tensor attn_out = probes.site(
         {SiteId::kAttnOut, layer}, proj(context, R::kOProj));
@@ -174,9 +239,10 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
       {SiteId::kFinalNorm, -1}, rms_norm(x, w(R::kFinalNorm), m.norm_eps, probes, {SiteId::kFinalNorm, -1}));
   // A tied head on a split model reads the embedding through a differentiable copy.
   const torch::Tensor head = (m.tie_embeddings ? embedding : w(R::kLmHead)).to(x.device());
+  // The logits site is before the final soft cap, which only the loss reads.
   const torch::Tensor logits =
       probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, head, {}, "lm_head"));  // (B, T, V)
-  return next_token_loss(logits, targets, probes);
+  return next_token_loss(logits, targets, probes, m.final_logit_softcap);
 }
 
 ForwardResult gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch::Tensor& inputs,

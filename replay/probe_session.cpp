@@ -78,17 +78,18 @@ void finish_norm_check(NormCheck& check, const double* values, int64_t cols,
 
 // The elements a site's statistics cover: causal sites (scores, probs) drop
 // the positions the mask removes, which never reach the loss.
-torch::Tensor counted_elements(const torch::Tensor& t, const SiteDef& def) {
+torch::Tensor counted_elements(const torch::Tensor& t, const SiteDef& def, int64_t window) {
   if (!def.causal || t.dim() != 4 || t.size(2) != t.size(3)) return t;
   const int64_t T = t.size(2);
-  const torch::Tensor keep = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(t.device())).tril();
+  const torch::Tensor ones = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(t.device()));
+  const torch::Tensor keep = window > 0 ? ones.tril() & ones.triu(1 - window) : ones.tril();
   return t.masked_select(keep);
 }
 
 // kFlags: one all-finite test; counts only when it fails (rare, so cheap).
-std::optional<ProbeRecord> nonfinite_flag(const torch::Tensor& tensor, const SiteDef& def) {
+std::optional<ProbeRecord> nonfinite_flag(const torch::Tensor& tensor, const SiteDef& def, int64_t window) {
   torch::NoGradGuard no_grad;
-  const torch::Tensor counted = counted_elements(tensor.detach(), def);
+  const torch::Tensor counted = counted_elements(tensor.detach(), def, window);
   if (torch::isfinite(counted).all().item<bool>()) return std::nullopt;
   ProbeRecord record;
   record.shape = tensor.sizes().vec();
@@ -148,10 +149,11 @@ std::vector<ProbeRecord> records_from_stats(const std::vector<TensorStats>& stat
 }  // namespace
 
 std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
-                                         const std::vector<int64_t>& sample_ids) {
+                                         const std::vector<int64_t>& sample_ids, int64_t window) {
   const bool per_head = probed_per_head(tensor, def);
+  if (!per_head || !def->causal) window = 0;
   if (!tensor.device().is_cpu()) {  // off the host: reductions where it lives
-    const torch::Tensor rows = device_stats_rows(tensor, per_head, per_head && def->causal);
+    const torch::Tensor rows = device_stats_rows(tensor, per_head, per_head && def->causal, window);
     return records_from_stats(stats_from_rows(rows.cpu()), per_head, tensor.sizes().vec(),
                               elem_type_of(tensor), def, sample_ids);
   }
@@ -159,7 +161,7 @@ std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const Site
   const ElemType type = elem_type_of(t);
   std::vector<TensorStats> stats;
   if (per_head) {
-    stats = compute_head_stats(t.data_ptr(), type, t.size(0), t.size(1), t.size(2), t.size(3), def->causal);
+    stats = compute_head_stats(t.data_ptr(), type, t.size(0), t.size(1), t.size(2), t.size(3), def->causal, window);
   } else {
     stats.push_back(compute_stats(t.data_ptr(), type, t.numel()));
   }
@@ -187,6 +189,7 @@ struct ProbeSession::State {
   BatchContext context;
   ProbeScope scope;
   bool defer_host = false;
+  int64_t attention_window = 0;  // the model's sliding window: causal sites count the keys seen
   int num_forward_sites = 0;
   std::vector<int> order_of;  // (layer + 1) * kSiteCount + id -> forward order
   int last_order = -1;        // the forward order of the last site produced
@@ -218,12 +221,14 @@ struct ProbeSession::State {
     }
     const bool per_head = probed_per_head(tensor, &def);
     const bool causal = per_head && def.causal;
+    const int64_t window = causal ? attention_window : 0;
     PendingProbe p{{}, std::nullopt, tensor.sizes().vec(), elem_type_of(tensor), per_head, ref, phase};
-    if (CudaProbeStats::accepts(tensor) && CudaProbeStats::available()) {
+    // The CUDA kernel knows full causal rows only: a sliding window takes LibTorch's reductions.
+    if (window == 0 && CudaProbeStats::accepts(tensor) && CudaProbeStats::available()) {
       if (!cuda_stats) cuda_stats = std::make_unique<CudaProbeStats>();
       p.ticket = cuda_stats->add(tensor, per_head, causal);
     } else {
-      p.rows = device_stats_rows(tensor, per_head, causal);
+      p.rows = device_stats_rows(tensor, per_head, causal, window);
     }
     pending.push_back(std::move(p));
   }
@@ -283,8 +288,8 @@ struct ProbeSession::State {
 
   // The records of one site's tensor at this level (none when flags find it finite).
   std::vector<ProbeRecord> describe(const torch::Tensor& tensor, const SiteDef& def) const {
-    if (scope.level == ProbeLevel::kFull) return describe_tensor(tensor, &def, context.sample_ids);
-    std::optional<ProbeRecord> flag = nonfinite_flag(tensor, def);
+    if (scope.level == ProbeLevel::kFull) return describe_tensor(tensor, &def, context.sample_ids, attention_window);
+    std::optional<ProbeRecord> flag = nonfinite_flag(tensor, def, attention_window);
     return flag ? std::vector<ProbeRecord>{*flag} : std::vector<ProbeRecord>{};
   }
 
@@ -314,6 +319,7 @@ ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, const
   state_->context = std::move(context);
   state_->scope = scope;
   state_->defer_host = defer_host;
+  state_->attention_window = model.sliding_window;
   const std::vector<SiteRef> sites = forward_sites(model);
   state_->num_forward_sites = static_cast<int>(sites.size());
   state_->order_of.assign(static_cast<size_t>((model.num_layers + 1) * State::site_count()), -1);

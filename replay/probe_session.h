@@ -31,8 +31,10 @@ struct BatchContext {
 // one record per head for per-head sites). `def` null: a parameter gradient
 // (coordinates only, no sample or position). Used for forward, backward and
 // parameter-gradient probes alike.
+// `window`: a sliding attention window (ModelConfig::sliding_window); causal
+// sites then count only the keys each query sees.
 std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
-                                         const std::vector<int64_t>& sample_ids);
+                                         const std::vector<int64_t>& sample_ids, int64_t window = 0);
 
 enum class ProbeLevel {
   kOff,    // no statistics, no hooks: the fast path for training

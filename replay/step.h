@@ -27,6 +27,8 @@ namespace nanreplay {
 struct StepOverrides {
   std::set<int64_t> dropped_samples;  // rows removed from their micro-batches
   std::optional<double> norm_eps;     // replaces the model's norm_eps
+  bool qk_norm = false;               // q and k RMS-normalised per head, unit weights (when the model has none)
+  std::optional<double> attn_logit_softcap;  // replaces the model's attention soft cap
   NumericsOverrides numerics;
   std::optional<std::map<std::string, Fp8ModuleScales>> fp8_scales;  // replace the step's
 };

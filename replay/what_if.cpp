@@ -35,6 +35,10 @@ const std::vector<KindInfo>& kinds() {
        "clamp each fp8 scale to within 3x (default) of the previous step's"},
       {WhatIf::Kind::kStableSoftmax, "stable-softmax", "stable-softmax",
        "q k^T, scaling and softmax in fp32, never rounded (as a fused attention kernel)"},
+      {WhatIf::Kind::kQkNorm, "qk-norm", "qk-norm",
+       "q and k RMS-normalised per head with unit weights before rotary (Qwen3's QK-norm; llama only)"},
+      {WhatIf::Kind::kSoftcap, "softcap", "softcap=50",
+       "the attention scores soft-capped, c * tanh(s / c), before softmax (Gemma 2; llama only)"},
   };
   return table;
 }
@@ -176,6 +180,17 @@ StepOverrides overrides_for(const WhatIf& w, const Bundle& bundle, const LoadedS
         change += " (no change: this bundle's attention scores are fp32 already)";
       }
       break;
+    case WhatIf::Kind::kQkNorm:
+      overrides.qk_norm = true;
+      change = m.model.qk_norm != QkNorm::kNone ? "no change: the model normalises q and k already"
+                                                : "q and k RMS-normalised per head (unit weights, eps " +
+                                                      format_number(m.model.norm_eps) + ") before rotary";
+      break;
+    case WhatIf::Kind::kSoftcap:
+      overrides.attn_logit_softcap = w.value;
+      change = "attention scores soft-capped at " + format_number(w.value) +
+               (m.model.attn_logit_softcap ? " (instead of " + format_number(*m.model.attn_logit_softcap) + ")" : "");
+      break;
   }
   return overrides;
 }
@@ -195,7 +210,7 @@ WhatIf parse_what_if(const std::string& text) {
   WhatIf w;
   w.kind = info->kind;
   w.text = text;
-  const bool takes_value = w.kind != WhatIf::Kind::kStableSoftmax;
+  const bool takes_value = w.kind != WhatIf::Kind::kStableSoftmax && w.kind != WhatIf::Kind::kQkNorm;
   const bool value_optional = w.kind == WhatIf::Kind::kDampFp8Scale;
   if (!takes_value && value) bad_spec(text, std::string(info->name) + " takes no value");
   if (takes_value && !value_optional && (!value || value->empty())) {
@@ -223,7 +238,12 @@ WhatIf parse_what_if(const std::string& text) {
       w.value = value ? parse_number(text, *value) : 3.0;
       if (w.value < 1) bad_spec(text, "the factor must be >= 1 (1 keeps the previous step's scales)");
       break;
+    case WhatIf::Kind::kSoftcap:
+      w.value = parse_number(text, *value);
+      if (!(w.value > 0) || !std::isfinite(w.value)) bad_spec(text, "the cap must be a finite number > 0");
+      break;
     case WhatIf::Kind::kStableSoftmax:
+    case WhatIf::Kind::kQkNorm:
       break;
   }
   return w;
@@ -238,6 +258,9 @@ void check_what_if(const WhatIf& w, const Manifest& manifest) {
                              std::to_string(manifest.model.num_layers - 1) + ")");
       }
     }
+  }
+  if ((w.kind == WhatIf::Kind::kQkNorm || w.kind == WhatIf::Kind::kSoftcap) && manifest.model.arch != Arch::kLlama) {
+    bad_spec(w.text, "the llama family's attention only: this bundle's model is gpt2");
   }
   if (w.kind == WhatIf::Kind::kDampFp8Scale && manifest.precision.compute != Compute::kFp8) {
     bad_spec(w.text, std::string("the bundle computes in ") + compute_name(manifest.precision.compute) +

@@ -22,13 +22,15 @@ struct WhatIf {
     kNormEps,        // norm-eps=1e-5: the norms' eps
     kDampFp8Scale,   // damp-fp8-scale[=3]: clamp each fp8 scale to within 3x of the previous step's
     kStableSoftmax,  // stable-softmax: q k^T, scaling and softmax in fp32, as a fused kernel does
+    kQkNorm,         // qk-norm: q and k RMS-normalised per head with unit weights (Qwen3's QK-norm)
+    kSoftcap,        // softcap=50: the attention scores soft-capped, c * tanh(s / c) (Gemma 2)
   };
   Kind kind = Kind::kStableSoftmax;
   std::string text;               // as written
   std::vector<int64_t> samples;   // drop-samples
   std::vector<int> layers;        // fp32-layers
   bool all_layers = false;        // fp32-layers=all
-  double value = 0.0;             // norm-eps, or the damping factor
+  double value = 0.0;             // norm-eps, the damping factor, or the soft cap
 };
 
 // Parses one --what-if; throws UsageError naming the spec and what is wrong.

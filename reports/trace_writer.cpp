@@ -270,7 +270,7 @@ std::string seal_file(const std::string& path) {
 
 // The open HDF5 file and its probe table.
 struct TraceStream::File {
-  File(const std::string& path) : path(path) {
+  explicit File(const std::string& file_path) : path(file_path) {
     silence_hdf5();
     access = Handle(latching_file_access(latch), H5Pclose);
     checked(H5Pset_fclose_degree(access.get(), H5F_CLOSE_STRONG), path, "file access list");

@@ -57,6 +57,22 @@ status=$?
 set -e
 echo "cuda:9 -> exit $status: $(cat "$work/none.err")"
 [[ $status -eq 2 && ! -e "$work/none" ]]
+# Every model option's preset and an incident in a model with options: the GPU replays to the CPU's losses
+# and origin (a sliding window takes LibTorch's reductions: the CUDA kernel knows full causal rows only).
+for preset in clean-qwen2 clean-qwen3 clean-olmo2 clean-gemma2 clean-llama3 clean-combined qwen2-head-overflow; do
+  "$cli" synth "$preset" "$work/$preset" >/dev/null
+  "$cli" run "$work/$preset" --out "$work/$preset-cpu" -q || [[ $? -eq 1 ]]
+  "$cli" run "$work/$preset" --out "$work/$preset-gpu" --device cuda:0 -q || [[ $? -eq 1 ]]
+  python3 - "$preset" "$work/$preset-cpu/report.json" "$work/$preset-gpu/report.json" <<'PY'
+import json, sys
+preset, a, b = sys.argv[1], *(json.load(open(p)) for p in sys.argv[2:4])
+key = lambda f: f and (f["step"], f["site"], f["head"], f["sample"], f["position"])
+assert key(a["first_nonfinite"]) == key(b["first_nonfinite"]), (preset, a["first_nonfinite"], b["first_nonfinite"])
+gap = max(abs(x["loss"] - y["loss"]) / max(abs(x["loss"]), 1e-12) for x, y in zip(a["steps"], b["steps"]) if x["replayed"])
+print(f"{preset}: gpu origin {key(b['first_nonfinite'])} = cpu's, loss gap {gap:.1e}")
+assert gap <= 1e-2, gap
+PY
+done
 echo "demo replay wall time: cpu ${t_cpu}s, gpu ${t_gpu}s"
 cp "$work/gpu/report.json" "$logs/gpu_report.json"
 cp "$work/cross/report.json" "$logs/cross_report.json"

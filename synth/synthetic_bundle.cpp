@@ -162,9 +162,13 @@ ParamMap init_params(const SyntheticSpec& spec, std::vector<std::string>& order)
     const bool norm = p.name.find("norm") != std::string::npos || p.name.find("ln_") != std::string::npos;
     const bool bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
     const bool qk = p.name.find("q_proj") != std::string::npos || p.name.find("k_proj") != std::string::npos;
-    torch::Tensor t = bias   ? torch::zeros(p.shape)
-                      : norm ? torch::ones(p.shape)
-                             : torch::randn(p.shape) * (qk ? spec.attention_init_std : 0.02);
+    // The options' extra parameters start away from their neutral values, so
+    // a replay that ignored or misplaced one would not match the run.
+    const bool attention_extra = p.name.find("self_attn.") != std::string::npos && (bias || norm);
+    torch::Tensor t = attention_extra ? (bias ? torch::randn(p.shape) * 0.1 : 1 + torch::randn(p.shape) * 0.1)
+                      : bias          ? torch::zeros(p.shape)
+                      : norm          ? torch::ones(p.shape)
+                                      : torch::randn(p.shape) * (qk ? spec.attention_init_std : 0.02);
     t.requires_grad_(true);
     params.emplace(p.name, t);
     order.push_back(p.name);
@@ -205,6 +209,10 @@ void amplify_token_in_head(const SyntheticSpec& spec, ParamMap& params, int64_t 
   const int64_t kv_head = f.head / (m.num_heads / m.num_kv_heads);
   weight(R::kQProj, f.layer).narrow(0, f.head * D, D).copy_(reads_feature);
   weight(R::kKProj, f.layer).narrow(0, kv_head * D, D).copy_(reads_feature);
+  if (m.attention_bias) {  // the head's own biases would meet the amplified feature in every sample
+    weight(R::kQBias, f.layer).narrow(0, f.head * D, D).zero_();
+    weight(R::kKBias, f.layer).narrow(0, kv_head * D, D).zero_();
+  }
 }
 
 // Faults of the model that predate the captured window (in memory, before the
@@ -548,6 +556,42 @@ const std::vector<PresetDef>& preset_table() {
          s.model.num_kv_heads = 2;
          s.model.tie_embeddings = true;
        }},
+      // The llama family's options, each preset as the model it comes from.
+      {{"clean-qwen2", "nothing, Qwen2's q/k/v biases (attention_bias)"},
+       [](SyntheticSpec& s) { s.model.attention_bias = true; }},
+      {{"clean-qwen3", "nothing, Qwen3's per-head QK-norm (qk_norm head), grouped-query attention"},
+       [](SyntheticSpec& s) {
+         s.model.qk_norm = QkNorm::kHead;
+         s.model.num_kv_heads = 2;
+       }},
+      {{"clean-olmo2", "nothing, OLMo 2's QK-norm over the whole projection (qk_norm full)"},
+       [](SyntheticSpec& s) { s.model.qk_norm = QkNorm::kFull; }},
+      {{"clean-gemma2", "nothing, Gemma 2's attention and final soft caps, and a sliding window of 8"},
+       [](SyntheticSpec& s) {
+         s.model.attn_logit_softcap = 2.0;  // small enough that the cap bends the scores
+         s.model.final_logit_softcap = 5.0;
+         s.model.sliding_window = 8;
+         s.attention_init_std = 0.3;
+       }},
+      {{"clean-llama3", "nothing, Meta's interleaved rotary with Llama 3.1's frequency scaling"},
+       [](SyntheticSpec& s) {
+         s.model.rope_style = RopeStyle::kInterleaved;
+         // A short original context, so the 32-position window spans all three frequency bands.
+         s.model.rope_scaling = RopeScaling{8.0, 1.0, 4.0, 32};
+         s.attention_init_std = 0.3;
+       }},
+      {{"clean-combined", "nothing, every llama-family option at once (the full QK-norm), grouped-query attention"},
+       [](SyntheticSpec& s) {
+         s.model.rope_style = RopeStyle::kInterleaved;
+         s.model.rope_scaling = RopeScaling{8.0, 1.0, 4.0, 32};
+         s.model.attention_bias = true;
+         s.model.qk_norm = QkNorm::kFull;
+         s.model.attn_logit_softcap = 2.0;
+         s.model.final_logit_softcap = 5.0;
+         s.model.sliding_window = 8;
+         s.model.num_kv_heads = 2;
+         s.attention_init_std = 0.3;
+       }},
       {{"clean-gpt2", "nothing, nanoGPT's gpt2 (LayerNorm, biases, learned positions, tied head)"},
        [](SyntheticSpec& s) {
          s.model.arch = Arch::kGpt2;
@@ -557,6 +601,11 @@ const std::vector<PresetDef>& preset_table() {
        }},
       {{"head-overflow", "fp16: head 2 of layer 1 amplifies a rare token, read first at the last step"},
        head_overflow},
+      {{"qwen2-head-overflow", "fp16 Qwen2 (q/k/v biases): head 2 of layer 1 amplifies a rare token at the last step"},
+       [](SyntheticSpec& s) {
+         head_overflow(s);
+         s.model.attention_bias = true;
+       }},
       {{"bit-flip", "a flipped exponent bit in a norm weight of the last checkpoint (NaN)"},
        [](SyntheticSpec& s) {
          fault_at_last(s, FaultKind::kBitFlip);

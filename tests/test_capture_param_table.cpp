@@ -43,14 +43,24 @@ TEST_CASE("the capture helper's parameter list is the parameter table's", "[capt
   gpt2.num_kv_heads = gpt2.num_heads;
   gpt2.intermediate_size = 4 * gpt2.hidden_size;
   gpt2.tie_embeddings = true;
-  for (const nanreplay::ModelConfig& m : {llama, tied, gpt2}) {
-    const nlohmann::json cfg = {{"hidden_size", m.hidden_size}, {"vocab_size", m.vocab_size},
-                                {"num_layers", m.num_layers},   {"num_heads", m.num_heads},
-                                {"num_kv_heads", m.num_kv_heads}, {"intermediate_size", m.intermediate_size},
-                                {"max_seq_len", m.max_seq_len}, {"tie_embeddings", m.tie_embeddings}};
+  // The llama family's options that add parameters (biases, q/k norms).
+  nanreplay::ModelConfig qwen2 = llama;
+  qwen2.attention_bias = true;
+  nanreplay::ModelConfig qwen3 = llama;
+  qwen3.qk_norm = nanreplay::QkNorm::kHead;
+  nanreplay::ModelConfig olmo2 = tied;
+  olmo2.qk_norm = nanreplay::QkNorm::kFull;
+  olmo2.attention_bias = true;
+  for (const nanreplay::ModelConfig& m : {llama, tied, gpt2, qwen2, qwen3, olmo2}) {
+    nlohmann::json cfg = {{"hidden_size", m.hidden_size}, {"vocab_size", m.vocab_size},
+                          {"num_layers", m.num_layers},   {"num_heads", m.num_heads},
+                          {"num_kv_heads", m.num_kv_heads}, {"intermediate_size", m.intermediate_size},
+                          {"max_seq_len", m.max_seq_len}, {"tie_embeddings", m.tie_embeddings}};
+    if (m.attention_bias) cfg["attention_bias"] = true;
+    if (m.qk_norm != nanreplay::QkNorm::kNone) cfg["qk_norm"] = m.qk_norm == nanreplay::QkNorm::kHead ? "head" : "full";
     nlohmann::json ours = nlohmann::json::array();
     for (const nanreplay::ParamSpec& p : nanreplay::expected_parameters(m)) ours.push_back({p.name, p.shape});
-    INFO(nanreplay::arch_name(m.arch) << (m.tie_embeddings ? " tied" : ""));
+    INFO(cfg.dump());
     CHECK(capture_helper_parameters(nanreplay::arch_name(m.arch), cfg) == ours);
   }
 }

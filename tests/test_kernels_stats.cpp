@@ -356,6 +356,33 @@ TEST_CASE("compute_head_stats ignores what the causal mask removes", "[kernels]"
   }
 }
 
+TEST_CASE("compute_head_stats with a sliding window counts only the keys each query sees", "[kernels]") {
+  const int64_t batch = 2, heads = 2, rows = 40, window = 7;
+  for (ElemType type : kAllTypes) {
+    CAPTURE(type_name(type));
+    TestBuffer buffer = make_buffer(type, batch * heads * rows * rows, 5, {0.0, false});
+    std::mt19937 rng(3);
+    // Outside the window (and above the diagonal) the matrix holds NaN: none may be counted.
+    for (int64_t m = 0; m < batch * heads; ++m)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < rows; ++c)
+          if (c > r || r - c >= window) buffer.set_special((m * rows + r) * rows + c, Special::kNan, rng);
+    int64_t visible = 0;
+    for (int64_t r = 0; r < rows; ++r) visible += std::min(r + 1, window);
+    const std::vector<TensorStats> windowed =
+        compute_head_stats(buffer.data(), type, batch, heads, rows, rows, true, window);
+    for (const TensorStats& head : windowed) {
+      REQUIRE(head.all_finite());
+      REQUIRE(head.count == batch * visible);
+    }
+    // The plain causal view sees the NaN below the window, first at row `window`, col 0.
+    const std::vector<TensorStats> causal = compute_head_stats(buffer.data(), type, batch, heads, rows, rows, true);
+    REQUIRE(causal[0].first_nonfinite == window * rows);
+    REQUIRE_THROWS_AS(compute_head_stats(buffer.data(), type, batch, heads, rows, rows, false, window),
+                      std::invalid_argument);
+  }
+}
+
 TEST_CASE("compute_head_stats rejects impossible layouts", "[kernels]") {
   const std::vector<float> data(64, 1.0f);
   REQUIRE_THROWS_AS(compute_head_stats(data.data(), ElemType::kF32, 1, 1, 4, 16, true),

@@ -75,14 +75,45 @@ class Bundle:
         return w[:, :-1], w[:, 1:]
 
 
-def rotary(x, theta):
-    # x: (B, heads, T, D); rotate-half convention.
-    T, D = x.shape[-2], x.shape[-1]
+def rope_inv_freq(D, theta, scaling=None):
+    """The D/2 rotary inverse frequencies; scaling: the manifest's rope_scaling (null or llama3)."""
     inv = 1.0 / (theta ** (torch.arange(0, D, 2).float() / D))
-    ang = torch.outer(torch.arange(T).float(), inv)
+    if scaling is None:
+        return inv
+    if scaling.get("rope_type") != "llama3":
+        raise ValueError(f"rope_scaling: only rope_type llama3 is modelled, got {scaling!r}")
+    # Llama 3.1, op for op as HF modeling_rope_utils._compute_llama3_parameters (attention factor 1): the same
+    # fp32 torch expressions, so that `2 * pi / inv` stays torch's reciprocal-times-scalar and the bits match.
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)  # long wavelengths: divided by factor
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)  # in between: interpolated
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary(x, inv_freq, style="rotate_half"):
+    # x: (B, heads, T, D). Pair i turns by position * inv_freq[i]; rotate_half (Hugging Face) pairs dims
+    # (i, i + D/2), interleaved (Meta's llama, llama2.c, torchtitan) pairs (2i, 2i + 1).
+    T, D = x.shape[-2], x.shape[-1]
+    ang = torch.outer(torch.arange(T).float(), inv_freq)
+    if style == "interleaved":
+        x1, x2, cos, sin = x[..., 0::2], x[..., 1::2], ang.cos(), ang.sin()
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
     ang = torch.cat([ang, ang], -1)
     x1, x2 = x[..., : D // 2], x[..., D // 2:]
     return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
+
+
+def permute_for_rotate_half(w, n_heads):
+    """HF convert_llama_weights_to_hf.py's `permute`: q/k rows of an interleaved-rotary checkpoint reordered
+    per head (2i, 2i+1 -> i, i + D/2) so rotate_half computes the same scores. A 1-D tensor (bias, norm
+    weight) is permuted as rows."""
+    dim1 = w.shape[0]
+    rows = w.reshape(dim1, -1)
+    return rows.view(n_heads, dim1 // n_heads // 2, 2, rows.shape[1]).transpose(1, 2).reshape(w.shape)
 
 
 LOW_TYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -97,44 +128,81 @@ def rounding(compute):
     return lambda t: t.to(low).to(torch.float32)
 
 
-def attention(q, k, v, H, G, rnd=lambda t: t):
-    # q: (B, T, H*D), k/v: (B, T, G*D), each already rounded (probe sites).
+def attention_probs(q, k, H, G, rnd=lambda t: t, softcap=None, window=None):
+    """Softmax probabilities (B, H, T, T) of q: (B, T, H*D) against k: (B, T, G*D), both rounded (sites).
+    softcap c (Gemma 2): the rounded scaled scores s become c * tanh(s / c) in fp32, masked afterwards.
+    window W (Mistral): query i sees keys j with i - W < j <= i."""
     B, T, _ = q.shape
     D = q.shape[-1] // H
     q = q.view(B, T, H, D).transpose(1, 2)
     k = k.view(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
-    v = v.view(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
     scores = rnd(rnd(q @ k.transpose(-2, -1)) / math.sqrt(D))  # round(round(q k^T) / sqrt(D))
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
-    probs = rnd(torch.softmax(scores.masked_fill(mask, float("-inf")), -1))
+    if window is not None:
+        mask |= torch.tril(torch.ones(T, T, dtype=torch.bool), -window)
+    return rnd(torch.softmax(scores.masked_fill(mask, float("-inf")), -1))
+
+
+def attention(q, k, v, H, G, rnd=lambda t: t, softcap=None, window=None):
+    # q: (B, T, H*D), k/v: (B, T, G*D), each already rounded (probe sites).
+    B, T, _ = q.shape
+    D = q.shape[-1] // H
+    v = v.view(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
+    probs = attention_probs(q, k, H, G, rnd, softcap, window)
     return rnd(probs @ v).transpose(1, 2).reshape(B, T, H * D)
 
 
 def llama_loss(cfg, p, inputs, targets, rnd=lambda t: t):
     """rnd: the rounding point (see rounding()); every probe site but the loss passes it, and
-    matmul inputs and weights are rounded before an fp32-accumulated product."""
+    matmul inputs and weights are rounded before an fp32-accumulated product.
+
+    The manifest's llama-family options, each as the Hugging Face model it comes from: rope_style and
+    rope_scaling (Llama 3.1), attention_bias (Qwen2: q/k/v biases, none on o_proj), qk_norm ("head": Qwen3,
+    "full": OLMo 2; before rotary), attn_logit_softcap and final_logit_softcap (Gemma 2), sliding_window
+    (Mistral, every layer). Absent or null is the default."""
     H, G = cfg["num_heads"], cfg.get("num_kv_heads", cfg["num_heads"])
     eps, theta = cfg.get("norm_eps", 1e-5), cfg.get("rope_theta", 10000.0)
     B, T = inputs.shape
     D = cfg["hidden_size"] // H
+    style, qk_norm = cfg.get("rope_style") or "rotate_half", cfg.get("qk_norm")
+    bias, softcap, window = bool(cfg.get("attention_bias")), cfg.get("attn_logit_softcap"), cfg.get("sliding_window")
+    final_softcap = cfg.get("final_logit_softcap")
+    if style not in ("rotate_half", "interleaved"):
+        raise ValueError(f"rope_style: expected rotate_half or interleaved, got {style!r}")
+    if qk_norm not in (None, "head", "full"):
+        raise ValueError(f"qk_norm: expected null, head or full, got {qk_norm!r}")
+    inv_freq = rope_inv_freq(D, theta, cfg.get("rope_scaling"))
 
     def norm(x, w):  # fp32 from the rounded input; the norm weight is not rounded
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
     def rope(x, heads):
-        return rotary(x.view(B, T, heads, D).transpose(1, 2), theta).transpose(1, 2).reshape(B, T, heads * D)
+        rotated = rotary(x.view(B, T, heads, D).transpose(1, 2), inv_freq, style)
+        return rotated.transpose(1, 2).reshape(B, T, heads * D)
 
-    def lin(x, w):
-        return F.linear(rnd(x), rnd(w))
+    def lin(x, w, b=None):  # a bias, where there is one, is rounded like the weight
+        return F.linear(rnd(x), rnd(w), None if b is None else rnd(b))
+
+    def proj(h, pre, name):
+        key = pre + f"self_attn.{name}_proj."
+        return lin(h, p[key + "weight"], p[key + "bias"] if bias else None)
+
+    def q_or_k(h, pre, name, heads):  # the q or k site: projection, optional QK-norm, rotary in fp32
+        t = proj(h, pre, name)
+        if qk_norm is not None:  # the norm reads the rounded projection and is a site of its own
+            w, t = p[pre + f"self_attn.{name}_norm.weight"], rnd(t)
+            t = rnd(norm(t.view(B, T, heads, D), w).reshape(B, T, heads * D) if qk_norm == "head" else norm(t, w))
+        return rnd(rope(t, heads))
 
     x = rnd(F.embedding(inputs, p["model.embed_tokens.weight"]))
     for i in range(cfg["num_layers"]):
         pre = f"model.layers.{i}."
         h = rnd(norm(x, p[pre + "input_layernorm.weight"]))
-        q = rnd(rope(lin(h, p[pre + "self_attn.q_proj.weight"]), H))
-        k = rnd(rope(lin(h, p[pre + "self_attn.k_proj.weight"]), G))
-        v = rnd(lin(h, p[pre + "self_attn.v_proj.weight"]))
-        x = rnd(x + rnd(lin(attention(q, k, v, H, G, rnd), p[pre + "self_attn.o_proj.weight"])))
+        q, k, v = q_or_k(h, pre, "q", H), q_or_k(h, pre, "k", G), rnd(proj(h, pre, "v"))
+        att = attention(q, k, v, H, G, rnd, softcap, window)
+        x = rnd(x + rnd(lin(att, p[pre + "self_attn.o_proj.weight"])))
         h = rnd(norm(x, p[pre + "post_attention_layernorm.weight"]))
         gate = rnd(lin(h, p[pre + "mlp.gate_proj.weight"]))
         up = rnd(lin(h, p[pre + "mlp.up_proj.weight"]))
@@ -142,6 +210,8 @@ def llama_loss(cfg, p, inputs, targets, rnd=lambda t: t):
     x = rnd(norm(x, p["model.norm.weight"]))
     head = p["model.embed_tokens.weight"] if cfg.get("tie_embeddings", False) else p["lm_head.weight"]
     logits = rnd(lin(x, head))
+    if final_softcap is not None:  # fp32 from the rounded logits, not rounded again
+        logits = torch.tanh(logits / final_softcap) * final_softcap
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 

@@ -22,10 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_model  # noqa: E402
 
-PRESETS = ["clean-fp32", "clean-dp", "clean-gqa", "clean-gpt2", "clean-bf16", "clean-gpt2@bf16"]
+# The llama family's options (clean-qwen2 ... clean-llama3) in fp32 and bf16.
+OPTION_PRESETS = ["clean-qwen2", "clean-qwen3", "clean-olmo2", "clean-gemma2", "clean-llama3", "clean-combined"]
+PRESETS = (["clean-fp32", "clean-dp", "clean-gqa", "clean-gpt2", "clean-bf16", "clean-gpt2@bf16"]
+           + OPTION_PRESETS + [p + "@bf16" for p in OPTION_PRESETS])
 # Rolled forward from the first step's checkpoint: nanreplay's own update
 # against torch.optim.AdamW and clip_grad_norm_ applied by PyTorch itself.
-ROLLED_PRESETS = ["clean-fp32", "clean-gpt2", "clean-dp"]
+ROLLED_PRESETS = ["clean-fp32", "clean-gpt2", "clean-dp", "clean-combined"]
 ROLLED_TOLERANCE = 1e-5
 TOLERANCE = {"fp32": {"loss": 1e-5, "grad_norm": 1e-5}, "bf16": {"loss": 1e-5, "grad_norm": 1e-4}}
 

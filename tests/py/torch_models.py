@@ -42,20 +42,32 @@ def causal_attention(q, k, v):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hidden, heads, kv_heads, theta):
+    """Optionally with q/k/v biases (Qwen2's attention_bias) and q/k RMSNorms before rotary
+    (qk_norm "head": over each head, Qwen3; "full": over the whole projection, OLMo 2)."""
+
+    def __init__(self, hidden, heads, kv_heads, theta, bias=False, qk_norm=None, eps=1e-5):
         super().__init__()
-        self.heads, self.kv_heads, self.theta = heads, kv_heads, theta
+        self.heads, self.kv_heads, self.theta, self.qk_norm = heads, kv_heads, theta, qk_norm
         self.head_dim = hidden // heads
-        self.q_proj = nn.Linear(hidden, hidden, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        if qk_norm is not None:  # registered after o_proj, as Hugging Face's modules are
+            self.q_norm = RMSNorm(self.head_dim if qk_norm == "head" else hidden, eps)
+            self.k_norm = RMSNorm(self.head_dim if qk_norm == "head" else kv_heads * self.head_dim, eps)
 
     def forward(self, x):
         B, T, _ = x.shape
         H, G, D = self.heads, self.kv_heads, self.head_dim
-        q = rotate_half_rope(self.q_proj(x).view(B, T, H, D).transpose(1, 2), self.theta)
-        k = rotate_half_rope(self.k_proj(x).view(B, T, G, D).transpose(1, 2), self.theta)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(B, T, H, D), k.view(B, T, G, D)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotate_half_rope(q.transpose(1, 2), self.theta)
+        k = rotate_half_rope(k.transpose(1, 2), self.theta)
         v = self.v_proj(x).view(B, T, G, D).transpose(1, 2)
         k, v = k.repeat_interleave(H // G, 1), v.repeat_interleave(H // G, 1)  # query head h reads h // (H/G)
         return self.o_proj(causal_attention(q, k, v).transpose(1, 2).reshape(B, T, H * D))
@@ -77,7 +89,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         C, eps = cfg["hidden_size"], cfg["norm_eps"]
         self.input_layernorm = RMSNorm(C, eps)
-        self.self_attn = LlamaAttention(C, cfg["num_heads"], cfg["num_kv_heads"], cfg["rope_theta"])
+        self.self_attn = LlamaAttention(C, cfg["num_heads"], cfg["num_kv_heads"], cfg["rope_theta"],
+                                        bias=cfg.get("attention_bias", False), qk_norm=cfg.get("qk_norm"), eps=eps)
         self.post_attention_layernorm = RMSNorm(C, eps)
         self.mlp = LlamaMLP(C, cfg["intermediate_size"])
 

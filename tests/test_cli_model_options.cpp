@@ -1,0 +1,171 @@
+// The llama family's model options (docs/bundle-format.md, "Model options")
+// through the CLI: each option's preset replays its own run, a checkpoint
+// without an option's parameters or a bad value is one error line naming the
+// file and key, an option the run did not use does not reproduce it, and a
+// sliding window's statistics count only the keys each query sees.
+// The numbers themselves are cross-checked against eager PyTorch in
+// tests/py/test_crosscheck_pytorch.py and tests/py/test_rope_styles.py.
+#include <catch2/catch.hpp>
+
+#include <fstream>
+
+#include "reports/trace_writer.h"
+#include "tests/triage_harness.h"
+
+using nanreplay_test::check_one_error_line;
+using nanreplay_test::read_json;
+using nanreplay_test::run_cli;
+using nanreplay_test::ScratchDir;
+using nanreplay_test::triage;
+using nanreplay_test::Triaged;
+using nanreplay_test::with_code;
+
+namespace {
+
+void write_json(const std::filesystem::path& path, const nlohmann::json& value) {
+  std::ofstream(path) << value.dump(2);
+}
+
+// A clean fp32 bundle whose manifest `edit` changes; returns its directory.
+std::filesystem::path edited_bundle(const ScratchDir& dir, const std::function<void(nlohmann::json&)>& edit,
+                                    const std::string& preset = "clean-fp32") {
+  const std::filesystem::path bundle = dir / "bundle";
+  if (!std::filesystem::exists(bundle / "manifest.json")) {
+    REQUIRE(run_cli({"synth", preset, bundle.string()}).status == 0);
+    std::filesystem::copy_file(bundle / "manifest.json", dir / "manifest.orig");
+  }
+  nlohmann::json manifest = read_json(dir / "manifest.orig");
+  edit(manifest);
+  write_json(bundle / "manifest.json", manifest);
+  return bundle;
+}
+
+}  // namespace
+
+TEST_CASE("every model option's preset replays its own run: reproduced, clean, the option in the manifest",
+          "[cli][options]") {
+  const std::vector<std::pair<std::string, std::string>> presets = {
+      {"clean-qwen2", "attention_bias"}, {"clean-qwen3", "qk_norm"},       {"clean-olmo2", "qk_norm"},
+      {"clean-gemma2", "sliding_window"}, {"clean-gemma2", "attn_logit_softcap"},
+      {"clean-llama3", "rope_style"},     {"clean-llama3", "rope_scaling"}};
+  for (const auto& [preset, key] : presets) {
+    INFO(preset << " " << key);
+    ScratchDir dir("options-" + preset);
+    const Triaged t = triage(dir, preset);
+    CHECK(t.status == 0);
+    CHECK(t.report["reproduction"]["reproduces"] == true);
+    CHECK(t.report["findings"].empty());
+    CHECK(read_json(dir / "bundle" / "manifest.json")["model"].contains(key));
+  }
+}
+
+TEST_CASE("an option's parameters missing from the checkpoint, or a bad option value, is one line naming file and key",
+          "[cli][options][bad-input]") {
+  ScratchDir dir("options-bad");
+  const std::vector<std::tuple<std::string, nlohmann::json, std::string>> cases = {
+      {"qk_norm", "head", "model.layers.0.self_attn.q_norm.weight"},
+      {"attention_bias", true, "model.layers.0.self_attn.q_proj.bias"},
+      {"rope_style", "meta", "model.rope_style"},
+      {"qk_norm", "both", "model.qk_norm"},
+      {"sliding_window", 0, "model.sliding_window"},
+      {"attn_logit_softcap", -30.0, "model.attn_logit_softcap"},
+      {"final_logit_softcap", "inf", "model.final_logit_softcap"},
+      {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}, "model.rope_scaling.rope_type"},
+      {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 4.0}, {"high_freq_factor", 1.0},
+                        {"original_max_position_embeddings", 16}}, "model.rope_scaling.high_freq_factor"},
+      {"moe", {{"num_experts", 4}, {"top_k", 2}}, "model.moe"},
+  };
+  for (const auto& [key, value, named] : cases) {
+    INFO(key << " = " << value.dump());
+    const auto bundle = edited_bundle(dir, [&, &key = key, &value = value](nlohmann::json& m) { m["model"][key] = value; });
+    for (const char* command : {"run", "inspect"}) {
+      INFO(command);
+      const auto out = dir / "out";
+      const auto r = std::string(command) == "run" ? run_cli({"run", bundle.string(), "--out", out.string()})
+                                                   : run_cli({"inspect", bundle.string()});
+      check_one_error_line(r, {named});
+      CHECK_FALSE(std::filesystem::exists(out / "report.json"));
+    }
+  }
+}
+
+TEST_CASE("llama-family options on gpt2 are refused by name", "[cli][options][bad-input]") {
+  ScratchDir dir("options-gpt2");
+  const auto bundle =
+      edited_bundle(dir, [](nlohmann::json& m) { m["model"]["sliding_window"] = 8; }, "clean-gpt2");
+  check_one_error_line(run_cli({"inspect", bundle.string()}), {"manifest.json", "model.sliding_window", "gpt2"});
+}
+
+// (A soft cap far above the scores would change nothing: the preset's attention is near uniform.)
+TEST_CASE("an option the run did not use replays another model: BUNDLE_DOES_NOT_REPRODUCE", "[cli][options][verdict]") {
+  ScratchDir dir("options-wrong");
+  for (const auto& [key, value] : std::vector<std::pair<std::string, nlohmann::json>>{
+           {"rope_style", "interleaved"}, {"sliding_window", 2}}) {
+    INFO(key);
+    const auto bundle = edited_bundle(dir, [&, &key = key, &value = value](nlohmann::json& m) { m["model"][key] = value; });
+    const auto run = run_cli({"run", bundle.string(), "--out", (dir / "out").string(), "--force"});
+    CHECK(run.status == 1);
+    const nlohmann::json report = read_json(dir / "out" / "report.json");
+    CHECK(with_code(report, "BUNDLE_DOES_NOT_REPRODUCE").size() == 1);
+    CHECK(report["root_cause"]["code"] == "BUNDLE_DOES_NOT_REPRODUCE");
+  }
+}
+
+TEST_CASE("with a sliding window, attention statistics count only the keys each query sees", "[cli][options][probes]") {
+  ScratchDir dir("options-window");
+  const Triaged t = triage(dir, "clean-gemma2");
+  REQUIRE(t.status == 0);
+  const nlohmann::json manifest = read_json(dir / "bundle" / "manifest.json");
+  const int64_t window = manifest["model"]["sliding_window"], T = manifest["data"]["seq_len"];
+  const int64_t batch = manifest["data"]["micro_batch_size"];
+  int64_t visible = 0;
+  for (int64_t i = 0; i < T; ++i) visible += std::min(i + 1, window);
+  const nanreplay::TraceContents trace = nanreplay::read_trace((dir / "out" / "trace.h5").string());
+  int checked = 0;
+  for (const nanreplay::ProbeRecord& r : trace.probes) {
+    if (r.phase != nanreplay::Phase::kForward || r.head < 0) continue;
+    if (r.site.id != nanreplay::SiteId::kAttnScores && r.site.id != nanreplay::SiteId::kAttnProbs) continue;
+    CHECK(r.stats.count == batch * visible);
+    ++checked;
+  }
+  CHECK(checked > 0);
+}
+
+TEST_CASE("what-ifs qk-norm and softcap: QK-norm bounds an fp16 head's scores, a cap after the overflow cannot",
+          "[cli][options][what-if]") {
+  ScratchDir dir("options-what-if");
+  REQUIRE(run_cli({"synth", "head-overflow", (dir / "bundle").string()}).status == 0);
+  const auto run = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string(), "--what-if", "qk-norm",
+                            "--what-if", "softcap=5"});
+  INFO(run.err);
+  REQUIRE(run.status == 1);
+  const nlohmann::json outcomes = read_json(dir / "out" / "report.json")["what_if"];
+  REQUIRE(outcomes.size() == 2);
+  CHECK(outcomes[0]["what_if"] == "qk-norm");
+  CHECK(outcomes[0]["resolved"] == true);  // |q.k| <= head_dim with unit-weight RMS-normalised q and k
+  CHECK(outcomes[1]["what_if"] == "softcap=5");
+  CHECK(outcomes[1]["resolved"] == false);  // the scores overflow before any cap reads them
+  CHECK(outcomes[1]["first_nonfinite_after"]["site"] == "layers.1.attn.scores");
+
+  // Refused before anything is replayed: a bad cap, a value for qk-norm, gpt2.
+  check_one_error_line(run_cli({"run", (dir / "bundle").string(), "--out", (dir / "o2").string(), "--what-if", "softcap=0"}),
+                       {"softcap=0", "> 0"});
+  check_one_error_line(run_cli({"run", (dir / "bundle").string(), "--out", (dir / "o2").string(), "--what-if", "qk-norm=1"}),
+                       {"qk-norm", "takes no value"});
+  REQUIRE(run_cli({"synth", "clean-gpt2", (dir / "gpt2").string()}).status == 0);
+  check_one_error_line(run_cli({"run", (dir / "gpt2").string(), "--out", (dir / "o2").string(), "--what-if", "qk-norm"}),
+                       {"qk-norm", "gpt2"});
+  CHECK_FALSE(std::filesystem::exists(dir / "o2"));
+}
+
+TEST_CASE("an incident in a model with options: run and bisect name the same head", "[cli][options][incident]") {
+  ScratchDir dir("options-incident");
+  const Triaged t = triage(dir, "qwen2-head-overflow");  // also checks that bisect names run's origin
+  CHECK(t.status == 1);
+  const nlohmann::json& first = t.report["first_nonfinite"];
+  CHECK(first["site"] == "layers.1.attn.scores");
+  CHECK(first["head"] == 2);
+  CHECK(first["step"] == t.planted["fault_step"]);
+  CHECK(first["sample"] == t.planted["fault_sample"]);
+  CHECK(t.report["reproduction"]["reproduces"] == true);
+}
