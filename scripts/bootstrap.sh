@@ -8,7 +8,7 @@
 #                                     UBSan, the PyTorch cross-checks against the
 #                                     Release CLI, then the fuzzers (bounded)
 #   scripts/bootstrap.sh build        install and build only
-# Environment for `test`: NANREPLAY_FUZZ_SECONDS (per fuzz target, default 60;
+# Environment for `test`: NANREPLAY_FUZZ_SECONDS (per fuzz target, default 30;
 # 0 skips), NANREPLAY_SANITIZE (default 1; 0 runs the whole suite in the
 # Release build instead, the quick local loop).
 set -euo pipefail
@@ -99,7 +99,7 @@ case "$mode" in
       (cd "$build_dir" && ctest --output-on-failure -j "$jobs")
       stage "test suite (Release)"
     fi
-    fuzz_seconds="${NANREPLAY_FUZZ_SECONDS:-60}"
+    fuzz_seconds="${NANREPLAY_FUZZ_SECONDS:-30}"
     if ((fuzz_seconds > 0)); then
       "$root/scripts/fuzz.sh" "$fuzz_seconds"
       stage "fuzzers, ${fuzz_seconds}s each"

@@ -29,7 +29,7 @@ fi
 # also links Debian's HDF5 (uninstrumented, like everywhere else) and OpenSSL.
 parsers=(loaders/json_util loaders/manifest loaders/bundle_paths loaders/step_state loaders/safetensors
          loaders/mapped_file loaders/mapping_faults)
-trace_reader=(reports/trace_writer reports/trace_reader reports/trace_integrity loaders/sha256 probes/probe_record probes/sites
+trace_reader=(reports/trace_writer reports/trace_file_driver reports/trace_reader reports/trace_integrity loaders/sha256 probes/probe_record probes/sites
              probes/param_table loaders/manifest loaders/json_util loaders/bundle_paths)
 hdf5_include="$(pkg-config --cflags-only-I hdf5 2>/dev/null || echo -I/usr/include/hdf5/serial)"
 hdf5_libs="$(pkg-config --libs-only-L hdf5 2>/dev/null || echo -L/usr/lib/x86_64-linux-gnu/hdf5/serial)"

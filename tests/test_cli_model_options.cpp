@@ -44,18 +44,24 @@ std::filesystem::path edited_bundle(const ScratchDir& dir, const std::function<v
 
 TEST_CASE("every model option's preset replays its own run: reproduced, clean, the option in the manifest",
           "[cli][options]") {
-  const std::vector<std::pair<std::string, std::string>> presets = {
-      {"clean-qwen2", "attention_bias"}, {"clean-qwen3", "qk_norm"},       {"clean-olmo2", "qk_norm"},
-      {"clean-gemma2", "sliding_window"}, {"clean-gemma2", "attn_logit_softcap"},
-      {"clean-llama3", "rope_style"},     {"clean-llama3", "rope_scaling"}};
-  for (const auto& [preset, key] : presets) {
-    INFO(preset << " " << key);
+  // (bisect's agreement with run on a model with options: the incident test below.)
+  const std::vector<std::pair<std::string, std::vector<std::string>>> presets = {
+      {"clean-qwen2", {"attention_bias"}},
+      {"clean-qwen3", {"qk_norm"}},
+      {"clean-olmo2", {"qk_norm"}},
+      {"clean-gemma2", {"sliding_window", "attn_logit_softcap", "final_logit_softcap"}},
+      {"clean-llama3", {"rope_style", "rope_scaling"}}};
+  for (const auto& [preset, keys] : presets) {
+    INFO(preset);
     ScratchDir dir("options-" + preset);
-    const Triaged t = triage(dir, preset);
-    CHECK(t.status == 0);
-    CHECK(t.report["reproduction"]["reproduces"] == true);
-    CHECK(t.report["findings"].empty());
-    CHECK(read_json(dir / "bundle" / "manifest.json")["model"].contains(key));
+    REQUIRE(run_cli({"synth", preset, (dir / "bundle").string()}).status == 0);
+    const auto run = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string(), "--quiet"});
+    CHECK(run.status == 0);
+    const nlohmann::json report = read_json(dir / "out" / "report.json");
+    CHECK(report["reproduction"]["reproduces"] == true);
+    CHECK(report["findings"].empty());
+    const nlohmann::json model = read_json(dir / "bundle" / "manifest.json")["model"];
+    for (const std::string& key : keys) CHECK(model.contains(key));
   }
 }
 
@@ -78,12 +84,12 @@ TEST_CASE("an option's parameters missing from the checkpoint, or a bad option v
   for (const auto& [key, value, named] : cases) {
     INFO(key << " = " << value.dump());
     const auto bundle = edited_bundle(dir, [&, &key = key, &value = value](nlohmann::json& m) { m["model"][key] = value; });
-    for (const char* command : {"run", "inspect"}) {
-      INFO(command);
+    // inspect and run share the structure check (test_cli_bad_bundles.cpp shows they refuse alike):
+    // run only where the checkpoint is at fault.
+    check_one_error_line(run_cli({"inspect", bundle.string()}), {named});
+    if (named.find("self_attn") != std::string::npos) {
       const auto out = dir / "out";
-      const auto r = std::string(command) == "run" ? run_cli({"run", bundle.string(), "--out", out.string()})
-                                                   : run_cli({"inspect", bundle.string()});
-      check_one_error_line(r, {named});
+      check_one_error_line(run_cli({"run", bundle.string(), "--out", out.string()}), {"model.safetensors", named});
       CHECK_FALSE(std::filesystem::exists(out / "report.json"));
     }
   }
@@ -113,8 +119,8 @@ TEST_CASE("an option the run did not use replays another model: BUNDLE_DOES_NOT_
 
 TEST_CASE("with a sliding window, attention statistics count only the keys each query sees", "[cli][options][probes]") {
   ScratchDir dir("options-window");
-  const Triaged t = triage(dir, "clean-gemma2");
-  REQUIRE(t.status == 0);
+  REQUIRE(run_cli({"synth", "clean-gemma2", (dir / "bundle").string()}).status == 0);
+  REQUIRE(run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string(), "--quiet"}).status == 0);
   const nlohmann::json manifest = read_json(dir / "bundle" / "manifest.json");
   const int64_t window = manifest["model"]["sliding_window"], T = manifest["data"]["seq_len"];
   const int64_t batch = manifest["data"]["micro_batch_size"];
