@@ -368,7 +368,13 @@ void write_trace(const std::string& path, const TraceHeader& header, const std::
   std::string temporary = path + ".tmp-XXXXXX";
   const int fd = ::mkstemp(temporary.data());
   if (fd < 0) throw OutputError(shown, "cannot write trace: " + errno_text());
+  const bool readable = ::fchmod(fd, 0644) == 0;  // mkstemp's 0600 would survive HDF5's truncating open
+  const std::string reason = readable ? "" : errno_text();
   ::close(fd);
+  if (!readable) {
+    ::unlink(temporary.c_str());
+    throw OutputError(shown, "cannot write trace: " + reason);
+  }
   {
     TraceStream stream(temporary, shown);
     stream.append(probes);
