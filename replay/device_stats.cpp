@@ -21,6 +21,11 @@ ElemType elem_type_of(const torch::Tensor& t) {
   }
 }
 
+torch::Tensor visible_keys(int64_t T, int64_t window, const torch::Device& device) {
+  const torch::Tensor ones = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(device));
+  return window > 0 ? ones.tril() & ones.triu(1 - window) : ones.tril();
+}
+
 torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal, int64_t window) {
   torch::NoGradGuard no_grad;
   const torch::Tensor x = t.detach().to(torch::kFloat64);
@@ -41,9 +46,7 @@ torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool caus
     per_batch = rows * cols;
     values = x.transpose(0, 1).reshape({heads, -1});  // (H, B*R*C), (b, r, c) order
     if (causal) {
-      const torch::Tensor ones = torch::ones({rows, cols}, i64.dtype(torch::kBool));
-      torch::Tensor lower = ones.tril();  // col <= row
-      if (window > 0) lower = lower & ones.triu(1 - window);  // and row - col < window
+      const torch::Tensor lower = visible_keys(rows, window, x.device());  // rows == cols
       valid = lower.reshape({1, 1, rows * cols}).expand({heads, batch, rows * cols}).reshape({heads, -1});
     }
   } else {

@@ -21,6 +21,10 @@ constexpr int64_t kDeviceStatsColumns = 10;
 // for a per-head [batch, heads, rows, cols] tensor, float64 on t's device.
 // With `causal`, elements with col > row are skipped, as the CPU kernel does.
 // Indices are row-major over the full tensor.
+// (T, T) true where query i sees key j: j <= i, and with a sliding window W
+// (Mistral) also j > i - W. What attention reads and causal statistics count.
+torch::Tensor visible_keys(int64_t T, int64_t window, const torch::Device& device);
+
 torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal, int64_t window = 0);
 
 // The statistics kernels' element type of an f32, bf16 or f16 tensor

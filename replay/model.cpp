@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "probes/param_table.h"
+#include "replay/device_stats.h"
 
 namespace nanreplay {
 
@@ -33,21 +34,14 @@ struct Weights {
   std::string module(ParamRole role, int layer = -1) const { return module_key(arch, role, layer); }
 };
 
-// x / sqrt(mean(x^2) + eps) * weight, in fp32. The mean square goes to the
-// zero-norm check before eps is added.
+// x / sqrt(mean(x^2) + eps) * weight over the last dim, in fp32. The mean
+// square goes to the zero-norm check before eps is added: one row per token,
+// so per head (x: (B, T, heads, D), Qwen3's q_norm) a token's smallest one.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
                        ProbeSession& probes, const SiteRef& site) {
-  const torch::Tensor mean_square = x.pow(2).mean(-1, /*keepdim=*/true);  // (B, T, 1)
-  probes.check_norm(site, mean_square.squeeze(-1), eps, "mean square");
-  return x / torch::sqrt(mean_square + eps) * weight;
-}
-
-// Qwen3's q_norm / k_norm: RMSNorm over each head's head_dim of x (B, T,
-// heads, D). The zero-norm check sees each token's smallest head moment.
-torch::Tensor head_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, ProbeSession& probes,
-                            const SiteRef& site) {
-  const torch::Tensor mean_square = x.pow(2).mean(-1, /*keepdim=*/true);  // (B, T, heads, 1)
-  probes.check_norm(site, std::get<0>(mean_square.squeeze(-1).min(-1)), eps, "mean square");
+  const torch::Tensor mean_square = x.pow(2).mean(-1, /*keepdim=*/true);  // (B, T, [heads,] 1)
+  const torch::Tensor moment = mean_square.squeeze(-1);
+  probes.check_norm(site, moment.dim() > 2 ? std::get<0>(moment.flatten(2).min(-1)) : moment, eps, "mean square");
   return x / torch::sqrt(mean_square + eps) * weight;
 }
 
@@ -104,14 +98,6 @@ torch::Tensor soft_capped(const torch::Tensor& x, const std::optional<double>& c
   return *cap * torch::tanh(x.to(torch::kFloat32) / *cap);
 }
 
-// (T, T) true where query i must not see key j: the future, and with a
-// sliding window W (Mistral) keys j <= i - W.
-torch::Tensor hidden_keys(int64_t T, int64_t window, const torch::Device& device) {
-  const torch::Tensor ones = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(device));
-  const torch::Tensor future = ones.triu(1);
-  return window > 0 ? future | ones.tril(-window) : future;
-}
-
 struct AttentionInputs {
   torch::Tensor q;  // (B, T, H*D) as probed
   torch::Tensor k;  // (B, T, G*D)
@@ -133,7 +119,7 @@ torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, 
   // The scores site is before any soft cap: the cap hides how close they came to overflowing.
   const torch::Tensor scores =
       probes.site({SiteId::kAttnScores, layer}, numerics.attention_scores(q, k));  // (B, H, T, T)
-  const torch::Tensor visible_not = hidden_keys(T, m.sliding_window, scores.device());
+  const torch::Tensor visible_not = visible_keys(T, m.sliding_window, scores.device()).logical_not();
   const torch::Tensor probs = probes.site(
       {SiteId::kAttnProbs, layer},
       torch::softmax(soft_capped(scores, m.attn_logit_softcap).masked_fill(visible_not, -std::numeric_limits<float>::infinity()), -1));
@@ -202,7 +188,7 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
       const torch::Tensor scale = m.qk_norm_unit_weights ? torch::ones({D}, in.options()) : w(weight, layer);
       const torch::Tensor normed =
           m.qk_norm == QkNorm::kHead
-              ? head_rms_norm(in.view({B, T, heads, D}), scale, m.norm_eps, probes, ref).reshape({B, T, heads * D})
+              ? rms_norm(in.view({B, T, heads, D}), scale, m.norm_eps, probes, ref).reshape({B, T, heads * D})
               : rms_norm(in, scale, m.norm_eps, probes, ref);
       return rounded(normed);
     };

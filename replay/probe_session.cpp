@@ -80,10 +80,7 @@ void finish_norm_check(NormCheck& check, const double* values, int64_t cols,
 // the positions the mask removes, which never reach the loss.
 torch::Tensor counted_elements(const torch::Tensor& t, const SiteDef& def, int64_t window) {
   if (!def.causal || t.dim() != 4 || t.size(2) != t.size(3)) return t;
-  const int64_t T = t.size(2);
-  const torch::Tensor ones = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(t.device()));
-  const torch::Tensor keep = window > 0 ? ones.tril() & ones.triu(1 - window) : ones.tril();
-  return t.masked_select(keep);
+  return t.masked_select(visible_keys(t.size(2), window, t.device()));
 }
 
 // kFlags: one all-finite test; counts only when it fails (rare, so cheap).

@@ -540,6 +540,22 @@ void head_overflow(SyntheticSpec& spec) {
   spec.fault.position = 0;
 }
 
+// Gemma 2's caps and a sliding window, over attention that depends on positions.
+void gemma2_attention(SyntheticSpec& spec) {
+  spec.model.attn_logit_softcap = 2.0;  // small enough that the cap bends the scores
+  spec.model.final_logit_softcap = 5.0;
+  spec.model.sliding_window = 8;
+  spec.attention_init_std = 0.3;
+}
+
+// Meta's interleaved rotary and Llama 3.1's scaling with a short original
+// context, so the 32-position window spans all three frequency bands.
+void llama3_rotary(SyntheticSpec& spec) {
+  spec.model.rope_style = RopeStyle::kInterleaved;
+  spec.model.rope_scaling = RopeScaling{8.0, 1.0, 4.0, 32};
+  spec.attention_init_std = 0.3;  // attention that depends on positions, so the rotary matters
+}
+
 const std::vector<PresetDef>& preset_table() {
   static const std::vector<PresetDef> table = {
       {{"clean-fp32", "nothing: 4 healthy fp32 steps"}, [](SyntheticSpec&) {}},
@@ -566,31 +582,15 @@ const std::vector<PresetDef>& preset_table() {
        }},
       {{"clean-olmo2", "nothing, OLMo 2's QK-norm over the whole projection (qk_norm full)"},
        [](SyntheticSpec& s) { s.model.qk_norm = QkNorm::kFull; }},
-      {{"clean-gemma2", "nothing, Gemma 2's attention and final soft caps, and a sliding window of 8"},
-       [](SyntheticSpec& s) {
-         s.model.attn_logit_softcap = 2.0;  // small enough that the cap bends the scores
-         s.model.final_logit_softcap = 5.0;
-         s.model.sliding_window = 8;
-         s.attention_init_std = 0.3;
-       }},
-      {{"clean-llama3", "nothing, Meta's interleaved rotary with Llama 3.1's frequency scaling"},
-       [](SyntheticSpec& s) {
-         s.model.rope_style = RopeStyle::kInterleaved;
-         // A short original context, so the 32-position window spans all three frequency bands.
-         s.model.rope_scaling = RopeScaling{8.0, 1.0, 4.0, 32};
-         s.attention_init_std = 0.3;
-       }},
+      {{"clean-gemma2", "nothing, Gemma 2's attention and final soft caps, and a sliding window of 8"}, gemma2_attention},
+      {{"clean-llama3", "nothing, Meta's interleaved rotary with Llama 3.1's frequency scaling"}, llama3_rotary},
       {{"clean-combined", "nothing, every llama-family option at once (the full QK-norm), grouped-query attention"},
        [](SyntheticSpec& s) {
-         s.model.rope_style = RopeStyle::kInterleaved;
-         s.model.rope_scaling = RopeScaling{8.0, 1.0, 4.0, 32};
+         llama3_rotary(s);
+         gemma2_attention(s);
          s.model.attention_bias = true;
          s.model.qk_norm = QkNorm::kFull;
-         s.model.attn_logit_softcap = 2.0;
-         s.model.final_logit_softcap = 5.0;
-         s.model.sliding_window = 8;
          s.model.num_kv_heads = 2;
-         s.attention_init_std = 0.3;
        }},
       {{"clean-gpt2", "nothing, nanoGPT's gpt2 (LayerNorm, biases, learned positions, tied head)"},
        [](SyntheticSpec& s) {
