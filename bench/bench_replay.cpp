@@ -16,10 +16,10 @@
 // LibTorch), kept running and asked for one step at a time, so repetitions
 // interleave: on, off, eager, eager as PyTorch starts by default, rotating
 // which goes first, with a pause before each; it prints the median and the
-// best repetition of each side. Like `nanreplay run`, this program
-// re-executes itself with a short OpenMP spin (cli/openmp_wait.h); one eager
-// peer runs in that same environment, the other in the user's own (libgomp's
-// default spin unless the user set one).
+// best repetition of each side. This program loads the BLAS `nanreplay`
+// loads (CMakeLists.txt, nanreplay_use_openmp_blas); one eager peer runs on
+// that same BLAS, the other as PyTorch starts here (the system's BLAS).
+// bench_whole_run.cpp times whole processes instead.
 // Bundles are synthesized once into --work and reused.
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -41,10 +41,10 @@
 #include <cxxopts.hpp>
 #include <torch/torch.h>
 
-#include "cli/openmp_wait.h"
 #include "loaders/bundle.h"
 #include "replay/checkpoint.h"
 #include "replay/replay_engine.h"
+#include "replay/runtime.h"
 #include "replay/step.h"
 #include "replay/step_scan.h"
 #include "replay/trajectory.h"
@@ -111,7 +111,8 @@ fs::path bundle_for(const BenchConfig& c, int64_t steps, bool rolled = false) {
 // bench_eager.py, kept running; one timed eager step per request.
 class EagerPeer {
  public:
-  // `users_environment`: drop the OpenMP spin this program set for itself.
+  // `users_environment`: PyTorch as it starts here; otherwise on this
+  // program's BLAS (its directory first on LD_LIBRARY_PATH).
   // `train`: each step also clips and applies torch.optim.AdamW.
   EagerPeer(const BenchConfig& c, const fs::path& bundle, int64_t step, bool users_environment, bool train = false) {
     int to_child[2], from_child[2];
@@ -123,10 +124,8 @@ class EagerPeer {
       dup2(from_child[1], 1);
       close(to_child[1]);
       close(from_child[0]);
-      if (users_environment && std::getenv(nanreplay::kSpinSetByNanreplay) != nullptr) {
-        unsetenv("GOMP_SPINCOUNT");
-        unsetenv(nanreplay::kSpinSetByNanreplay);
-      }
+      const std::string blas = nanreplay::blas_in_use().path;
+      if (!users_environment && !blas.empty()) setenv("LD_LIBRARY_PATH", fs::path(blas).parent_path().c_str(), 1);
       const std::string threads = std::to_string(c.threads), step_text = std::to_string(step);
       execl(c.python.c_str(), c.python.c_str(), c.eager_script.c_str(), "--bundle", bundle.c_str(),
             "--step", step_text.c_str(), "--threads", threads.c_str(), train ? "--train" : static_cast<char*>(nullptr),
@@ -243,7 +242,6 @@ BenchConfig parse(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  nanreplay::reexec_with_short_openmp_spin(argv);  // as `nanreplay run` does
   const BenchConfig c = parse(argc, argv);
   fs::create_directories(c.work);
   nanreplay::set_compute_threads(c.threads);
@@ -303,12 +301,9 @@ int main(int argc, char** argv) {
     return step;
   };
   const char* spin = std::getenv("GOMP_SPINCOUNT");
-  const char* policy = std::getenv("OMP_WAIT_POLICY");
-  const bool spin_is_ours = std::getenv(nanreplay::kSpinSetByNanreplay) != nullptr;
-  std::printf("OpenMP wait: GOMP_SPINCOUNT=%s OMP_WAIT_POLICY=%s (%s)\n", spin ? spin : "unset",
-              policy ? policy : "unset",
-              spin_is_ours ? "set by nanreplay; the default-environment eager peer runs without it"
-                           : "as the user set it; both eager peers run with it");
+  const nanreplay::BlasInUse blas = nanreplay::blas_in_use();
+  std::printf("BLAS: %s (threads: %s) from %s; GOMP_SPINCOUNT=%s\n", blas.description.c_str(),
+              blas.threading.c_str(), blas.path.c_str(), spin ? spin : "unset");
 
   size_t probe_count = 0;
   double loss_on = 0, loss_off = 0;
@@ -368,7 +363,7 @@ int main(int argc, char** argv) {
   std::vector<Summary> sum;
   for (const std::vector<double>& t : times) sum.push_back({median(t), *std::min_element(t.begin(), t.end())});
   const char* names[] = {"replay step, probes on", "replay step, probes off",
-                         "eager PyTorch, same OpenMP wait as the replay", "eager PyTorch, the user's environment",
+                         "eager PyTorch, the replay's BLAS", "eager PyTorch, as it starts",
                          "derived step, probes on, clip + AdamW", "eager training step, clip + torch AdamW"};
   std::printf("%-46s %8s %8s\n", "seconds per step", "median", "best");
   for (size_t s = 0; s < side_count; ++s) std::printf("%-46s %8.3f %8.3f\n", names[s], sum[s].median, sum[s].best);
@@ -384,9 +379,9 @@ int main(int argc, char** argv) {
   if (eager) {
     eager.reset();
     eager_default.reset();
-    ratio("replay (probes on) / eager, user's env", 0, 3, "(target <= 1.0)");
-    ratio("replay (probes on) / eager, same OpenMP wait", 0, 2, "(target <= 1.0)");
-    ratio("replay (probes off) / eager, same OpenMP wait", 1, 2, "");
+    ratio("replay (probes on) / eager, as it starts", 0, 3, "(target <= 1.0)");
+    ratio("replay (probes on) / eager, the replay's BLAS", 0, 2, "(target <= 1.0)");
+    ratio("replay (probes off) / eager, the replay's BLAS", 1, 2, "");
   }
   if (c.roll) {
     eager_training.reset();

@@ -17,7 +17,8 @@ the last two) plus each step's light record (samples, lr, loss scale, what the
 job logged), so host memory is `2 * 12 * P` bytes whatever K; the bundle starts
 at the older snapshot and nanreplay rolls the steps after it forward.
 
-Full API and the on-disk choices: docs/capture.md in the nanreplay repository.
+Distributed jobs (DDP, FSDP): every rank creates the recorder and makes the same calls; see
+docs/capture.md, "Distributed jobs". Full API and the on-disk choices: docs/capture.md in the nanreplay repository.
 """
 
 import collections
@@ -119,17 +120,127 @@ def _all_named_parameters(model):
                 yield (f"{prefix}.{name}" if prefix else name), p
 
 
-def _module_eps(model, names):
+def _module_eps(model, names, params=()):
+    """The eps of the norm module named `names` (bundle names) or, with param_names renaming the
+    model, of the module that owns one of `params` (its weight). nn.RMSNorm's eps=None is finfo's eps."""
+    modules = []
     for name in names:
         try:
-            module = model.get_submodule(name)
+            modules.append(model.get_submodule(name))
         except AttributeError:
             continue
-        for attr in ("eps", "variance_epsilon", "norm_eps"):
-            value = getattr(module, attr, None)
-            if isinstance(value, (int, float)):
+    wanted = [id(p) for p in params if p is not None]
+    if wanted:
+        owners = {id(p): m for _, m in model.named_modules() for p in m._parameters.values() if p is not None}
+        modules += [owners[i] for i in wanted if i in owners]
+    for module in modules:
+        for attr in ("eps", "variance_epsilon", "norm_eps", "epsilon"):
+            if not hasattr(module, attr):
+                continue
+            value = getattr(module, attr)
+            if value is None and isinstance(module, getattr(torch.nn, "RMSNorm", ())):
+                return float(torch.finfo(module.weight.dtype).eps)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
                 return float(value)
     return None
+
+
+# Where models keep their config: Hugging Face's config, Meta's llama params, torchtitan's model_args,
+# llama2.c's params; attribute names of the options bundle v1 reads from them.
+_CONFIG_HOLDERS = ("config", "params", "model_args", "args", "cfg")
+
+
+def _model_attr(model, names):
+    """The first number found under `names` on the model, its config holders, or any submodule
+    (e.g. a rotary module's rope_theta). None when the model does not say."""
+    objects = [model] + [getattr(model, h, None) for h in _CONFIG_HOLDERS]
+    objects += [m for _, m in model.named_modules()][1:]
+    for obj in objects:
+        if obj is None:
+            continue
+        for name in names:
+            value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+            if name == "rope_parameters" and isinstance(value, dict):
+                value = value.get("rope_theta")
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                return value
+    return None
+
+
+# Bundle v1's defaults for what a model may not say (docs/bundle-format.md); the capture self-check
+# (Recorder.self_check) proves them on the first captured step.
+_SPEC_DEFAULTS = {"norm_eps": 1e-5, "rope_theta": 10000.0}
+
+
+# ---------------------------------------------------------------------------
+# Naming presets (param_names="hf", "meta", "torchtitan", "nanogpt"): a framework's parameter names
+# onto bundle v1's, the same tables `nanreplay import` uses (capture/nanreplay_import.py).
+
+META_NAMES = [  # Meta's reference llama, torchtitan (incl. its attention.qkv_linear.wq and lm_head), llama2.c
+    (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
+    (r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wq\.weight", "model.layers.{0}.self_attn.q_proj.weight"),
+    (r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wk\.weight", "model.layers.{0}.self_attn.k_proj.weight"),
+    (r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wv\.weight", "model.layers.{0}.self_attn.v_proj.weight"),
+    (r"layers\.(\d+)\.attention\.wo\.weight", "model.layers.{0}.self_attn.o_proj.weight"),
+    (r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wq\.bias", "model.layers.{0}.self_attn.q_proj.bias"),
+    (r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wk\.bias", "model.layers.{0}.self_attn.k_proj.bias"),
+    (r"layers\.(\d+)\.attention\.(?:qkv_linear\.)?wv\.bias", "model.layers.{0}.self_attn.v_proj.bias"),
+    (r"layers\.(\d+)\.attention\.q_norm\.weight", "model.layers.{0}.self_attn.q_norm.weight"),
+    (r"layers\.(\d+)\.attention\.k_norm\.weight", "model.layers.{0}.self_attn.k_norm.weight"),
+    (r"layers\.(\d+)\.attention_norm\.weight", "model.layers.{0}.input_layernorm.weight"),
+    (r"layers\.(\d+)\.ffn_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w1\.weight", "model.layers.{0}.mlp.gate_proj.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w2\.weight", "model.layers.{0}.mlp.down_proj.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w3\.weight", "model.layers.{0}.mlp.up_proj.weight"),
+    (r"norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"lm_head\.weight", "lm_head.weight"),
+]
+NAMING_PRESETS = ("hf", "meta", "torchtitan", "megatron", "nanogpt")
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def _unwrapped(name):
+    """A parameter name without torch.compile's, DDP's and FSDP's wrapper components."""
+    parts = [p for p in name.split(".") if p + "." not in _WRAPPER_PREFIXES]
+    return ".".join(parts)
+
+
+def _renamer(param_names, arch, model_config):
+    """(rename function, model_config) for param_names: a preset name, a dict, a callable or None.
+    meta and torchtitan rotate adjacent pairs: they imply rope_style="interleaved" (given otherwise:
+    CaptureError)."""
+    if callable(param_names):
+        return param_names, model_config
+    if param_names is None or isinstance(param_names, dict):
+        mapping = dict(param_names or {})
+        return (lambda name: mapping.get(name, name)), model_config
+    if param_names not in NAMING_PRESETS:
+        raise CaptureError(f"param_names must be a dict, a callable or one of {NAMING_PRESETS}, got {param_names!r}")
+    want = "gpt2" if param_names == "nanogpt" else "llama"
+    if arch != want:
+        raise CaptureError(f"param_names={param_names!r} names a {want} model, but arch is {arch!r}")
+    if param_names == "megatron":
+        raise CaptureError("param_names='megatron': Megatron's fused linear_qkv and linear_fc1 hold q, k, v and "
+                           "gate, up in one tensor, which the recorder cannot split by renaming; save a checkpoint "
+                           "and run `nanreplay import --naming megatron` on it (docs/import.md)")
+    if param_names in ("hf", "nanogpt"):
+        return _unwrapped, model_config
+    table = [(re.compile(p), t) for p, t in META_NAMES]
+
+    def rename(name):
+        name = _unwrapped(name)
+        for rx, target in table:
+            m = rx.fullmatch(name)
+            if m:
+                return target.format(*m.groups())
+        return name
+
+    model_config = dict(model_config or {})
+    if model_config.setdefault("rope_style", "interleaved") != "interleaved":
+        raise CaptureError(f"param_names={param_names!r} is Meta's layout, whose rotary rotates adjacent pairs; "
+                           f"model_config says rope_style={model_config['rope_style']!r}")
+    return rename, model_config
 
 
 def _infer_model_config(arch, model, named, given, seq_len):
@@ -154,7 +265,10 @@ def _infer_model_config(arch, model, named, given, seq_len):
         return tuple(named[name].shape)
 
     if "num_heads" not in cfg:
-        raise CaptureError("model_config needs 'num_heads'")
+        heads = _model_attr(model, ("num_attention_heads", "n_heads", "n_head", "num_heads"))
+        if heads is None:
+            raise CaptureError("model_config needs 'num_heads' (the model does not say it)")
+        cfg["num_heads"] = int(heads)
     if arch == "llama":
         V, C = shape("model.embed_tokens.weight")
         layers = 0
@@ -169,9 +283,13 @@ def _infer_model_config(arch, model, named, given, seq_len):
         head = named.get("lm_head.weight")
         settle("tie_embeddings", head is None or head is named["model.embed_tokens.weight"])
         cfg.setdefault("max_seq_len", seq_len)  # llama's math does not depend on it
-        settle("norm_eps", _module_eps(model, ["model.norm", "model.layers.0.input_layernorm"]))
-        theta = getattr(model, "rope_theta", None) or getattr(getattr(model, "config", None), "rope_theta", None)
-        settle("rope_theta", float(theta) if theta is not None else None)
+        eps = _module_eps(model, ["model.norm", "model.layers.0.input_layernorm"],
+                          [named.get("model.norm.weight"), named.get("model.layers.0.input_layernorm.weight")])
+        if eps is None:
+            eps = _model_attr(model, ("rms_norm_eps", "norm_eps", "layer_norm_eps", "norm_epsilon"))
+        settle("norm_eps", float(eps) if eps is not None else cfg.get("norm_eps", _SPEC_DEFAULTS["norm_eps"]))
+        theta = _model_attr(model, ("rope_theta", "rope_parameters", "rotary_base", "rope_base"))
+        settle("rope_theta", float(theta) if theta is not None else cfg.get("rope_theta", _SPEC_DEFAULTS["rope_theta"]))
     else:
         V, C = shape("transformer.wte.weight")
         T, _ = shape("transformer.wpe.weight")
@@ -184,7 +302,9 @@ def _infer_model_config(arch, model, named, given, seq_len):
         settle("max_seq_len", T)
         settle("num_kv_heads", cfg["num_heads"])  # c_attn stacks full-width q, k and v
         settle("tie_embeddings", True)
-        settle("norm_eps", _module_eps(model, ["transformer.ln_f", "transformer.h.0.ln_1"]))
+        eps = _module_eps(model, ["transformer.ln_f", "transformer.h.0.ln_1"],
+                          [named.get("transformer.ln_f.weight"), named.get("transformer.h.0.ln_1.weight")])
+        settle("norm_eps", eps if eps is not None else cfg.get("norm_eps", _SPEC_DEFAULTS["norm_eps"]))
         head = named.get("lm_head.weight")
         if head is not None and head is not named["transformer.wte.weight"]:
             raise CaptureError("gpt2 in bundle v1 ties the output head to transformer.wte.weight, "
@@ -395,6 +515,224 @@ def _option_needing(name, cfg):
 
 
 # ---------------------------------------------------------------------------
+# The capture self-check. On the first captured step whose logged loss is finite, the bundle's model
+# (a small fp32 reference of docs/bundle-format.md's model, torch only, run on the live parameters
+# under no_grad) computes that step's loss on the step's real batch and compares it with the loss
+# the user's model logged. A gap means the bundle would describe another model than the run's: a
+# CaptureError says so, and names the likely cause (the rotary convention, norm_eps, rope_theta, the
+# GELU variant, an option) when changing that one setting closes the gap, before any incident
+# depends on the bundle. Recorder.self_check = False turns it off.
+
+_SELF_CHECK_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2, "fp8": 1e-2}  # the replay's own (README)
+
+
+def _ref_inv_freq(D, theta, scaling, device):
+    inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=device).float() / D))
+    if not scaling:
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _ref_rope(x, inv_freq, style):
+    """x: (B, heads, T, D); rotate_half pairs (j, j + D/2), interleaved (2j, 2j + 1)."""
+    T, D = x.shape[-2], x.shape[-1]
+    ang = torch.outer(torch.arange(T, device=x.device).float(), inv_freq)
+    if style == "interleaved":
+        x1, x2, cos, sin = x[..., 0::2], x[..., 1::2], ang.cos(), ang.sin()
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
+    ang = torch.cat([ang, ang], -1)
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
+
+
+def _ref_attention(q, k, v, H, G, softcap=None, window=None):
+    B, T, _ = q.shape
+    D = q.shape[-1] // H
+    q = q.view(B, T, H, D).transpose(1, 2)
+    k = k.reshape(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
+    v = v.reshape(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=q.device), 1)
+    if window is not None:
+        mask |= torch.tril(torch.ones(T, T, dtype=torch.bool, device=q.device), -window)
+    p = torch.softmax(s.masked_fill(mask, float("-inf")), -1)
+    return (p @ v).transpose(1, 2).reshape(B, T, H * D)
+
+
+def reference_loss(cfg, p, inputs, targets, gelu="tanh"):
+    """The mean next-token cross-entropy bundle v1's model (manifest model section `cfg`, parameters
+    `p` by bundle key) computes on inputs/targets (B, T), in fp32, with the llama options."""
+    F = torch.nn.functional
+    w = {k: v.detach().float() for k, v in p.items()}
+    B, T = inputs.shape
+    H, eps = cfg["num_heads"], cfg.get("norm_eps", 1e-5)
+    if cfg["arch"] == "gpt2":
+        C = cfg["hidden_size"]
+
+        def ln(x, pre):
+            return F.layer_norm(x, (C,), w[pre + ".weight"], w[pre + ".bias"], eps)
+
+        def lin(x, pre):
+            return F.linear(x, w[pre + ".weight"], w[pre + ".bias"])
+
+        x = w["transformer.wte.weight"][inputs] + w["transformer.wpe.weight"][torch.arange(T, device=inputs.device)]
+        for i in range(cfg["num_layers"]):
+            pre = f"transformer.h.{i}."
+            q, k, v = lin(ln(x, pre + "ln_1"), pre + "attn.c_attn").split(C, -1)
+            x = x + lin(_ref_attention(q, k, v, H, H), pre + "attn.c_proj")
+            x = x + lin(F.gelu(lin(ln(x, pre + "ln_2"), pre + "mlp.c_fc"), approximate=gelu), pre + "mlp.c_proj")
+        logits = F.linear(ln(x, "transformer.ln_f"), w["transformer.wte.weight"])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    G, D = cfg.get("num_kv_heads", H), cfg["hidden_size"] // H
+    style, qk_norm = cfg.get("rope_style") or "rotate_half", cfg.get("qk_norm")
+    bias = bool(cfg.get("attention_bias"))
+    inv = _ref_inv_freq(D, cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"), inputs.device)
+
+    def norm(x, weight):
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def q_or_k(h, pre, name, heads):
+        t = F.linear(h, w[pre + f"self_attn.{name}_proj.weight"], w[pre + f"self_attn.{name}_proj.bias"] if bias else None)
+        if qk_norm == "head":
+            t = norm(t.view(B, T, heads, D), w[pre + f"self_attn.{name}_norm.weight"]).reshape(B, T, heads * D)
+        elif qk_norm == "full":
+            t = norm(t, w[pre + f"self_attn.{name}_norm.weight"])
+        return _ref_rope(t.view(B, T, heads, D).transpose(1, 2), inv, style).transpose(1, 2).reshape(B, T, heads * D)
+
+    x = w["model.embed_tokens.weight"][inputs]
+    for i in range(cfg["num_layers"]):
+        pre = f"model.layers.{i}."
+        h = norm(x, w[pre + "input_layernorm.weight"])
+        v = F.linear(h, w[pre + "self_attn.v_proj.weight"], w[pre + "self_attn.v_proj.bias"] if bias else None)
+        att = _ref_attention(q_or_k(h, pre, "q", H), q_or_k(h, pre, "k", G), v, H, G,
+                             cfg.get("attn_logit_softcap"), cfg.get("sliding_window"))
+        x = x + F.linear(att, w[pre + "self_attn.o_proj.weight"])
+        h = norm(x, w[pre + "post_attention_layernorm.weight"])
+        x = x + F.linear(F.silu(F.linear(h, w[pre + "mlp.gate_proj.weight"])) * F.linear(h, w[pre + "mlp.up_proj.weight"]),
+                         w[pre + "mlp.down_proj.weight"])
+    x = norm(x, w["model.norm.weight"])
+    logits = F.linear(x, w["model.embed_tokens.weight"] if cfg.get("tie_embeddings") else w["lm_head.weight"])
+    if cfg.get("final_logit_softcap") is not None:
+        logits = torch.tanh(logits / cfg["final_logit_softcap"]) * cfg["final_logit_softcap"]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _self_check_variants(cfg):
+    """(label, manifest change or gelu, what it would mean): single changes tried when the check fails."""
+    out = []
+    if cfg["arch"] == "llama":
+        other = "interleaved" if (cfg.get("rope_style") or "rotate_half") == "rotate_half" else "rotate_half"
+        out.append((f"rope_style={other!r}", {"rope_style": other},
+                    "the rotary convention (Meta's reference llama, torchtitan and llama2.c rotate adjacent pairs: "
+                    "'interleaved'; Hugging Face rotates halves: 'rotate_half')"))
+        for theta in (10000.0, 500000.0, 1000000.0, 100000.0, 5000000.0):
+            if theta != cfg.get("rope_theta"):
+                out.append((f"rope_theta={theta!r}", {"rope_theta": theta}, "rope_theta"))
+    else:
+        out.append(("GELU's erf form", "none", "the GELU variant: bundle v1's gpt2 uses GELU's tanh approximation "
+                    "(F.gelu(x, approximate='tanh')), nanoGPT's nn.GELU() is the erf form"))
+    for eps in (1e-5, 1e-6, 1e-8, 1e-12, 0.0):
+        if eps != cfg.get("norm_eps"):
+            out.append((f"norm_eps={eps!r}", {"norm_eps": eps}, "norm_eps"))
+    return out
+
+
+def _self_check_params(recorder, slot):
+    """The parameters the check computes with: the live ones (on their device, fast) when they are
+    plain tensors, else (sharded or wrapped tensors) the slot's host copies, which the bundle writes."""
+    live = list(recorder.params)
+    if all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in live):
+        return dict(zip(recorder.names, live))
+    if slot.event is not None:
+        slot.event.synchronize()
+    return dict(zip(recorder.names, slot.params))
+
+
+def _self_check_batches(recorder, slot, device):
+    """Per rank, the step's micro-batches as (inputs, targets) on `device`."""
+    L, mbs = recorder.data["seq_len"], recorder.data["micro_batch_size"]
+    dtype = recorder.source.shards[0]["dtype"]
+    ranks = []
+    for rows in slot.rows:
+        windows = []
+        for start in rows:
+            raw = bytearray(recorder.source.read(start, L + 1))
+            t = torch.frombuffer(raw, dtype=torch.int16 if dtype == "uint16" else torch.int32).to(torch.int64)
+            windows.append(t & (0xFFFF if dtype == "uint16" else 0xFFFFFFFF))
+        w = torch.stack(windows).to(device)
+        ranks.append([(w[m:m + mbs, :-1], w[m:m + mbs, 1:]) for m in range(0, len(rows), mbs)])
+    return ranks
+
+
+def run_self_check(recorder, slot):
+    """The check itself (see the section's comment). Returns {step, logged, reference, relative};
+    raises CaptureError on a gap beyond the replay's tolerance."""
+    cfg = recorder.model_config
+    params = _self_check_params(recorder, slot)
+    ranks = _self_check_batches(recorder, slot, next(iter(params.values())).device)
+    logged = slot.logged["loss"]
+    rank_losses = slot.logged.get("rank_losses")
+    tol = _SELF_CHECK_TOLERANCE[recorder.precision]
+
+    def losses(c, gelu="tanh"):
+        with torch.no_grad():
+            per_rank = [sum(float(reference_loss(c, params, x, y, gelu)) for x, y in mbs) / len(mbs) for mbs in ranks]
+        return per_rank
+
+    def gap(per_rank):
+        """The smallest relative gap among the readings of the logged loss: the mean over ranks, rank 0's
+        own (a job that logs its local loss), or rank 0 against rank_losses[0]."""
+        cands = [(sum(per_rank) / len(per_rank), logged), (per_rank[0], logged)]
+        if rank_losses:
+            cands.append((per_rank[0], rank_losses[0]))
+        return min((abs(a - b) / max(abs(b), 1e-12), a, b) for a, b in cands)
+
+    per_rank = losses(cfg)
+    relative, reference, against = gap(per_rank)
+    result = {"step": slot.step, "logged": against, "reference": reference, "relative": relative, "tolerance": tol}
+    if relative <= tol:
+        return result
+    head = (f"capture self-check, step {slot.step}: bundle v1's {cfg['arch']} model, as this recorder would write it, "
+            f"computes loss {reference:.7g} on the step's batch, but your model logged {against:.7g} (relative gap "
+            f"{relative:.2e}, the replay tolerates {tol:g}); a bundle of this run would not reproduce it. ")
+    for label, change, what in _self_check_variants(cfg):
+        trial = per_rank_trial = None
+        if change == "none":
+            per_rank_trial = losses(cfg, gelu="none")
+        else:
+            trial = dict(cfg, **change)
+            per_rank_trial = losses(trial)
+        r, value, _ = gap(per_rank_trial)
+        if r <= tol:
+            fix = (f"pass model_config=dict({label}, ...)" if change != "none" else
+                   "make the model use F.gelu(x, approximate='tanh') (bundle v1 has no erf-GELU option)")
+            raise CaptureError(head + f"With {label} it computes {value:.7g} (gap {r:.1e}): the likely cause is {what}"
+                               f" (the recorder used {_self_check_used(cfg, label)}); {fix}")
+    raise CaptureError(head + "No single change of " + ("the rotary convention, rope_theta or norm_eps" if cfg["arch"] ==
+                       "llama" else "the GELU variant or norm_eps") + " explains it. Check the options your forward "
+                       "applies (rope_scaling, attention_bias, qk_norm, softcaps, sliding_window: pass them in "
+                       "model_config), that param_names maps every parameter to the one bundle v1 means, and that "
+                       "end_step(loss=) is the step's mean over its micro-batches (and ranks). "
+                       "recorder.self_check = False captures anyway.")
+
+
+def _self_check_used(cfg, label):
+    key = label.split("=")[0]
+    if key in cfg or key in ("rope_style",):
+        return f"{key}={cfg.get(key, 'rotate_half')!r}"
+    return "GELU's tanh form"
+
+
+# ---------------------------------------------------------------------------
 # Files: safetensors, JSON with the bundle format's non-finite strings, atomic directories.
 
 def _tensor_bytes(t):
@@ -537,6 +875,289 @@ def _randperm_samples(sampler, num_samples, world, per_rank_step, step):
 
 
 # ---------------------------------------------------------------------------
+# Distributed jobs (DDP, FSDP, torch.compile): unwrapping, the collectives every rank calls, the
+# per-rank gradient norms before the all-reduce, and gathering sharded state onto the recording rank.
+
+def _is_fsdp1(module):
+    """FullyShardedDataParallel (FSDP1), found by class name so that no FSDP import is needed
+    (torch 1.13's FSDP package does not even import on Python 3.11)."""
+    return any(c.__name__ == "FullyShardedDataParallel" for c in type(module).__mro__)
+
+
+def _is_sharded(module):
+    """FSDP1, or FSDP2's fully_shard (its parameters are DTensors)."""
+    if _is_fsdp1(module):
+        return True
+    return any(type(p).__name__ == "DTensor" for p in module.parameters())
+
+
+def unwrap_model(model):
+    """The module a training wrapper holds: DistributedDataParallel's / DataParallel's `.module`
+    (or any wrapper whose only child is `module` and that owns no parameters, e.g. DeepSpeed's
+    engine), torch.compile's `_orig_mod`, repeatedly. FSDP is returned as it is: its parameters
+    are shards, which the recorder gathers instead."""
+    for _ in range(16):
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, torch.nn.Module):
+            model = inner
+            continue
+        inner = getattr(model, "module", None)
+        if isinstance(inner, torch.nn.Module) and not _is_fsdp1(model) and (
+                isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel))
+                or (not any(p is not None for p in model._parameters.values())
+                    and [n for n, _ in model.named_children()] == ["module"])):
+            model = inner
+            continue
+        return model
+    return model
+
+
+# Prefixes wrappers put into parameter names; a sharded model's full state is keyed without them.
+_WRAPPER_PREFIX = re.compile(r"(?:_fsdp_wrapped_module|_fpw_module|_checkpoint_wrapped_module|_orig_mod|module)\.")
+
+
+def _clean_name(name):
+    return _WRAPPER_PREFIX.sub("", name) if _WRAPPER_PREFIX.search(name) else name
+
+
+class _Collective:
+    """The few collectives the recorder makes when torch.distributed runs with more than one rank.
+    Every rank calls each one in the same order (begin_step, end_step, dump are called by every rank)."""
+
+    def __init__(self, record_rank, group=None):
+        import torch.distributed as dist
+        self.dist, self.group = dist, group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if not 0 <= int(record_rank) < self.world:
+            raise CaptureError(f"record_rank {record_rank} is not a rank of this {self.world}-rank job")
+        self.record_rank = int(record_rank)
+        nccl = str(dist.get_backend(group)).lower() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    @property
+    def recording(self):
+        return self.rank == self.record_rank
+
+    def gather_objects(self, obj):
+        out = [None] * self.world
+        self.dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather_floats(self, values):
+        """[values of rank 0, values of rank 1, ...]: one all_gather of a few float64."""
+        mine = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float64,
+                            device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        self.dist.all_gather(out, mine, group=self.group)
+        return [t.tolist() for t in out]
+
+    def broadcast(self, obj):
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=self.record_rank, group=self.group)
+        return box[0]
+
+    def agree(self, fn):
+        """Runs fn() on the recording rank and hands its result, or its error, to every rank: a
+        failure there raises on every rank instead of leaving the others waiting."""
+        outcome, error = None, None
+        if self.recording:
+            try:
+                outcome = ("ok", fn())
+            except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
+                outcome, error = ("error", f"{type(e).__name__}: {e}"), e
+        kind, value = self.broadcast(outcome)
+        if kind == "error":
+            if error is not None:
+                raise error
+            raise CaptureError(f"the recording rank {self.record_rank} failed: {value}")
+        return value
+
+
+class _RankGradNorm:
+    """This rank's own gradient norm before the all-reduce, from the gradients a comm hook sees: the
+    2-norm over every DDP bucket (or FSDP flat parameter) of one step. Each bucket must be reduced
+    once per step, which is what DDP's no_sync() does with gradient accumulation; a bucket reduced
+    twice in a step (accumulation without no_sync) leaves the step without rank norms."""
+
+    def __init__(self):
+        self.limit = None  # FSDP: at most this many reductions (one per FSDP unit) in a step
+        self.reset()
+
+    def reset(self):
+        self.sq, self.fires = None, collections.Counter()
+
+    def record(self, key, grad):
+        sq = torch.linalg.vector_norm(grad.detach(), 2, dtype=torch.float64).square()
+        self.sq = sq if self.sq is None else self.sq + sq
+        self.fires[key] += 1
+
+    def value(self, loss_scale=None):
+        """(norm, valid): the norm divided by the loss scale (GradScaler scales the gradients)."""
+        if self.sq is None:
+            return math.nan, False
+        norm = math.sqrt(float(self.sq))
+        if loss_scale:
+            norm /= float(loss_scale)
+        calls = sum(self.fires.values())
+        return norm, max(self.fires.values()) == 1 and (self.limit is None or calls <= self.limit)
+
+
+def _ddp_norm_hook(norms, inner):
+    def nanreplay_rank_norm_hook(state, bucket):
+        norms.record(bucket.index(), bucket.buffer())  # before the hook divides and all-reduces it in place
+        return inner(state, bucket)
+    return nanreplay_rank_norm_hook
+
+
+def _fsdp_norm_hook(norms, inner):
+    def nanreplay_rank_norm_hook(state, grad, output=None):
+        norms.record(len(norms.fires), grad)  # the unsharded gradient of one flat parameter, before reducing
+        return inner(state, grad) if output is None else inner(state, grad, output)
+    return nanreplay_rank_norm_hook
+
+
+def _install_norm_hook(wrapper, norms, comm_hook, comm_hook_state):
+    """Registers the comm hook that measures this rank's norm (wrapping `comm_hook`, default: the
+    plain all-reduce / reduce-scatter the wrapper does without one). Returns a word for what it did."""
+    if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        inner = default_hooks.allreduce_hook if comm_hook in (None, True) else comm_hook
+        wrapper.register_comm_hook(comm_hook_state, _ddp_norm_hook(norms, inner))
+        return "ddp"
+    if _is_fsdp1(wrapper) and hasattr(wrapper, "register_comm_hook"):  # FSDP1, torch >= 2.0
+        from torch.distributed.algorithms._comm_hooks import default_hooks
+        state = comm_hook_state if comm_hook_state is not None else default_hooks.DefaultState(
+            wrapper.process_group)
+
+        def default(state, grad, output=None):
+            if output is None:
+                return default_hooks.allreduce_hook(state, grad)
+            return default_hooks.reduce_scatter_hook(state, grad, output)
+        wrapper.register_comm_hook(state, _fsdp_norm_hook(norms, default if comm_hook in (None, True) else comm_hook))
+        norms.limit = sum(1 for m in wrapper.modules() if _is_fsdp1(m))  # a unit reduced twice: no no_sync()
+        return "fsdp"
+    return None
+
+
+class _ShardedGather:
+    """Full parameters and AdamW state of a sharded model (FSDP1 FullyShardedDataParallel, FSDP2
+    fully_shard), gathered onto the recording rank. Every rank calls gather() (it is collective);
+    the recording rank gets ({name: CPU tensor}, {name: {"exp_avg", "exp_avg_sq", "step"}}), the
+    others None. Names are the model's own, without wrapper prefixes."""
+
+    def __init__(self, wrapper, optimizer, collective):
+        self.wrapper, self.optimizer, self.coll = wrapper, optimizer, collective
+        self.buffers = {_clean_name(n) for n, _ in wrapper.named_buffers()}
+
+    @property
+    def recording(self):
+        return self.coll is None or self.coll.recording
+
+    def gather(self, optimizer=True):
+        if _is_fsdp1(self.wrapper):
+            params, state = self._gather_fsdp1(optimizer)
+        else:
+            params, state = self._gather_dtensors(optimizer)
+        if not self.recording:
+            return None
+        params = {_clean_name(k): v for k, v in params.items() if _clean_name(k) not in self.buffers}
+        state = {_clean_name(str(k)): v for k, v in (state or {}).items()}
+        return params, state
+
+    def _gather_fsdp1(self, optimizer):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        # rank0_only hands the state to rank 0 alone; any other recording rank needs it on every rank.
+        rank0_only = self.coll is None or self.coll.record_rank == 0
+        # offload_to_cpu moves the gathered state off the compute device. On a CPU device it frees the very
+        # storage it "moved" (torch 2.6: "setStorage: ... out of bounds for storage of size 0"): no offload there.
+        device = getattr(self.wrapper, "compute_device", None)
+        offload = device is None or torch.device(device).type != "cpu"
+        cfg = FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)
+        with FSDP.state_dict_type(self.wrapper, StateDictType.FULL_STATE_DICT, cfg):
+            params = self.wrapper.state_dict()
+        if not optimizer:
+            return params, None
+        if hasattr(FSDP, "optim_state_dict"):  # torch >= 2.0: keyed by parameter names
+            from torch.distributed.fsdp import FullOptimStateDictConfig
+            with FSDP.state_dict_type(self.wrapper, StateDictType.FULL_STATE_DICT, cfg,
+                                      FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)):
+                osd = FSDP.optim_state_dict(self.wrapper, self.optimizer)
+        else:  # torch 1.13: keyed by ids, rekeyed to names
+            from torch.distributed.fsdp import OptimStateKeyType
+            osd = FSDP.full_optim_state_dict(self.wrapper, self.optimizer, rank0_only=rank0_only)
+            if osd:
+                osd = FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, self.wrapper)
+        return params, (osd or {}).get("state", {})
+
+    def _gather_dtensors(self, optimizer):
+        """fully_shard: every parameter and moment is a DTensor; full_tensor() all-gathers it."""
+        def full(t):
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            return t.detach().to("cpu") if self.recording else None
+        params, state = {}, {}
+        for name, p in self.wrapper.named_parameters():
+            params[name] = full(p)
+            st = self.optimizer.state.get(p) if optimizer else None
+            if st and "exp_avg" in st:
+                step = st.get("step", 0)
+                step = step.full_tensor() if hasattr(step, "full_tensor") else step
+                state[name] = {"exp_avg": full(st["exp_avg"]), "exp_avg_sq": full(st["exp_avg_sq"]),
+                               "step": float(step)}
+        return params, state
+
+
+class _MetaTemplate(torch.Tensor):
+    """A full parameter's shape and dtype (a meta tensor: no memory); not a live parameter, so the
+    recorder's checks read the snapshot's host copies instead."""
+
+
+class _GatheredModel:
+    """What the constructor reads names, shapes and dtypes from for a sharded model: the full
+    parameters as meta tensors (no memory), with the original module's config and norm modules."""
+
+    def __init__(self, module, shapes):
+        self._module = module
+        self._parameters = {}
+        for name, (shape, dtype, alias) in shapes.items():
+            self._parameters[name] = (self._parameters[alias] if alias else
+                                      torch.empty(shape, dtype=dtype, device="meta").as_subclass(_MetaTemplate))
+        for attr in ("config", "rope_theta"):
+            if getattr(module, attr, None) is not None:
+                setattr(self, attr, getattr(module, attr))
+
+    def named_modules(self, remove_duplicate=True):
+        yield "", self
+
+    def get_submodule(self, name):
+        module = self._module
+        for part in name.split("."):
+            for _ in range(4):  # wrapper modules FSDP and activation checkpointing insert
+                if hasattr(module, part) or not hasattr(module, "_fsdp_wrapped_module") and \
+                        not hasattr(module, "_checkpoint_wrapped_module") and not hasattr(module, "_fpw_module"):
+                    break
+                module = getattr(module, "_fsdp_wrapped_module", None) or getattr(
+                    module, "_fpw_module", None) or getattr(module, "_checkpoint_wrapped_module")
+            module = getattr(module, part, None)
+            if module is None:
+                raise AttributeError(name)
+        return module
+
+
+def _gathered_shapes(params):
+    """{name: (shape, dtype, alias)}: a tensor equal to an earlier one of the same shape is taken as
+    tied to it (a full state dict returns tied weights as two entries)."""
+    out, seen = {}, []
+    for name, t in params.items():
+        alias = next((n for n, u in seen if u.shape == t.shape and u.dtype == t.dtype and
+                      (u.data_ptr() == t.data_ptr() or torch.equal(u, t))), None)
+        out[name] = (tuple(t.shape), t.dtype, alias)
+        if alias is None:
+            seen.append((name, t))
+    return out
+
+
+# ---------------------------------------------------------------------------
 # The ring buffer.
 
 class _StepSlot:
@@ -582,6 +1203,11 @@ class _StepSlot:
 class Recorder:
     """Keeps the last `window` training steps and writes them as a nanreplay bundle.
 
+    On the first step it captures with a finite loss, end_step() proves the bundle: the bundle's
+    model computes that step's loss on its batch and must match the logged loss (CaptureError
+    naming the likely cause otherwise; `recorder.self_check = False` skips it; the outcome is
+    `recorder.self_check_result`).
+
     Per step, in the training loop:
         recorder.begin_step(step, samples=batch_indices)   # before forward: snapshots params + AdamW
         ... forward, backward, clip_grad_norm_ ...
@@ -589,11 +1215,15 @@ class Recorder:
         optimizer.step(); scheduler.step()
 
     Arguments:
-      model, optimizer: the module being trained and its torch.optim.AdamW.
+      model, optimizer: the module being trained and its torch.optim.AdamW. A DDP / DataParallel /
+        torch.compile wrapper is unwrapped; an FSDP model is gathered onto the recording rank at each
+        full snapshot (needs snapshot_every).
       out_dir: where automatic dumps go (`<out_dir>/incident-step<step>`).
       arch: "llama" or "gpt2" (bundle v1 architectures).
-      model_config: manifest model keys; shapes are read off the parameters, `num_heads` is
-        required, `norm_eps` / `rope_theta` are required unless the modules carry them. llama's
+      model_config: manifest model keys; shapes are read off the parameters; `num_heads`, `norm_eps`
+        and `rope_theta` are read off the model (its norm modules, model.config, model.params, ...)
+        where it says them, else `num_heads` is required and the others take bundle v1's defaults
+        (1e-5, 10000), which the self-check on the first captured step then proves. llama's
         options (rope_style, rope_scaling, attention_bias, qk_norm, attn_logit_softcap,
         final_logit_softcap, sliding_window) are read off a Hugging Face style `model.config`
         where it says them, else taken from here (default: off); the two must agree.
@@ -607,15 +1237,28 @@ class Recorder:
       precision: "fp32", "bf16" (autocast), "fp16" (autocast + GradScaler) or "fp8".
       grad_clip: the max_norm given to clip_grad_norm_, or None.
       param_names: dict or callable mapping the model's parameter names to the bundle's keys
-        (docs/bundle-format.md).
+        (docs/bundle-format.md), or a preset: "hf", "meta" / "torchtitan" (implies rope_style
+        "interleaved"), "nanogpt" (docs/import.md); wrapper prefixes (_orig_mod., module.) are dropped.
       data_copy: "auto", "whole" or "window" (see dump()).
       whole_copy_limit: bytes of shard data up to which "auto" copies shards whole.
       pin_memory: host buffers pinned for asynchronous copies (default: when params are on CUDA).
+      distributed: None (default): collective when torch.distributed runs more than one rank; then
+        every rank creates the recorder and calls begin_step / end_step / dump, rank `record_rank`
+        keeps the window and writes, and the recorder gathers samples, per-rank losses and norms.
+        False: this process alone (a rank-0-only recorder fed every rank's values).
+      record_rank: the rank that records and writes (default 0).
+      comm_hook, comm_hook_state: True (default) installs a DDP / FSDP comm hook measuring each rank's
+        gradient norm before the all-reduce, around the default all-reduce; a hook of yours to wrap
+        instead; False for none.
     """
+
+    self_check = True          # end_step() proves the bundle's model on the first finite step
+    self_check_result = None   # {step, logged, reference, relative, tolerance} once it passed
 
     def __init__(self, model, optimizer, out_dir, *, arch, data, model_config=None, window=DEFAULT_WINDOW,
                  precision="fp32", grad_clip=None, param_names=None, data_copy="auto",
-                 whole_copy_limit=DEFAULT_WHOLE_COPY_LIMIT, pin_memory=None, snapshot_every=None):
+                 whole_copy_limit=DEFAULT_WHOLE_COPY_LIMIT, pin_memory=None, snapshot_every=None,
+                 distributed=None, record_rank=0, comm_hook=True, comm_hook_state=None):
         if window < 1:
             raise CaptureError("window must be at least 1")
         if snapshot_every is not None and int(snapshot_every) < 1:
@@ -625,19 +1268,22 @@ class Recorder:
             raise CaptureError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
         if data_copy not in ("auto", "whole", "window"):
             raise CaptureError(f"data_copy must be 'auto', 'whole' or 'window', got {data_copy!r}")
+        model = self._setup_distributed(model, optimizer, distributed, record_rank)  # unwraps DDP, compile, FSDP
         self.model, self.optimizer = model, optimizer
         self.out_dir = Path(out_dir)
         self.window, self.precision, self.grad_clip = int(window), precision, grad_clip
         self.data_copy, self.whole_copy_limit = data_copy, int(whole_copy_limit)
         self.data = self._check_data(data)
+        if self._coll is not None:  # data.world_size is the job's
+            if dict(data).get("world_size") is None:
+                self.data["world_size"] = self._coll.world
+            elif int(self.data["world_size"]) != self._coll.world:
+                raise CaptureError(f"data world_size {self.data['world_size']} but torch.distributed runs "
+                                   f"{self._coll.world} ranks")
         self.source = _TokenSource(self.data)
         self.sampler = dict(self.data["sampler"]) if self.data.get("sampler") else None
 
-        if callable(param_names):
-            rename = param_names
-        else:
-            mapping = dict(param_names or {})
-            rename = lambda name: mapping.get(name, name)  # noqa: E731
+        rename, model_config = _renamer(param_names, arch, model_config)
         named = {}
         for name, p in _all_named_parameters(model):
             named.setdefault(rename(name), p)
@@ -673,6 +1319,56 @@ class Recorder:
             optimizer.register_step_pre_hook(self._order_update_after_copies)
         self.incident_path = None
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self._norms, self._norms_from, self._norms_warned = None, None, False
+        if self._coll is not None and comm_hook is not False:
+            self._norms = _RankGradNorm()
+            self._norms_from = _install_norm_hook(self.wrapper, self._norms, comm_hook, comm_hook_state)
+            if self._norms_from is None:
+                self._norms = None
+
+    # -- distributed setup ----------------------------------------------------
+
+    def _setup_distributed(self, model, optimizer, distributed, record_rank):
+        """Unwraps `model` (DDP, DataParallel, torch.compile); decides whether this recorder runs
+        collectively (torch.distributed initialised with more than one rank, unless distributed=False);
+        for a sharded model gathers the full parameters once to learn their names and shapes. Returns
+        what the constructor reads names, shapes and config from."""
+        self._loss_scale, self._shadow, self._gathered, self._sharded = None, (None, None), None, None
+        import torch.distributed as dist
+        running = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if distributed is None:
+            distributed = running
+        elif distributed and not running:
+            raise CaptureError("distributed=True needs torch.distributed initialised with more than one rank")
+        self._coll = _Collective(record_rank) if distributed else None
+        inner = unwrap_model(model)
+        ddp = model
+        while not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and ddp is not inner:
+            ddp = getattr(ddp, "_orig_mod", None) or getattr(ddp, "module", None)
+            if not isinstance(ddp, torch.nn.Module):
+                break
+        self.wrapper = ddp if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) else inner
+        if not _is_sharded(inner):
+            return inner
+        if self.snapshot_every is None:
+            raise CaptureError("a sharded (FSDP) model is gathered onto the recording rank at each full snapshot: "
+                               "pass snapshot_every=K so that happens once every K steps, not every step")
+        self._sharded = _ShardedGather(inner, optimizer, self._coll)
+        full = self._sharded.gather(optimizer=False)
+        shapes = _gathered_shapes(full[0]) if full is not None else None
+        if self._coll is not None:
+            shapes = self._coll.broadcast(shapes)
+        self._sharded_names = {id(p): _clean_name(n) for n, p in inner.named_parameters()}
+        return _GatheredModel(inner, shapes)
+
+    @property
+    def is_recording(self):
+        """Whether this process keeps the window and writes bundles (rank record_rank; always, in one process)."""
+        return self._coll is None or self._coll.recording
+
+    @property
+    def rank(self):
+        return 0 if self._coll is None else self._coll.rank
 
     # -- setup checks -------------------------------------------------------
 
@@ -698,6 +1394,10 @@ class Recorder:
         opt = self.optimizer
         if not isinstance(opt, torch.optim.AdamW):
             raise CaptureError(f"bundle v1 replays torch.optim.AdamW; got {type(opt).__name__}")
+        if self._sharded is not None:  # it holds shards (or flat parameters): names are checked at each gather
+            if any(g.get("amsgrad") or g.get("maximize") for g in opt.param_groups):
+                raise CaptureError("AdamW with amsgrad or maximize is not what bundle v1 replays")
+            return
         wanted = {id(p): i for i, p in enumerate(self.params)}
         seen = set()
         for g, group in enumerate(opt.param_groups):
@@ -724,6 +1424,12 @@ class Recorder:
             raise CaptureError(f"bundle v1 expresses one weight decay plus no_decay globs; groups use {sorted(decays)}")
         decay = nonzero.pop() if nonzero else 0.0
         index = {id(p): i for i, p in enumerate(self.params)}
+        if self._sharded is not None:  # the optimizer holds the sharded tensors: map them by name
+            index = {pid: self.names.index(n) for pid, n in self._sharded_names.items() if n in self.names}
+            if decay and any(id(p) not in index for g in groups if float(g["weight_decay"]) == 0.0
+                             for p in g["params"]):
+                raise CaptureError("under FSDP with flat parameters (use_orig_params=False) the recorder cannot "
+                                   "tell which parameters a weight_decay=0 group holds; use one weight decay")
         no_decay = sorted(self.names[index[id(p)]] for g in groups if float(g["weight_decay"]) == 0.0 and decay
                           for p in g["params"])
         out = {"kind": "adamw", "betas": list(betas.pop()), "eps": eps.pop(), "weight_decay": decay}
@@ -750,6 +1456,130 @@ class Recorder:
         self.sampler = dict(self.sampler, epoch=int(epoch), epoch_start_step=int(epoch_start_step))
 
     def begin_step(self, step, *, samples=None, offsets=None, lr=None, loss_scale=None):
+        """Snapshot the parameters and AdamW state at the start of `step` (call before forward).
+
+        samples: dataset indices the step reads, per rank in read order ([[...], ...]; a flat list when
+          world_size is 1); sample i is tokens [i*seq_len, i*seq_len + seq_len + 1) of the stream.
+          Distributed (every rank calls begin_step): this rank's own indices, a flat list; the
+          recorder gathers every rank's onto the recording rank.
+        offsets: instead of samples, the first token (in the concatenated stream) of each row's
+          seq_len + 1 window, for loaders that read at arbitrary offsets (e.g. nanoGPT's get_batch).
+        Neither: derived from data.sampler (randperm).
+        lr: the step's learning rate (default: the optimizer's param_groups lr).
+        loss_scale: GradScaler.get_scale() for fp16.
+        """
+        step = int(step)
+        full = self._shadow_step(step)
+        if self._coll is not None:
+            samples, offsets = self._gather_local(samples), self._gather_local(offsets)
+        if self._norms is not None:
+            self._norms.reset()
+        self._loss_scale = None if loss_scale is None else _as_float(loss_scale)
+        if self._sharded is not None:
+            self._gathered = self._sharded.gather() if full else None  # collective: every rank gathers
+        if not self.is_recording:
+            return
+        self._begin_step_local(step, samples=samples, offsets=offsets, lr=lr, loss_scale=loss_scale)
+
+    def _shadow_step(self, step):
+        """Whether `step` takes a full snapshot: the decision _take_slot makes from the ring, made from
+        step numbers alone so that every rank (only one keeps a ring) knows when a sharded model is gathered."""
+        last, last_full = self._shadow
+        if last is not None and (step <= last or (self.snapshot_every and step != last + 1)):
+            last_full = None
+        full = self.snapshot_every is None or last_full is None or step - last_full >= self.snapshot_every
+        self._shadow = (step, step if full else last_full)
+        return full
+
+    def _gather_local(self, rows):
+        """This rank's rows (a flat list or 1-D tensor) -> every rank's, gathered; a list of per-rank
+        lists is taken as already gathered (no collective)."""
+        if rows is None:
+            return None
+        if isinstance(rows, torch.Tensor):
+            rows = rows.tolist()
+        rows = list(rows)
+        if rows and isinstance(rows[0], (list, tuple, torch.Tensor)):
+            return rows
+        return self._coll.gather_objects([int(v) for v in rows])
+
+    def _snapshot_gathered(self, slot):
+        """A sharded model's snapshot: the full tensors gathered at begin_step, copied into the slot."""
+        if self._gathered is None:
+            raise CaptureError(f"step {slot.step}: a full snapshot without a gather (every rank must call begin_step "
+                               "with the same step numbers)")
+        params, state = self._gathered
+        self._gathered = None
+        for i, name in enumerate(self.names):
+            if name not in params:
+                raise CaptureError(f"the gathered full state dict has no {name!r} (it has {sorted(params)[:6]} ...)")
+            with torch.no_grad():
+                slot.params[i].copy_(params[name])
+            st = state.get(name)
+            if st and st.get("exp_avg") is not None:
+                for which in ("exp_avg", "exp_avg_sq"):
+                    with torch.no_grad():
+                        slot.moment_buffer(which, i, st[which]).copy_(st[which])
+                slot.has_moments[i] = True
+                step = st.get("step", 0)
+                slot.adam_steps.append(float(step.item() if isinstance(step, torch.Tensor) else step))
+
+    def end_step(self, *, loss=None, local_loss=None, grad_norm=None, rank_losses=None, rank_grad_norms=None,
+                 skipped=None):
+        """Record what the job logged for the step begun last; dump the window on a non-finite loss
+        (or a non-finite grad_norm outside fp16 loss scaling). Returns the bundle path when it dumped
+        (distributed: on every rank).
+
+        loss: the step's loss as the job logs it (mean over micro-batches and ranks).
+        local_loss: distributed: this rank's own loss (mean over its micro-batches). The recorder
+          gathers every rank's into rank_losses and, without loss=, logs their mean as the loss.
+        grad_norm: what clip_grad_norm_ returned (the global norm, before clipping).
+        rank_grad_norms: default, distributed: each rank's norm before the all-reduce, measured by
+          the comm hook the recorder installed.
+        """
+        if loss is None and local_loss is None:
+            raise CaptureError("end_step needs loss= (the step's loss) or local_loss= (this rank's own)")
+        # clip_grad_norm_ under fully_shard returns a DTensor holding each rank's partial norm, whose item()
+        # is this rank's part alone: make it whole here, on every rank (full_tensor() is collective).
+        loss, local_loss, grad_norm = (x.full_tensor() if isinstance(x, torch.Tensor) and hasattr(x, "full_tensor")
+                                       else x for x in (loss, local_loss, grad_norm))
+        if self._coll is None:
+            return self._end_step_local(loss=loss if loss is not None else local_loss, grad_norm=grad_norm,
+                                        rank_losses=rank_losses, rank_grad_norms=rank_grad_norms, skipped=skipped)
+        own, valid = self._norms.value(self._loss_scale) if self._norms is not None else (math.nan, False)
+        gathered = self._coll.gather_floats([_as_float(local_loss) if local_loss is not None else None, own,
+                                             1.0 if valid else 0.0])
+        if rank_losses is None and local_loss is not None:
+            rank_losses = [v[0] for v in gathered]
+        if loss is None:
+            loss = sum(rank_losses) / len(rank_losses)
+        if rank_grad_norms is None and self._norms is not None:
+            if all(v[2] == 1.0 for v in gathered):
+                rank_grad_norms = [v[1] for v in gathered]
+            elif not self._norms_warned and self.is_recording:
+                self._norms_warned = True
+                import warnings
+                warnings.warn("nanreplay_capture: a gradient bucket was all-reduced more than once in a step (or "
+                              "not at all), so the step's per-rank gradient norms are not recorded; with gradient "
+                              "accumulation, run every micro-batch but the last under model.no_sync()")
+
+        def record():
+            return self._end_step_local(loss=loss, grad_norm=grad_norm, rank_losses=rank_losses,
+                                        rank_grad_norms=rank_grad_norms, skipped=skipped)
+        path = self._coll.agree(record)  # the recording rank's outcome (a bundle path or None), on every rank
+        if path is not None:
+            self.incident_path = path
+        return path
+
+    def dump(self, path=None, *, symptom="captured on demand", incident_step=None, data_copy=None):
+        """Write the recorded window as a bundle at `path` (default `<out_dir>/capture-step<last>`);
+        see _dump_local. Distributed: every rank calls it; the recording rank writes, and every rank
+        gets the path."""
+        def write():
+            return self._dump_local(path, symptom=symptom, incident_step=incident_step, data_copy=data_copy)
+        return write() if self._coll is None else self._coll.agree(write)
+
+    def _begin_step_local(self, step, *, samples=None, offsets=None, lr=None, loss_scale=None):
         """Snapshot the parameters and AdamW state at the start of `step` (call before forward).
 
         samples: dataset indices the step reads, per rank in read order ([[...], ...]; a flat list when
@@ -781,6 +1611,8 @@ class Recorder:
         run on a side stream, after the work already queued (the previous update) and overlapping
         this step's forward and backward; end_step() (and, on torch >= 2.0, a pre-hook on
         optimizer.step) makes the next update wait for them, since it changes those tensors in place."""
+        if self._sharded is not None:
+            return self._snapshot_gathered(slot)
         pairs = list(zip(slot.params, self.params))
         device_steps = []
         for i, p in enumerate(self.params):
@@ -818,7 +1650,7 @@ class Recorder:
             torch.cuda.current_stream(self.params[0].device).wait_event(self._copying.event)
             self._copying = None
 
-    def end_step(self, *, loss, grad_norm=None, rank_losses=None, rank_grad_norms=None, skipped=None):
+    def _end_step_local(self, *, loss, grad_norm=None, rank_losses=None, rank_grad_norms=None, skipped=None):
         """Record what the job logged for the step begun last; dump the window on a non-finite loss
         (or a non-finite grad_norm outside fp16 loss scaling). Returns the bundle path when it dumped."""
         if not self._ring or self._ring[-1].ended:
@@ -832,9 +1664,12 @@ class Recorder:
         slot.skipped = None if skipped is None else bool(skipped)
         slot.ended = True
         self._order_update_after_copies()
+        if self.self_check and self.self_check_result is None and slot.logged["loss"] is not None \
+                and math.isfinite(slot.logged["loss"]) and self.source.one_dtype:
+            self.self_check_result = run_self_check(self, slot)  # CaptureError on a gap
         symptom = self._symptom(slot)
         if symptom and self.incident_path is None:
-            self.incident_path = self.dump(self._unique_dir(f"incident-step{slot.step}"), symptom=symptom,
+            self.incident_path = self._dump_local(self._unique_dir(f"incident-step{slot.step}"), symptom=symptom,
                                            incident_step=slot.step)
             return self.incident_path
         return None
@@ -918,7 +1753,7 @@ class Recorder:
             path = self.out_dir / f"{name}-{n}"
         return path
 
-    def dump(self, path=None, *, symptom="captured on demand", incident_step=None, data_copy=None):
+    def _dump_local(self, path=None, *, symptom="captured on demand", incident_step=None, data_copy=None):
         """Write the recorded window as a bundle at `path` (default `<out_dir>/capture-step<last>`),
         atomically: everything goes to a temporary sibling directory renamed at the end.
 

@@ -17,10 +17,6 @@ struct CommandIo {
   std::ostream& err;  // error lines and the progress line
   bool color = false;             // `out` wants colour (a terminal, NO_COLOR unset)
   bool err_is_terminal = false;   // progress lines on `err`
-  // Only `main`: a command that replays may restart the process with a short
-  // OpenMP spin (cli/openmp_wait.h), from `program` (argv[0]).
-  bool may_reexec = false;
-  std::string program = "nanreplay";
 };
 
 // `args`: the command and its arguments ({"run", "bundle/", "--out", "triage/"}).

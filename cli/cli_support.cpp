@@ -32,7 +32,7 @@ void on_stop_signal(int signal_number) {
   ::_exit(static_cast<int>(ExitStatus::kInterrupted));
 }
 
-// Blocked across the OpenMP re-exec (cli/openmp_wait.cpp): unblocked once handled.
+// A parent may start us with them blocked (a launcher's own handling): unblocked once handled.
 void unblock_stop_signals() {
   sigset_t set;
   sigemptyset(&set);

@@ -20,8 +20,8 @@ cxxopts::ParseResult parse_or_usage(cxxopts::Options& options, const CommandArgs
 // exit 130 and one line. Inside a StopDeferral (a command that has staged
 // output) it only sets a flag that the command polls at safe points; the
 // command then throws Interrupted, which removes what it staged on its way to
-// run_cli (exit 130). Idempotent; also unblocks the two signals (blocked
-// across the OpenMP re-exec, so one arriving then stays pending).
+// run_cli (exit 130). Idempotent; also unblocks the two signals (a parent
+// may have started us with them blocked).
 void install_stop_handlers();
 bool stop_requested();
 // The line an immediate stop prints (default "...; nothing was written").

@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <sstream>
 
-#include "cli/openmp_wait.h"
 #include "loaders/error.h"
 #include "nanreplay_version.h"
+#include "replay/runtime.h"
 
 namespace nanreplay {
 
@@ -56,32 +56,24 @@ UsageError unknown_command(const std::string& name) {
                     (suggestion.empty() ? "" : "; did you mean '" + suggestion + "'?") + " (see nanreplay --help)");
 }
 
-// Returns only when there is nothing to restart for (openmp_wait.h).
-void restart_with_short_spin(const CommandArgs& args, const CommandIo& io) {
-  std::vector<std::string> words{io.program};
-  words.insert(words.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& word : words) argv.push_back(word.data());
-  argv.push_back(nullptr);
-  reexec_with_short_openmp_spin(argv.data());
-}
-
 }  // namespace
 
 const std::vector<Command>& command_table() {
   static const std::vector<Command> table = {
       {"run", "replay every step of a bundle with probes; write report.{json,md,html} and trace.h5",
-       "nanreplay run incident-bundle/ --out triage/", run_command, true},
+       "nanreplay run incident-bundle/ --out triage/", run_command},
       {"bisect", "find the first non-finite value with fewer replays (step, layer, site, samples); what-ifs",
-       "nanreplay bisect incident-bundle/ --json --what-if stable-softmax", bisect_command, true},
+       "nanreplay bisect incident-bundle/ --json --what-if stable-softmax", bisect_command},
       {"demo", "write a built-in incident bundle (one attention head overflows) and replay it",
-       "nanreplay demo ./nanreplay-demo", demo_command, true},
+       "nanreplay demo ./nanreplay-demo", demo_command},
       {"scan-data", "scan every token shard for poisoned samples without replaying (prints GB/s)",
        "nanreplay scan-data incident-bundle/ --json", scan_data_command},
       {"synth", "write a synthetic bundle from a named preset (for tests and training)",
-       "nanreplay synth head-overflow ./bundle", synth_command, true},
+       "nanreplay synth head-overflow ./bundle", synth_command},
       {"inspect", "validate and summarize a bundle without replaying (model, steps, shards, sampler)",
        "nanreplay inspect incident-bundle/ --json", inspect_command},
+      {"import", "write a bundle from a checkpoint you have (Hugging Face, torch.save, DCP), the data and the log",
+       "nanreplay import --checkpoint ckpt/ --data train.bin ... --steps 5000:5010 --out incident/", import_command},
       {"trace", "query a trace.h5 in the terminal: filter by step, phase, site, head; sort; first NaN/Inf",
        "nanreplay trace triage/trace.h5 --first-nonfinite", trace_command},
       {"version", "print the version", "nanreplay version", version_command},
@@ -97,7 +89,6 @@ int dispatch_command(const CommandArgs& args, CommandIo& io) {
   if (args[0] == "--version") return version_command(args, io);
   for (const Command& command : command_table()) {
     if (args[0] != command.name) continue;
-    if (command.replays && io.may_reexec) restart_with_short_spin(args, io);
     return command.handler(args, io);
   }
   throw unknown_command(args[0]);
@@ -105,10 +96,14 @@ int dispatch_command(const CommandArgs& args, CommandIo& io) {
 
 int version_command(const CommandArgs& args, CommandIo& io) {
   if (args.size() > 1 && (args[1] == "--help" || args[1] == "-h")) {
-    io.out << "Print the version of nanreplay.\nExample: nanreplay version\n";
+    io.out << "Print the version of nanreplay and the BLAS its matrix products run on "
+              "(worth attaching to a ticket).\nExample: nanreplay version\n";
     return 0;
   }
-  io.out << "nanreplay " << NANREPLAY_VERSION << "\n";
+  const BlasInUse blas = blas_in_use();
+  io.out << "nanreplay " << NANREPLAY_VERSION << "\n"
+         << "BLAS: " << blas.description << " (threads: " << blas.threading << ")"
+         << (blas.path.empty() ? "" : ", " + blas.path) << "\n";
   return 0;
 }
 

@@ -20,7 +20,6 @@ struct Command {
   const char* summary;
   const char* example;
   CommandHandler handler;
-  bool replays = false;  // runs forward/backward passes: wants the short OpenMP spin
 };
 
 const std::vector<Command>& command_table();
@@ -35,6 +34,7 @@ int demo_command(const CommandArgs& args, CommandIo& io);       // cli/demo_comm
 int scan_data_command(const CommandArgs& args, CommandIo& io);  // cli/scan_data_command.cpp
 int synth_command(const CommandArgs& args, CommandIo& io);      // cli/synth_command.cpp
 int inspect_command(const CommandArgs& args, CommandIo& io);    // cli/inspect_command.cpp
+int import_command(const CommandArgs& args, CommandIo& io);     // cli/import_command.cpp
 int trace_command(const CommandArgs& args, CommandIo& io);      // cli/trace_command.cpp
 int version_command(const CommandArgs& args, CommandIo& io);    // here
 

@@ -27,8 +27,6 @@ int main(int argc, char** argv) {
   nanreplay::CommandIo io{std::cout, std::cerr};
   io.color = nanreplay::color_wanted(STDOUT_FILENO);
   io.err_is_terminal = isatty(STDERR_FILENO) != 0;
-  io.may_reexec = true;
-  if (argc > 0) io.program = argv[0];
   const std::vector<std::string> args(argv + (argc > 0 ? 1 : 0), argv + argc);
   return nanreplay::run_cli(args, io);
 }

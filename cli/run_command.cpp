@@ -3,6 +3,7 @@
 #include "cli/run_command.h"
 
 #include <csignal>
+#include <optional>
 #include <cstdlib>
 #include <set>
 #include <sstream>
@@ -89,7 +90,9 @@ cxxopts::Options run_options() {
                      "each file whole, and a run that fails leaves them as they were)")
       ("force", "replace results already in --out (the default; kept for older scripts)")
       ("steps", "only these steps, e.g. 104,105 or 100-105", cxxopts::value<std::string>()->default_value(""))
-      ("no-probes", "loss and gradient norm only (faster, no trace detail)");
+      ("no-probes", "loss and gradient norm only (faster, no trace detail)")
+      ("timings", "print where the time went (load, data checks, each step, self-checks, each output) "
+                  "to stderr; report.json has it always");
   add_replay_flags(options, "print report.json to stdout instead of the verdict", true);
   options.parse_positional({"bundle"});
   options.positional_help("BUNDLE");
@@ -110,12 +113,21 @@ void print_run_help(const cxxopts::Options& options, CommandIo& io) {
 // from then on it is polled, and Interrupted unwinds through `outputs`, whose
 // destructor removes what was staged before the deferral ends.
 ReplayReport replay_and_write(const RunSettings& settings, CommandIo& io) {
-  const Incident incident(settings.incident, IncidentUse::kReplay);
+  PhaseTimings loading;
+  loading.started = PhaseTimings::Clock::now();
+  std::optional<Incident> incident;
+  {
+    const PhaseTimer timer(loading, TimedPhase::kLoad);
+    incident.emplace(settings.incident, IncidentUse::kReplay);
+  }
   const StopDeferral staged_output;  // destroyed after `outputs`: its cleanup runs first
-  RunOutputs outputs(settings.out, incident.bundle().root(), settings.replace_existing);
-  const ReplayReport report = replay_showing_progress(incident, settings.quiet, io, outputs);
-  outputs.write_and_commit(report, incident.steps_to_replay(), stop_requested);
+  RunOutputs outputs(settings.out, incident->bundle().root(), settings.replace_existing);
+  ReplayReport report = replay_showing_progress(*incident, settings.quiet, io, outputs);
+  report.timings.started = loading.started;
+  report.timings.add(TimedPhase::kLoad, loading.of(TimedPhase::kLoad));
+  outputs.write_and_commit(report, incident->steps_to_replay(), stop_requested);
   announce_committed(settings.out);
+  if (settings.timings) io.err << render_timings(report.timings);
   return report;
 }
 
@@ -139,6 +151,7 @@ int run_command(const CommandArgs& args, CommandIo& io) {
   settings.incident.bundle = parsed["bundle"].as<std::string>();
   settings.incident.only_steps = steps;
   settings.quiet = flags.quiet;
+  settings.timings = parsed.count("timings") > 0;
   const ReplayReport report = replay_and_write(settings, io);
   if (flags.json) {
     io.out << report_to_json(report).dump(2) << "\n";

@@ -15,6 +15,7 @@ struct RunSettings {
   std::filesystem::path out;
   bool replace_existing = true;  // --no-clobber: refuse an --out that holds results
   bool quiet = false;            // no progress line
+  bool timings = false;          // --timings: where the time went, on stderr
 };
 
 // Checks (Incident), stages `out`, replays, writes and commits; throws

@@ -72,6 +72,7 @@ ReplayReport Incident::replay(const IncidentHooks& hooks) const {
     const auto before_pass = [&] {
       if (options.should_stop()) throw Interrupted(interrupted_after_steps(steps_to_replay_, steps_to_replay_));
     };
+    const PhaseTimer timer(report.timings, TimedPhase::kWhatIfs);
     report.what_if = evaluate_what_ifs(bundle_, report.first_nonfinite, settings_.what_ifs, before_pass,
                                        {settings_.devices.front()}, settings_.native_low_precision);
   }

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <set>
 
 #include <torch/torch.h>
@@ -65,6 +66,7 @@ class BundleReplay {
 
   // Before any replay: the shards against their checksums, the checkpoints for non-finite values.
   void check_bundle() {
+    const PhaseTimer timer(report_.timings, TimedPhase::kDataChecks);
     for (const ChecksumMismatch& bad : bundle_.tokens().verify_checksums()) {
       add({make_finding(FindingCode::kBundleChecksumMismatch,
                         bad.shard + ": sha256 is " + bad.actual + ", the manifest says " + bad.expected,
@@ -82,6 +84,7 @@ class BundleReplay {
 
   // What the steps found together.
   void after_steps() {
+    const PhaseTimer timer(report_.timings, TimedPhase::kDataChecks);
     add(stray_token_findings(bundle_, batch_samples_));
     add(fp8_scale_jump_findings(states_, thresholds_));
     if (first_) {
@@ -100,16 +103,19 @@ class BundleReplay {
     const StepFiles* files = step_to_recheck();
     if (files == nullptr || !options_.probes) return;
     if (options_.check_determinism) {
-      report_.determinism = check_determinism(bundle_, recheck_input(*files), report_.probes, placement_);
+      const PhaseTimer timer(report_.timings, TimedPhase::kDeterminism);
+      report_.determinism =
+          check_determinism(bundle_, recheck_input(*files), report_.probes, placement_, deciding_pass());
       if (!report_.determinism.identical) {
         add({make_finding(FindingCode::kSystemNondeterministic,
-                          "replaying step " + std::to_string(files->step) +
+                          "replaying " + determinism_scope(report_.determinism) +
                               " twice on this machine gave different values at " +
                               report_.determinism.first_difference,
                           difference_evidence(files->step, report_.determinism.where))});
       }
     }
     if (options_.cross_check) {
+      const PhaseTimer timer(report_.timings, TimedPhase::kCrossCheck);
       const ComputePlacement second =
           placement_for({options_.devices.back()}, options_.native_low_precision, m_.precision.compute);
       report_.cross_check = check_across_devices(bundle_, recheck_input(*files), report_.probes, second,
@@ -138,6 +144,15 @@ class BundleReplay {
   void add(const std::vector<Finding>& more) { report_.findings.insert(report_.findings.end(), more.begin(), more.end()); }
 
   void replay_one(const StepFiles& files, size_t index) {
+    const double replay_before = report_.timings.of(TimedPhase::kReplay);
+    {
+      const PhaseTimer timer(report_.timings, TimedPhase::kReplay);
+      replay_timed(files, index);
+    }
+    report_.timings.step_seconds.emplace_back(files.step, report_.timings.of(TimedPhase::kReplay) - replay_before);
+  }
+
+  void replay_timed(const StepFiles& files, size_t index) {
     const StepEntry& entry = step_entry(m_, files.step);
     const StepState logged = bundle_.load_state(files);
     const StepState state = with_loss_scale(logged, loss_scales_.of(logged));
@@ -148,6 +163,7 @@ class BundleReplay {
     outcome.logged_loss = state.logged.loss;
     outcome.logged_grad_norm = state.logged.grad_norm;
     outcome.loss_scale = m_.precision.compute == Compute::kFp16 ? state.loss_scale : 1.0;
+    std::optional<PhaseTimer> data_timer(std::in_place, report_.timings, TimedPhase::kDataChecks);
     add(sampler_findings(bundle_, entry));
     const StepBatch batch{bundle_.sampler().samples_for(entry)};
     for (const auto& rank_samples : batch.samples) batch_samples_.insert(rank_samples.begin(), rank_samples.end());
@@ -163,6 +179,7 @@ class BundleReplay {
       return;
     }
     add(batch_profile_findings(bundle_, files.step, batch, baseline_, thresholds_.data));
+    data_timer.reset();
 
     ModelCheckpoint checkpoint = files.has_model ? ModelCheckpoint(files, m_.model) : trajectory_.checkpoint();
     StepRequest request;
@@ -183,7 +200,10 @@ class BundleReplay {
     outcome.probe_summary = summarize_probes(step.probes);
     report_.steps.push_back(outcome);
     if (options_.on_step_probes) {
-      options_.on_step_probes(step.probes);
+      {
+        const PhaseTimer timer(report_.timings, TimedPhase::kTrace);
+        options_.on_step_probes(step.probes);
+      }
       retention_.step_done(files.step, std::move(step.probes), first_ ? std::optional(first_->step) : std::nullopt);
     } else {
       report_.probes.insert(report_.probes.end(), std::make_move_iterator(step.probes.begin()),
@@ -205,6 +225,7 @@ class BundleReplay {
     trajectory_ok_ = true;
     const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
     if (next->has_model && options_.check_updates && predictable) {
+      const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
       add(derived_update_findings(bundle_, files, *next, trajectory_.params(), trajectory_.order(), *state.lr));
     }
   }
@@ -232,6 +253,7 @@ class BundleReplay {
     add(overflow_findings(step.probes, files.step, judged.handled_overflow, m_.precision.compute, thresholds_));
     add(zero_norm_findings(step.norm_checks));
     add(sample_loss_findings(step.sample_losses, files.step, thresholds_));
+    outcome.rank_norms_logged_global = rank_norms_logged_global(outcome, state, thresholds_);
     add(rank_mismatch_findings(outcome, state, thresholds_));
     if (state.skipped && m_.precision.compute == Compute::kFp16 && *state.skipped != outcome.scaler_skipped) {
       add({make_finding(FindingCode::kSystemNotReproducible,
@@ -245,6 +267,7 @@ class BundleReplay {
     const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
     if (options_.check_updates && next != nullptr && next->has_model && files.has_model && m_.optimizer && state.lr &&
         predictable && bundle_.has_optimizer(files)) {
+      const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
       add(update_findings(bundle_, {&files, next, &checkpoint, &step, *state.lr, outcome.scaler_skipped}));
     }
   }
@@ -290,6 +313,15 @@ class BundleReplay {
       if (files.step == step) return &files;
     }
     return nullptr;
+  }
+
+  // What decides the verdict, replayed again by the determinism check: the
+  // origin's micro-batch, or the first one of the step when there is no
+  // origin; the whole step when the origin is a parameter gradient.
+  std::optional<PassRef> deciding_pass() const {
+    if (!first_) return PassRef{0, 0};
+    if (first_->phase == Phase::kGrad) return std::nullopt;
+    return PassRef{first_->rank, first_->micro_batch};
   }
 
   // The step the self-checks replay again: the origin's, or the last one; only if it was replayed.

@@ -66,12 +66,24 @@ void set_compute_threads(int threads) {
   }
 }
 
-bool blas_has_own_thread_pool() {
+BlasInUse blas_in_use() {
   // Looked up at run time, so a LibTorch on another BLAS links as before.
   // OpenBLAS reports its threading model: 0 sequential, 1 pthreads, 2 OpenMP.
+  BlasInUse blas;
   using GetParallel = int (*)();
-  const auto get_parallel = reinterpret_cast<GetParallel>(dlsym(RTLD_DEFAULT, "openblas_get_parallel"));
-  return get_parallel != nullptr && get_parallel() == 1;
+  using GetConfig = char* (*)();
+  void* const parallel_symbol = dlsym(RTLD_DEFAULT, "openblas_get_parallel");
+  if (parallel_symbol == nullptr) return blas;
+  const int model = reinterpret_cast<GetParallel>(parallel_symbol)();
+  blas.threading = model == 2 ? "OpenMP" : model == 1 ? "pthreads" : "sequential";
+  if (const auto get_config = reinterpret_cast<GetConfig>(dlsym(RTLD_DEFAULT, "openblas_get_config"))) {
+    blas.description = get_config();
+  } else {
+    blas.description = "OpenBLAS";
+  }
+  Dl_info where{};
+  if (dladdr(parallel_symbol, &where) != 0 && where.dli_fname != nullptr) blas.path = where.dli_fname;
+  return blas;
 }
 
 void return_freed_memory() {

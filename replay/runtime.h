@@ -18,10 +18,16 @@ void validate_devices(const std::vector<std::string>& devices, bool cross_check)
 // BLAS thread pool of its own (OpenBLAS pthreads) where there is one.
 void set_compute_threads(int threads);
 
-// Whether LibTorch's BLAS runs matrix products on a thread pool of its own
-// (OpenBLAS built with pthreads, as Debian's libopenblas0-pthread), beside
-// LibTorch's OpenMP pool.
-bool blas_has_own_thread_pool();
+// The BLAS LibTorch's matrix products run on, as `nanreplay version` names
+// it: OpenBLAS's own description and threading model ("OpenMP": LibTorch's
+// libgomp pool, the one the build links first; "pthreads": a pool of its
+// own beside it, docs/performance.md) and the file it was loaded from.
+struct BlasInUse {
+  std::string description = "unknown (not OpenBLAS)";
+  std::string threading = "unknown";
+  std::string path;
+};
+BlasInUse blas_in_use();
 
 // Process-wide heap settings for replaying (glibc; elsewhere a no-op): the
 // steady state glibc's adaptive thresholds reach only after LibTorch has freed

@@ -22,16 +22,21 @@ struct DifferingStats {
 // the first run's probes; `into` takes the comparison.
 DifferingStats replay_and_compare(const Bundle& bundle, const RecheckInput& step,
                                    const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement,
-                                   ReplayComparison& into) {
+                                   const std::optional<PassRef>& only, ReplayComparison& into) {
   const StepFiles& files = step.files;
   const StepBatch batch = batch_of_step(bundle, files.step);
   ModelCheckpoint checkpoint = step.params != nullptr ? ModelCheckpoint(step.params->params(), step.params->order())
                                                       : ModelCheckpoint(files, bundle.manifest().model);
+  StepRequest request;
+  request.only_pass = only;
   const StepResult again =
-      replay_step({bundle.manifest(), bundle.tokens(), files.step, step.state, batch}, checkpoint, placement, {});
+      replay_step({bundle.manifest(), bundle.tokens(), files.step, step.state, batch}, checkpoint, placement, request);
+  const auto in_pass = [&](const ProbeRecord& r) {
+    return !only || (r.phase != Phase::kGrad && r.rank == only->rank && r.micro_batch == only->micro_batch);
+  };
   std::vector<const ProbeRecord*> before;
   for (const ProbeRecord& r : first_run) {
-    if (r.step == files.step) before.push_back(&r);
+    if (r.step == files.step && in_pass(r)) before.push_back(&r);
   }
   const ProbeComparison cmp = compare_probes(before, again.probes);
   into.step = files.step;
@@ -47,10 +52,16 @@ DifferingStats replay_and_compare(const Bundle& bundle, const RecheckInput& step
 }  // namespace
 
 DeterminismCheck check_determinism(const Bundle& bundle, const RecheckInput& step,
-                                   const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement) {
+                                   const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement,
+                                   const std::optional<PassRef>& only) {
   DeterminismCheck check;
   check.checked = true;
-  replay_and_compare(bundle, step, first_run, placement, check);
+  check.whole_step = !only;
+  if (only) {
+    check.rank = only->rank;
+    check.micro_batch = only->micro_batch;
+  }
+  replay_and_compare(bundle, step, first_run, placement, only, check);
   return check;
 }
 
@@ -60,7 +71,7 @@ CrossDeviceCheck check_across_devices(const Bundle& bundle, const RecheckInput& 
   CrossDeviceCheck check;
   check.device_a = name_a;
   check.device_b = name_b;
-  const DifferingStats differing = replay_and_compare(bundle, step, first_run, second, check);
+  const DifferingStats differing = replay_and_compare(bundle, step, first_run, second, std::nullopt, check);
   if (differing.first) {
     check.max_abs_a = differing.first->max_abs;
     check.max_abs_b = differing.again->max_abs;

@@ -3,11 +3,13 @@
 // (--cross-check), every probe compared bit for bit with the first replay.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "loaders/bundle.h"
 #include "replay/checkpoint.h"
+#include "replay/step.h"
 #include "reports/report.h"
 
 namespace nanreplay {
@@ -21,8 +23,12 @@ struct RecheckInput {
   const ModelCheckpoint* params = nullptr;
 };
 
+// Replays `only` (a rank's micro-batch: its forward and backward records are
+// compared) or, without it, the whole step (every record, parameter
+// gradients included).
 DeterminismCheck check_determinism(const Bundle& bundle, const RecheckInput& step,
-                                   const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement);
+                                   const std::vector<ProbeRecord>& first_run, const ComputePlacement& placement,
+                                   const std::optional<PassRef>& only);
 
 CrossDeviceCheck check_across_devices(const Bundle& bundle, const RecheckInput& step,
                                       const std::vector<ProbeRecord>& first_run, const ComputePlacement& second,

@@ -100,10 +100,13 @@ StepResult replay_step(const StepInputs& in, ParamMap& params, const std::vector
   std::vector<torch::Tensor> rank_norms;
   std::vector<torch::Tensor> step_grads(order.size());
   int settled_at = accum;  // the earliest micro-batch whose flags settle that the step is bad
+  const std::optional<PassRef>& only = request.only_pass;
   for (int rank = 0; rank < world; ++rank) {
+    if (only && rank != only->rank) continue;
     clear_gradients(params, order);
-    bool rank_complete = true;
+    bool rank_complete = !only;  // one pass has no step gradients
     for (int micro = 0; micro < accum; ++micro) {
+      if (only && micro != only->micro_batch) continue;
       if (settle_early && micro > settled_at) {
         rank_complete = false;
         break;

@@ -37,8 +37,17 @@ struct StepOverrides {
 // May throw to stop the replay (interrupts).
 using PassProgress = std::function<void(int rank, int micro_batch, const char* phase)>;
 
+// One forward and backward of a step: a rank's micro-batch.
+struct PassRef {
+  int rank = 0;
+  int micro_batch = 0;
+};
+
 struct StepRequest {
   ProbeLevel probes = ProbeLevel::kFull;
+  // Only this pass (the determinism check's re-run): its forward and
+  // backward records; no step gradients, so `complete` is false.
+  std::optional<PassRef> only_pass;
   StepOverrides overrides;
   // kFlags: skip the passes after the first micro-batch whose flags settle
   // that the step is bad (in fp16 only a forward flag settles it: the loss

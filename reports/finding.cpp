@@ -72,6 +72,8 @@ const std::vector<FindingCodeDef>& finding_code_table() {
        "the healthy steps do not replay to what the job logged: the bundle describes another run"},
       {C::kSystemTrajectoryDiverged, "SYSTEM_TRAJECTORY_DIVERGED", L::kSystem, S::kWarning,
        "a step rolled forward from an earlier checkpoint no longer replays to the logged loss"},
+      {C::kSystemLogConvention, "SYSTEM_LOG_CONVENTION", L::kSystem, S::kInfo,
+       "the job logged a per-rank number by another convention than the bundle's; compared by the job's"},
   };
   return table;
 }

@@ -45,6 +45,7 @@ enum class FindingCode : uint8_t {
   kBundleChecksumMismatch,
   kBundleDoesNotReproduce,
   kSystemTrajectoryDiverged,
+  kSystemLogConvention,
 };
 
 struct FindingCodeDef {

@@ -323,7 +323,7 @@ std::string render_triage(const ReplayReport& report) {
   }
   out << "</div>";
   if (report.determinism.checked) {
-    out << "<p class=\"meta\">Determinism: step " << report.determinism.step << " replayed twice, "
+    out << "<p class=\"meta\">Determinism: " << escape_html(determinism_scope(report.determinism)) << " replayed twice, "
         << (report.determinism.identical ? "bitwise identical"
                                          : "DIFFERENT at <code>" + escape_html(report.determinism.first_difference) + "</code>")
         << " (" << report.determinism.probes_compared << " probes compared).</p>";

@@ -174,7 +174,7 @@ void write_what_ifs(std::ostringstream& out, const ReplayReport& report) {
 void write_determinism_and_links(std::ostringstream& out, const ReplayReport& report) {
   out << "\n## Determinism\n\n";
   if (report.determinism.checked) {
-    out << "Step " << report.determinism.step << " replayed twice: "
+    out << "Determinism: " << determinism_scope(report.determinism) << " replayed twice: "
         << (report.determinism.identical ? "bitwise identical"
                                          : "**different** at " + code(report.determinism.first_difference))
         << " (" << report.determinism.probes_compared << " probes compared).\n";

@@ -213,7 +213,11 @@ nlohmann::json report_to_json(const ReplayReport& report) {
                          {"summary", report.root_cause->summary}};
   }
   const DeterminismCheck& d = report.determinism;
-  out["determinism"] = d.checked ? nlohmann::json{{"step", d.step}, {"bitwise_identical", d.identical},
+  out["determinism"] = d.checked ? nlohmann::json{{"step", d.step},
+                                                  {"replayed", d.whole_step ? "step" : "micro_batch"},
+                                                  {"rank", optional_index(d.whole_step ? -1 : d.rank)},
+                                                  {"micro_batch", optional_index(d.whole_step ? -1 : d.micro_batch)},
+                                                  {"bitwise_identical", d.identical},
                                                   {"probes_compared", d.probes_compared},
                                                   {"first_difference", d.first_difference}}
                                  : nlohmann::json(nullptr);
@@ -239,7 +243,14 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   }
   if (report.what_if) out["what_if"] = what_if_json(*report.what_if);
   out["elapsed_seconds"] = report.elapsed_seconds;
+  out["timings"] = timings_json(report.timings);
   return out;
+}
+
+std::string determinism_scope(const DeterminismCheck& d) {
+  const std::string step = "step " + std::to_string(d.step);
+  if (d.whole_step) return step + " (every micro-batch)";
+  return step + ", rank " + std::to_string(d.rank) + " micro-batch " + std::to_string(d.micro_batch);
 }
 
 int exit_status_for(const ReplayReport& report) {

@@ -14,6 +14,7 @@
 #include "loaders/manifest.h"
 #include "probes/probe_record.h"
 #include "reports/finding.h"
+#include "reports/timings.h"
 
 namespace nanreplay {
 
@@ -131,9 +132,19 @@ struct ReplayComparison {
 };
 
 // The same step replayed twice on this machine must give bitwise identical probes.
+// It replays what decides the verdict: the micro-batch (rank, micro_batch)
+// that holds the origin, or the last step's first one when there is none;
+// the whole step only when the origin is a parameter gradient (which every
+// micro-batch feeds).
 struct DeterminismCheck : ReplayComparison {
   bool checked = false;
+  bool whole_step = false;
+  int rank = -1, micro_batch = -1;  // with !whole_step
 };
+
+// "step 101, rank 0 micro-batch 1" or "step 101 (every micro-batch)": what
+// the determinism check replayed, for every rendering.
+std::string determinism_scope(const DeterminismCheck& check);
 
 // --cross-check: the step replayed on a second device.
 struct CrossDeviceCheck : ReplayComparison {
@@ -169,6 +180,9 @@ struct StepOutcome {
   double loss_scale = 1.0;
   std::vector<double> rank_losses;
   std::vector<double> rank_grad_norms;
+  // The job logged the global norm (what clip_grad_norm_ returns on every
+  // rank) as each rank's: its rank_grad_norms say nothing about the ranks.
+  bool rank_norms_logged_global = false;
   ProbeSummary probe_summary;
 };
 
@@ -203,6 +217,7 @@ struct ReplayReport {
   std::vector<OriginToken> origin_tokens;
   ReproductionCheck reproduction;
   double elapsed_seconds = 0.0;
+  PhaseTimings timings;
   // `run --what-if`: one outcome per what-if, in the order given.
   std::optional<std::vector<WhatIfOutcome>> what_if;
 };

@@ -30,14 +30,24 @@ RunOutputs::RunOutputs(const std::filesystem::path& dir, const std::filesystem::
                        bool replace_existing)
     : dir_(dir, bundle_root, replace_existing, {"report.json", "trace.h5", "report.md", "report.html"}) {}
 
-void RunOutputs::stage(const ReplayReport& report) {
+void RunOutputs::stage(ReplayReport& report) {
   const TraceHeader header{report.bundle, report.tool_version, compute_name(report.precision),
                            arch_name(report.arch), {}};
-  if (!streamed_) trace().append(report.probes);
-  trace().finish(header, trace_step_rows(report));
+  {
+    const PhaseTimer timer(report.timings, TimedPhase::kTrace);
+    if (!streamed_) trace().append(report.probes);
+    trace().finish(header, trace_step_rows(report));
+  }
+  {
+    const PhaseTimer timer(report.timings, TimedPhase::kReportMd);
+    dir_.write_text("report.md", render_markdown(report));
+  }
+  {
+    const PhaseTimer timer(report.timings, TimedPhase::kReportHtml);
+    dir_.write_text("report.html", render_html(report));
+  }
+  const PhaseTimer timer(report.timings, TimedPhase::kReportJson);
   dir_.write_text("report.json", report_to_json(report).dump(2) + "\n");
-  dir_.write_text("report.md", render_markdown(report));
-  dir_.write_text("report.html", render_html(report));
 }
 
 TraceStream& RunOutputs::trace() {
@@ -50,7 +60,7 @@ std::function<void(const std::vector<ProbeRecord>&)> RunOutputs::probe_sink() {
   return [this](const std::vector<ProbeRecord>& records) { trace().append(records); };
 }
 
-void RunOutputs::write_and_commit(const ReplayReport& report, size_t steps_replayed,
+void RunOutputs::write_and_commit(ReplayReport& report, size_t steps_replayed,
                                   const std::function<bool()>& stop_requested) {
   stage(report);
   if (stop_requested && stop_requested()) {  // arrived while the outputs were written: keep none of them

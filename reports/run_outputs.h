@@ -29,7 +29,9 @@ class RunOutputs {
   // were written keeps none of them (Interrupted, naming `steps_replayed`),
   // a bundle file that changed while mapped keeps none (InputError), and the
   // set is committed (OutputError on failure, the previous set kept).
-  void write_and_commit(const ReplayReport& report, size_t steps_replayed,
+  // Each result's writing is added to report.timings; report.json, written
+  // last, holds the others'.
+  void write_and_commit(ReplayReport& report, size_t steps_replayed,
                         const std::function<bool()>& stop_requested);
 
   // Where the replay hands each step's probe records (ReplayOptions::
@@ -39,7 +41,7 @@ class RunOutputs {
   std::function<void(const std::vector<ProbeRecord>&)> probe_sink();
 
  private:
-  void stage(const ReplayReport& report);
+  void stage(ReplayReport& report);
   TraceStream& trace();
 
   OutputDir dir_;

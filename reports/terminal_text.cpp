@@ -174,7 +174,7 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
     }
   }
   if (report.determinism.checked) {
-    out << "  determinism: step " << report.determinism.step << " replayed twice, "
+    out << "  determinism: " << determinism_scope(report.determinism) << " replayed twice, "
         << (report.determinism.identical ? "bitwise identical"
                                          : "DIFFERENT at " + report.determinism.first_difference)
         << " (" << report.determinism.probes_compared << " probes)\n";

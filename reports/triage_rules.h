@@ -42,6 +42,10 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& step_reco
 std::vector<Finding> zero_norm_findings(const std::vector<NormCheck>& checks);
 std::vector<Finding> fp8_scale_jump_findings(const std::vector<StepState>& states,
                                              const TriageThresholds& t);
+// Whether every rank's logged gradient norm is the step's replayed global
+// norm, where the ranks' own norms differ from it: the common convention of
+// logging clip_grad_norm_'s result on each rank.
+bool rank_norms_logged_global(const StepOutcome& step, const StepState& state, const TriageThresholds& thresholds);
 std::vector<Finding> rank_mismatch_findings(const StepOutcome& step, const StepState& state,
                                             const TriageThresholds& t);
 std::vector<Finding> sample_loss_findings(const std::vector<SampleLoss>& losses, int64_t step,

@@ -223,12 +223,79 @@ const char* implicated_by(const ReplayReport& report, const Finding& f) {
   return nullptr;
 }
 
+// ---- logging conventions ----------------------------------------------------
+
+bool loggable(const StepOutcome& s) {
+  return s.replayed && s.logged_loss && std::isfinite(*s.logged_loss) && std::isfinite(s.loss);
+}
+
+// The rank whose own loss the job logged as the step's, where it logged one
+// rank's (rank 0 printing its local loss) instead of the mean over ranks: the
+// lowest rank whose replayed loss matches every step the mean misses, if at
+// least one step misses; none otherwise.
+std::optional<int> rank_whose_loss_was_logged(const ReplayReport& report, const TriageThresholds& t) {
+  std::vector<const StepOutcome*> missed;
+  size_t ranks = 0;
+  for (const StepOutcome& s : report.steps) {
+    if (!loggable(s) || s.rank_losses.size() < 2) continue;
+    const double tolerance = s.derived ? t.trajectory_rel_tol : t.loss_rel_tol;
+    if (relative_gap(s.loss, *s.logged_loss) > tolerance) missed.push_back(&s);
+    ranks = std::max(ranks, s.rank_losses.size());
+  }
+  if (missed.empty()) return std::nullopt;
+  for (size_t r = 0; r < ranks; ++r) {
+    const bool explains = std::all_of(missed.begin(), missed.end(), [&](const StepOutcome* s) {
+      const double tolerance = s->derived ? t.trajectory_rel_tol : t.loss_rel_tol;
+      return r < s->rank_losses.size() && relative_gap(s->rank_losses[r], *s->logged_loss) <= tolerance;
+    });
+    if (explains) return static_cast<int>(r);
+  }
+  return std::nullopt;
+}
+
+// What the logged loss is compared with: the mean over ranks, or the rank's own loss the job logged.
+double loss_as_logged(const StepOutcome& s, std::optional<int> rank) {
+  if (rank && static_cast<size_t>(*rank) < s.rank_losses.size()) return s.rank_losses[static_cast<size_t>(*rank)];
+  return s.loss;
+}
+
+// One info finding per convention the log follows, naming the steps.
+void log_convention_findings(ReplayReport& report, std::optional<int> loss_rank) {
+  std::vector<int64_t> global_norm_steps;
+  for (const StepOutcome& s : report.steps) {
+    if (s.rank_norms_logged_global) global_norm_steps.push_back(s.step);
+  }
+  if (!global_norm_steps.empty()) {
+    report.findings.push_back(make_finding(
+        FindingCode::kSystemLogConvention, Severity::kInfo,
+        "the job logged the global gradient norm (what clip_grad_norm_ returns on every rank) as each rank's "
+        "rank_grad_norms at " + std::to_string(global_norm_steps.size()) + " step(s): they were compared as the "
+        "global norm, so they say nothing about single ranks; log each rank's norm before the all-reduce to "
+        "check the ranks (docs/capture.md)",
+        {{K::kTensor, "rank_grad_norms"}, {K::kSteps, global_norm_steps}, {K::kLength, global_norm_steps.size()}}));
+  }
+  if (loss_rank) {
+    std::vector<int64_t> steps;
+    for (const StepOutcome& s : report.steps) {
+      if (loggable(s) && s.rank_losses.size() >= 2) steps.push_back(s.step);
+    }
+    report.findings.push_back(make_finding(
+        FindingCode::kSystemLogConvention, Severity::kInfo,
+        "the job logged rank " + std::to_string(*loss_rank) + "'s own loss as the step's loss, not the mean over "
+        "the ranks: the logged losses were compared with that rank's replayed loss; log the all-reduced loss so "
+        "that a failure on another rank shows in the log (docs/capture.md)",
+        {{K::kTensor, "loss"}, {K::kRank, *loss_rank}, {K::kSteps, steps}, {K::kLength, steps.size()}}));
+  }
+}
+
 }  // namespace
 
 void judge_reproduction(ReplayReport& report, const TriageThresholds& t) {
   ReproductionCheck& check = report.reproduction;
   check = ReproductionCheck{};
   check.tolerance = t.loss_rel_tol;
+  const std::optional<int> loss_rank = rank_whose_loss_was_logged(report, t);
+  log_convention_findings(report, loss_rank);
   std::vector<Finding> found;
   std::vector<Gap> gaps;  // of the steps that miss
   for (const StepOutcome& s : report.steps) {
@@ -237,9 +304,10 @@ void judge_reproduction(ReplayReport& report, const TriageThresholds& t) {
     if (s.derived) continue;  // judge_trajectory's
     ++check.checked_steps;
     std::vector<Gap> step_gaps;
-    const double loss_gap = relative_gap(s.loss, *s.logged_loss);
+    const double replayed_loss = loss_as_logged(s, loss_rank);
+    const double loss_gap = relative_gap(replayed_loss, *s.logged_loss);
     check.max_gap = std::max(check.max_gap, loss_gap);
-    if (loss_gap > t.loss_rel_tol) step_gaps.push_back({s.step, "loss", *s.logged_loss, s.loss, loss_gap});
+    if (loss_gap > t.loss_rel_tol) step_gaps.push_back({s.step, "loss", *s.logged_loss, replayed_loss, loss_gap});
     if (s.logged_grad_norm && std::isfinite(*s.logged_grad_norm) && std::isfinite(s.grad_norm)) {
       const double norm_gap = relative_gap(s.grad_norm, *s.logged_grad_norm);
       check.max_gap = std::max(check.max_gap, norm_gap);
@@ -261,10 +329,10 @@ void judge_reproduction(ReplayReport& report, const TriageThresholds& t) {
     for (const Gap& g : gaps) found.push_back(odd_step(g));
   }
   report.findings.insert(report.findings.end(), found.begin(), found.end());
-  judge_trajectory(report, t);
+  judge_trajectory(report, t, loss_rank);
 }
 
-void judge_trajectory(ReplayReport& report, const TriageThresholds& t) {
+void judge_trajectory(ReplayReport& report, const TriageThresholds& t, std::optional<int> loss_rank) {
   std::optional<ReproductionCheck::Trajectory>& trajectory = report.reproduction.trajectory;
   trajectory.reset();
   const StepOutcome* diverged = nullptr;
@@ -273,7 +341,7 @@ void judge_trajectory(ReplayReport& report, const TriageThresholds& t) {
     if (!trajectory) trajectory = ReproductionCheck::Trajectory{0, t.trajectory_rel_tol, 0.0, std::nullopt};
     if (!s.replayed || !s.logged_loss || !std::isfinite(*s.logged_loss) || !std::isfinite(s.loss)) continue;
     ++trajectory->checked_steps;
-    const double gap = relative_gap(s.loss, *s.logged_loss);
+    const double gap = relative_gap(loss_as_logged(s, loss_rank), *s.logged_loss);
     trajectory->max_gap = std::max(trajectory->max_gap, gap);
     if (gap > t.trajectory_rel_tol && diverged == nullptr) diverged = &s;
   }

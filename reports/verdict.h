@@ -16,13 +16,18 @@ void settle_verdict(ReplayReport& report, const TriageThresholds& thresholds);
 // The healthy steps against what the job logged: one odd step is a
 // SYSTEM_NOT_REPRODUCIBLE warning; most or all of them off is
 // BUNDLE_DOES_NOT_REPRODUCE (error). Also the logged-NaN checks of each step.
+// A log that holds one rank's own loss instead of the mean over ranks, or
+// the global gradient norm as every rank's, is said once
+// (SYSTEM_LOG_CONVENTION, info) and compared as what it is.
 // Fills report.reproduction.
 void judge_reproduction(ReplayReport& report, const TriageThresholds& thresholds);
 
 // Rolling forward (called by judge_reproduction): the derived steps against
-// the logged losses with the trajectory tolerance; the first beyond it is
+// the logged losses (`loss_rank`: the rank whose own loss the job logged)
+// with the trajectory tolerance; the first beyond it is
 // SYSTEM_TRAJECTORY_DIVERGED. Fills report.reproduction.trajectory.
-void judge_trajectory(ReplayReport& report, const TriageThresholds& thresholds);
+void judge_trajectory(ReplayReport& report, const TriageThresholds& thresholds,
+                      std::optional<int> loss_rank = std::nullopt);
 
 // Findings that follow from the first non-finite value (later non-finite
 // checkpoints, later non-finite steps, non-finite per-sample losses) become

@@ -19,10 +19,12 @@ build_dir="${NANREPLAY_BUILD_DIR:-$root/build}"
 jobs="${NANREPLAY_JOBS:-2}"
 
 # Debian packages the build, the tests and the PyTorch cross-checks need.
-# libopenblas0-pthread: without it LibTorch falls back to the reference BLAS (~35x slower matmuls).
+# libopenblas0-pthread: without an OpenBLAS LibTorch falls back to the reference BLAS (~35x slower
+# matmuls); libopenblas0-openmp: the one nanreplay loads, on LibTorch's own OpenMP pool
+# (docs/performance.md, bench/bench_blas.sh); the pthread one stays the system's default.
 packages=(
   g++ cmake ninja-build pkg-config
-  libtorch-dev libopenblas0-pthread
+  libtorch-dev libopenblas0-pthread libopenblas0-openmp
   libhdf5-dev hdf5-tools
   libcxxopts-dev nlohmann-json3-dev catch2 libssl-dev
   python3-torch python3-h5py python3-numpy

@@ -130,7 +130,7 @@ TEST_CASE("run_cli in process: usage errors are one line and exit 2, unknown com
   }
   const InProcess version = cli({"version"});
   CHECK(version.status == 0);
-  CHECK(version.out == std::string("nanreplay ") + NANREPLAY_VERSION + "\n");
+  CHECK(version.out.rfind(std::string("nanreplay ") + NANREPLAY_VERSION + "\nBLAS: ", 0) == 0);
 }
 
 TEST_CASE("Incident: a stop request ends the replay with Interrupted and RunOutputs keeps nothing",
@@ -156,7 +156,7 @@ TEST_CASE("Incident: a stop request ends the replay with Interrupted and RunOutp
     CHECK_FALSE(fs::exists(out));
   }
   SECTION("while the outputs are written: none of them is committed") {
-    const nanreplay::ReplayReport report = incident.replay({});
+    nanreplay::ReplayReport report = incident.replay({});
     nanreplay::RunOutputs outputs(out, incident.bundle().root(), true);
     CHECK_THROWS_MATCHES(
         outputs.write_and_commit(report, incident.steps_to_replay(), stop.stop_requested), nanreplay::Interrupted,

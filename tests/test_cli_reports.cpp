@@ -192,3 +192,28 @@ TEST_CASE("every command's --help shows an example", "[cli][help]") {
     CHECK(contains(help.out, "Example"));
   }
 }
+
+TEST_CASE("run --timings: where the time went, on stderr and in report.json", "[cli][reports]") {
+  ScratchDir dir("timings");
+  REQUIRE(run_cli({"synth", "clean-fp32", (dir / "bundle").string()}).status == 0);
+  const auto run = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string(), "--timings", "--quiet"});
+  INFO(run.err);
+  REQUIRE(run.status == 0);
+  for (const char* phase : {"load", "data_checks", "replay", "update_checks", "determinism", "trace.h5",
+                            "report.md", "report.html", "report.json", "total"}) {
+    CHECK(run.err.find(std::string("  ") + phase + " ") != std::string::npos);
+  }
+  const nlohmann::json t = read_json(dir / "out" / "report.json")["timings"];
+  double sum = 0;
+  for (const auto& [phase, seconds] : t["seconds"].items()) {
+    CHECK(seconds.get<double>() >= 0);
+    sum += seconds.get<double>();
+  }
+  CHECK(t["seconds"]["replay"].get<double>() > 0);
+  CHECK(t["seconds"].count("report.json") == 0);
+  REQUIRE(t["steps"].size() == 4);
+  double steps = 0;
+  for (const auto& s : t["steps"]) steps += s["seconds"].get<double>();
+  CHECK(steps == Approx(t["seconds"]["replay"].get<double>()).epsilon(1e-9));
+  CHECK(sum <= t["total_seconds"].get<double>() * (1 + 1e-9));
+}

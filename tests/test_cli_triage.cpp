@@ -251,13 +251,36 @@ TEST_CASE("BUNDLE_CHECKSUM_MISMATCH is a finding, not a crash", "[cli][triage]")
   CHECK(t.report["root_cause"]["code"] == "BUNDLE_CHECKSUM_MISMATCH");
 }
 
-TEST_CASE("the determinism self-check replays a step twice and says it matched", "[cli][triage]") {
+TEST_CASE("the determinism self-check replays what decides the verdict and says it matched", "[cli][triage]") {
   ScratchDir dir("determinism");
-  const Triaged t = triage(dir, "clean-fp16");
-  REQUIRE(t.report["determinism"].is_object());
-  CHECK(t.report["determinism"]["bitwise_identical"] == true);
-  CHECK(t.report["determinism"]["probes_compared"].get<int>() > 100);
-  CHECK(t.verdict.find("bitwise identical") != std::string::npos);
+  SECTION("no origin: the last step's first micro-batch") {
+    const Triaged t = triage(dir, "clean-fp16");
+    const nlohmann::json& d = t.report["determinism"];
+    REQUIRE(d.is_object());
+    CHECK(d["bitwise_identical"] == true);
+    CHECK(d["replayed"] == "micro_batch");
+    CHECK(d["step"] == t.report["steps"].back()["step"]);
+    CHECK(d["rank"] == 0);
+    CHECK(d["micro_batch"] == 0);
+    CHECK(d["probes_compared"].get<int>() > 100);
+    CHECK(t.verdict.find("rank 0 micro-batch 0 replayed twice, bitwise identical") != std::string::npos);
+  }
+  SECTION("an origin: its own micro-batch, forward and backward only") {
+    const Triaged t = triage(dir, "head-overflow");
+    const nlohmann::json& d = t.report["determinism"];
+    const nlohmann::json& origin = t.report["first_nonfinite"];
+    REQUIRE(origin.is_object());
+    CHECK(d["bitwise_identical"] == true);
+    CHECK(d["replayed"] == "micro_batch");
+    CHECK(d["step"] == origin["step"]);
+    CHECK(d["rank"] == origin["rank"]);
+    CHECK(d["micro_batch"] == origin["micro_batch"]);
+    // One pass of a step of grad_accum_steps passes: far fewer records than the step holds.
+    CHECK(d["probes_compared"].get<int>() > 50);
+    const double share = t.report["timings"]["seconds"]["determinism"].get<double>() /
+                         t.report["timings"]["seconds"]["replay"].get<double>();
+    CHECK(share < 0.5);
+  }
 }
 
 TEST_CASE("scan-data flags poisoned samples over the whole stream and prints GB/s", "[cli][triage][scan]") {

@@ -233,3 +233,66 @@ TEST_CASE("finding codes and evidence keys: one table each, in enum order, names
   const Evidence e = {{K::kAfter, INFINITY}, {K::kHead, optional_index_value(-1)}, {K::kSteps, std::vector<int64_t>{3}}};
   CHECK(evidence_json(e) == nlohmann::json{{"after", "inf"}, {"head", nullptr}, {"steps", {3}}});
 }
+
+TEST_CASE("verdict: a log of one rank's own loss is said once and compared with that rank's loss", "[verdict]") {
+  const TriageThresholds t = default_thresholds(Compute::kFp32);
+  auto two_ranks = [](int64_t number, double rank0, double rank1, double logged) {
+    StepOutcome s = step(number, (rank0 + rank1) / 2, logged);
+    s.rank_losses = {rank0, rank1};
+    return s;
+  };
+  ReplayReport rank0_logged;
+  rank0_logged.steps = {two_ranks(1, 3.0, 3.4, 3.0), two_ranks(2, 2.9, 3.3, 2.9), two_ranks(3, 2.8, 2.8, 2.8)};
+  judge_reproduction(rank0_logged, t);
+  const auto said = with_code(rank0_logged, "SYSTEM_LOG_CONVENTION");
+  REQUIRE(said.size() == 1);
+  CHECK(said[0]->severity == Severity::kInfo);
+  CHECK(said[0]->evidence.integer(K::kRank) == 0);
+  CHECK(said[0]->evidence.text(K::kTensor) == "loss");
+  CHECK(with_code(rank0_logged, "SYSTEM_NOT_REPRODUCIBLE").empty());
+  CHECK(with_code(rank0_logged, "BUNDLE_DOES_NOT_REPRODUCE").empty());
+  CHECK(rank0_logged.reproduction.reproduces == true);
+  CHECK(rank0_logged.reproduction.matching_steps == 3);
+
+  ReplayReport rank1_logged;  // the lowest rank that explains every miss
+  rank1_logged.steps = {two_ranks(1, 3.0, 3.4, 3.4), two_ranks(2, 2.9, 3.3, 3.3)};
+  judge_reproduction(rank1_logged, t);
+  REQUIRE(with_code(rank1_logged, "SYSTEM_LOG_CONVENTION").size() == 1);
+  CHECK(with_code(rank1_logged, "SYSTEM_LOG_CONVENTION")[0]->evidence.integer(K::kRank) == 1);
+
+  ReplayReport neither;  // one step fits no rank: no convention, the bundle is judged as before
+  neither.steps = {two_ranks(1, 3.0, 3.4, 3.0), two_ranks(2, 2.9, 3.3, 3.6)};
+  judge_reproduction(neither, t);
+  CHECK(with_code(neither, "SYSTEM_LOG_CONVENTION").empty());
+  CHECK(with_code(neither, "BUNDLE_DOES_NOT_REPRODUCE").size() == 1);
+}
+
+TEST_CASE("verdict: per-rank norms logged as the global norm are said once, not rank mismatches", "[verdict]") {
+  const TriageThresholds t = default_thresholds(Compute::kFp32);
+  StepOutcome s = step(5, 3.0, 3.0, /*grad_norm=*/2.0);
+  s.rank_losses = {2.9, 3.1};
+  s.rank_grad_norms = {2.5, 2.7};  // each rank's own norm, before the all-reduce
+  StepState state;
+  state.logged.rank_losses = {2.9, 3.1};
+  state.logged.rank_grad_norms = {2.0, 2.0};  // clip_grad_norm_'s result on every rank
+  CHECK(rank_norms_logged_global(s, state, t));
+  s.rank_norms_logged_global = true;
+  CHECK(rank_mismatch_findings(s, state, t).empty());
+  ReplayReport report;
+  report.steps = {s};
+  judge_reproduction(report, t);
+  const auto said = with_code(report, "SYSTEM_LOG_CONVENTION");
+  REQUIRE(said.size() == 1);
+  CHECK(said[0]->evidence.text(K::kTensor) == "rank_grad_norms");
+  CHECK(*said[0]->evidence.integers(K::kSteps) == std::vector<int64_t>{5});
+
+  // One rank really off: not the convention, and the mismatch stands.
+  state.logged.rank_grad_norms = {2.0, 9.0};
+  s.rank_norms_logged_global = false;
+  CHECK_FALSE(rank_norms_logged_global(s, state, t));
+  CHECK(rank_mismatch_findings(s, state, t).size() == 2);
+  // Each rank's own norm, as the format asks: nothing to say.
+  state.logged.rank_grad_norms = {2.5, 2.7};
+  CHECK_FALSE(rank_norms_logged_global(s, state, t));
+  CHECK(rank_mismatch_findings(s, state, t).empty());
+}

@@ -354,6 +354,7 @@ def healthy_step_cost(work):
             recorder = nanreplay_capture.Recorder(model, opt, work / "overhead", arch="llama", window=WINDOW,
                                                   model_config=dict(num_heads=4, rope_theta=10000.0),
                                                   data=llama_data(shards), grad_clip=1.0)
+            recorder.self_check = False  # it records samples other than the batches it times
         runs[label] = {"model": model, "opt": opt, "recorder": recorder, "steps": [], "calls": []}
 
     def one_step(run, step):

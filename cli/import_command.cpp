@@ -1,0 +1,214 @@
+// `nanreplay import ... --out BUNDLE`: a bundle from a checkpoint the user
+// already has (Hugging Face, torch.save, torch.distributed.checkpoint), the
+// data and the job's log. The reading and renaming is PyTorch's job, so it
+// is done by capture/nanreplay_import.py, which needs only torch and the
+// standard library; this command finds an interpreter, lets the helper write
+// into a staging directory beside BUNDLE, validates the result as `inspect`
+// does, and renames it into place: a bundle appears whole or not at all.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli/cli_support.h"
+#include "cli/command_table.h"
+#include "loaders/bundle.h"
+#include "loaders/error.h"
+#include "replay/bundle_structure.h"
+#include "reports/bundle_summary.h"
+
+namespace nanreplay {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kHelp =
+    "Write an incident bundle from a checkpoint you already have, the data shards and the job's log.\n"
+    "The bundle rolls forward from the checkpoint (docs/import.md).\n\n"
+    "usage: nanreplay import --checkpoint PATH [--optimizer PATH] [--format auto|hf|torch|dcp]\n"
+    "         [--naming auto|hf|meta|torchtitan|megatron|nanogpt] [--config FILE]\n"
+    "         --data SHARD... [--token-dtype uint16|uint32] --seq-len N --micro-batch-size N\n"
+    "         [--grad-accum N] [--world-size N]\n"
+    "         (--sampler-seed N [--epoch N] [--epoch-start-step N] | --samples FILE)\n"
+    "         --log FILE --steps FIRST:LAST [--precision fp32|bf16|fp16|fp8] [--grad-clip X]\n"
+    "         --out BUNDLE\n\n"
+    "FIRST is the step the checkpoint was taken at (its parameters before that step's update), LAST the\n"
+    "last step to replay. Without --optimizer only step FIRST replays. --log is JSON lines, one object\n"
+    "per step: step, lr, loss, and optionally grad_norm, loss_scale, skipped.\n"
+    "Example: nanreplay import --checkpoint ckpt/ --data train.bin --seq-len 2048 --micro-batch-size 4 \\\n"
+    "           --sampler-seed 1234 --log train.jsonl --steps 5000:5010 --out incident-5000/\n\n"
+    "Runs capture/nanreplay_import.py with Python 3 and PyTorch: NANREPLAY_PYTHON, else /usr/bin/python3,\n"
+    "else python3 on PATH (NANREPLAY_IMPORT_HELPER names another helper script).\n"
+    "\nexit status: 0 written and valid, 2 bad input (nothing written), 3 internal error, 130 interrupted\n";
+
+fs::path helper_script() {
+  if (const char* given = std::getenv("NANREPLAY_IMPORT_HELPER")) return given;
+  return fs::path(NANREPLAY_SOURCE_DIR) / "capture" / "nanreplay_import.py";
+}
+
+// NANREPLAY_PYTHON, /usr/bin/python3 (Debian's, with python3-torch), or python3 on PATH.
+std::string python_interpreter() {
+  if (const char* given = std::getenv("NANREPLAY_PYTHON")) {
+    if (access(given, X_OK) != 0) {
+      throw UsageError(std::string("import: NANREPLAY_PYTHON=") + given + " is not an executable Python");
+    }
+    return given;
+  }
+  if (access("/usr/bin/python3", X_OK) == 0) return "/usr/bin/python3";
+  if (const char* path = std::getenv("PATH")) {
+    std::string dirs = path;
+    for (size_t begin = 0; begin <= dirs.size();) {
+      const size_t end = std::min(dirs.find(':', begin), dirs.size());
+      const fs::path candidate = fs::path(dirs.substr(begin, end - begin)) / "python3";
+      if (end > begin && access(candidate.c_str(), X_OK) == 0) return candidate.string();
+      begin = end + 1;
+    }
+  }
+  throw UsageError("import: needs Python 3 with PyTorch, and found none (/usr/bin/python3 or python3 on PATH); "
+                   "set NANREPLAY_PYTHON");
+}
+
+// The value of --out, and the arguments with it removed.
+std::pair<fs::path, CommandArgs> take_out(const CommandArgs& args) {
+  fs::path out;
+  CommandArgs rest;
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (args[i] == "--out" || args[i] == "-o") {
+      if (i + 1 >= args.size()) throw UsageError("import: --out needs a directory (see nanreplay import --help)");
+      out = args[++i];
+    } else if (args[i].rfind("--out=", 0) == 0) {
+      out = args[i].substr(6);
+    } else {
+      rest.push_back(args[i]);
+    }
+  }
+  if (out.empty()) throw UsageError("import: missing --out BUNDLE (see nanreplay import --help)");
+  return {out, rest};
+}
+
+// A fresh directory beside `out` (same file system, so the final rename is atomic).
+fs::path make_staging(const fs::path& out) {
+  const fs::path parent = fs::absolute(out).parent_path();
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  std::string pattern = (parent / ("." + out.filename().string() + ".import-XXXXXX")).string();
+  if (mkdtemp(pattern.data()) == nullptr) {
+    throw OutputError(out.string(), std::string("cannot create a staging directory beside it: ") + std::strerror(errno));
+  }
+  return pattern;
+}
+
+// Removes the staging directory unless released.
+class Staging {
+ public:
+  explicit Staging(fs::path dir) : dir_(std::move(dir)) {}
+  ~Staging() {
+    std::error_code ec;
+    if (!dir_.empty()) fs::remove_all(dir_, ec);
+  }
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  const fs::path& dir() const { return dir_; }
+  void release() { dir_.clear(); }
+
+ private:
+  fs::path dir_;
+};
+
+// The helper's exit status; a stop request kills it and throws Interrupted.
+int run_helper(const std::vector<std::string>& argv) {
+  std::vector<char*> words;
+  for (const std::string& w : argv) words.push_back(const_cast<char*>(w.c_str()));
+  words.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error(std::string("import: fork failed: ") + std::strerror(errno));
+  if (pid == 0) {
+    execv(words[0], words.data());
+    std::fprintf(stderr, "nanreplay import: cannot run %s: %s\n", words[0], std::strerror(errno));
+    _exit(127);
+  }
+  int status = 0;
+  for (;;) {
+    const pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid) break;
+    if (done < 0 && errno != EINTR) {
+      throw std::runtime_error(std::string("import: waitpid failed: ") + std::strerror(errno));
+    }
+    if (stop_requested()) {
+      ::kill(pid, SIGTERM);
+      waitpid(pid, &status, 0);
+      throw Interrupted("interrupted while importing; nothing was written");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (stop_requested()) throw Interrupted("interrupted while importing; nothing was written");
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return WEXITSTATUS(status);
+}
+
+// `inspect`'s checks on the staged bundle, its messages naming BUNDLE rather than the staging directory.
+void validate_like_inspect(const fs::path& staged, const fs::path& out) {
+  try {
+    const Bundle bundle(staged);
+    validate_bundle_structure(bundle);
+    const nlohmann::json summary = summarize_bundle(bundle);
+    if (!summary["valid"].get<bool>()) throw InputError(out.string(), "data.shards", "a shard's checksum does not match");
+  } catch (const InputError& e) {
+    std::string message = e.what();
+    const std::string staged_text = staged.string();
+    for (size_t at = message.find(staged_text); at != std::string::npos; at = message.find(staged_text, at)) {
+      message.replace(at, staged_text.size(), out.string());
+    }
+    throw InputError("", "", "import: the bundle written is invalid: " + message);
+  }
+}
+
+}  // namespace
+
+int import_command(const CommandArgs& args, CommandIo& io) {
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (args[i] == "--help" || args[i] == "-h") {
+      io.out << kHelp;
+      return 0;
+    }
+  }
+  const auto [out, helper_args] = take_out(args);
+  std::error_code ec;
+  if (fs::exists(out, ec) && !(fs::is_directory(out, ec) && fs::is_empty(out, ec))) {
+    throw OutputError(out.string(), "already exists; import writes a new bundle (choose another --out)");
+  }
+  const fs::path script = helper_script();
+  if (!fs::exists(script)) throw UsageError("import: the helper " + script.string() + " is missing");
+  const std::string python = python_interpreter();
+  const StopDeferral staged_output;  // a stop now is polled, and the staging directory removed
+  Staging staging(make_staging(out));
+  std::vector<std::string> argv = {python, script.string()};
+  argv.insert(argv.end(), helper_args.begin(), helper_args.end());
+  argv.push_back("--out");
+  argv.push_back((staging.dir() / "bundle").string());
+  const int status = run_helper(argv);
+  if (status != 0) {
+    // The helper said why in one line (bad input: 2); anything else is ours to report.
+    if (status == static_cast<int>(ExitStatus::kBadInput)) return status;
+    throw std::runtime_error("import: the helper " + script.string() + " failed with status " + std::to_string(status));
+  }
+  validate_like_inspect(staging.dir() / "bundle", out);
+  if (fs::exists(out, ec)) fs::remove(out, ec);  // the empty directory the user made
+  fs::rename(staging.dir() / "bundle", out, ec);
+  if (ec) throw OutputError(out.string(), "cannot move the bundle into place: " + ec.message());
+  io.out << "wrote " << out.string() << " (valid; replay it with: nanreplay run " << out.string()
+         << " --out triage/)\n";
+  return 0;
+}
+
+}  // namespace nanreplay

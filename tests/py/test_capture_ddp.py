@@ -1,0 +1,278 @@
+"""Capturing from distributed jobs (docs/capture.md, "Distributed jobs").
+
+1. capture/examples/ddp_nan.py, as a user runs it: a 2-process gloo DDP job started with
+   torch.multiprocessing.spawn (DistributedSampler, accumulation with no_sync, AdamW, clipping)
+   that goes NaN on rank 1 and dumps automatically; every rank gets the bundle path and stops.
+   `nanreplay run` must name rank 1, the planted micro-batch, sample and position; the healthy
+   steps must replay to the logged losses, per-rank losses and per-rank gradient norms before the
+   all-reduce (the recorder's comm hook), with no SYSTEM_* finding; a dump() of the same job at
+   a healthy step must replay with exit 0. Accumulating without no_sync() must leave
+   rank_grad_norms out rather than record wrong ones.
+2. The sharded (FSDP) path's gather logic, in one process: torch 1.13's FSDP neither imports on
+   Python 3.11 nor runs on CPU, so a stand-in FSDP1 wrapper returns the full state dict and
+   optimizer state the way FSDP's FULL_STATE_DICT does (wrapper prefixes, a buffer, names as
+   keys), and stand-in DTensor parameters (fully_shard's) have a full_tensor(); the snapshots
+   each writes must be byte-identical to those of the unwrapped model.
+3. Wrappers are unwrapped (torch.compile's _orig_mod); FSDP without snapshot_every is refused.
+
+~15 s with Debian's /usr/bin/python3 (one thread per process).
+"""
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "capture"))
+sys.path.insert(0, str(ROOT / "capture" / "examples"))
+import ddp_nan  # noqa: E402
+import nanreplay_capture  # noqa: E402
+from nanreplay_capture import CaptureError  # noqa: E402
+
+TOLERANCE = 1e-5
+failures = []
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what)
+    if not ok:
+        failures.append(what)
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def replay(cli, bundle, out):
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.run([cli, "run", str(bundle), "--out", str(out)], capture_output=True, text=True)
+    path = Path(out) / "report.json"
+    return proc, (json.loads(path.read_text()) if path.exists() else None)
+
+
+def check_steps(label, report, logged, bundle):
+    """Healthy steps: replayed loss, per-rank losses and per-rank pre-all-reduce norms against the log."""
+    for row in report["steps"]:
+        want = logged.get(str(row["step"]))
+        if want is None or not math.isfinite(want["loss"]):
+            continue
+        state = json.loads((Path(bundle) / "steps" / str(row["step"]) / "state.json").read_text())["logged"]
+        ok = (rel(row["loss"], want["loss"]) <= TOLERANCE and rel(row["grad_norm"], want["grad_norm"]) <= TOLERANCE
+              and all(rel(a, b) <= TOLERANCE for a, b in zip(row["rank_losses"], state["rank_losses"]))
+              and len(state.get("rank_grad_norms", [])) == 2
+              and all(rel(a, b) <= 1e-4 for a, b in zip(row["rank_grad_norms"], state["rank_grad_norms"])))
+        check(ok, f"{label} step {row['step']}: replayed loss {row['loss']:.9g}, ranks {row['rank_losses']}, "
+                  f"rank norms {row['rank_grad_norms']} match the log ({want['loss']:.9g}, "
+                  f"{state['rank_losses']}, {state.get('rank_grad_norms')})")
+    bad = [f["code"] for f in report["findings"] if f["code"].startswith("SYSTEM_")
+           or f["code"] in ("DATA_SAMPLER_MISMATCH", "BUNDLE_CHECKSUM_MISMATCH")]
+    check(not bad, f"{label}: no finding that says the capture misstates the run {bad}")
+
+
+def ddp_example(cli, work):
+    started = time.perf_counter()
+    ddp_nan.main(["--work", str(work), "--steps", "10", "--window", "6", "--fault-step", "7", "--dump-at", "3",
+                  "--timeout", "60"])
+    result = json.loads((work / "result.json").read_text())
+    print(f"the 2-process DDP example ran in {time.perf_counter() - started:.1f} s")
+    planted, bundles, logged = result["planted"], result["bundles"], result["logged"]
+    check(set(bundles) == {"incident", "dump"}, f"the job dumped on demand and on NaN {sorted(bundles)}")
+    check(max(int(s) for s in logged) == planted["step"], "every rank stopped at the NaN step")
+
+    incident = Path(bundles["incident"])
+    manifest = json.loads((incident / "manifest.json").read_text())
+    check(manifest["data"]["world_size"] == 2 and [e["step"] for e in manifest["steps"]] == list(range(2, 8)),
+          f"incident bundle: world_size 2, the last 6 steps {[e['step'] for e in manifest['steps']]}")
+    check(all(len(e["samples"]) == 2 for e in manifest["steps"]), "every step lists both ranks' samples")
+    proc, report = replay(cli, incident, work / "out-incident")
+    check(proc.returncode == 1 and report is not None,
+          f"nanreplay run on the incident exits 1 (got {proc.returncode}) {proc.stderr.strip()[-300:]}")
+    if report:
+        first = report["first_nonfinite"] or {}
+        print("nanreplay: first_nonfinite", json.dumps(first))
+        for key in ("step", "rank", "micro_batch", "sample", "position"):
+            check(first.get(key) == planted[key], f"first_nonfinite.{key} = {first.get(key)!r}, planted {planted[key]!r}")
+        check(first.get("site") == "layers.0.attn_norm" and first.get("phase") == "forward",
+              f"first_nonfinite at layers.0.attn_norm, forward ({first.get('site')}, {first.get('phase')})")
+        check_steps("incident", report, logged, incident)
+
+    dump = Path(bundles["dump"])
+    proc, report = replay(cli, dump, work / "out-dump")
+    check(proc.returncode == 0 and report is not None and not report["reproduced"],
+          f"nanreplay run on the healthy dump() exits 0 (got {proc.returncode}) {proc.stderr.strip()[-300:]}")
+    if report:
+        check_steps("dump", report, logged, dump)
+    logged_by_convention(cli, dump, work)
+
+
+def logged_by_convention(cli, dump, work):
+    """The two natural ways of logging a DDP job that the format does not ask for: rank 0's own
+    loss as the step's, and clip_grad_norm_'s global norm as every rank's. nanreplay must say so
+    once each (SYSTEM_LOG_CONVENTION, info) instead of raising rank mismatches or irreproducible steps."""
+    bundle = work / "dump-as-logged-by-convention"
+    shutil.rmtree(bundle, ignore_errors=True)
+    shutil.copytree(dump, bundle)
+    for state_path in sorted((bundle / "steps").glob("*/state.json")):
+        state = json.loads(state_path.read_text())
+        logged = state["logged"]
+        logged["loss"] = logged["rank_losses"][0]
+        logged["rank_grad_norms"] = [logged["grad_norm"]] * len(logged["rank_losses"])
+        state_path.write_text(json.dumps(state))
+    proc, report = replay(cli, bundle, work / "out-convention")
+    check(proc.returncode == 0 and report is not None,
+          f"a log by the common conventions replays with exit 0 (got {proc.returncode}) {proc.stderr.strip()[-300:]}")
+    if report:
+        said = sorted(f["evidence"].get("tensor") for f in report["findings"] if f["code"] == "SYSTEM_LOG_CONVENTION")
+        check(said == ["loss", "rank_grad_norms"], f"each convention said once {said}")
+        check(all(f["severity"] == "info" for f in report["findings"] if f["code"] == "SYSTEM_LOG_CONVENTION"),
+              "as info")
+        wrong = [f["code"] for f in report["findings"]
+                 if f["code"] in ("SYSTEM_RANK_MISMATCH", "SYSTEM_NOT_REPRODUCIBLE", "BUNDLE_DOES_NOT_REPRODUCE")]
+        check(not wrong, f"no rank mismatch or irreproducible step for a logging convention {wrong}")
+
+
+def ddp_without_no_sync(work):
+    """Accumulation without no_sync(): buckets are all-reduced per micro-batch, no rank's own gradient
+    exists, so the bundle must carry rank_losses but no rank_grad_norms (rather than wrong ones)."""
+    ddp_nan.main(["--work", str(work), "--steps", "3", "--window", "3", "--fault-step", "-1", "--dump-at", "2",
+                  "--sync-every-micro-batch", "--timeout", "60"])
+    bundle = Path(json.loads((work / "result.json").read_text())["bundles"]["dump"])
+    logged = json.loads((bundle / "steps" / "1" / "state.json").read_text())["logged"]
+    check(len(logged.get("rank_losses", [])) == 2 and "rank_grad_norms" not in logged,
+          f"without no_sync: rank_losses but no rank_grad_norms in state.json ({sorted(logged)})")
+
+
+class FullyShardedDataParallel(torch.nn.Module):
+    """Stands in for FSDP1 (the recorder recognises it by class name): holds the module as FSDP
+    does, and its full state dict comes back with FSDP's wrapper prefixes and the module's buffers."""
+
+    def __init__(self, module):
+        super().__init__()
+        self._fsdp_wrapped_module = module
+        self.register_buffer("rope_cache", torch.zeros(3))
+        self.gathers = 0
+
+
+def fake_gather_fsdp1(self, optimizer):
+    self.wrapper.gathers += 1
+    params = {"_fsdp_wrapped_module." + k: v.detach().clone() for k, v in self.wrapper._fsdp_wrapped_module.state_dict().items()}
+    params["rope_cache"] = self.wrapper.rope_cache.clone()
+    if not optimizer:
+        return params, None
+    names = {id(p): n for n, p in self.wrapper._fsdp_wrapped_module.named_parameters()}
+    state = {names[id(p)]: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+             for p, st in self.optimizer.state.items()}
+    return params, state
+
+
+class DTensor(torch.nn.Parameter):
+    """Stands in for fully_shard's DTensor parameters (the recorder recognises them by class name and
+    gathers each with full_tensor(), collective under FSDP2; here the whole tensor is local)."""
+
+    def full_tensor(self):
+        return self.detach()
+
+
+def fully_shard(module):
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None:
+                sub._parameters[name] = DTensor(p.detach().clone())
+    return module
+
+
+class OptimizedModule(torch.nn.Module):
+    """torch.compile's wrapper, as far as the recorder sees it."""
+
+    def __init__(self, module):
+        super().__init__()
+        self._orig_mod = module
+
+
+def sharded_gather(work):
+    shard = work / "tokens.bin"
+    tokens = torch.randint(1, ddp_nan.CONFIG["vocab_size"], (64 * 16 + 1,), generator=torch.Generator().manual_seed(3))
+    shard.write_bytes(tokens.to(torch.int16).numpy().tobytes())
+    data = dict(shards=[str(shard)], seq_len=16, micro_batch_size=2)
+    cfg = dict(num_heads=ddp_nan.CONFIG["num_heads"])
+    nanreplay_capture._ShardedGather._gather_fsdp1 = fake_gather_fsdp1
+
+    runs = {}
+    for label in ("plain", "fsdp", "fully_shard", "compiled"):
+        torch.manual_seed(0)
+        model = ddp_nan.Llama(ddp_nan.CONFIG)
+        if label == "fully_shard":
+            model = fully_shard(model)
+        decay = [p for p in model.parameters() if p.dim() == 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=3e-3)
+        wrapped = {"plain": model, "fsdp": FullyShardedDataParallel(model), "fully_shard": model,
+                   "compiled": OptimizedModule(model)}[label]
+        rec = nanreplay_capture.Recorder(wrapped, opt, work / label, arch="llama", model_config=cfg, data=data,
+                                         grad_clip=1.0, snapshot_every=2)
+        runs[label] = (model, opt, rec, wrapped)
+    for step in range(5):
+        for label, (model, opt, rec, _) in runs.items():
+            rows = [(step * 2 + r) % 60 for r in range(2)]
+            rec.begin_step(step, samples=rows)
+            w = torch.stack([tokens[i * 16:i * 16 + 17] for i in rows])
+            loss = model(w[:, :-1], w[:, 1:])
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            rec.end_step(loss=loss, grad_norm=norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    bundles = {label: rec.dump(work / f"bundle-{label}") for label, (_, _, rec, _) in runs.items()}
+    check(runs["fsdp"][3].gathers == 1 + 3, f"FSDP: gathered once at construction and at the 3 snapshots of 5 steps "
+                                            f"with snapshot_every=2 ({runs['fsdp'][3].gathers})")
+    check(runs["fully_shard"][2]._sharded is not None, "fully_shard (DTensor parameters) takes the gathering path")
+    for label in ("fsdp", "fully_shard", "compiled"):
+        same = True
+        for sub in sorted(p.relative_to(bundles["plain"]) for p in bundles["plain"].rglob("*.safetensors")):
+            same &= (bundles["plain"] / sub).read_bytes() == (bundles[label] / sub).read_bytes()
+        files = sorted(str(p.relative_to(bundles[label])) for p in bundles[label].rglob("*.safetensors"))
+        check(same and files == ["steps/2/model.safetensors", "steps/2/optimizer.safetensors",
+                                 "steps/4/model.safetensors", "steps/4/optimizer.safetensors"],
+              f"{label}: the snapshots ({files}) are byte-identical to the unwrapped model's")
+        m1 = json.loads((bundles["plain"] / "manifest.json").read_text())
+        m2 = json.loads((bundles[label] / "manifest.json").read_text())
+        check(m1["model"] == m2["model"] and m1["optimizer"] == m2["optimizer"],
+              f"{label}: same manifest model and optimizer (no_decay {m2['optimizer'].get('no_decay')})")
+
+    torch.manual_seed(0)
+    model = ddp_nan.Llama(ddp_nan.CONFIG)
+    try:
+        nanreplay_capture.Recorder(FullyShardedDataParallel(model), torch.optim.AdamW(model.parameters()), work / "x",
+                                   arch="llama", model_config=cfg, data=data)
+        check(False, "FSDP without snapshot_every is refused")
+    except CaptureError as e:
+        check("snapshot_every" in str(e), f"FSDP without snapshot_every is refused: {e}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cli", required=True)
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    ddp_example(args.cli, work / "ddp")
+    ddp_without_no_sync(work / "ddp-sync")
+    (work / "sharded").mkdir()
+    sharded_gather(work / "sharded")
+    print(f"{len(failures)} failed; {time.perf_counter() - started:.1f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
