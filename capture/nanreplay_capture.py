@@ -1539,13 +1539,13 @@ class Recorder:
         """
         if loss is None and local_loss is None:
             raise CaptureError("end_step needs loss= (the step's loss) or local_loss= (this rank's own)")
+        if self._coll is None:
+            return self._end_step_local(loss=loss if loss is not None else local_loss, grad_norm=grad_norm,
+                                        rank_losses=rank_losses, rank_grad_norms=rank_grad_norms, skipped=skipped)
         # clip_grad_norm_ under fully_shard returns a DTensor holding each rank's partial norm, whose item()
         # is this rank's part alone: make it whole here, on every rank (full_tensor() is collective).
         loss, local_loss, grad_norm = (x.full_tensor() if isinstance(x, torch.Tensor) and hasattr(x, "full_tensor")
                                        else x for x in (loss, local_loss, grad_norm))
-        if self._coll is None:
-            return self._end_step_local(loss=loss if loss is not None else local_loss, grad_norm=grad_norm,
-                                        rank_losses=rank_losses, rank_grad_norms=rank_grad_norms, skipped=skipped)
         own, valid = self._norms.value(self._loss_scale) if self._norms is not None else (math.nan, False)
         gathered = self._coll.gather_floats([_as_float(local_loss) if local_loss is not None else None, own,
                                              1.0 if valid else 0.0])
