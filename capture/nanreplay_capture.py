@@ -1308,6 +1308,7 @@ class Recorder:
             raise CaptureError(f"parameters outside bundle v1's {arch} model: {extra[:6]}"
                                + (f" and {len(extra) - 6} more" if len(extra) > 6 else ""))
         self._check_optimizer()
+        self._optimizer_manifest()  # what the manifest cannot say is refused now, not while an incident is written
 
         self._async = any(p.is_cuda for p in self.params)
         self._pin = (self._async and torch.cuda.is_available()) if pin_memory is None else bool(pin_memory)

@@ -307,6 +307,14 @@ def refusals(work):
                                    data=dict(shards=[str(work.shard)], seq_len=SEQ_LEN, micro_batch_size=1))
     raises("an option on gpt2", gpt2_option, "sliding_window", "llama")
 
+    def two_decays():  # refused when the Recorder is made, not when an incident is being written
+        model = make_model()
+        params = list(model.parameters())
+        opt = torch.optim.AdamW([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.05}])
+        nanreplay_capture.Recorder(model, opt, work.root, arch="llama", model_config=dict(num_heads=LLAMA["num_heads"]),
+                                   data=dict(shards=[str(work.shard)], seq_len=SEQ_LEN, micro_batch_size=MICRO_BATCH))
+    raises("two non-zero weight decays, at construction", two_decays, "one weight decay", "0.05", "0.1")
+
 
 def main():
     ap = argparse.ArgumentParser()
