@@ -108,7 +108,7 @@ fs::path make_staging(const fs::path& out) {
   return pattern;
 }
 
-// Removes the staging directory unless released.
+// Removes the staging directory (and whatever the helper left in it) on the way out.
 class Staging {
  public:
   explicit Staging(fs::path dir) : dir_(std::move(dir)) {}
@@ -119,7 +119,6 @@ class Staging {
   Staging(const Staging&) = delete;
   Staging& operator=(const Staging&) = delete;
   const fs::path& dir() const { return dir_; }
-  void release() { dir_.clear(); }
 
  private:
   fs::path dir_;

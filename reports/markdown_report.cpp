@@ -174,7 +174,9 @@ void write_what_ifs(std::ostringstream& out, const ReplayReport& report) {
 void write_determinism_and_links(std::ostringstream& out, const ReplayReport& report) {
   out << "\n## Determinism\n\n";
   if (report.determinism.checked) {
-    out << "Determinism: " << determinism_scope(report.determinism) << " replayed twice: "
+    std::string scope = determinism_scope(report.determinism);
+    scope[0] = 'S';  // "Step 105, rank 0 micro-batch 1" opens the section's sentence
+    out << scope << " replayed twice: "
         << (report.determinism.identical ? "bitwise identical"
                                          : "**different** at " + code(report.determinism.first_difference))
         << " (" << report.determinism.probes_compared << " probes compared).\n";

@@ -17,8 +17,6 @@ static_assert(sizeof(kPhaseNames) / sizeof(kPhaseNames[0]) == static_cast<size_t
 
 }  // namespace
 
-const char* timed_phase_name(TimedPhase phase) { return kPhaseNames[static_cast<size_t>(phase)]; }
-
 void PhaseTimings::enter(TimedPhase phase) {
   const Clock::time_point now = Clock::now();
   if (!open_.empty()) add(open_.back().first, std::chrono::duration<double>(now - open_.back().second).count());

@@ -32,9 +32,6 @@ enum class TimedPhase {
   kCount
 };
 
-// The name in report.json and on the terminal.
-const char* timed_phase_name(TimedPhase phase);
-
 // Time is exclusive: while a phase runs inside another (the update check
 // within a step's replay, a trace append as the step ends), only the inner
 // one is charged, so the phases add up to the run.

@@ -19,6 +19,11 @@ double relative_difference(double a, double b) {
   return std::fabs(a - b) / std::max(std::fabs(b), 1e-12);
 }
 
+// Two finite values within the relative tolerance.
+bool within(double a, double b, double tolerance) {
+  return std::isfinite(a) && std::isfinite(b) && relative_difference(a, b) <= tolerance;
+}
+
 double dtype_limit(Compute compute) {
   return compute == Compute::kFp16 ? 65504.0
          : compute == Compute::kBf16 ? 3.3895313892515355e38
@@ -161,9 +166,7 @@ std::vector<Finding> fp8_scale_jump_findings(const std::vector<StepState>& state
 bool rank_norms_logged_global(const StepOutcome& s, const StepState& state, const TriageThresholds& t) {
   const std::vector<double>& logged = state.logged.rank_grad_norms;
   if (!s.replayed || s.rank_grad_norms.size() < 2 || logged.size() != s.rank_grad_norms.size()) return false;
-  const auto near = [&](double a, double b) {
-    return std::isfinite(a) && std::isfinite(b) && relative_difference(a, b) <= t.loss_rel_tol;
-  };
+  const auto near = [&](double a, double b) { return within(a, b, t.loss_rel_tol); };
   bool own_differs = false;
   for (size_t r = 0; r < logged.size(); ++r) {
     if (!near(logged[r], s.grad_norm)) return false;
@@ -181,9 +184,8 @@ std::vector<Finding> rank_mismatch_findings(const StepOutcome& s, const StepStat
     if (logged.size() != replayed.size()) return;
     for (size_t r = 0; r < logged.size(); ++r) {
       const double ours = replayed[r], theirs = logged[r];
-      const bool agree = (std::isnan(ours) && std::isnan(theirs)) || ours == theirs ||
-                         (std::isfinite(ours) && std::isfinite(theirs) &&
-                          relative_difference(ours, theirs) <= t.loss_rel_tol);
+      const bool agree =
+          (std::isnan(ours) && std::isnan(theirs)) || ours == theirs || within(ours, theirs, t.loss_rel_tol);
       if (agree) continue;
       findings.push_back(make_finding(FindingCode::kSystemRankMismatch, Severity::kError,
           "step " + std::to_string(s.step) + ": rank " + std::to_string(r) + " logged " + what + " " +

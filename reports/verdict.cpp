@@ -225,6 +225,11 @@ const char* implicated_by(const ReplayReport& report, const Finding& f) {
 
 // ---- logging conventions ----------------------------------------------------
 
+// A step's logged loss is held to the trajectory tolerance when the step is derived.
+double loss_tolerance(const StepOutcome& s, const TriageThresholds& t) {
+  return s.derived ? t.trajectory_rel_tol : t.loss_rel_tol;
+}
+
 bool loggable(const StepOutcome& s) {
   return s.replayed && s.logged_loss && std::isfinite(*s.logged_loss) && std::isfinite(s.loss);
 }
@@ -238,15 +243,13 @@ std::optional<int> rank_whose_loss_was_logged(const ReplayReport& report, const 
   size_t ranks = 0;
   for (const StepOutcome& s : report.steps) {
     if (!loggable(s) || s.rank_losses.size() < 2) continue;
-    const double tolerance = s.derived ? t.trajectory_rel_tol : t.loss_rel_tol;
-    if (relative_gap(s.loss, *s.logged_loss) > tolerance) missed.push_back(&s);
+    if (relative_gap(s.loss, *s.logged_loss) > loss_tolerance(s, t)) missed.push_back(&s);
     ranks = std::max(ranks, s.rank_losses.size());
   }
   if (missed.empty()) return std::nullopt;
   for (size_t r = 0; r < ranks; ++r) {
     const bool explains = std::all_of(missed.begin(), missed.end(), [&](const StepOutcome* s) {
-      const double tolerance = s->derived ? t.trajectory_rel_tol : t.loss_rel_tol;
-      return r < s->rank_losses.size() && relative_gap(s->rank_losses[r], *s->logged_loss) <= tolerance;
+      return r < s->rank_losses.size() && relative_gap(s->rank_losses[r], *s->logged_loss) <= loss_tolerance(*s, t);
     });
     if (explains) return static_cast<int>(r);
   }

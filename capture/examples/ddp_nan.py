@@ -262,12 +262,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def job_arguments(description, timeout):
+    """The arguments this job and fsdp_nan.py share: the data, the training loop and the planted fault."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--work", type=Path, required=True, help="directory for the shard, bundles and result.json")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--seq-len", type=int, default=16)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--accum", type=int, default=2)
@@ -279,11 +279,12 @@ def main(argv=None):
     ap.add_argument("--fault-position", type=int, default=5)
     ap.add_argument("--dump-at", type=int, default=-1, help="also dump() the window at the end of this step")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--sync-every-micro-batch", action="store_true",
-                    help="accumulate without no_sync() (each rank's own gradient then never exists: the bundle "
-                         "has no rank_grad_norms)")
-    ap.add_argument("--timeout", type=float, default=120, help="seconds before a rank gives up (0: never)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--timeout", type=float, default=timeout, help="seconds before a rank gives up (0: never)")
+    return ap
+
+
+def prepare(args):
+    """The work directory, a free port, the token shard with its planted fault and planted.json; the shard."""
     args.work.mkdir(parents=True, exist_ok=True)
     args.port = args.port or free_port()
     shard = args.work / "tokens.bin"
@@ -292,6 +293,17 @@ def main(argv=None):
         "planted": None if bad is None else {"step": args.fault_step, "rank": args.fault_rank,
                                              "micro_batch": args.fault_micro, "sample": bad,
                                              "position": args.fault_position}}))
+    return shard
+
+
+def main(argv=None):
+    ap = job_arguments(__doc__.split("\n")[0], timeout=120)
+    ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--sync-every-micro-batch", action="store_true",
+                    help="accumulate without no_sync() (each rank's own gradient then never exists: the bundle "
+                         "has no rank_grad_norms)")
+    args = ap.parse_args(argv)
+    shard = prepare(args)
     started = time.perf_counter()
     mp.spawn(train, args=(args, shard), nprocs=args.world)
     result = json.loads((args.work / "result.json").read_text())

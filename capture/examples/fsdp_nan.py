@@ -34,7 +34,6 @@ parameter model instead of the 23 K one, to see what a snapshot costs when it is
 
 Writes <work>/result.json (rank 0): the bundles, the planted fault, what the job logged, the cost.
 """
-import argparse
 import faulthandler
 import gc
 import json
@@ -226,35 +225,13 @@ def cost(gathered, args):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--work", type=Path, required=True, help="directory for the shard, bundles and result.json")
+    ap = ddp_nan.job_arguments(__doc__.split("\n")[0], timeout=300)
     ap.add_argument("--fsdp", choices=("fsdp1", "fully_shard"), default="fsdp1")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--snapshot-every", type=int, default=3)
-    ap.add_argument("--seq-len", type=int, default=16)
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--accum", type=int, default=2)
-    ap.add_argument("--samples", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--fault-step", type=int, default=8, help="-1: no fault")
-    ap.add_argument("--fault-rank", type=int, default=1)
-    ap.add_argument("--fault-micro", type=int, default=1)
-    ap.add_argument("--fault-position", type=int, default=5)
-    ap.add_argument("--dump-at", type=int, default=-1, help="also dump() the window at the end of this step")
-    ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--timeout", type=float, default=300, help="seconds before a rank gives up (0: never)")
     args = ap.parse_args(argv)
-    args.work.mkdir(parents=True, exist_ok=True)
-    args.port = args.port or ddp_nan.free_port()
     ddp_nan.CONFIG = SIZES[args.size]  # write_shard draws tokens from [1, vocab_size)
-    shard = args.work / "tokens.bin"
-    bad = ddp_nan.write_shard(args, shard)
-    (args.work / "planted.json").write_text(json.dumps({
-        "planted": None if bad is None else {"step": args.fault_step, "rank": args.fault_rank,
-                                             "micro_batch": args.fault_micro, "sample": bad,
-                                             "position": args.fault_position}}))
+    shard = ddp_nan.prepare(args)
     started = time.perf_counter()
     mp.spawn(train, args=(args, shard), nprocs=args.world)
     result = json.loads((args.work / "result.json").read_text())
