@@ -62,7 +62,11 @@ class CaptureError(RuntimeError):
 def expected_parameters(arch, cfg):
     """[(safetensors key, shape)] that bundle v1 requires for `arch` and the model config `cfg`
     (docs/bundle-format.md, "Parameter names and shapes"), including the parameters llama's
-    `attention_bias` and `qk_norm` options add (absent keys: the defaults, no extra parameters)."""
+    `attention_bias` and `qk_norm` options add (absent keys: the defaults, no extra parameters).
+    With llama's `moe` (model.moe), each layer's dense gate/up/down_proj give way to Hugging Face
+    Qwen3-MoE's module order: the router mlp.gate.weight [E, hidden], then expert 0's gate_proj,
+    up_proj, down_proj, expert 1's, ... (experts' width: moe.intermediate_size, else the model's).
+    The one list of keys: `nanreplay import` reads it too."""
     C, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_layers"]
     out = []
     if arch == "llama":
@@ -75,6 +79,17 @@ def expected_parameters(arch, cfg):
             raise CaptureError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
         # Qwen3 normalises each head (head_dim weights), OLMo 2 the whole projection.
         norm_shapes = {"q": (D,) if qk_norm == "head" else (H * D,), "k": (D,) if qk_norm == "head" else (kv,)}
+        moe = cfg.get("moe")
+        if moe:
+            E, width = moe["num_experts"], moe.get("intermediate_size") or ffn
+            mlp = [("mlp.gate.weight", (E, C))]
+            for e in range(E):
+                mlp += [(f"mlp.experts.{e}.gate_proj.weight", (width, C)),
+                        (f"mlp.experts.{e}.up_proj.weight", (width, C)),
+                        (f"mlp.experts.{e}.down_proj.weight", (C, width))]
+        else:
+            mlp = [("mlp.gate_proj.weight", (ffn, C)), ("mlp.up_proj.weight", (ffn, C)),
+                   ("mlp.down_proj.weight", (C, ffn))]
         out.append(("model.embed_tokens.weight", (V, C)))
         for i in range(L):
             p = f"model.layers.{i}."
@@ -89,10 +104,8 @@ def expected_parameters(arch, cfg):
             if qk_norm is not None:
                 out += [(p + "self_attn.q_norm.weight", norm_shapes["q"]),
                         (p + "self_attn.k_norm.weight", norm_shapes["k"])]
-            out += [(p + "post_attention_layernorm.weight", (C,)),
-                    (p + "mlp.gate_proj.weight", (ffn, C)),
-                    (p + "mlp.up_proj.weight", (ffn, C)),
-                    (p + "mlp.down_proj.weight", (C, ffn))]
+            out.append((p + "post_attention_layernorm.weight", (C,)))
+            out += [(p + name, shape) for name, shape in mlp]
         out.append(("model.norm.weight", (C,)))
         if not cfg["tie_embeddings"]:
             out.append(("lm_head.weight", (V, C)))
@@ -248,7 +261,7 @@ def _infer_model_config(arch, model, named, given, seq_len):
     (or from the modules where they carry it, e.g. LayerNorm.eps). A given value that
     contradicts the parameters is an error, never silently overridden. llama's model options
     (_model_options) are settled after the shapes."""
-    cfg = {k: v for k, v in given.items() if k not in LLAMA_OPTION_DEFAULTS}
+    cfg = {k: v for k, v in given.items() if k not in LLAMA_OPTION_DEFAULTS and k != "moe"}
 
     def settle(key, inferred):
         if key in cfg and inferred is not None and cfg[key] != inferred:
@@ -269,6 +282,7 @@ def _infer_model_config(arch, model, named, given, seq_len):
         if heads is None:
             raise CaptureError("model_config needs 'num_heads' (the model does not say it)")
         cfg["num_heads"] = int(heads)
+    moe = None
     if arch == "llama":
         V, C = shape("model.embed_tokens.weight")
         layers = 0
@@ -277,7 +291,12 @@ def _infer_model_config(arch, model, named, given, seq_len):
         settle("vocab_size", V)
         settle("hidden_size", C)
         settle("num_layers", layers)
-        settle("intermediate_size", shape("model.layers.0.mlp.gate_proj.weight")[0] if layers else None)
+        moe = _model_moe(model, named, given, layers, C)
+        if moe is None:
+            settle("intermediate_size", shape("model.layers.0.mlp.gate_proj.weight")[0] if layers else None)
+        else:  # no dense MLP to read it off: model.config's (Qwen3-MoE keeps one), else the experts' width
+            width = _config_attr(getattr(model, "config", None) or {}, "intermediate_size")
+            cfg.setdefault("intermediate_size", width if _is_number(width) and width >= 1 else moe["intermediate_size"])
         head_dim = C // cfg["num_heads"]
         settle("num_kv_heads", shape("model.layers.0.self_attn.k_proj.weight")[0] // head_dim if layers else None)
         head = named.get("lm_head.weight")
@@ -313,7 +332,11 @@ def _infer_model_config(arch, model, named, given, seq_len):
         raise CaptureError("num_heads must divide hidden_size and num_kv_heads must divide num_heads")
     if seq_len > cfg["max_seq_len"]:
         raise CaptureError(f"data seq_len {seq_len} exceeds model max_seq_len {cfg['max_seq_len']}")
+    if arch != "llama" and given.get("moe") is not None:
+        raise CaptureError("model_config['moe'] applies to arch 'llama' only")
     options = _model_options(arch, model, named, given, cfg)
+    if arch == "llama" and moe is not None:
+        options["moe"] = moe
     return dict({"arch": arch}, **{k: v for k, v in cfg.items() if k != "arch"}, **options)
 
 
@@ -505,8 +528,155 @@ def _check_option_parameters(named, options):
                                "which bundle v1 does not replay)")
 
 
+# ---------------------------------------------------------------------------
+# llama's model.moe (docs/bundle-format.md): Hugging Face Qwen3-MoE's sparse MLP in every layer. Read off
+# a Hugging Face MoE config (the same reading `nanreplay import` uses), or given as model_config["moe"];
+# the experts' count and width are read off the parameters. What bundle v1's moe cannot express (shared
+# experts, dense layers among the MoE ones) is refused.
+
+MOE_KEYS = ("num_experts", "top_k", "intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
+            "router_z_loss_coef")
+_EXPERT_PARAM = re.compile(r"model\.layers\.\d+\.mlp\.(?:gate\.weight|experts\.\d+\.(?:gate|up|down)_proj\.weight)")
+_DENSE_MLP_PARAM = re.compile(r"model\.layers\.\d+\.mlp\.(?:gate|up|down)_proj\.weight")
+_SHARED_EXPERT_PARAM = re.compile(r"model\.layers\.\d+\.mlp\.shared_expert(?:_gate)?\.")
+
+
+class MoeConfigRefusal(CaptureError):
+    """A Hugging Face MoE config that bundle v1's moe cannot express: `key` is the config entry."""
+
+    def __init__(self, key, what):
+        super().__init__(f"{key}: {what}")
+        self.key, self.what = key, what
+
+
+def moe_from_config(config):
+    """model.moe from a Hugging Face MoE config (a dict or a config object; Qwen3-MoE / Qwen2-MoE /
+    Mixtral names), with only the keys the config gives; None when it is dense (no expert count).
+    MoeConfigRefusal for what bundle v1's moe cannot express."""
+    def get(name, default=None):
+        value = _config_attr(config, name)
+        return default if value is _MISSING else value
+
+    experts = get("num_experts", get("num_local_experts"))
+    if not experts:
+        return None
+    top_k = get("num_experts_per_tok", get("moe_router_topk"))
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise MoeConfigRefusal("num_experts_per_tok", f"an MoE config needs an integer top_k, got {top_k!r}")
+    if get("mlp_only_layers"):
+        raise MoeConfigRefusal("mlp_only_layers", "some layers dense: bundle v1's moe replaces every layer's MLP")
+    if get("decoder_sparse_step", 1) != 1:
+        raise MoeConfigRefusal("decoder_sparse_step", "MoE on only some layers: bundle v1's moe replaces every layer's MLP")
+    if get("shared_expert_intermediate_size"):
+        raise MoeConfigRefusal("shared_expert_intermediate_size", "shared experts are not part of bundle v1's moe")
+    moe = {"num_experts": int(experts), "top_k": int(top_k)}
+    if get("moe_intermediate_size"):
+        moe["intermediate_size"] = int(get("moe_intermediate_size"))
+    if _config_attr(config, "norm_topk_prob") is not _MISSING:
+        moe["norm_topk_prob"] = bool(get("norm_topk_prob"))
+    elif get("model_type") == "mixtral":
+        moe["norm_topk_prob"] = True  # Mixtral always renormalises its top-k
+    if get("output_router_logits") and get("router_aux_loss_coef"):
+        moe["router_aux_loss_coef"] = float(get("router_aux_loss_coef"))
+    return moe
+
+
+def _moe_value(value, where):
+    """A given moe (model_config["moe"]): None, or a dict of MOE_KEYS with valid values (the keys given)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise CaptureError(f"{where} must be None or a dict of {list(MOE_KEYS)}, got {value!r}")
+    unknown = sorted(set(value) - set(MOE_KEYS))
+    if unknown:
+        raise CaptureError(f"{where} has {unknown}: bundle v1's moe knows {list(MOE_KEYS)} only (shared experts "
+                           "and other routers are not part of it)")
+    out = {}
+    for key, v in value.items():
+        if key in ("num_experts", "top_k", "intermediate_size"):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise CaptureError(f"{where}[{key!r}] must be an integer >= 1, got {v!r}")
+            out[key] = v
+        elif key == "norm_topk_prob":
+            if not isinstance(v, bool):
+                raise CaptureError(f"{where}['norm_topk_prob'] must be True or False, got {v!r}")
+            out[key] = v
+        else:
+            if not _is_number(v) or v < 0:
+                raise CaptureError(f"{where}[{key!r}] must be a number >= 0, got {v!r}")
+            out[key] = float(v)
+    return out
+
+
+def _model_moe(model, named, given, num_layers, hidden):
+    """The manifest's model.moe (every key written) or None for a dense model: model.config's word
+    where it says, model_config["moe"]'s otherwise (keys both give must agree), the experts' count and
+    width from the parameters."""
+    shared = sorted(n for n in named if _SHARED_EXPERT_PARAM.match(n))
+    if shared:
+        raise CaptureError(f"the model has {shared[0]}: shared experts (Qwen2-MoE's) are not part of bundle v1's "
+                           "moe, which routes every token to its top_k experts only")
+    experts = sorted(n for n in named if _EXPERT_PARAM.fullmatch(n))
+    config = getattr(model, "config", None)
+    said = None
+    if config is not None:
+        try:
+            said = moe_from_config(config)
+        except MoeConfigRefusal as e:
+            raise CaptureError(f"model.config.{e.key}: {e.what}") from None
+    if "moe" in given:
+        mine = _moe_value(given["moe"], "model_config['moe']")
+        if mine is None and said is not None:
+            raise CaptureError(f"model_config['moe'] = None contradicts model.config, which says {said!r}")
+        for key in (mine or {}):
+            if said is not None and key in said and said[key] != mine[key]:
+                raise CaptureError(f"model_config['moe'][{key!r}] = {mine[key]!r} contradicts model.config, which "
+                                   f"says {said[key]!r}")
+        moe = None if mine is None else dict(said or {}, **mine)
+    else:
+        moe = said
+    if moe is None:
+        if experts:
+            raise CaptureError(f"the model has {experts[0]} (a mixture of experts), but moe is not set: pass "
+                               "model_config=dict(moe=dict(num_experts=..., top_k=..., norm_topk_prob=..., "
+                               "router_aux_loss_coef=..., router_z_loss_coef=...)), or a Hugging Face MoE "
+                               "model.config")
+        return None
+    router = named.get("model.layers.0.mlp.gate.weight")
+    if router is None or router.dim() != 2:
+        raise CaptureError("moe is set, but the model has no router model.layers.0.mlp.gate.weight (bundle v1's moe "
+                           "is Hugging Face Qwen3-MoE's layout: mlp.gate, mlp.experts.{e}.gate_proj/up_proj/down_proj)")
+    E = int(router.shape[0])
+    if moe.get("num_experts", E) != E:
+        raise CaptureError(f"moe num_experts = {moe['num_experts']} but model.layers.0.mlp.gate.weight has {E} rows")
+    if "top_k" not in moe:
+        raise CaptureError("moe needs 'top_k' (the experts each token is routed to): pass model_config=dict("
+                           "moe=dict(top_k=..., ...))")
+    if moe["top_k"] > E:
+        raise CaptureError(f"moe top_k = {moe['top_k']} exceeds num_experts = {E}")
+    first = named.get("model.layers.0.mlp.experts.0.gate_proj.weight")
+    if first is None:
+        raise CaptureError("moe is set, but the model has no model.layers.0.mlp.experts.0.gate_proj.weight")
+    width = int(first.shape[0])
+    if moe.get("intermediate_size", width) != width:
+        raise CaptureError(f"moe intermediate_size = {moe['intermediate_size']} but the experts' gate_proj has "
+                           f"{width} rows")
+    for i in range(num_layers):
+        dense = [n for n in named if _DENSE_MLP_PARAM.fullmatch(n) and n.startswith(f"model.layers.{i}.")]
+        if dense or f"model.layers.{i}.mlp.gate.weight" not in named:
+            raise CaptureError(f"layer {i} has a dense MLP ({dense[0] if dense else 'no mlp.gate.weight'}) among MoE "
+                               "layers: bundle v1's moe replaces every layer's MLP (dense layers mixed in, as "
+                               "mlp_only_layers or decoder_sparse_step make them, are not supported)")
+    return {"num_experts": E, "top_k": moe["top_k"], "intermediate_size": width,
+            "norm_topk_prob": bool(moe.get("norm_topk_prob", False)),
+            "router_aux_loss_coef": float(moe.get("router_aux_loss_coef", 0.0)),
+            "router_z_loss_coef": float(moe.get("router_z_loss_coef", 0.0))}
+
+
 def _option_needing(name, cfg):
     """For error messages: the option that asks for parameter `name`, when one does."""
+    if _EXPERT_PARAM.fullmatch(name):
+        return f", with moe={cfg.get('moe')!r}"
     if _BIAS_PARAM.fullmatch(name):
         return ", with attention_bias=True"
     if _QK_NORM_PARAM.fullmatch(name):
@@ -596,6 +766,7 @@ def reference_loss(cfg, p, inputs, targets, gelu="tanh"):
     style, qk_norm = cfg.get("rope_style") or "rotate_half", cfg.get("qk_norm")
     bias = bool(cfg.get("attention_bias"))
     inv = _ref_inv_freq(D, cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"), inputs.device)
+    moe, router = cfg.get("moe"), []
 
     def norm(x, weight):
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -617,13 +788,56 @@ def reference_loss(cfg, p, inputs, targets, gelu="tanh"):
                              cfg.get("attn_logit_softcap"), cfg.get("sliding_window"))
         x = x + F.linear(att, w[pre + "self_attn.o_proj.weight"])
         h = norm(x, w[pre + "post_attention_layernorm.weight"])
+        if moe:
+            mixed, logits = _ref_moe(moe, w, pre, h)
+            router.append(logits)
+            x = x + mixed
+            continue
         x = x + F.linear(F.silu(F.linear(h, w[pre + "mlp.gate_proj.weight"])) * F.linear(h, w[pre + "mlp.up_proj.weight"]),
                          w[pre + "mlp.down_proj.weight"])
     x = norm(x, w["model.norm.weight"])
     logits = F.linear(x, w["model.embed_tokens.weight"] if cfg.get("tie_embeddings") else w["lm_head.weight"])
     if cfg.get("final_logit_softcap") is not None:
         logits = torch.tanh(logits / cfg["final_logit_softcap"]) * cfg["final_logit_softcap"]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    if moe and moe.get("router_aux_loss_coef"):
+        loss = loss + moe["router_aux_loss_coef"] * _ref_load_balancing(router, moe["num_experts"], moe["top_k"])
+    if moe and moe.get("router_z_loss_coef"):
+        loss = loss + moe["router_z_loss_coef"] * torch.logsumexp(torch.cat(router), -1).pow(2).mean()
+    return loss
+
+
+def _ref_top_k(probs, k):
+    """Top k per row, ties to the lower expert index (a stable descending sort)."""
+    values, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
+    return values[:, :k], experts[:, :k]
+
+
+def _ref_moe(moe, w, pre, h):
+    """Hugging Face Qwen3MoeSparseMoeBlock.forward (modeling_qwen3_moe.py): (output, router logits)."""
+    F = torch.nn.functional
+    C = h.shape[-1]
+    x = h.reshape(-1, C)
+    logits = F.linear(x, w[pre + "mlp.gate.weight"])
+    weights, experts = _ref_top_k(torch.softmax(logits, -1), moe["top_k"])
+    if moe.get("norm_topk_prob"):
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(moe["num_experts"]):
+        token, slot = torch.where(experts == e)
+        if token.numel():
+            ex, xe = pre + f"mlp.experts.{e}.", x[token]
+            y = F.linear(F.silu(F.linear(xe, w[ex + "gate_proj.weight"])) * F.linear(xe, w[ex + "up_proj.weight"]),
+                         w[ex + "down_proj.weight"])
+            out.index_add_(0, token, y * weights[token, slot, None])
+    return out.view(h.shape), logits
+
+
+def _ref_load_balancing(router, num_experts, top_k):
+    """Hugging Face's load_balancing_loss_func (modeling_qwen3_moe.py), no attention mask."""
+    probs = torch.softmax(torch.cat(router), -1)
+    mask = torch.nn.functional.one_hot(_ref_top_k(probs, top_k)[1], num_experts).float()
+    return torch.sum(mask.mean(0) * probs.mean(0).unsqueeze(0)) * num_experts
 
 
 def _self_check_variants(cfg):
@@ -1226,7 +1440,12 @@ class Recorder:
         (1e-5, 10000), which the self-check on the first captured step then proves. llama's
         options (rope_style, rope_scaling, attention_bias, qk_norm, attn_logit_softcap,
         final_logit_softcap, sliding_window) are read off a Hugging Face style `model.config`
-        where it says them, else taken from here (default: off); the two must agree.
+        where it says them, else taken from here (default: off); the two must agree. So is llama's
+        `moe` (Hugging Face Qwen3-MoE's mlp.gate + mlp.experts.{e}.{gate,up,down}_proj in every layer):
+        model_config=dict(moe=dict(num_experts, top_k, norm_topk_prob=False, router_aux_loss_coef=0,
+        router_z_loss_coef=0)), or read off an HF MoE config (num_experts / num_local_experts,
+        num_experts_per_tok, moe_intermediate_size, norm_topk_prob, router_aux_loss_coef when
+        output_router_logits); the experts' count and width are read off the parameters.
       data: dict(shards=[paths or dicts(path, dtype, header_bytes)], token_dtype="uint16",
         header_bytes=0, seq_len, micro_batch_size, grad_accum_steps=1, world_size=1,
         sampler=None or dict(kind="randperm", seed, epoch=0, epoch_start_step=0)).

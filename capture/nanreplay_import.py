@@ -671,29 +671,12 @@ def normalize_config(raw, where):
 
 
 def _moe_config(raw, where, num_layers):
-    """model.moe from a Hugging Face MoE config (Qwen3-MoE / Qwen2-MoE / Mixtral names); None when dense."""
-    experts = raw.get("num_experts", raw.get("num_local_experts"))
-    if not experts:
-        return None
-    top_k = raw.get("num_experts_per_tok", raw.get("moe_router_topk"))
-    if not isinstance(top_k, int) or top_k < 1:
-        raise BadInput(where, "num_experts_per_tok", f"an MoE config needs an integer top_k, got {top_k!r}")
-    if raw.get("mlp_only_layers"):
-        raise BadInput(where, "mlp_only_layers", "some layers dense: bundle v1's moe replaces every layer's MLP")
-    if raw.get("decoder_sparse_step", 1) != 1:
-        raise BadInput(where, "decoder_sparse_step", "MoE on only some layers: bundle v1's moe replaces every layer's MLP")
-    if raw.get("shared_expert_intermediate_size"):
-        raise BadInput(where, "shared_expert_intermediate_size", "shared experts are not part of bundle v1's moe")
-    moe = {"num_experts": int(experts), "top_k": int(top_k)}
-    if raw.get("moe_intermediate_size"):
-        moe["intermediate_size"] = int(raw["moe_intermediate_size"])
-    if "norm_topk_prob" in raw:
-        moe["norm_topk_prob"] = bool(raw["norm_topk_prob"])
-    elif raw.get("model_type") == "mixtral":
-        moe["norm_topk_prob"] = True  # Mixtral always renormalises its top-k
-    if raw.get("output_router_logits") and raw.get("router_aux_loss_coef"):
-        moe["router_aux_loss_coef"] = float(raw["router_aux_loss_coef"])
-    return moe
+    """model.moe from a Hugging Face MoE config (Qwen3-MoE / Qwen2-MoE / Mixtral names); None when dense.
+    The capture helper's reading (nanreplay_capture.moe_from_config), its refusals as bad input."""
+    try:
+        return _capture.moe_from_config(raw)
+    except _capture.MoeConfigRefusal as e:
+        raise BadInput(where, e.key, e.what) from None
 
 
 def settle_model(arch, sd, naming, sources, args):
@@ -835,25 +818,9 @@ def model_options(naming, configs, model):
 
 
 def expected_parameters(model):
-    """[(key, shape)] bundle v1 needs, with model.moe's expert parameters in place of the dense MLP."""
-    moe = model.get("moe")
-    spec = _capture.expected_parameters(model["arch"], model)
-    if not moe:
-        return spec
-    out = []
-    C, E = model["hidden_size"], moe["num_experts"]
-    F = moe.get("intermediate_size", model["intermediate_size"])
-    for key, shape in spec:
-        m = re.fullmatch(r"(model\.layers\.\d+\.mlp\.)(gate|up|down)_proj\.weight", key)
-        if not m:
-            out.append((key, shape))
-        elif m.group(2) == "gate":
-            out.append((m.group(1) + "gate.weight", (E, C)))
-            for e in range(E):
-                out += [(f"{m.group(1)}experts.{e}.gate_proj.weight", (F, C)),
-                        (f"{m.group(1)}experts.{e}.up_proj.weight", (F, C)),
-                        (f"{m.group(1)}experts.{e}.down_proj.weight", (C, F))]
-    return out
+    """[(key, shape)] bundle v1 needs, with model.moe's expert parameters in place of the dense MLP
+    (the capture helper's list: nanreplay_capture.expected_parameters)."""
+    return _capture.expected_parameters(model["arch"], model)
 
 
 def check_parameters(sd, model, where):

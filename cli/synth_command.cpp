@@ -73,7 +73,8 @@ nlohmann::json planted_json(const fs::path& dir, const SyntheticSpec& spec, cons
           {"fault_token", outcome.fault_token},
           {"fault_position", outcome.fault_position},
           {"fault_layer", spec.fault.layer},
-          {"fault_head", spec.fault.head}};
+          {"fault_head", spec.fault.head},
+          {"fault_expert", spec.fault.expert}};
 }
 
 }  // namespace

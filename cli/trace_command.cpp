@@ -1,5 +1,5 @@
 // `nanreplay trace TRACE.h5`: query the probes of a trace written by `run`
-// (step, phase, site glob, head, sort, the first or every non-finite row).
+// (step, phase, site glob, head, expert, sort, the first or every non-finite row).
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
 #include "loaders/error.h"
@@ -21,6 +21,7 @@ cxxopts::Options trace_options() {
       ("phase", "forward, backward or grad", cxxopts::value<std::string>())
       ("site", "site glob ('*' matches any run), e.g. 'layers.*.attn.scores'", cxxopts::value<std::string>())
       ("head", "only this head (-1: whole-tensor rows)", cxxopts::value<int>())
+      ("expert", "only this expert of a mixture of experts (-1: rows not of one expert)", cxxopts::value<int>())
       ("sort", "max_abs: largest max|x| first", cxxopts::value<std::string>())
       ("first-nonfinite", "only the first row holding NaN/Inf in execution order (with --limit N: the first N)")
       ("nonfinite", "every row holding NaN/Inf, in execution order (up to --limit)")
@@ -41,6 +42,7 @@ TraceQuery parse_query(const cxxopts::ParseResult& args) {
   }
   if (args.count("site")) query.site_pattern = args["site"].as<std::string>();
   if (args.count("head")) query.head = args["head"].as<int>();
+  if (args.count("expert")) query.expert = args["expert"].as<int>();
   if (args.count("sort")) {
     if (args["sort"].as<std::string>() != "max_abs") throw UsageError("--sort: only max_abs is supported");
     query.sort_by_max_abs = true;

@@ -197,7 +197,7 @@ void apply_gpt2_rules(const JsonReader& model, ModelConfig& config) {
 // The llama family's options (docs/bundle-format.md, "Model options").
 // Absent and null both mean the default (JsonReader::has is false for null).
 const char* const kLlamaOptions[] = {"rope_style",         "rope_scaling",        "attention_bias", "qk_norm",
-                                     "attn_logit_softcap", "final_logit_softcap", "sliding_window"};
+                                     "attn_logit_softcap", "final_logit_softcap", "sliding_window", "moe"};
 
 RopeScaling parse_rope_scaling(const JsonReader& scaling) {
   // Hugging Face's configs name the type "rope_type" (older ones "type").
@@ -213,6 +213,26 @@ RopeScaling parse_rope_scaling(const JsonReader& scaling) {
                          format_number(config.high_freq_factor));
   }
   config.original_max_position_embeddings = positive_integer(scaling, "original_max_position_embeddings");
+  return config;
+}
+
+MoeConfig parse_moe(const JsonReader& moe, int64_t model_width) {
+  MoeConfig config;
+  config.num_experts = positive_integer(moe, "num_experts");
+  config.top_k = positive_integer(moe, "top_k");
+  if (config.top_k > config.num_experts) {
+    throw InputError(moe.file(), moe.key_path("top_k"),
+                     "expected at most num_experts (" + std::to_string(config.num_experts) + "), got " +
+                         std::to_string(config.top_k));
+  }
+  config.intermediate_size = optional_positive_integer(moe, "intermediate_size", model_width);
+  config.norm_topk_prob = moe.optional_boolean("norm_topk_prob").value_or(false);
+  if (moe.has("router_aux_loss_coef")) {
+    config.router_aux_loss_coef = finite_number_above(moe, "router_aux_loss_coef", 0, true);
+  }
+  if (moe.has("router_z_loss_coef")) {
+    config.router_z_loss_coef = finite_number_above(moe, "router_z_loss_coef", 0, true);
+  }
   return config;
 }
 
@@ -234,17 +254,13 @@ void parse_llama_options(const JsonReader& model, ModelConfig& config) {
     config.final_logit_softcap = finite_number_above(model, "final_logit_softcap", 0, false);
   }
   if (model.has("sliding_window")) config.sliding_window = positive_integer(model, "sliding_window");
+  if (model.has("moe")) config.moe = parse_moe(model.object("moe"), config.intermediate_size);
 }
 
-// gpt2 is nanoGPT's model: none of the llama family's options, and no mixture
-// of experts yet; a bundle that sets one describes another model than the one
-// this nanreplay would replay, so it is refused rather than replayed wrongly.
+// gpt2 is nanoGPT's model: none of the llama family's options (a mixture of
+// experts included); a bundle that sets one describes another model than
+// the one this nanreplay would replay, so it is refused rather than replayed wrongly.
 void refuse_unsupported_options(const JsonReader& model, Arch arch) {
-  if (model.has("moe")) {
-    throw InputError(model.file(), model.key_path("moe"),
-                     "this nanreplay replays dense models only (null), got " + json_describe(model.json().at("moe")) +
-                         "; replaying the bundle without it would replay another model than the run's");
-  }
   if (arch != Arch::kGpt2) return;
   for (const char* key : kLlamaOptions) {
     if (!model.has(key)) continue;

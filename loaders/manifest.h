@@ -31,6 +31,17 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
+// A mixture of experts in place of every layer's dense MLP, routed as Hugging
+// Face's Qwen3-MoE (docs/bundle-format.md, "Mixture of experts"); llama only.
+struct MoeConfig {
+  int64_t num_experts = 0;
+  int64_t top_k = 0;
+  int64_t intermediate_size = 0;  // each expert's width; the model's when absent
+  bool norm_topk_prob = false;    // renormalize the top-k probabilities to sum 1
+  double router_aux_loss_coef = 0.0;  // times load_balancing_loss_func over all layers
+  double router_z_loss_coef = 0.0;    // times the mean of logsumexp(router logits)^2
+};
+
 struct ModelConfig {
   Arch arch = Arch::kLlama;
   int64_t vocab_size = 0;
@@ -51,6 +62,7 @@ struct ModelConfig {
   std::optional<double> attn_logit_softcap;   // Gemma 2: c * tanh(scores / c)
   std::optional<double> final_logit_softcap;  // Gemma 2: c * tanh(logits / c)
   int64_t sliding_window = 0;                 // Mistral: 0 = full causal attention
+  std::optional<MoeConfig> moe;               // Qwen3-MoE: experts in place of the dense MLP
   // Not a manifest key: the qk-norm what-if normalises q and k with unit
   // weights, which no checkpoint holds.
   bool qk_norm_unit_weights = false;

@@ -26,6 +26,14 @@ nlohmann::json model_json(const ModelConfig& m) {
   if (m.attn_logit_softcap) model["attn_logit_softcap"] = *m.attn_logit_softcap;
   if (m.final_logit_softcap) model["final_logit_softcap"] = *m.final_logit_softcap;
   if (m.sliding_window > 0) model["sliding_window"] = m.sliding_window;
+  if (m.moe) {
+    model["moe"] = {{"num_experts", m.moe->num_experts},
+                    {"top_k", m.moe->top_k},
+                    {"intermediate_size", m.moe->intermediate_size},
+                    {"norm_topk_prob", m.moe->norm_topk_prob},
+                    {"router_aux_loss_coef", m.moe->router_aux_loss_coef},
+                    {"router_z_loss_coef", m.moe->router_z_loss_coef}};
+  }
   return model;
 }
 

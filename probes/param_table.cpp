@@ -23,17 +23,27 @@ Shape mlp_width(const ModelConfig& m) { return {m.intermediate_size}; }
 Shape q_width(const ModelConfig& m) { return {m.num_heads * m.head_dim()}; }
 Shape kv_width(const ModelConfig& m) { return {m.num_kv_heads * m.head_dim()}; }
 // Qwen3 normalises each head (head_dim weights), OLMo 2 the whole projection.
+Shape router(const ModelConfig& m) { return {m.moe->num_experts, m.hidden_size}; }
+Shape expert_in(const ModelConfig& m) { return {m.moe->intermediate_size, m.hidden_size}; }
+Shape expert_out(const ModelConfig& m) { return {m.hidden_size, m.moe->intermediate_size}; }
 Shape q_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead ? Shape{m.head_dim()} : q_width(m); }
 Shape k_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead ? Shape{m.head_dim()} : kv_width(m); }
 
 bool with_attention_bias(const ModelConfig& m) { return m.attention_bias; }
 bool with_qk_norm(const ModelConfig& m) { return m.qk_norm != QkNorm::kNone; }
 bool untied_head(const ModelConfig& m) { return !m.tie_embeddings; }
+bool dense_mlp(const ModelConfig& m) { return !m.moe; }
+bool experts(const ModelConfig& m) { return m.moe.has_value(); }
 
-std::string with_layer(const char* key, int layer) {
+void fill(std::string& text, const char* field, int value) {
+  const size_t at = text.find(field);
+  if (at != std::string::npos) text.replace(at, 3, std::to_string(value));
+}
+
+std::string with_layer(const char* key, int layer, int expert) {
   std::string text = key;
-  const size_t at = text.find("{i}");
-  if (at != std::string::npos) text.replace(at, 3, std::to_string(layer));
+  fill(text, "{i}", layer);
+  fill(text, "{e}", expert);
   return text;
 }
 
@@ -54,9 +64,14 @@ const std::vector<ParamDef>& param_table(Arch arch) {
       {R::kQNorm, "model.layers.{i}.self_attn.q_norm.weight", ParamPlace::kLayer, q_norm, with_qk_norm},
       {R::kKNorm, "model.layers.{i}.self_attn.k_norm.weight", ParamPlace::kLayer, k_norm, with_qk_norm},
       {R::kMlpNorm, "model.layers.{i}.post_attention_layernorm.weight", ParamPlace::kLayer, hidden},
-      {R::kGateProj, "model.layers.{i}.mlp.gate_proj.weight", ParamPlace::kLayer, mlp_in},
-      {R::kUpProj, "model.layers.{i}.mlp.up_proj.weight", ParamPlace::kLayer, mlp_in},
-      {R::kDownProj, "model.layers.{i}.mlp.down_proj.weight", ParamPlace::kLayer, mlp_out},
+      {R::kGateProj, "model.layers.{i}.mlp.gate_proj.weight", ParamPlace::kLayer, mlp_in, dense_mlp},
+      {R::kUpProj, "model.layers.{i}.mlp.up_proj.weight", ParamPlace::kLayer, mlp_in, dense_mlp},
+      {R::kDownProj, "model.layers.{i}.mlp.down_proj.weight", ParamPlace::kLayer, mlp_out, dense_mlp},
+      // Qwen3MoeSparseMoeBlock's order: the router, then expert 0's projections, expert 1's, ...
+      {R::kRouter, "model.layers.{i}.mlp.gate.weight", ParamPlace::kLayer, router, experts},
+      {R::kExpertGateProj, "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", ParamPlace::kLayer, expert_in, experts},
+      {R::kExpertUpProj, "model.layers.{i}.mlp.experts.{e}.up_proj.weight", ParamPlace::kLayer, expert_in, experts},
+      {R::kExpertDownProj, "model.layers.{i}.mlp.experts.{e}.down_proj.weight", ParamPlace::kLayer, expert_out, experts},
       {R::kFinalNorm, "model.norm.weight", ParamPlace::kAfter, hidden},
       {R::kLmHead, "lm_head.weight", ParamPlace::kAfter, vocab_rows, untied_head},
   };
@@ -84,15 +99,17 @@ const std::vector<ParamDef>& param_table(Arch arch) {
 
 bool has_parameter(const ParamDef& def, const ModelConfig& m) { return def.present == nullptr || def.present(m); }
 
-std::string param_key(Arch arch, ParamRole role, int layer) {
+bool is_per_expert(const ParamDef& def) { return std::string(def.key).find("{e}") != std::string::npos; }
+
+std::string param_key(Arch arch, ParamRole role, int layer, int expert) {
   for (const ParamDef& def : param_table(arch)) {
-    if (def.role == role) return with_layer(def.key, layer);
+    if (def.role == role) return with_layer(def.key, layer, expert);
   }
   throw std::logic_error(std::string("no parameter of this role in ") + arch_name(arch));
 }
 
-std::string module_key(Arch arch, ParamRole role, int layer) {
-  const std::string key = param_key(arch, role, layer);
+std::string module_key(Arch arch, ParamRole role, int layer, int expert) {
+  const std::string key = param_key(arch, role, layer, expert);
   return key.substr(0, key.rfind('.'));
 }
 

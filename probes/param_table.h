@@ -37,6 +37,10 @@ enum class ParamRole : uint8_t {
   kUpBias,
   kDownProj,
   kDownBias,
+  kRouter,             // llama with moe (Qwen3-MoE): the router's gate, then every expert's projections
+  kExpertGateProj,
+  kExpertUpProj,
+  kExpertDownProj,
   kFinalNorm,
   kFinalNormBias,
   kLmHead,             // llama without tied embeddings
@@ -47,7 +51,9 @@ enum class ParamPlace : uint8_t { kBefore, kLayer, kAfter };
 
 struct ParamDef {
   ParamRole role;
-  const char* key;  // "model.layers.{i}.self_attn.q_proj.weight"; "{i}" only in per-layer keys
+  // "model.layers.{i}.self_attn.q_proj.weight"; "{i}" only in per-layer keys,
+  // "{e}" (the expert) only in per-expert ones.
+  const char* key;
   ParamPlace place;
   std::vector<int64_t> (*shape)(const ModelConfig& m);
   bool (*present)(const ModelConfig& m) = nullptr;  // null: always; else only when a model option says so
@@ -60,9 +66,12 @@ bool has_parameter(const ParamDef& def, const ModelConfig& m);
 // and outside (embeddings, layers, final norm, head).
 const std::vector<ParamDef>& param_table(Arch arch);
 
-// The key of `role` (in `layer` for per-layer roles).
-std::string param_key(Arch arch, ParamRole role, int layer = -1);
+// Whether the key names one expert's parameter ("{e}" in it).
+bool is_per_expert(const ParamDef& def);
+
+// The key of `role` (in `layer` for per-layer roles, of `expert` for per-expert ones).
+std::string param_key(Arch arch, ParamRole role, int layer = -1, int expert = -1);
 // A linear's key prefix ("model.layers.0.self_attn.q_proj"): what fp8 scales are keyed by.
-std::string module_key(Arch arch, ParamRole role, int layer = -1);
+std::string module_key(Arch arch, ParamRole role, int layer = -1, int expert = -1);
 
 }  // namespace nanreplay

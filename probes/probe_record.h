@@ -31,6 +31,8 @@ struct ProbeRecord {
   std::string param;     // phase grad: the parameter's safetensors key
   int layer = -1;        // -1: outside the layers
   int head = -1;         // -1: the whole tensor; >= 0: one head of a per-head site
+  int expert = -1;       // -1: the whole tensor; >= 0: one expert of a per-expert site
+  int64_t routed_tokens = -1;  // per-expert sites: tokens routed to `expert` (all experts' for the whole), -1: n/a
   std::vector<int64_t> shape;
   TensorStats stats;
   // Decoded first non-finite element (valid when stats.first_nonfinite >= 0).
@@ -38,11 +40,15 @@ struct ProbeRecord {
   int64_t sample = -1;               // dataset index of the batch row, -1: n/a
   int64_t position = -1;             // token position, -1: n/a
   int first_head = -1;               // head of the first element for per-head sites
+  int first_expert = -1;             // expert of the first element for per-expert sites
   // log2(dtype max / max |x|): how many doublings the largest finite value of
   // this site could take before it overflows the type it is held in (+inf
   // when the site is all zero). Near zero means a near miss.
   double headroom_bits = 0.0;
 };
+
+// A record of a whole site's tensor, not of one head or one expert of it.
+inline bool is_whole(const ProbeRecord& r) { return r.head < 0 && r.expert < 0; }
 
 // Execution order within a step: (micro-batch, phase, site order, rank), the
 // parameter gradients after every micro-batch. Lower comes first.

@@ -12,6 +12,7 @@ namespace nanreplay {
 
 const std::vector<SiteDef>& site_table() {
   using L = SiteLayout;
+  using M = MlpKind;
   static const std::vector<SiteDef> table = {
       {SiteId::kEmbed, "embed", false, L::kTokens, false, true, true},
       {SiteId::kInput, "input", true, L::kTokens, false, true, true},
@@ -25,10 +26,17 @@ const std::vector<SiteDef>& site_table() {
       {SiteId::kAttnOut, "attn.out", true, L::kTokens, false, true, true},
       {SiteId::kAttnResidual, "attn_residual", true, L::kTokens, false, true, true},
       {SiteId::kMlpNorm, "mlp_norm", true, L::kTokens, false, true, true},
-      {SiteId::kMlpGate, "mlp.gate", true, L::kTokens, false, true, false},
-      {SiteId::kMlpUp, "mlp.up", true, L::kTokens, false, true, true},
-      {SiteId::kMlpAct, "mlp.act", true, L::kTokens, false, true, true},
-      {SiteId::kMlpDown, "mlp.down", true, L::kTokens, false, true, true},
+      {SiteId::kMlpGate, "mlp.gate", true, L::kTokens, false, true, false, M::kDense},
+      {SiteId::kMlpUp, "mlp.up", true, L::kTokens, false, true, true, M::kDense},
+      {SiteId::kMlpAct, "mlp.act", true, L::kTokens, false, true, true, M::kDense},
+      {SiteId::kMlpDown, "mlp.down", true, L::kTokens, false, true, true, M::kDense},
+      {SiteId::kMlpRouter, "mlp.router", true, L::kTokens, false, true, false, M::kExperts},
+      {SiteId::kMlpRouterProbs, "mlp.router_probs", true, L::kTokens, false, true, false, M::kExperts},
+      {SiteId::kMlpExpertGate, "mlp.expert.gate", true, L::kExperts, false, true, false, M::kExperts},
+      {SiteId::kMlpExpertUp, "mlp.expert.up", true, L::kExperts, false, true, false, M::kExperts},
+      {SiteId::kMlpExpertAct, "mlp.expert.act", true, L::kExperts, false, true, false, M::kExperts},
+      {SiteId::kMlpExpertDown, "mlp.expert.down", true, L::kExperts, false, true, false, M::kExperts},
+      {SiteId::kMlpCombine, "mlp.combine", true, L::kTokens, false, true, false, M::kExperts},
       {SiteId::kOutput, "output", true, L::kTokens, false, true, true},
       {SiteId::kFinalNorm, "final_norm", false, L::kTokens, false, true, true},
       {SiteId::kLogits, "logits", false, L::kTokens, false, true, true},
@@ -42,6 +50,13 @@ const SiteDef& site_def(SiteId id) { return site_table().at(static_cast<size_t>(
 bool is_per_head(SiteId id) {
   const SiteLayout layout = site_def(id).layout;
   return layout == SiteLayout::kHeadsSquare || layout == SiteLayout::kHeadsDim;
+}
+
+bool is_per_expert(SiteId id) { return site_def(id).layout == SiteLayout::kExperts; }
+
+bool site_present(const SiteDef& def, const ModelConfig& model) {
+  if (!(model.arch == Arch::kLlama ? def.llama : def.gpt2)) return false;
+  return def.mlp == MlpKind::kAny || (def.mlp == MlpKind::kExperts) == model.moe.has_value();
 }
 
 std::string site_name(const SiteRef& ref) {
@@ -71,13 +86,11 @@ std::optional<SiteRef> parse_site_name(const std::string& name) {
 }
 
 std::vector<SiteRef> forward_sites(const ModelConfig& model) {
-  const bool llama = model.arch == Arch::kLlama;
-  auto present = [&](const SiteDef& def) { return llama ? def.llama : def.gpt2; };
   std::vector<SiteRef> order;
   order.push_back({SiteId::kEmbed, -1});
   for (int layer = 0; layer < model.num_layers; ++layer) {
     for (const SiteDef& def : site_table()) {
-      if (def.in_layer && present(def)) order.push_back({def.id, layer});
+      if (def.in_layer && site_present(def, model)) order.push_back({def.id, layer});
     }
   }
   order.push_back({SiteId::kFinalNorm, -1});
@@ -89,10 +102,23 @@ std::vector<SiteRef> forward_sites(const ModelConfig& model) {
 std::vector<ParamSpec> expected_parameters(const ModelConfig& m) {
   std::vector<ParamSpec> params;
   auto add_place = [&](ParamPlace place, int layer) {
+    std::vector<const ParamDef*> per_expert;  // consecutive in the table: expert by expert
+    auto add_experts = [&] {
+      for (int e = 0; !per_expert.empty() && e < m.moe->num_experts; ++e) {
+        for (const ParamDef* def : per_expert) params.push_back({param_key(m.arch, def->role, layer, e), def->shape(m)});
+      }
+      per_expert.clear();
+    };
     for (const ParamDef& def : param_table(m.arch)) {
       if (def.place != place || !has_parameter(def, m)) continue;
+      if (is_per_expert(def)) {
+        per_expert.push_back(&def);
+        continue;
+      }
+      add_experts();
       params.push_back({param_key(m.arch, def.role, layer), def.shape(m)});
     }
+    add_experts();
   };
   add_place(ParamPlace::kBefore, -1);
   for (int layer = 0; layer < m.num_layers; ++layer) add_place(ParamPlace::kLayer, layer);

@@ -29,6 +29,13 @@ enum class SiteId : uint8_t {
   kMlpUp,
   kMlpAct,
   kMlpDown,
+  kMlpRouter,        // a mixture of experts in place of mlp.gate ... mlp.down
+  kMlpRouterProbs,
+  kMlpExpertGate,
+  kMlpExpertUp,
+  kMlpExpertAct,
+  kMlpExpertDown,
+  kMlpCombine,
   kOutput,
   kFinalNorm,
   kLogits,
@@ -41,8 +48,12 @@ enum class SiteLayout {
   kTokens,       // [batch, position, features]
   kHeadsSquare,  // [batch, head, query position, key position] (scores, probs)
   kHeadsDim,     // [batch, head, position, head_dim] (context)
+  kExperts,      // [routed token, features], rows grouped by expert (per-expert sites)
   kScalar,       // the loss
 };
+
+// Which MLP a layer site belongs to: every layer has one or the other.
+enum class MlpKind : uint8_t { kAny, kDense, kExperts };
 
 struct SiteDef {
   SiteId id;
@@ -52,6 +63,7 @@ struct SiteDef {
   bool causal;       // only key <= query counts (scores, probs)
   bool llama;        // present in the llama forward
   bool gpt2;         // present in the gpt2 forward
+  MlpKind mlp = MlpKind::kAny;  // dense: not with model.moe; experts: only with it
 };
 
 const std::vector<SiteDef>& site_table();
@@ -65,6 +77,9 @@ struct SiteRef {
 
 std::string site_name(const SiteRef& ref);
 bool is_per_head(SiteId id);
+bool is_per_expert(SiteId id);
+// Whether the model's forward produces this site.
+bool site_present(const SiteDef& def, const ModelConfig& model);
 // Parses "layers.3.attn.q" or "logits"; nullopt when no such site.
 std::optional<SiteRef> parse_site_name(const std::string& name);
 

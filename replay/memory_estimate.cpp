@@ -57,12 +57,19 @@ struct ParamCount {
   double tensors;
 };
 
+// A mixture of experts' parameters in a layer: the router and every expert.
+ParamCount moe_parameters(const MoeConfig& moe, const Dims& d) {
+  const double E = static_cast<double>(moe.num_experts);
+  return {E * d.C + E * 3 * static_cast<double>(moe.intermediate_size) * d.C, 1 + 3 * E};
+}
+
 ParamCount count_parameters(const Manifest& m, const Dims& d) {
   if (m.model.arch == Arch::kLlama) {
     const double kv = d.G * d.D;
-    const double per_layer = 2 * d.C + 2 * d.C * d.C + 2 * kv * d.C + 3 * d.F * d.C;
+    const ParamCount mlp = m.model.moe ? moe_parameters(*m.model.moe, d) : ParamCount{3 * d.F * d.C, 3};
+    const double per_layer = 2 * d.C + 2 * d.C * d.C + 2 * kv * d.C + mlp.elements;
     const double head = m.model.tie_embeddings ? 0 : d.V * d.C;
-    return {d.V * d.C + d.L * per_layer + d.C + head, 2 + 9 * d.L + (m.model.tie_embeddings ? 0 : 1)};
+    return {d.V * d.C + d.L * per_layer + d.C + head, 2 + (6 + mlp.tensors) * d.L + (m.model.tie_embeddings ? 0 : 1)};
   }
   const double per_layer = 4 * d.C + (3 * d.C * d.C + 3 * d.C) + (d.C * d.C + d.C) +
                            (d.F * d.C + d.F) + (d.F * d.C + d.C);
@@ -92,7 +99,12 @@ LayerElements layer_elements(const Manifest& m, const Dims& d) {
   const double repeated = d.G < d.H ? 2 * N * HD : 0;        // grouped-query repeat_interleave of k and v
   const double context = 2 * N * HD + 2 * N * HD;            // contiguous q/k for matmul, probs @ v, reshape copy
   const double attn_out = 2 * N * d.C;                       // projection, residual
-  const double mlp = (m.model.arch == Arch::kLlama ? 4 : 2) * N * d.F + 2 * N * d.C;
+  double mlp = (m.model.arch == Arch::kLlama ? 4 : 2) * N * d.F + 2 * N * d.C;
+  if (m.model.moe) {  // routed rows: gathered inputs, gate, up, silu, act, down, weighted; router and combine
+    const double K = N * static_cast<double>(m.model.moe->top_k);
+    const double Fe = static_cast<double>(m.model.moe->intermediate_size);
+    mlp = K * d.C + 4 * K * Fe + 2 * K * d.C + 4 * N * static_cast<double>(m.model.moe->num_experts) + 2 * N * d.C;
+  }
   e.tokens = norms + qkv + repeated + context + attn_out + mlp;
   e.squares = 4 * square;
   if (m.precision.compute == Compute::kBf16 || m.precision.compute == Compute::kFp16) {
@@ -126,14 +138,16 @@ double probe_record_bytes(const Manifest& m, const Dims& d, double param_tensors
   double in_layer = 0;
   double outside = 0;
   double per_head = 0;
+  double per_expert = 0;
   for (const SiteDef& site : site_table()) {
-    const bool present = m.model.arch == Arch::kLlama ? site.llama : site.gpt2;
-    if (!present) continue;
+    if (!site_present(site, m.model)) continue;
     (site.in_layer ? in_layer : outside) += 1;
     if (site.in_layer && is_per_head(site.id)) per_head += 1;
+    if (is_per_expert(site.id)) per_expert += 1;
   }
-  // One record per site and one more per head of a per-head site, forward and backward.
-  const double per_pass = 2 * (outside + d.L * (in_layer + per_head * d.H));
+  const double experts = m.model.moe ? static_cast<double>(m.model.moe->num_experts) : 0;
+  // One record per site and one more per head (expert) of a per-head (per-expert) site, forward and backward.
+  const double per_pass = 2 * (outside + d.L * (in_layer + per_head * d.H + per_expert * experts));
   const double passes = static_cast<double>(m.data.world_size) *
                         static_cast<double>(m.data.grad_accum_steps);
   const double per_step = per_pass * passes + param_tensors;

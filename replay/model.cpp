@@ -11,6 +11,7 @@
 
 #include "probes/param_table.h"
 #include "replay/device_stats.h"
+#include "replay/experts.h"
 
 namespace nanreplay {
 
@@ -133,13 +134,17 @@ torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, 
 // nll_loss: the same values bit for bit) so the per-sample losses of the
 // outlier check reuse the log-probabilities instead of a second log_softmax
 // over the whole (tokens, vocab) logits.
+// `extra`: what the loss adds to the cross-entropy (a mixture of experts'
+// router losses), or undefined; the per-sample losses are cross-entropy only.
 ForwardResult next_token_loss(const torch::Tensor& logits, const torch::Tensor& all_targets,
-                              ProbeSession& probes, const std::optional<double>& final_softcap = std::nullopt) {
+                              ProbeSession& probes, const std::optional<double>& final_softcap = std::nullopt,
+                              const torch::Tensor& extra = {}) {
   const torch::Tensor targets = all_targets.to(logits.device()).reshape({-1});
   const int64_t V = logits.size(-1);
   const torch::Tensor log_probs = torch::log_softmax(soft_capped(logits, final_softcap).reshape({-1, V}), 1);
   ForwardResult result;
-  result.loss = probes.site({SiteId::kLoss, -1}, torch::nll_loss(log_probs, targets));
+  const torch::Tensor cross_entropy = torch::nll_loss(log_probs, targets);
+  result.loss = probes.site({SiteId::kLoss, -1}, extra.defined() ? cross_entropy + extra.to(logits.device()) : cross_entropy);
   if (probes.enabled()) {  // per-sample losses for the outlier check
     torch::NoGradGuard no_grad;
     result.sample_loss =
@@ -165,6 +170,7 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
   torch::Tensor x = probes.site({SiteId::kEmbed, -1},
                                 F::embedding(inputs.to(embedding.device()), embedding));  // (B, T, C)
   SiteRef stream{SiteId::kEmbed, -1};
+  RouterOutputs router;  // a mixture of experts' routers, for the router losses
   for (int layer = 0; layer < m.num_layers; ++layer) {
     // With the layers split across devices, the activations follow the layer's weights.
     const torch::Device device = w(R::kAttnNorm, layer).device();
@@ -210,14 +216,16 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
     const torch::Tensor h2 = probes.site(
         {SiteId::kMlpNorm, layer},
         rms_norm(x, w(R::kMlpNorm, layer), m.norm_eps, probes, {SiteId::kMlpNorm, layer}));
-    const torch::Tensor gate = probes.site(
-        {SiteId::kMlpGate, layer}, proj(h2, R::kGateProj));
-    const torch::Tensor up = probes.site(
-        {SiteId::kMlpUp, layer}, proj(h2, R::kUpProj));
-    const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, F::silu(gate) * up);  // (B, T, F)
-    const torch::Tensor down = probes.site(
-        {SiteId::kMlpDown, layer}, proj(act, R::kDownProj));
-    x = probes.site({SiteId::kOutput, layer}, x + down);
+    torch::Tensor mlp_out;
+    if (m.moe) {
+      mlp_out = experts_mlp(m, p, h2, layer, block, probes, router);
+    } else {
+      const torch::Tensor gate = probes.site({SiteId::kMlpGate, layer}, proj(h2, R::kGateProj));
+      const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, proj(h2, R::kUpProj));
+      const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, F::silu(gate) * up);  // (B, T, F)
+      mlp_out = probes.site({SiteId::kMlpDown, layer}, proj(act, R::kDownProj));
+    }
+    x = probes.site({SiteId::kOutput, layer}, x + mlp_out);
     stream = {SiteId::kOutput, layer};
   }
   x = x.to(w(R::kFinalNorm).device());
@@ -228,7 +236,8 @@ ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch
   // The logits site is before the final soft cap, which only the loss reads.
   const torch::Tensor logits =
       probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, head, {}, "lm_head"));  // (B, T, V)
-  return next_token_loss(logits, targets, probes, m.final_logit_softcap);
+  return next_token_loss(logits, targets, probes, m.final_logit_softcap,
+                         m.moe ? router_loss(*m.moe, router) : torch::Tensor());
 }
 
 ForwardResult gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch::Tensor& inputs,

@@ -86,15 +86,19 @@ bool Numerics::fp32_layer(int layer) const {
   return layer >= 0 && std::find(layers.begin(), layers.end(), layer) != layers.end();
 }
 
-Numerics Numerics::in_layer(int layer) const {
-  if (!fp32_layer(layer)) return *this;
+Numerics Numerics::plain_fp32() const {
   Numerics plain(Compute::kFp32);
   plain.overrides_ = overrides_;
   return plain;
 }
 
+Numerics Numerics::in_layer(int layer) const { return fp32_layer(layer) ? plain_fp32() : *this; }
+
+Numerics Numerics::for_router() const { return overrides_.router_fp32 ? plain_fp32() : *this; }
+
 bool Numerics::rounds_site(const SiteRef& ref) const {
-  if (!reduced_ || ref.id == SiteId::kLoss || fp32_layer(ref.layer)) return false;
+  if (!reduced_ || ref.id == SiteId::kLoss || ref.id == SiteId::kMlpRouterProbs || fp32_layer(ref.layer)) return false;
+  if (overrides_.router_fp32 && ref.id == SiteId::kMlpRouter) return false;
   return !(overrides_.stable_softmax && ref.id == SiteId::kAttnScores);
 }
 

@@ -32,6 +32,9 @@ struct NumericsOverrides {
   // softmaxed in fp32 and never rounded to the compute type (probs still are,
   // before probs @ v).
   bool stable_softmax = false;
+  // A mixture of experts' router matmul (and so its logits) in fp32, never
+  // rounded; its softmax is fp32 anyway.
+  bool router_fp32 = false;
 };
 
 // dequant(saturate(round_to_nearest_even_fp8(x * scale))) / scale in fp32;
@@ -58,8 +61,12 @@ class Numerics {
   // The arithmetic inside block `layer`: plain fp32 when a what-if says so,
   // otherwise this object's.
   Numerics in_layer(int layer) const;
+  // The arithmetic of a mixture of experts' router: plain fp32 with the
+  // router_fp32 override, otherwise this object's.
+  Numerics for_router() const;
   // Whether a site's tensor is held in the compute type (rounded when produced).
-  // The loss never is: cross-entropy is fp32 from the rounded logits.
+  // The loss never is: cross-entropy is fp32 from the rounded logits; nor are
+  // a router's probabilities (fp32 softmax, as Hugging Face's Qwen3-MoE).
   bool rounds_site(const SiteRef& ref) const;
 
   // The value as the compute type holds it (an autograd-visible cast pair).
@@ -87,6 +94,8 @@ class Numerics {
   NumericsOverrides overrides_;
 
   bool fp32_layer(int layer) const;
+  // This object's overrides on plain fp32 arithmetic (no rounding, no fp8).
+  Numerics plain_fp32() const;
 };
 
 }  // namespace nanreplay

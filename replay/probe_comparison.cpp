@@ -17,7 +17,7 @@ bool same_stats(const TensorStats& a, const TensorStats& b) {
 
 ProbeDifference ProbeComparison::where() const {
   if (a == nullptr) return {};
-  return {phase_name(a->phase), probe_name(*a), a->rank, a->micro_batch, a->head};
+  return {phase_name(a->phase), probe_name(*a), a->rank, a->micro_batch, a->head, a->expert};
 }
 
 ProbeComparison compare_probes(const std::vector<const ProbeRecord*>& before, const std::vector<ProbeRecord>& again) {
@@ -30,7 +30,8 @@ ProbeComparison compare_probes(const std::vector<const ProbeRecord*>& before, co
   for (size_t i = 0; i < before.size(); ++i) {
     const ProbeRecord& a = *before[i];
     const ProbeRecord& b = again[i];
-    if (!(a.site == b.site) || a.param != b.param || a.phase != b.phase || a.head != b.head || !same_stats(a.stats, b.stats)) {
+    if (!(a.site == b.site) || a.param != b.param || a.phase != b.phase || a.head != b.head || a.expert != b.expert ||
+        !same_stats(a.stats, b.stats)) {
       result.a = &a;
       result.b = &b;
       result.difference = std::string(phase_name(a.phase)) + " " + probe_name(a);
@@ -47,7 +48,8 @@ Evidence difference_evidence(int64_t step, const ProbeDifference& where) {
       .set(K::kSite, where.site)
       .set(K::kRank, optional_index_value(where.rank))
       .set(K::kMicroBatch, optional_index_value(where.micro_batch))
-      .set(K::kHead, optional_index_value(where.head));
+      .set(K::kHead, optional_index_value(where.head))
+      .set(K::kExpert, optional_index_value(where.expert));
 }
 
 }  // namespace nanreplay

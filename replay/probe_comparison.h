@@ -31,7 +31,7 @@ ProbeComparison compare_probes(const std::vector<const ProbeRecord*>& before, co
 
 // Evidence of a finding about two replays that disagree: `step`, then the
 // site under its own name (as in every other finding), its `phase`, `rank`,
-// `micro_batch` and `head` (null where they do not apply).
+// `micro_batch`, `head` and `expert` (null where they do not apply).
 Evidence difference_evidence(int64_t step, const ProbeDifference& where);
 
 }  // namespace nanreplay

@@ -110,6 +110,11 @@ double dtype_max(ElemType type) {
 
 namespace {
 
+// log2(limit / max |x|): +inf for an all-zero tensor.
+double headroom_bits(const TensorStats& stats, double limit) {
+  return stats.max_abs > 0 ? std::log2(limit / stats.max_abs) : std::numeric_limits<double>::infinity();
+}
+
 bool probed_per_head(const torch::Tensor& t, const SiteDef* def) {
   return def != nullptr && is_per_head(def->id) && t.dim() == 4;
 }
@@ -137,10 +142,82 @@ std::vector<ProbeRecord> records_from_stats(const std::vector<TensorStats>& stat
   }
   for (ProbeRecord& record : records) {
     decode_first(record, def, sample_ids);
-    record.headroom_bits = record.stats.max_abs > 0 ? std::log2(limit / record.stats.max_abs)
-                                                    : std::numeric_limits<double>::infinity();
+    record.headroom_bits = headroom_bits(record.stats, limit);
   }
   return records;
+}
+
+// The expert holding routed row `row`.
+int expert_of_row(const ExpertRouting& routing, int64_t row) {
+  const auto after = std::upper_bound(routing.offsets.begin(), routing.offsets.end(), row);
+  return static_cast<int>(after - routing.offsets.begin()) - 1;
+}
+
+// A per-expert record's first element: its routed token's sample and position.
+void decode_routed(ProbeRecord& record, int64_t first_row_offset, const ExpertRouting& routing,
+                   const std::vector<int64_t>& sample_ids) {
+  if (record.stats.first_nonfinite < 0) return;
+  record.first_index = unravel(record.stats.first_nonfinite, record.shape);
+  const int64_t row = first_row_offset + record.first_index.at(0);
+  record.first_expert = expert_of_row(routing, row);
+  const int64_t token = routing.tokens.at(static_cast<size_t>(row));
+  const int64_t batch_row = token / routing.seq_len;
+  if (batch_row < static_cast<int64_t>(sample_ids.size())) record.sample = sample_ids[static_cast<size_t>(batch_row)];
+  record.position = token % routing.seq_len;
+}
+
+// Records of a per-expert site from each expert's statistics (indices local
+// to the expert's rows): the whole tensor first, whose first element is the
+// lowest index of the lowest expert holding one, then one record per expert.
+std::vector<ProbeRecord> records_from_expert_stats(const std::vector<TensorStats>& per_expert, int64_t features,
+                                                   ElemType type, const ExpertRouting& routing,
+                                                   const std::vector<int64_t>& sample_ids) {
+  std::vector<TensorStats> in_whole = per_expert;  // indices into the whole [rows, features] tensor
+  for (size_t e = 0; e < in_whole.size(); ++e) {
+    if (in_whole[e].first_nonfinite >= 0) in_whole[e].first_nonfinite += routing.offsets[e] * features;
+  }
+  ProbeRecord whole;
+  whole.shape = {routing.rows(), features};
+  whole.stats = combine_heads(in_whole);
+  whole.routed_tokens = routing.rows();
+  std::vector<ProbeRecord> records{whole};
+  decode_routed(records[0], 0, routing, sample_ids);
+  for (size_t e = 0; e < per_expert.size(); ++e) {
+    ProbeRecord one;
+    one.expert = static_cast<int>(e);
+    one.routed_tokens = routing.offsets[e + 1] - routing.offsets[e];
+    one.shape = {one.routed_tokens, features};
+    one.stats = per_expert[e];
+    decode_routed(one, routing.offsets[e], routing, sample_ids);
+    records.push_back(std::move(one));
+  }
+  for (ProbeRecord& record : records) record.headroom_bits = headroom_bits(record.stats, dtype_max(type));
+  return records;
+}
+
+// Each expert's rows of `t` ([rows, features]) as a view.
+torch::Tensor expert_rows(const torch::Tensor& t, const ExpertRouting& routing, size_t e) {
+  return t.narrow(0, routing.offsets[e], routing.offsets[e + 1] - routing.offsets[e]);
+}
+
+std::vector<ProbeRecord> describe_experts(const torch::Tensor& tensor, const ExpertRouting& routing,
+                                          const std::vector<int64_t>& sample_ids) {
+  const int64_t features = tensor.size(1);
+  const size_t experts = routing.offsets.size() - 1;
+  std::vector<TensorStats> stats;
+  if (!tensor.device().is_cpu()) {  // off the host: one reduction row per expert where it lives
+    std::vector<torch::Tensor> rows;
+    for (size_t e = 0; e < experts; ++e) rows.push_back(device_stats_rows(expert_rows(tensor, routing, e), false, false, 0));
+    stats = stats_from_rows(torch::cat(rows, 0).cpu());
+  } else {
+    const torch::Tensor t = tensor.detach().contiguous();
+    const size_t bytes = t.element_size() * static_cast<size_t>(features);
+    for (size_t e = 0; e < experts; ++e) {
+      const auto* base = static_cast<const char*>(t.data_ptr()) + bytes * static_cast<size_t>(routing.offsets[e]);
+      stats.push_back(compute_stats(base, elem_type_of(t), (routing.offsets[e + 1] - routing.offsets[e]) * features));
+    }
+  }
+  return records_from_expert_stats(stats, features, elem_type_of(tensor), routing, sample_ids);
 }
 
 }  // namespace
@@ -210,8 +287,13 @@ struct ProbeSession::State {
 
   // Full statistics of CPU tensors are taken at once, those of device
   // tensors join `pending`; bisection's flags are read at once anywhere.
-  void probe(const torch::Tensor& tensor, const SiteRef& ref, Phase phase) {
+  void probe(const torch::Tensor& tensor, const SiteRef& ref, Phase phase,
+             const std::shared_ptr<const ExpertRouting>& routing = nullptr) {
     const SiteDef& def = site_def(ref.id);
+    if (routing && scope.level == ProbeLevel::kFull) {  // per expert: read back at once (the routing is on the host)
+      add(describe_experts(tensor, *routing, context.sample_ids), ref, phase);
+      return;
+    }
     if (scope.level != ProbeLevel::kFull || (tensor.device().is_cpu() && !defer_host)) {
       add(describe(tensor, def), ref, phase);
       return;
@@ -329,17 +411,25 @@ ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, const
 
 ProbeSession::~ProbeSession() = default;
 
-torch::Tensor ProbeSession::site(const SiteRef& ref, const torch::Tensor& value) {
+torch::Tensor ProbeSession::site(const SiteRef& ref, const torch::Tensor& value) { return produce(ref, value, nullptr); }
+
+torch::Tensor ProbeSession::expert_site(const SiteRef& ref, const torch::Tensor& value,
+                                       std::shared_ptr<const ExpertRouting> routing) {
+  return produce(ref, value, std::move(routing));
+}
+
+torch::Tensor ProbeSession::produce(const SiteRef& ref, const torch::Tensor& value,
+                                    std::shared_ptr<const ExpertRouting> routing) {
   state_->advance_to(ref);
   // The loss stays fp32 (cross-entropy from the rounded logits); all else is
   // rounded, unless a what-if keeps the site in fp32.
   const bool rounded = numerics_.rounds_site(ref);
   const torch::Tensor held = rounded ? numerics_.to_low(value) : value;
   if (state_->probed(ref)) {
-    state_->probe(held, ref, Phase::kForward);
+    state_->probe(held, ref, Phase::kForward, routing);
     if (held.requires_grad()) {
       std::shared_ptr<State> state = state_;
-      held.register_hook([state, ref](torch::Tensor grad) { state->probe(grad, ref, Phase::kBackward); });
+      held.register_hook([state, ref, routing](torch::Tensor grad) { state->probe(grad, ref, Phase::kBackward, routing); });
     }
   }
   return rounded ? held.to(torch::kFloat32) : value;
@@ -402,7 +492,7 @@ std::vector<ProbeRecord> ProbeSession::take_records() {
   }
   s.aliases.clear();
   auto by_order = [](const ProbeRecord& a, const ProbeRecord& b) {
-    return a.order != b.order ? a.order < b.order : a.head < b.head;
+    return a.order != b.order ? a.order < b.order : std::pair(a.head, a.expert) < std::pair(b.head, b.expert);
   };
   std::stable_sort(s.forward.begin(), s.forward.end(), by_order);
   std::stable_sort(s.backward.begin(), s.backward.end(), by_order);

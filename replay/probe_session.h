@@ -36,6 +36,16 @@ struct BatchContext {
 std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
                                          const std::vector<int64_t>& sample_ids, int64_t window = 0);
 
+// How a mixture-of-experts layer routed its tokens: the rows of a per-expert
+// site's tensor are grouped by expert, each expert's in (batch row, position)
+// order, so expert e holds rows [offsets[e], offsets[e + 1]).
+struct ExpertRouting {
+  std::vector<int64_t> offsets;  // num_experts + 1
+  std::vector<int64_t> tokens;   // per routed row: batch row * seq_len + position
+  int64_t seq_len = 0;
+  int64_t rows() const { return offsets.empty() ? 0 : offsets.back(); }
+};
+
 enum class ProbeLevel {
   kOff,    // no statistics, no hooks: the fast path for training
   kFlags,  // one all-finite test per site (causal positions only for scores and
@@ -70,6 +80,10 @@ class ProbeSession {
 
   // Returns the value the rest of the forward uses (rounded to the compute type).
   torch::Tensor site(const SiteRef& ref, const torch::Tensor& value);
+  // A per-expert site (value: [routed rows, features] grouped as `routing`
+  // says): statistics per expert and for the whole, forward and backward.
+  torch::Tensor expert_site(const SiteRef& ref, const torch::Tensor& value,
+                            std::shared_ptr<const ExpertRouting> routing);
   // Records `ref` as the very tensor already probed as `same_as` (embed and
   // layers.0.input; layers.i.output and layers.i+1.input).
   void alias(const SiteRef& ref, const SiteRef& same_as);
@@ -87,6 +101,7 @@ class ProbeSession {
   std::vector<NormCheck> take_norm_checks();
 
  private:
+  torch::Tensor produce(const SiteRef& ref, const torch::Tensor& value, std::shared_ptr<const ExpertRouting> routing);
   struct State;
   std::shared_ptr<State> state_;  // shared with the gradient hooks
   const Numerics& numerics_;

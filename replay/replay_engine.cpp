@@ -25,6 +25,7 @@
 #include "replay/step_scan.h"
 #include "replay/system_checks.h"
 #include "replay/trajectory.h"
+#include "reports/expert_load.h"
 #include "reports/number_text.h"
 #include "reports/verdict.h"
 
@@ -55,6 +56,7 @@ class BundleReplay {
     report_.bundle = bundle.root().string();
     report_.tool_version = options.tool_version;
     report_.arch = m_.model.arch;
+    report_.moe_top_k = m_.model.moe ? m_.model.moe->top_k : 0;
     report_.precision = m_.precision.compute;
     report_.incident = m_.incident;
     report_.devices = options.devices;
@@ -252,6 +254,11 @@ class BundleReplay {
     }
     add(overflow_findings(step.probes, files.step, judged.handled_overflow, m_.precision.compute, thresholds_));
     add(zero_norm_findings(step.norm_checks));
+    outcome.expert_tokens = expert_token_counts(step.probes, files.step, m_.model);
+    if (m_.model.moe) {
+      add(router_collapse_findings(outcome.expert_tokens, files.step, *m_.model.moe,
+                                   layers_with_nonfinite_routing(step.probes, files.step)));
+    }
     add(sample_loss_findings(step.sample_losses, files.step, thresholds_));
     outcome.rank_norms_logged_global = rank_norms_logged_global(outcome, state, thresholds_);
     add(rank_mismatch_findings(outcome, state, thresholds_));
@@ -278,7 +285,7 @@ class BundleReplay {
                             " with loss scale " + format_number(outcome.loss_scale) +
                             "; the loss scaler skips this step and halves the scale (handled, not the incident)",
                         {{K::kStep, outcome.step}, {K::kSite, probe_name(bad)}, {K::kHead, optional_index_value(bad.first_head)},
-                         {K::kRank, bad.rank}, {K::kMicroBatch, bad.micro_batch}, {K::kBefore, outcome.loss_scale},
+                         {K::kExpert, optional_index_value(bad.first_expert)}, {K::kRank, bad.rank}, {K::kMicroBatch, bad.micro_batch}, {K::kBefore, outcome.loss_scale},
                          {K::kAfter, outcome.loss_scale / 2}});
   }
 

@@ -71,6 +71,7 @@ StepArithmetic::StepArithmetic(const Manifest& m, const StepState& state, const 
     model.qk_norm_unit_weights = true;
   }
   if (overrides.attn_logit_softcap) model.attn_logit_softcap = overrides.attn_logit_softcap;
+  if (overrides.router_z_loss_coef && model.moe) model.moe->router_z_loss_coef = *overrides.router_z_loss_coef;
   numerics.set_overrides(overrides.numerics);
   numerics.set_native(native);
 }
@@ -209,7 +210,7 @@ StepJudgement judge_step(const StepResult& result, Compute compute) {
   auto earliest = [&](bool forward_only) {
     const ProbeRecord* best = nullptr;
     for (const ProbeRecord& r : result.probes) {
-      if (r.head != -1 || r.stats.all_finite()) continue;
+      if (!is_whole(r) || r.stats.all_finite()) continue;
       if (forward_only && r.phase != Phase::kForward) continue;
       if (best == nullptr || execution_key(r) < execution_key(*best)) best = &r;
     }

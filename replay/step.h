@@ -29,6 +29,7 @@ struct StepOverrides {
   std::optional<double> norm_eps;     // replaces the model's norm_eps
   bool qk_norm = false;               // q and k RMS-normalised per head, unit weights (when the model has none)
   std::optional<double> attn_logit_softcap;  // replaces the model's attention soft cap
+  std::optional<double> router_z_loss_coef;  // replaces model.moe's (a mixture of experts only)
   NumericsOverrides numerics;
   std::optional<std::map<std::string, Fp8ModuleScales>> fp8_scales;  // replace the step's
 };

@@ -164,7 +164,7 @@ FirstNonfinite locate_first(LoadedStep& step, const StepOverrides& overrides, co
   ++passes;
   const ProbeRecord* best = nullptr;
   for (const ProbeRecord& record : out.probes) {
-    if (record.head != -1 || record.layer != flag.layer || record.stats.all_finite()) continue;
+    if (!is_whole(record) || record.layer != flag.layer || record.stats.all_finite()) continue;
     if (best == nullptr || earlier(record, *best)) best = &record;
   }
   if (best == nullptr || best->phase != flag.phase || !(best->site == flag.site)) {

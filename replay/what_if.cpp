@@ -39,6 +39,10 @@ const std::vector<KindInfo>& kinds() {
        "q and k RMS-normalised per head with unit weights before rotary (Qwen3's QK-norm; llama only)"},
       {WhatIf::Kind::kSoftcap, "softcap", "softcap=50",
        "the attention scores soft-capped, c * tanh(s / c), before softmax (Gemma 2; llama only)"},
+      {WhatIf::Kind::kRouterFp32, "router-fp32", "router-fp32",
+       "a mixture of experts' router matmul and softmax in fp32, never rounded (model.moe only)"},
+      {WhatIf::Kind::kZLoss, "z-loss", "z-loss=1e-3",
+       "the router z-loss coefficient (ST-MoE: mean logsumexp(router logits)^2; model.moe only)"},
   };
   return table;
 }
@@ -191,6 +195,19 @@ StepOverrides overrides_for(const WhatIf& w, const Bundle& bundle, const LoadedS
       change = "attention scores soft-capped at " + format_number(w.value) +
                (m.model.attn_logit_softcap ? " (instead of " + format_number(*m.model.attn_logit_softcap) + ")" : "");
       break;
+    case WhatIf::Kind::kRouterFp32:
+      overrides.numerics.router_fp32 = true;
+      change = "router matmul and softmax kept in fp32";
+      if (m.precision.compute == Compute::kFp32) change += " (no change: the bundle computes in fp32)";
+      break;
+    case WhatIf::Kind::kZLoss:
+      if (!m.model.moe) bad_spec(w.text, "a mixture of experts' router only: this bundle's model has no model.moe");
+      overrides.router_z_loss_coef = w.value;
+      change = "router z-loss coefficient " + format_number(m.model.moe->router_z_loss_coef) + " -> " +
+               format_number(w.value) +
+               " (the loss and its gradient change; the forward values do not, so a forward overflow stays)";
+      if (w.value == m.model.moe->router_z_loss_coef) change = "no change: the router z-loss coefficient is already " + format_number(w.value);
+      break;
   }
   return overrides;
 }
@@ -210,7 +227,8 @@ WhatIf parse_what_if(const std::string& text) {
   WhatIf w;
   w.kind = info->kind;
   w.text = text;
-  const bool takes_value = w.kind != WhatIf::Kind::kStableSoftmax && w.kind != WhatIf::Kind::kQkNorm;
+  const bool takes_value = w.kind != WhatIf::Kind::kStableSoftmax && w.kind != WhatIf::Kind::kQkNorm &&
+                           w.kind != WhatIf::Kind::kRouterFp32;
   const bool value_optional = w.kind == WhatIf::Kind::kDampFp8Scale;
   if (!takes_value && value) bad_spec(text, std::string(info->name) + " takes no value");
   if (takes_value && !value_optional && (!value || value->empty())) {
@@ -242,8 +260,13 @@ WhatIf parse_what_if(const std::string& text) {
       w.value = parse_number(text, *value);
       if (!(w.value > 0) || !std::isfinite(w.value)) bad_spec(text, "the cap must be a finite number > 0");
       break;
+    case WhatIf::Kind::kZLoss:
+      w.value = parse_number(text, *value);
+      if (w.value < 0) bad_spec(text, "the coefficient must be >= 0");
+      break;
     case WhatIf::Kind::kStableSoftmax:
     case WhatIf::Kind::kQkNorm:
+    case WhatIf::Kind::kRouterFp32:
       break;
   }
   return w;
@@ -261,6 +284,9 @@ void check_what_if(const WhatIf& w, const Manifest& manifest) {
   }
   if ((w.kind == WhatIf::Kind::kQkNorm || w.kind == WhatIf::Kind::kSoftcap) && manifest.model.arch != Arch::kLlama) {
     bad_spec(w.text, "the llama family's attention only: this bundle's model is gpt2");
+  }
+  if ((w.kind == WhatIf::Kind::kRouterFp32 || w.kind == WhatIf::Kind::kZLoss) && !manifest.model.moe) {
+    bad_spec(w.text, "a mixture of experts' router only: this bundle's model has no model.moe");
   }
   if (w.kind == WhatIf::Kind::kDampFp8Scale && manifest.precision.compute != Compute::kFp8) {
     bad_spec(w.text, std::string("the bundle computes in ") + compute_name(manifest.precision.compute) +

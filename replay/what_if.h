@@ -24,13 +24,15 @@ struct WhatIf {
     kStableSoftmax,  // stable-softmax: q k^T, scaling and softmax in fp32, as a fused kernel does
     kQkNorm,         // qk-norm: q and k RMS-normalised per head with unit weights (Qwen3's QK-norm)
     kSoftcap,        // softcap=50: the attention scores soft-capped, c * tanh(s / c) (Gemma 2)
+    kRouterFp32,     // router-fp32: a mixture of experts' router matmul and softmax in fp32
+    kZLoss,          // z-loss=1e-3: the router z-loss coefficient (ST-MoE)
   };
   Kind kind = Kind::kStableSoftmax;
   std::string text;               // as written
   std::vector<int64_t> samples;   // drop-samples
   std::vector<int> layers;        // fp32-layers
   bool all_layers = false;        // fp32-layers=all
-  double value = 0.0;             // norm-eps, the damping factor, or the soft cap
+  double value = 0.0;             // norm-eps, the damping factor, the soft cap or the z-loss coefficient
 };
 
 // Parses one --what-if; throws UsageError naming the spec and what is wrong.

@@ -53,7 +53,8 @@ nlohmann::json stages_json(const BisectReport& r) {
                      {"phase", phase_name(o.phase)}, {"micro_batch", optional_index(o.micro_batch)},
                      {"rank", optional_index(o.rank)}};
   stages["site"] = {{"probes", "full"},   {"replays", r.site_replays}, {"block", optional_index(o.layer)},
-                    {"site", o.name()},   {"head", optional_index(o.head)}, {"index", o.index}};
+                    {"site", o.name()},   {"head", optional_index(o.head)},
+                    {"expert", optional_index(o.expert)}, {"index", o.index}};
   if (r.samples.ran || !r.samples.note.empty()) {
     stages["samples"] = {{"method", "ddmin"},
                          {"replays", r.samples.replays},
@@ -145,7 +146,7 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
     out << paint(style, "1;31", "ORIGIN") << "  step " << f.step << ", " << phase_name(f.phase) << ", "
         << paint(style, "1", f.name()) << "\n"
         << "  kind " << nonfinite_kind_name(f.kind) << " | layer " << or_dash(f.layer) << " | head " << or_dash(f.head)
-        << " | rank " << or_dash(f.rank) << " | micro-batch " << or_dash(f.micro_batch) << " | sample "
+        << (f.expert >= 0 ? " | expert " + std::to_string(f.expert) : "") << " | rank " << or_dash(f.rank) << " | micro-batch " << or_dash(f.micro_batch) << " | sample "
         << or_dash(f.sample) << " | position " << or_dash(f.position) << " | index " << index_text(f.index) << "\n";
     if (!f.contaminated_params.empty()) {
       out << "  the checkpoint of step " << f.step << " already holds non-finite values in "
@@ -172,7 +173,8 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
     out << "  " << pad("layer", 10) << pad("0", 9) << pad("(step's flags)", 16) << block << ", "
         << phase_name(f.phase) << ", micro-batch " << or_dash(f.micro_batch) << ", rank " << or_dash(f.rank) << "\n";
     out << "  " << pad("site", 10) << pad(std::to_string(r.site_replays), 9) << pad("full, 1 block", 16) << f.name()
-        << (f.head >= 0 ? ", head " + std::to_string(f.head) : "") << ", element " << index_text(f.index) << "\n";
+        << (f.head >= 0 ? ", head " + std::to_string(f.head) : "")
+        << (f.expert >= 0 ? ", expert " + std::to_string(f.expert) : "") << ", element " << index_text(f.index) << "\n";
     const bool skipped = !r.samples.ran && r.samples.note.empty();
     out << "  " << pad("samples", 10) << pad(skipped ? "-" : std::to_string(r.samples.replays), 9)
         << pad("any-non-finite", 16);

@@ -74,6 +74,8 @@ const std::vector<FindingCodeDef>& finding_code_table() {
        "a step rolled forward from an earlier checkpoint no longer replays to the logged loss"},
       {C::kSystemLogConvention, "SYSTEM_LOG_CONVENTION", L::kSystem, S::kInfo,
        "the job logged a per-rank number by another convention than the bundle's; compared by the job's"},
+      {C::kNumericRouterCollapse, "NUMERIC_ROUTER_COLLAPSE", L::kNumeric, S::kWarning,
+       "a mixture of experts' layer sent far more than its share of tokens to one expert, or none to one"},
   };
   return table;
 }
@@ -110,6 +112,8 @@ const std::vector<EvidenceKeyDef>& evidence_key_table() {
       {K::kTolerance, "tolerance", false}, {K::kMaxRelativeGap, "max_relative_gap", false},
       {K::kRelative, "relative", false}, {K::kOriginalSample, "original_sample", false},
       {K::kOriginalOffset, "original_offset", false},
+      {K::kLayer, "layer", false},      {K::kShare, "share", false},
+      {K::kTokens, "tokens", false},
   };
   return table;
 }

@@ -46,6 +46,7 @@ enum class FindingCode : uint8_t {
   kBundleDoesNotReproduce,
   kSystemTrajectoryDiverged,
   kSystemLogConvention,
+  kNumericRouterCollapse,
 };
 
 struct FindingCodeDef {
@@ -66,7 +67,7 @@ enum class EvidenceKey : uint8_t {
   kExpected, kShard, kOffset, kTensor, kLength, kToken, kExpert,
   kPhase, kSamples, kZ, kHeadroomBits, kSteps, kLastStep, kConsequence, kLastCleanStep, kParams,
   kImplicated, kTypical, kSiteLength, kNorm, kTypicalNorm, kGaps, kCauses, kCheckedSteps, kTolerance,
-  kMaxRelativeGap, kRelative, kOriginalSample, kOriginalOffset,
+  kMaxRelativeGap, kRelative, kOriginalSample, kOriginalOffset, kLayer, kShare, kTokens,
 };
 
 struct EvidenceKeyDef {

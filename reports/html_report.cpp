@@ -9,10 +9,12 @@
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <set>
 #include <sstream>
 
 #include "loaders/error.h"
+#include "reports/expert_load.h"
 #include "reports/terminal_text.h"
 
 namespace nanreplay {
@@ -106,6 +108,8 @@ details.step summary{cursor:pointer;font-weight:600}
 .tok.bad{background:#b3261e;color:#fff;border-color:#b3261e}.tok.bad small{color:#ffd8d2}
 .panel{background:#fff;border-radius:8px;padding:12px 16px}
 .two{display:grid;grid-template-columns:minmax(0,1fr) minmax(0,1fr);gap:16px;align-items:start}
+table.load td{min-width:64px}table.load .bar{height:4px;background:#1c7ed6;margin-top:2px}
+table.load td.odd{background:#fff0ec;font-weight:600}
 footer{margin-top:30px;color:#5c6373}
 a{color:#1c63c7}
 )css";
@@ -146,7 +150,7 @@ Heatmap build_heatmap(const ReplayReport& report, int64_t step, Phase phase) {
   std::map<std::string, int> column_order;
   std::set<int> rows;
   for (const ProbeRecord& r : report.probes) {
-    if (r.step != step || r.phase != phase || r.head != -1) continue;
+    if (r.step != step || r.phase != phase || !is_whole(r)) continue;
     const std::string column = site_column(r);
     auto [it, inserted] = column_order.emplace(column, r.order);
     if (!inserted) it->second = std::min(it->second, r.order);
@@ -177,7 +181,7 @@ Scale phase_scale(const ReplayReport& report, Phase phase) {
   double low = std::numeric_limits<double>::infinity();
   double high = -low;
   for (const ProbeRecord& r : report.probes) {
-    if (r.phase != phase || r.head != -1 || !(r.stats.max_abs > 0) || !std::isfinite(r.stats.max_abs)) continue;
+    if (r.phase != phase || !is_whole(r) || !(r.stats.max_abs > 0) || !std::isfinite(r.stats.max_abs)) continue;
     low = std::min(low, std::log10(r.stats.max_abs));
     high = std::max(high, std::log10(r.stats.max_abs));
   }
@@ -525,6 +529,38 @@ std::string render_what_ifs(const ReplayReport& report) {
   return out.str();
 }
 
+// Tokens per expert and layer of one step, each cell's bar its share of the
+// layer's tokens; a share above the collapse point is marked.
+std::string render_expert_load(const ReplayReport& report) {
+  const StepOutcome* step = expert_load_step(report);
+  if (step == nullptr) return "";
+  const size_t experts = step->expert_tokens.front().size();
+  std::ostringstream out;
+  out << "<h2>Expert load</h2><p class=\"meta\">Tokens routed to each expert at step " << step->step
+      << " (every rank and micro-batch); the bar is the expert's share of the layer's tokens, balanced "
+      << escape_html(format_number(100.0 * static_cast<double>(report.moe_top_k) / static_cast<double>(experts)))
+      << "%.</p><table class=\"grid load\"><tr><th class=\"l\">layer</th>";
+  for (size_t e = 0; e < experts; ++e) out << "<th>expert " << e << "</th>";
+  out << "</tr>";
+  for (size_t layer = 0; layer < step->expert_tokens.size(); ++layer) {
+    const std::vector<int64_t>& row = step->expert_tokens[layer];
+    // Marked as NUMERIC_ROUTER_COLLAPSE judges: over the collapse point, or idle where tokens were due.
+    const double expected = static_cast<double>(std::accumulate(row.begin(), row.end(), int64_t{0})) /
+                            static_cast<double>(experts);
+    out << "<tr><td class=\"l\">" << layer << "</td>";
+    for (size_t e = 0; e < row.size(); ++e) {
+      const double share = expert_share(row, static_cast<int64_t>(e), report.moe_top_k);
+      const bool odd = (row[e] == 0 && expected >= kStarvedExpectedTokens) ||
+                       share > collapsed_share(report.moe_top_k, static_cast<int64_t>(experts));
+      out << "<td" << (odd ? " class=\"odd\"" : "") << ">" << row[e] << "<div class=\"bar\" style=\"width:"
+          << fixed(std::min(1.0, share) * 100.0, 1) << "%\"></div></td>";
+    }
+    out << "</tr>";
+  }
+  out << "</table>";
+  return out.str();
+}
+
 std::string render_token_window(const ReplayReport& report) {
   if (!report.first_nonfinite || report.offending_tokens.empty()) return "";
   const FirstNonfinite& f = *report.first_nonfinite;
@@ -557,7 +593,7 @@ std::string render_html(const ReplayReport& report) {
   if (report.incident && !report.incident->symptom.empty()) out << ": " << escape_html(report.incident->symptom);
   out << " &middot; nanreplay " << escape_html(report.tool_version) << "</p>" << render_verdict(report)
       << render_triage(report) << render_heatmaps(report) << render_propagation(report) << render_steps(report)
-      << render_token_window(report) << render_what_ifs(report)
+      << render_expert_load(report) << render_token_window(report) << render_what_ifs(report)
       << "<footer>Files: <a href=\"report.json\">report.json</a> &middot; <a href=\"report.md\">report.md</a> &middot; "
       << "<a href=\"trace.h5\">trace.h5</a> (query it with <code>nanreplay trace trace.h5</code>)</footer></main>"
       << "<script>document.title = \"nanreplay report ok\";</script></body></html>\n";

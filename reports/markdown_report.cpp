@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "loaders/error.h"
+#include "reports/expert_load.h"
 #include "reports/terminal_text.h"
 
 namespace nanreplay {
@@ -39,7 +40,8 @@ std::string or_dash(int64_t value) { return value >= 0 ? std::to_string(value) :
 std::string origin_coordinates(const FirstNonfinite& f) {
   std::ostringstream out;
   out << "step " << f.step << ", " << phase_name(f.phase) << ", " << code(f.name()) << " (" << nonfinite_kind_name(f.kind)
-      << "): layer " << or_dash(f.layer) << ", head " << or_dash(f.head) << ", rank " << or_dash(f.rank)
+      << "): layer " << or_dash(f.layer) << ", head " << or_dash(f.head)
+      << (f.expert >= 0 ? ", expert " + std::to_string(f.expert) : "") << ", rank " << or_dash(f.rank)
       << ", micro-batch " << or_dash(f.micro_batch) << ", sample " << or_dash(f.sample);
   if (f.original_sample) out << " (the run's sample " << *f.original_sample << ")";
   if (f.original_offset) out << " (the run's token offset " << *f.original_offset << ")";
@@ -149,7 +151,30 @@ void write_propagation(std::ostringstream& out, const ReplayReport& report) {
     const PropagationEntry& p = report.propagation[i];
     out << i + 1 << ". " << phase_name(p.phase) << " " << code(p.name());
     if (p.head >= 0) out << " head " << p.head;
+    if (p.expert >= 0) out << " expert " << p.expert;
     out << ": " << p.nan_count << " nan, " << p.inf_count << " inf\n";
+  }
+}
+
+void write_expert_load(std::ostringstream& out, const ReplayReport& report) {
+  const StepOutcome* step = expert_load_step(report);
+  if (step == nullptr) return;
+  const size_t experts = step->expert_tokens.front().size();
+  out << "\n## Expert load\n\nTokens routed to each expert at step " << step->step
+      << " (every rank and micro-batch), with the expert's share of the layer's tokens (balanced "
+      << format_number(100.0 * static_cast<double>(report.moe_top_k) / static_cast<double>(experts)) << "%).\n\n| layer |";
+  for (size_t e = 0; e < experts; ++e) out << " expert " << e << " |";
+  out << "\n|---:|";
+  for (size_t e = 0; e < experts; ++e) out << "---:|";
+  out << "\n";
+  for (size_t layer = 0; layer < step->expert_tokens.size(); ++layer) {
+    const std::vector<int64_t>& row = step->expert_tokens[layer];
+    out << "| " << layer << " |";
+    for (size_t e = 0; e < row.size(); ++e) {
+      out << " " << row[e] << " (" << format_number(100.0 * expert_share(row, static_cast<int64_t>(e), report.moe_top_k))
+          << "%) |";
+    }
+    out << "\n";
   }
 }
 
@@ -195,6 +220,7 @@ std::string render_markdown(const ReplayReport& report) {
   write_steps(out, report);
   write_findings(out, report);
   write_propagation(out, report);
+  write_expert_load(out, report);
   write_what_ifs(out, report);
   write_determinism_and_links(out, report);
   return out.str();

@@ -34,6 +34,7 @@ nlohmann::json first_to_json(const FirstNonfinite& first) {
       {"site", first.name()},
       {"layer", optional_index(first.layer)},
       {"head", optional_index(first.head)},
+      {"expert", optional_index(first.expert)},
       {"kind", nonfinite_kind_name(first.kind)},
       {"rank", optional_index(first.rank)},
       {"micro_batch", optional_index(first.micro_batch)},
@@ -109,6 +110,7 @@ nlohmann::json step_to_json(const StepOutcome& step) {
   out["rank_losses"] = rank_losses;
   out["rank_grad_norms"] = rank_norms;
   out["probe_summary"] = probe_summary_json(step.probe_summary);
+  if (!step.expert_tokens.empty()) out["expert_tokens"] = step.expert_tokens;
   return out;
 }
 
@@ -117,7 +119,7 @@ nlohmann::json step_to_json(const StepOutcome& step) {
 ProbeSummary summarize_probes(const std::vector<ProbeRecord>& step_records) {
   ProbeSummary summary;
   for (const ProbeRecord& r : step_records) {
-    if (r.head != -1 || r.phase == Phase::kGrad) continue;
+    if (!is_whole(r) || r.phase == Phase::kGrad) continue;
     summary.probed = true;
     if (!r.stats.all_finite()) ++summary.nonfinite_records;
     if (!std::isfinite(r.stats.max_abs)) continue;
@@ -147,6 +149,7 @@ FirstNonfinite first_nonfinite_of(const ProbeRecord& record) {
   first.param = record.param;
   first.layer = record.layer;
   first.head = record.first_head;
+  first.expert = record.first_expert;
   first.kind = record.stats.first_kind;
   first.rank = record.rank;
   first.micro_batch = record.micro_batch;
@@ -203,6 +206,7 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   for (const PropagationEntry& p : report.propagation) {
     path.push_back({{"phase", phase_name(p.phase)}, {"site", p.name()},
                     {"layer", optional_index(p.layer)}, {"head", optional_index(p.head)},
+                    {"expert", optional_index(p.expert)},
                     {"kind", nonfinite_kind_name(p.kind)}, {"nan_count", p.nan_count},
                     {"inf_count", p.inf_count}});
   }
@@ -231,6 +235,7 @@ nlohmann::json report_to_json(const ReplayReport& report) {
     if (!c.identical) {
       check["first_difference"] = {{"probe", c.first_difference}, {"rank", c.where.rank},
                                    {"micro_batch", c.where.micro_batch}, {"head", optional_index(c.where.head)},
+                                   {"expert", optional_index(c.where.expert)},
                                    {"max_abs", {json_number(c.max_abs_a), json_number(c.max_abs_b)}},
                                    {"sum", {json_number(c.sum_a), json_number(c.sum_b)}}};
     }

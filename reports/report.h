@@ -26,6 +26,7 @@ struct FirstNonfinite {
   std::string param;   // phase grad: the parameter's key
   int layer = -1;
   int head = -1;
+  int expert = -1;     // per-expert sites (a mixture of experts)
   NonfiniteKind kind = NonfiniteKind::kNan;
   int rank = -1;
   int micro_batch = -1;
@@ -103,6 +104,7 @@ struct PropagationEntry {
   NonfiniteKind kind = NonfiniteKind::kNan;
   int64_t nan_count = 0;
   int64_t inf_count = 0;
+  int expert = -1;  // per-expert sites: the expert of the first non-finite element
 
   std::string name() const { return probe_name(phase, site, param); }
 };
@@ -119,7 +121,7 @@ std::string root_cause_code(const RootCause& cause, bool reproduced);
 struct ProbeDifference {
   std::string phase;  // "forward", "backward", "grad"; empty when the probe counts differed
   std::string site;   // a site name as everywhere else ("layers.1.attn.scores")
-  int rank = -1, micro_batch = -1, head = -1;
+  int rank = -1, micro_batch = -1, head = -1, expert = -1;
 };
 
 // One step replayed a second time, every probe compared bit for bit with the first replay.
@@ -184,12 +186,16 @@ struct StepOutcome {
   // rank) as each rank's: its rank_grad_norms say nothing about the ranks.
   bool rank_norms_logged_global = false;
   ProbeSummary probe_summary;
+  // A mixture of experts: [layer][expert] tokens routed over every rank and
+  // micro-batch (reports/expert_load.h); empty for a dense model.
+  std::vector<std::vector<int64_t>> expert_tokens;
 };
 
 struct ReplayReport {
   std::string bundle;
   std::string tool_version;
   Arch arch = Arch::kLlama;
+  int64_t moe_top_k = 0;  // a mixture of experts' top_k (0: dense): what steps[].expert_tokens' shares divide by
   Compute precision = Compute::kFp32;
   std::optional<IncidentInfo> incident;
   bool reproduced = false;

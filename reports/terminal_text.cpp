@@ -49,6 +49,7 @@ std::string render_what_ifs(const std::vector<WhatIfOutcome>& outcomes, const Te
       const FirstNonfinite& a = *w.after;
       out << paint(style, "1;31", "NOT RESOLVED") << "  first non-finite: " << phase_name(a.phase) << " " << a.name();
       if (a.head >= 0) out << " head " << a.head;
+      if (a.expert >= 0) out << " expert " << a.expert;
       out << ", sample " << or_dash(a.sample) << ", position " << or_dash(a.position);
     }
     out << "  (" << w.replays << " replays)\n    " << printable(w.change) << "\n";
@@ -112,7 +113,7 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
     out << paint(style, "1;31", "REPRODUCED") << "  first non-finite value: step " << f.step << ", "
         << phase_name(f.phase) << ", " << paint(style, "1", f.name()) << "\n";
     out << "  kind " << nonfinite_kind_name(f.kind) << " | layer " << or_dash(f.layer) << " | head "
-        << or_dash(f.head) << " | rank " << or_dash(f.rank) << " | micro-batch "
+        << or_dash(f.head) << (f.expert >= 0 ? " | expert " + std::to_string(f.expert) : "") << " | rank " << or_dash(f.rank) << " | micro-batch "
         << or_dash(f.micro_batch) << " | sample " << or_dash(f.sample) << original_text(f) << " | position "
         << or_dash(f.position) << "\n";
     out << token_lines(report);

@@ -143,6 +143,8 @@ struct IntegerColumn {
   Storage storage;
   int64_t (*get)(const Row&);
   void (*set)(Row&, int64_t);
+  // Added after the format's first release: a file without it reads as -1.
+  bool optional = false;
 };
 
 template <class Row>
@@ -244,6 +246,13 @@ const IntegerColumn<Probe> kProbeIntegerColumns[] = {
      [](Probe& r, int64_t v) { r.position = v; }},
     {"first_head", Storage::kI32, [](const Probe& r) -> int64_t { return r.first_head; },
      [](Probe& r, int64_t v) { r.first_head = int(v); }},
+    // Mixture-of-experts models (absent from older files).
+    {"expert", Storage::kI32, [](const Probe& r) -> int64_t { return r.expert; },
+     [](Probe& r, int64_t v) { r.expert = int(v); }, true},
+    {"first_expert", Storage::kI32, [](const Probe& r) -> int64_t { return r.first_expert; },
+     [](Probe& r, int64_t v) { r.first_expert = int(v); }, true},
+    {"routed_tokens", Storage::kI64, [](const Probe& r) -> int64_t { return r.routed_tokens; },
+     [](Probe& r, int64_t v) { r.routed_tokens = v; }, true},
 };
 
 const RealColumn<Probe> kProbeRealColumns[] = {
@@ -301,9 +310,10 @@ const RealColumn<Step> kStepRealColumns[] = {
 
 // The fewest decoded bytes a row takes over all columns of its table (each
 // string column at least one byte): bounds how many rows a file can hold.
+// The optional columns are left out: a file may lack them.
 constexpr uint64_t kMinProbeRowBytes = 8 * 8 + 6 * 4 + 5 * 8 + 5 * 1;  // i64, i32, f64 and string columns
 constexpr uint64_t kMinStepRowBytes = 8 + 1 + 3 * 8;
-static_assert(sizeof(kProbeIntegerColumns) / sizeof(kProbeIntegerColumns[0]) == 14, "update kMinProbeRowBytes");
+static_assert(sizeof(kProbeIntegerColumns) / sizeof(kProbeIntegerColumns[0]) == 14 + 3, "update kMinProbeRowBytes");
 static_assert(sizeof(kProbeRealColumns) / sizeof(kProbeRealColumns[0]) == 5, "update kMinProbeRowBytes");
 static_assert(sizeof(kProbeTextColumns) / sizeof(kProbeTextColumns[0]) == 5, "update kMinProbeRowBytes");
 

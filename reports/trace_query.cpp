@@ -29,6 +29,7 @@ TraceSelection select_probes(const std::vector<ProbeRecord>& probes, const Trace
     if (query.step && r.step != *query.step) continue;
     if (query.phase && r.phase != *query.phase) continue;
     if (query.head && r.head != *query.head) continue;
+    if (query.expert && r.expert != *query.expert) continue;
     if (!query.site_pattern.empty() && !glob_match(query.site_pattern, probe_name(r))) continue;
     if (query.only_nonfinite && r.stats.all_finite()) continue;
     rows.push_back(r);
@@ -50,13 +51,13 @@ TraceSelection select_probes(const std::vector<ProbeRecord>& probes, const Trace
 std::string render_trace_table(const TraceSelection& selection) {
   std::ostringstream out;
   char line[512];
-  std::snprintf(line, sizeof(line), "%-6s %-3s %-4s %-8s %-36s %-4s %-12s %-12s %-8s %-8s %s\n", "step", "mb", "rank",
-                "phase", "site", "head", "max|x|", "rms", "nan", "inf", "headroom");
+  std::snprintf(line, sizeof(line), "%-6s %-3s %-4s %-8s %-36s %-4s %-6s %-12s %-12s %-8s %-8s %s\n", "step", "mb", "rank",
+                "phase", "site", "head", "expert", "max|x|", "rms", "nan", "inf", "headroom");
   out << line;
   for (const ProbeRecord& r : selection.rows) {
-    std::snprintf(line, sizeof(line), "%-6lld %-3d %-4d %-8s %-36s %-4d %-12s %-12s %-8lld %-8lld %s\n",
+    std::snprintf(line, sizeof(line), "%-6lld %-3d %-4d %-8s %-36s %-4d %-6d %-12s %-12s %-8lld %-8lld %s\n",
                   static_cast<long long>(r.step), r.micro_batch, r.rank, phase_name(r.phase), printable(probe_name(r)).c_str(),
-                  r.head, format_number(r.stats.max_abs).c_str(), format_number(r.stats.rms()).c_str(),
+                  r.head, r.expert, format_number(r.stats.max_abs).c_str(), format_number(r.stats.rms()).c_str(),
                   static_cast<long long>(r.stats.nan_count), static_cast<long long>(r.stats.inf_count),
                   format_number(r.headroom_bits).c_str());
     out << line;
@@ -70,7 +71,7 @@ nlohmann::json trace_selection_json(const TraceSelection& selection) {
   for (const ProbeRecord& r : selection.rows) {
     rows.push_back({{"step", r.step}, {"micro_batch", r.micro_batch}, {"rank", r.rank},
                     {"phase", phase_name(r.phase)}, {"site", printable(probe_name(r))}, {"layer", r.layer},
-                    {"head", r.head}, {"max_abs", json_number(r.stats.max_abs)}, {"rms", json_number(r.stats.rms())},
+                    {"head", r.head}, {"expert", r.expert}, {"routed_tokens", r.routed_tokens}, {"max_abs", json_number(r.stats.max_abs)}, {"rms", json_number(r.stats.rms())},
                     {"nan_count", r.stats.nan_count}, {"inf_count", r.stats.inf_count},
                     {"headroom_bits", json_number(r.headroom_bits)}, {"sample", r.sample},
                     {"position", r.position}});

@@ -1,5 +1,5 @@
 // `nanreplay trace`: select probe rows of a trace.h5 in the terminal by step,
-// phase, site glob and head; sort by max|x| or keep only non-finite rows in
+// phase, site glob, head and expert; sort by max|x| or keep only non-finite rows in
 // execution order. Pure: filtering and rendering, no file access.
 #pragma once
 
@@ -19,6 +19,7 @@ struct TraceQuery {
   std::optional<Phase> phase;
   std::string site_pattern;  // glob ('*' any run, '?' one character); empty matches all
   std::optional<int> head;
+  std::optional<int> expert;  // -1: rows not of one expert
   bool sort_by_max_abs = false;  // descending
   bool only_nonfinite = false;   // NaN/Inf rows in execution order
   size_t limit = 50;

@@ -89,6 +89,11 @@ class TraceFileReader {
     return extra;
   }
 
+  bool has_column(const std::string& group, const char* name) const {
+    const std::string key = "/" + group + "/" + name;
+    return H5Lexists(file_, group.c_str(), H5P_DEFAULT) > 0 && H5Lexists(file_, key.c_str(), H5P_DEFAULT) > 0;
+  }
+
   // Opens /group/name as a 1-D dataset; its length must equal `expected`
   // (pass -1 to accept any and learn it).
   Handle open_column(const std::string& group, const char* name, int64_t& expected) const {
@@ -128,6 +133,7 @@ class TraceFileReader {
                     const IntegerColumn<Row> (&columns)[N]) const {
     std::vector<int64_t> values(rows.size());
     for (const IntegerColumn<Row>& column : columns) {
+      if (column.optional && !has_column(group, column.name)) continue;
       int64_t length = int64_t(rows.size());
       Handle dataset = open_column(group, column.name, length);
       require_type(dataset, group, column.name, file_type(column.storage));

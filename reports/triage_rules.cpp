@@ -34,6 +34,7 @@ std::string where_text(const ProbeRecord& r) {
   std::ostringstream out;
   out << probe_name(r);
   if (r.first_head >= 0) out << " (head " << r.first_head << ")";
+  if (r.first_expert >= 0) out << " (expert " << r.first_expert << ")";
   out << ", step " << r.step << " " << phase_name(r.phase);
   if (r.phase != Phase::kGrad) out << ", micro-batch " << r.micro_batch << ", rank " << r.rank;
   return out.str();
@@ -50,11 +51,12 @@ TriageThresholds default_thresholds(Compute compute) {
   return t;
 }
 
-// The per-head record of `whole`'s first head: its own counts.
-const ProbeRecord* head_record(const std::vector<ProbeRecord>& records, const ProbeRecord& whole) {
-  if (whole.first_head < 0) return nullptr;
+// The per-head (per-expert) record of `whole`'s first head (expert): its own counts.
+const ProbeRecord* part_record(const std::vector<ProbeRecord>& records, const ProbeRecord& whole) {
+  if (whole.first_head < 0 && whole.first_expert < 0) return nullptr;
   for (const ProbeRecord& r : records) {
-    if (r.head == whole.first_head && r.step == whole.step && r.phase == whole.phase && r.order == whole.order &&
+    const bool part = whole.first_head >= 0 ? r.head == whole.first_head : r.expert == whole.first_expert;
+    if (part && r.step == whole.step && r.phase == whole.phase && r.order == whole.order &&
         r.rank == whole.rank && r.micro_batch == whole.micro_batch) {
       return &r;
     }
@@ -68,7 +70,7 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, 
   const ProbeRecord* first_inf = nullptr;
   const ProbeRecord* tightest = nullptr;
   for (const ProbeRecord& r : records) {
-    if (r.head != -1) continue;
+    if (!is_whole(r)) continue;
     if (r.stats.inf_count > 0 && (first_inf == nullptr || execution_key(r) < execution_key(*first_inf))) {
       first_inf = &r;
     }
@@ -80,17 +82,19 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, 
   const double limit = dtype_limit(compute);
   if (first_inf != nullptr) {
     if (handled_by_scaler) return {};  // the loss scaler's business, reported as such
-    // A per-head site: the count of the head named, and the site's total beside it.
-    const ProbeRecord* head = head_record(records, *first_inf);
-    const int64_t count = head != nullptr ? head->stats.inf_count : first_inf->stats.inf_count;
-    const std::string total = head != nullptr && count != first_inf->stats.inf_count
-                                  ? " (" + std::to_string(first_inf->stats.inf_count) + " over all heads)"
+    // A per-head (per-expert) site: the count of the head (expert) named, and the site's total beside it.
+    const ProbeRecord* part = part_record(records, *first_inf);
+    const int64_t count = part != nullptr ? part->stats.inf_count : first_inf->stats.inf_count;
+    const std::string total = part != nullptr && count != first_inf->stats.inf_count
+                                  ? " (" + std::to_string(first_inf->stats.inf_count) + " over all " +
+                                        (part->head >= 0 ? "heads)" : "experts)")
                                   : "";
     return {make_finding(FindingCode::kNumericOverflow, Severity::kError,
         where_text(*first_inf) + " reached the " + compute_name(compute) + " limit " +
             format_number(limit) + ": " + std::to_string(count) + " element(s) overflowed to inf" + total,
         {{K::kStep, step}, {K::kSite, probe_name(*first_inf)}, {K::kPhase, phase_name(first_inf->phase)},
-         {K::kHead, optional_index_value(first_inf->first_head)}, {K::kMicroBatch, optional_index_value(first_inf->micro_batch)},
+         {K::kHead, optional_index_value(first_inf->first_head)}, {K::kExpert, optional_index_value(first_inf->first_expert)},
+         {K::kMicroBatch, optional_index_value(first_inf->micro_batch)},
          {K::kRank, optional_index_value(first_inf->rank)}, {K::kSample, optional_index_value(first_inf->sample)},
          {K::kPosition, optional_index_value(first_inf->position)}, {K::kExpected, limit}, {K::kAfter, "inf"},
          {K::kLength, count}, {K::kSiteLength, first_inf->stats.inf_count}})};
@@ -267,7 +271,7 @@ std::vector<PropagationEntry> propagation_after(const std::vector<ProbeRecord>& 
                                                 const ProbeRecord& origin, size_t limit) {
   std::vector<const ProbeRecord*> after;
   for (const ProbeRecord& r : records) {
-    if (r.head != -1 || r.stats.all_finite() || r.step != origin.step) continue;
+    if (!is_whole(r) || r.stats.all_finite() || r.step != origin.step) continue;
     const bool same_pass = r.phase == Phase::kGrad ||
                            (r.micro_batch == origin.micro_batch && r.rank == origin.rank);
     if (same_pass && execution_key(origin) < execution_key(r)) after.push_back(&r);
@@ -278,7 +282,7 @@ std::vector<PropagationEntry> propagation_after(const std::vector<ProbeRecord>& 
   for (const ProbeRecord* r : after) {
     if (path.size() == limit) break;
     path.push_back({r->phase, r->site, r->param, r->layer, r->first_head, r->stats.first_kind, r->stats.nan_count,
-                    r->stats.inf_count});
+                    r->stats.inf_count, r->first_expert});
   }
   return path;
 }

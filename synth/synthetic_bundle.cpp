@@ -95,7 +95,8 @@ std::vector<uint32_t> initial_tokens(const SyntheticSpec& spec) {
 // the fault puts it, so no step before the fault reads it.
 bool plants_token(const FaultSpec& f) {
   return f.kind == FaultKind::kHeadOverflow || f.kind == FaultKind::kGlitchToken ||
-         f.kind == FaultKind::kZeroEmbedding || f.kind == FaultKind::kRepeatRun;
+         f.kind == FaultKind::kZeroEmbedding || f.kind == FaultKind::kRepeatRun ||
+         f.kind == FaultKind::kRouterOverflow || f.kind == FaultKind::kExpertOverflow;
 }
 
 // Where the planted token goes at the fault step: (sample, position) pairs.
@@ -215,6 +216,50 @@ void amplify_token_in_head(const SyntheticSpec& spec, ParamMap& params, int64_t 
   }
 }
 
+// A mixture of experts' faults, through a feature only `token`'s embedding
+// holds (as amplify_token_in_head): every reader of the feature but the
+// planted ones is zeroed, every writer too. Router overflow: every expert's
+// router row reads it at a gain that takes the token's logits past fp16's
+// range; the same gain for all experts shifts no other token's routing
+// (softmax is shift-invariant) and the router's gradient summed over
+// experts is zero. Expert overflow: the router prefers expert f.expert for
+// the token, whose gate and up rows both read the feature (their product
+// has no gradient at zero), so its up projection overflows on the token
+// alone. The router's preference does pass a gradient to other tokens'
+// feature: these presets train at a small learning rate, so the feature
+// stays near zero for them across the window.
+void amplify_token_in_experts(const SyntheticSpec& spec, ParamMap& params, int64_t token) {
+  const ModelConfig& m = spec.model;
+  const FaultSpec& f = spec.fault;
+  constexpr int64_t kFeature = 0;
+  torch::Tensor embedding = params.at(embedding_key(m));
+  embedding.select(1, kFeature).zero_();
+  embedding[token][kFeature] = 0.5;
+  using R = ParamRole;
+  auto weight = [&](R role, int layer, int expert = -1) -> torch::Tensor& {
+    return params.at(param_key(m.arch, role, layer, expert));
+  };
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    for (R reader : {R::kQProj, R::kKProj, R::kVProj, R::kRouter}) weight(reader, layer).select(1, kFeature).zero_();
+    weight(R::kOProj, layer)[kFeature].zero_();
+    for (int e = 0; e < m.moe->num_experts; ++e) {
+      for (R reader : {R::kExpertGateProj, R::kExpertUpProj}) weight(reader, layer, e).select(1, kFeature).zero_();
+      weight(R::kExpertDownProj, layer, e)[kFeature].zero_();
+    }
+  }
+  if (!m.tie_embeddings) weight(R::kLmHead, -1).select(1, kFeature).zero_();
+  // The token's normalized feature is several times 1, so a gain just inside
+  // fp16's range (the weight itself must round to a finite value) overflows.
+  const double overflowing = 60000.0;
+  if (f.kind == FaultKind::kRouterOverflow) {
+    weight(R::kRouter, f.layer).select(1, kFeature).fill_(overflowing);
+    return;
+  }
+  weight(R::kRouter, f.layer)[f.expert][kFeature] = 30.0;  // probability ~1 for the token
+  weight(R::kExpertGateProj, f.layer, f.expert)[0][kFeature] = 1.0;
+  weight(R::kExpertUpProj, f.layer, f.expert)[0][kFeature] = overflowing;
+}
+
 // Faults of the model that predate the captured window (in memory, before the
 // first checkpoint): AdamW carries them from checkpoint to checkpoint.
 void plant_in_model(const SyntheticSpec& spec, ParamMap& params, int64_t token) {
@@ -223,6 +268,10 @@ void plant_in_model(const SyntheticSpec& spec, ParamMap& params, int64_t token) 
   if (f.kind == FaultKind::kHeadOverflow || (f.kind == FaultKind::kRepeatRun && f.trigger_head)) {
     amplify_token_in_head(spec, params, token);
   }
+  if (f.kind == FaultKind::kRouterOverflow || f.kind == FaultKind::kExpertOverflow) {
+    amplify_token_in_experts(spec, params, token);
+  }
+  if (f.kind == FaultKind::kRouterCollapse) params.at(param_key(spec.model.arch, ParamRole::kRouter, f.layer)).zero_();
   if (f.kind == FaultKind::kGlitchToken) params.at(embedding_key(spec.model))[token].fill_(f.embedding_value);
   if (f.kind == FaultKind::kZeroEmbedding) params.at(embedding_key(spec.model))[token].zero_();
 }
@@ -540,6 +589,27 @@ void head_overflow(SyntheticSpec& spec) {
   spec.fault.position = 0;
 }
 
+// Qwen3-MoE's mixture of experts: 4 experts of width 48, 2 per token,
+// renormalized, with both router losses.
+void qwen3_moe(SyntheticSpec& spec) {
+  spec.model.moe = MoeConfig{4, 2, 48, true, 0.01, 0.001};
+}
+
+// fp16 MoE faults in layer 1 at the last step, trained at a small learning
+// rate (amplify_token_in_experts says why). The loss scale has backed off to
+// 1: the planted gains pass every token's gradient through the amplified
+// feature, which a larger scale would overflow in every step's backward.
+void moe_fault(SyntheticSpec& spec, FaultKind kind) {
+  qwen3_moe(spec);
+  spec.compute = Compute::kFp16;
+  spec.loss_scale = 1.0;
+  spec.lr = 3e-5;
+  fault_at_last(spec, kind);
+  spec.fault.layer = 1;
+  spec.fault.expert = 2;
+  spec.fault.position = 6;
+}
+
 // Gemma 2's caps and a sliding window, over attention that depends on positions.
 void gemma2_attention(SyntheticSpec& spec) {
   spec.model.attn_logit_softcap = 2.0;  // small enough that the cap bends the scores
@@ -591,6 +661,30 @@ const std::vector<PresetDef>& preset_table() {
          s.model.attention_bias = true;
          s.model.qk_norm = QkNorm::kFull;
          s.model.num_kv_heads = 2;
+       }},
+      {{"clean-moe", "nothing, Qwen3-MoE's mixture of experts (4 experts, top 2, renormalized, aux and z losses)"},
+       qwen3_moe},
+      {{"clean-moe-bf16", "nothing, the mixture of experts in bf16"},
+       [](SyntheticSpec& s) {
+         qwen3_moe(s);
+         s.compute = Compute::kBf16;
+       }},
+      {{"router-overflow", "fp16 MoE: layer 1's router amplifies a rare token until its logits overflow, at the last step"},
+       [](SyntheticSpec& s) {
+         moe_fault(s, FaultKind::kRouterOverflow);
+         // Without a z-loss: its gradient through the amplified feature would reach every token and
+         // train the run off course before the fault (softmax's own gradient sums to zero over experts).
+         s.model.moe->router_z_loss_coef = 0.0;
+       }},
+      {{"expert-overflow", "fp16 MoE: layer 1 routes a rare token to expert 2, whose up projection overflows on it"},
+       [](SyntheticSpec& s) { moe_fault(s, FaultKind::kExpertOverflow); }},
+      {{"router-collapse", "fp32 MoE: layer 0's router is zero at the first step, so every token ties and goes to "
+                           "experts 0 and 1 (NUMERIC_ROUTER_COLLAPSE, nothing non-finite)"},
+       [](SyntheticSpec& s) {
+         qwen3_moe(s);
+         s.fault.kind = FaultKind::kRouterCollapse;
+         s.fault.step = s.first_step;
+         s.fault.layer = 0;
        }},
       {{"clean-gpt2", "nothing, nanoGPT's gpt2 (LayerNorm, biases, learned positions, tied head)"},
        [](SyntheticSpec& s) {

@@ -39,6 +39,10 @@ enum class FaultKind {
   kGlitchToken,       // a rare token whose embedding row has diverged (fp16: beyond its range)
   kMlpOverflow,       // one mlp.up_proj row of a layer grows until its output overflows fp16 (an edit)
   kFp8ScaleCollapse,  // an fp8 input scale drops to 0 (amax went inf): dequantizing divides by 0
+  // A mixture of experts (model.moe):
+  kRouterOverflow,    // a layer's router amplifies a rare token until its logits overflow fp16
+  kExpertOverflow,    // a layer's router sends a rare token to one expert, whose projections overflow fp16 on it
+  kRouterCollapse,    // a layer's router weights are zero: every token ties and goes to the lowest experts
 };
 
 struct FaultSpec {
@@ -46,6 +50,7 @@ struct FaultSpec {
   int64_t step = -1;      // the step whose data (or checkpoint) carries the fault
   int layer = 0;          // head overflow, mlp overflow
   int head = 0;           // head overflow
+  int expert = 0;         // expert overflow (router overflow and collapse: the layer only)
   std::string param;      // bit flip: parameter key
   int bit = 30;           // bit flip: bit of the fp32 encoding (30 = exponent MSB)
   int64_t position = 5;   // planted token: position in the sample

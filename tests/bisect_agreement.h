@@ -28,7 +28,7 @@ inline nlohmann::json check_bisect_agrees_with_run(const std::filesystem::path& 
     CHECK(origin.is_null());
   } else {
     REQUIRE(origin.is_object());
-    for (const char* key : {"step", "phase", "site", "layer", "head", "rank", "micro_batch", "sample", "position",
+    for (const char* key : {"step", "phase", "site", "layer", "head", "expert", "rank", "micro_batch", "sample", "position",
                             "index", "kind", "shape", "producer", "token"}) {
       INFO(key);
       CHECK(origin[key] == first[key]);

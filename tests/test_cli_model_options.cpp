@@ -79,7 +79,10 @@ TEST_CASE("an option's parameters missing from the checkpoint, or a bad option v
       {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}, "model.rope_scaling.rope_type"},
       {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 4.0}, {"high_freq_factor", 1.0},
                         {"original_max_position_embeddings", 16}}, "model.rope_scaling.high_freq_factor"},
-      {"moe", {{"num_experts", 4}, {"top_k", 2}}, "model.moe"},
+      {"moe", {{"num_experts", 4}, {"top_k", 2}}, "model.layers.0.mlp.gate.weight"},
+      {"moe", {{"num_experts", 4}, {"top_k", 5}}, "model.moe.top_k"},
+      {"moe", {{"num_experts", 0}, {"top_k", 1}}, "model.moe.num_experts"},
+      {"moe", {{"num_experts", 4}, {"top_k", 2}, {"router_z_loss_coef", -1}}, "model.moe.router_z_loss_coef"},
   };
   for (const auto& [key, value, named] : cases) {
     INFO(key << " = " << value.dump());
@@ -87,7 +90,7 @@ TEST_CASE("an option's parameters missing from the checkpoint, or a bad option v
     // inspect and run share the structure check (test_cli_bad_bundles.cpp shows they refuse alike):
     // run only where the checkpoint is at fault.
     check_one_error_line(run_cli({"inspect", bundle.string()}), {named});
-    if (named.find("self_attn") != std::string::npos) {
+    if (named.find("self_attn") != std::string::npos || named.find("mlp.gate") != std::string::npos) {
       const auto out = dir / "out";
       check_one_error_line(run_cli({"run", bundle.string(), "--out", out.string()}), {"model.safetensors", named});
       CHECK_FALSE(std::filesystem::exists(out / "report.json"));

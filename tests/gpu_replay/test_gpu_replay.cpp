@@ -133,3 +133,26 @@ TEST_CASE("a model split across two GPUs replays bit for bit as on one, and cros
   CHECK(cross.cross_check->identical);
   CHECK(cross.cross_check->probes_compared > 100);
 }
+
+TEST_CASE("a mixture of experts routes on the GPU exactly as on the CPU, and names the same expert", "[gpu][moe]") {
+  ScratchDir dir("gpu-moe");
+  write_synthetic_bundle(dir / "clean", synthetic_preset("clean-moe"));
+  const Bundle clean(dir / "clean");
+  const ReplayReport cpu = replay_on(clean, {"cpu"});
+  const ReplayReport gpu = replay_on(clean, {"cuda:0"});
+  REQUIRE(gpu.steps.size() == cpu.steps.size());
+  for (size_t i = 0; i < cpu.steps.size(); ++i) {
+    CHECK(gpu.steps[i].expert_tokens == cpu.steps[i].expert_tokens);  // routing: same tokens to the same experts
+    CHECK(gpu.steps[i].loss == Approx(cpu.steps[i].loss).epsilon(1e-5));
+  }
+  write_synthetic_bundle(dir / "fault", synthetic_preset("expert-overflow"));
+  const Bundle fault(dir / "fault");
+  const ReplayReport cpu_fault = replay_on(fault, {"cpu"});
+  const ReplayReport gpu_fault = replay_on(fault, {"cuda:0"});
+  REQUIRE(cpu_fault.first_nonfinite);
+  REQUIRE(gpu_fault.first_nonfinite);
+  CHECK(gpu_fault.first_nonfinite->site == cpu_fault.first_nonfinite->site);
+  CHECK(gpu_fault.first_nonfinite->expert == cpu_fault.first_nonfinite->expert);
+  CHECK(gpu_fault.first_nonfinite->sample == cpu_fault.first_nonfinite->sample);
+  CHECK(gpu_fault.first_nonfinite->position == cpu_fault.first_nonfinite->position);
+}

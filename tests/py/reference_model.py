@@ -161,7 +161,8 @@ def llama_loss(cfg, p, inputs, targets, rnd=lambda t: t):
     The manifest's llama-family options, each as the Hugging Face model it comes from: rope_style and
     rope_scaling (Llama 3.1), attention_bias (Qwen2: q/k/v biases, none on o_proj), qk_norm ("head": Qwen3,
     "full": OLMo 2; before rotary), attn_logit_softcap and final_logit_softcap (Gemma 2), sliding_window
-    (Mistral, every layer). Absent or null is the default."""
+    (Mistral, every layer), moe (Qwen3-MoE's sparse MLP in every layer, moe_mlp; the loss adds the router's
+    load-balancing and z losses). Absent or null is the default."""
     H, G = cfg["num_heads"], cfg.get("num_kv_heads", cfg["num_heads"])
     eps, theta = cfg.get("norm_eps", 1e-5), cfg.get("rope_theta", 10000.0)
     B, T = inputs.shape
@@ -174,6 +175,7 @@ def llama_loss(cfg, p, inputs, targets, rnd=lambda t: t):
     if qk_norm not in (None, "head", "full"):
         raise ValueError(f"qk_norm: expected null, head or full, got {qk_norm!r}")
     inv_freq = rope_inv_freq(D, theta, cfg.get("rope_scaling"))
+    moe, router_logits = cfg.get("moe"), []
 
     def norm(x, w):  # fp32 from the rounded input; the norm weight is not rounded
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -204,6 +206,11 @@ def llama_loss(cfg, p, inputs, targets, rnd=lambda t: t):
         att = attention(q, k, v, H, G, rnd, softcap, window)
         x = rnd(x + rnd(lin(att, p[pre + "self_attn.o_proj.weight"])))
         h = rnd(norm(x, p[pre + "post_attention_layernorm.weight"]))
+        if moe is not None:
+            mixed, logits = moe_mlp(moe, p, pre, h, rnd, lin)
+            router_logits.append(logits)
+            x = rnd(x + mixed)
+            continue
         gate = rnd(lin(h, p[pre + "mlp.gate_proj.weight"]))
         up = rnd(lin(h, p[pre + "mlp.up_proj.weight"]))
         x = rnd(x + rnd(lin(rnd(F.silu(gate) * up), p[pre + "mlp.down_proj.weight"])))
@@ -212,7 +219,78 @@ def llama_loss(cfg, p, inputs, targets, rnd=lambda t: t):
     logits = rnd(lin(x, head))
     if final_softcap is not None:  # fp32 from the rounded logits, not rounded again
         logits = torch.tanh(logits / final_softcap) * final_softcap
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    if moe is not None:
+        loss = loss + moe_router_losses(moe, router_logits)
+    return loss
+
+
+def moe_top_k(probs, k):
+    """The k largest probabilities per token and their experts, ties to the lower expert index (a stable
+    descending sort; torch.topk leaves the order of ties unspecified)."""
+    values, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
+    return values[:, :k], experts[:, :k]
+
+
+def moe_mlp(moe, p, pre, h, rnd, lin):
+    """The MoE block in place of layer `pre`'s MLP, on h (B, T, C), the rounded post_attention_layernorm
+    output. Follows Hugging Face's modeling_qwen3_moe.py, Qwen3MoeSparseMoeBlock.forward: router logits
+    x @ gate.weight^T, softmax in fp32, top_k, renormalised when norm_topk_prob, then for each expert in
+    increasing index the routed tokens' down(silu(gate(x)) * up(x)) times their routing weight,
+    index_add_-ed into zeros. bf16 (docs/bundle-format.md's rounding points): the router logits are the
+    rounded `mlp.router` site, the probabilities fp32 and unrounded; each expert's gate, up, act and
+    down are rounded sites; the weighted sum is fp32 and rounded once (`mlp.combine`).
+    Returns (combine (B, T, C), router logits (B*T, E))."""
+    B, T, C = h.shape
+    E, k = moe["num_experts"], moe["top_k"]
+    x = h.reshape(-1, C)
+    router = rnd(lin(x, p[pre + "mlp.gate.weight"]))
+    probs = torch.softmax(router, dim=-1)
+    weights, experts = moe_top_k(probs, k)
+    if moe.get("norm_topk_prob", False):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(E):
+        token, slot = torch.where(experts == e)
+        if token.numel() == 0:
+            continue
+        w = pre + f"mlp.experts.{e}."
+        xe = x[token]
+        gate = rnd(lin(xe, p[w + "gate_proj.weight"]))
+        up = rnd(lin(xe, p[w + "up_proj.weight"]))
+        down = rnd(lin(rnd(F.silu(gate) * up), p[w + "down_proj.weight"]))
+        out = out.index_add(0, token, down * weights[token, slot, None])
+    return rnd(out).view(B, T, C), router
+
+
+def load_balancing_loss(router_logits, num_experts, top_k):
+    """Hugging Face's load_balancing_loss_func (modeling_qwen3_moe.py) without an attention mask: every
+    layer's router logits concatenated along tokens, softmax, top_k, the one-hot mask's mean over tokens
+    ([top_k, E]) times the mean probability per expert ([E]), summed, times num_experts."""
+    logits = torch.cat(router_logits, dim=0)
+    probs = torch.softmax(logits, dim=-1)
+    _, experts = moe_top_k(probs, top_k)
+    mask = F.one_hot(experts, num_experts)
+    tokens_per_expert = mask.float().mean(dim=0)
+    router_prob_per_expert = probs.mean(dim=0)
+    return torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0)) * num_experts
+
+
+def router_z_loss(router_logits):
+    """Mean over layers and tokens of logsumexp(router logits)^2."""
+    return torch.logsumexp(torch.cat(router_logits, dim=0), dim=-1).pow(2).mean()
+
+
+def moe_router_losses(moe, router_logits):
+    """router_aux_loss_coef * load balancing + router_z_loss_coef * z loss (a zero coefficient: no term),
+    from the (rounded) router logits, in fp32."""
+    out = 0.0
+    aux, z = moe.get("router_aux_loss_coef", 0.0) or 0.0, moe.get("router_z_loss_coef", 0.0) or 0.0
+    if aux:
+        out = out + aux * load_balancing_loss(router_logits, moe["num_experts"], moe["top_k"])
+    if z:
+        out = out + z * router_z_loss(router_logits)
+    return out
 
 
 def gpt2_loss(cfg, p, inputs, targets, rnd=lambda t: t):

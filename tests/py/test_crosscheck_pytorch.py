@@ -7,7 +7,8 @@ gradients in another order, and one bf16 rounding flip moves the norm ~1e-6).
 "PRESET@bf16" replays a synthetic preset's weights with the manifest's
 precision switched to bf16. Rolled-forward windows (one checkpoint, every
 later step derived) are checked against torch.optim.AdamW stepping the same
-model: losses within 1e-5 relative.
+model: losses within 1e-5 relative. clean-moe (llama with model.moe, Hugging Face Qwen3-MoE's routing
+and router losses: reference_model.moe_mlp) is checked in fp32, bf16 and rolled forward.
 
 Bundles come from `nanreplay synth`; the report from `nanreplay run --json`.
 Run by CTest with Debian's /usr/bin/python3 (python3-torch).
@@ -24,11 +25,12 @@ import reference_model  # noqa: E402
 
 # The llama family's options (clean-qwen2 ... clean-llama3) in fp32 and bf16.
 OPTION_PRESETS = ["clean-qwen2", "clean-qwen3", "clean-olmo2", "clean-gemma2", "clean-llama3", "clean-combined"]
+# clean-moe: llama with model.moe (4 experts, top 2, renormalised, aux 0.01, z 0.001), Qwen3-MoE's routing.
 PRESETS = (["clean-fp32", "clean-dp", "clean-gqa", "clean-gpt2", "clean-bf16", "clean-gpt2@bf16"]
-           + OPTION_PRESETS + [p + "@bf16" for p in OPTION_PRESETS])
+           + OPTION_PRESETS + [p + "@bf16" for p in OPTION_PRESETS] + ["clean-moe", "clean-moe@bf16"])
 # Rolled forward from the first step's checkpoint: nanreplay's own update
 # against torch.optim.AdamW and clip_grad_norm_ applied by PyTorch itself.
-ROLLED_PRESETS = ["clean-fp32", "clean-gpt2", "clean-dp", "clean-combined"]
+ROLLED_PRESETS = ["clean-fp32", "clean-gpt2", "clean-dp", "clean-combined", "clean-moe"]
 ROLLED_TOLERANCE = 1e-5
 TOLERANCE = {"fp32": {"loss": 1e-5, "grad_norm": 1e-5}, "bf16": {"loss": 1e-5, "grad_norm": 1e-4}}
 

@@ -4,7 +4,8 @@ Written the way a training engineer would write them (nn.Module trees, HF llama
 naming, nanoGPT naming for gpt2), not as a bundle reader: the capture end-to-end
 test trains them and captures them, and bench/bench_capture.py times the capture.
 Math follows the bundle format's model, docs/bundle-format.md (rotate-half RoPE, RMSNorm as
-x / sqrt(mean(x^2) + eps) * w, GELU tanh for gpt2), fp32.
+x / sqrt(mean(x^2) + eps) * w, GELU tanh for gpt2), fp32; llama's optional MoE follows Hugging Face's
+modeling_qwen3_moe.py (Qwen3MoeSparseMoeBlock, load_balancing_loss_func).
 """
 import math
 
@@ -84,7 +85,55 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    """Hugging Face's Qwen3MoeSparseMoeBlock (modeling_qwen3_moe.py): a router `gate` and `experts`, each a
+    SwiGLU MLP (gate_proj, up_proj, down_proj); forward as HF's, the experts looped with index_add_.
+    Returns (output, router logits (tokens, num_experts))."""
+
+    def __init__(self, hidden, num_experts, top_k, width, norm_topk_prob=False):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(LlamaMLP(hidden, width) for _ in range(num_experts))
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros((batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype,
+                                          device=hidden_states.device)
+        # (num_experts, top_k, tokens): which token chose which expert in which of its top_k slots
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            if top_x.numel() == 0:
+                continue
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = self.experts[expert_idx](current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+
+def load_balancing_loss_func(gate_logits, num_experts, top_k):
+    """Hugging Face's load_balancing_loss_func (modeling_qwen3_moe.py), without an attention mask."""
+    concatenated_gate_logits = torch.cat(list(gate_logits), dim=0)
+    routing_weights = F.softmax(concatenated_gate_logits, dim=-1)
+    _, selected_experts = torch.topk(routing_weights, top_k, dim=-1)
+    expert_mask = F.one_hot(selected_experts, num_experts)
+    tokens_per_expert = torch.mean(expert_mask.float(), dim=0)
+    router_prob_per_expert = torch.mean(routing_weights, dim=0)
+    overall_loss = torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0))
+    return overall_loss * num_experts
+
+
 class LlamaDecoderLayer(nn.Module):
+    """cfg["moe"] (bundle v1's model.moe): a Qwen3MoeSparseMoeBlock in place of the dense MLP."""
+
     def __init__(self, cfg):
         super().__init__()
         C, eps = cfg["hidden_size"], cfg["norm_eps"]
@@ -92,11 +141,22 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(C, cfg["num_heads"], cfg["num_kv_heads"], cfg["rope_theta"],
                                         bias=cfg.get("attention_bias", False), qk_norm=cfg.get("qk_norm"), eps=eps)
         self.post_attention_layernorm = RMSNorm(C, eps)
-        self.mlp = LlamaMLP(C, cfg["intermediate_size"])
+        moe = cfg.get("moe")
+        if moe:
+            self.mlp = Qwen3MoeSparseMoeBlock(C, moe["num_experts"], moe["top_k"],
+                                              moe.get("intermediate_size") or cfg["intermediate_size"],
+                                              moe.get("norm_topk_prob", False))
+        else:
+            self.mlp = LlamaMLP(C, cfg["intermediate_size"])
 
-    def forward(self, x):
+    def forward(self, x, router_logits=None):
         x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out = self.mlp(self.post_attention_layernorm(x))
+        if isinstance(out, tuple):  # the MoE block: (output, router logits)
+            out, logits = out
+            if router_logits is not None:
+                router_logits.append(logits)
+        return x + out
 
 
 class LlamaModel(nn.Module):
@@ -106,19 +166,23 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg["num_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["norm_eps"])
 
-    def forward(self, tokens):
+    def forward(self, tokens, router_logits=None):
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, router_logits)
         return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
-    """model.* and lm_head.weight, as Hugging Face names them."""
+    """model.* and lm_head.weight, as Hugging Face names them. With cfg["moe"], Qwen3-MoE's sparse MLPs
+    (Qwen3MoeForCausalLM's layout; no model.config: a capture passes model_config=dict(moe=...)); the
+    loss is cross-entropy + router_aux_loss_coef * HF's load balancing loss + router_z_loss_coef * the
+    mean over layers and tokens of logsumexp(router logits)^2."""
 
     def __init__(self, cfg, padding_idx=None):
         super().__init__()
         self.rope_theta = cfg["rope_theta"]
+        self.moe = cfg.get("moe")
         self.model = LlamaModel(cfg, padding_idx)
         self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         if cfg.get("tie_embeddings", False):
@@ -132,8 +196,16 @@ class LlamaForCausalLM(nn.Module):
                         p[padding_idx] = keep
 
     def forward(self, inputs, targets):
-        logits = self.lm_head(self.model(inputs))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        router_logits = [] if self.moe else None
+        logits = self.lm_head(self.model(inputs, router_logits))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        if self.moe:
+            aux, z = self.moe.get("router_aux_loss_coef", 0.0), self.moe.get("router_z_loss_coef", 0.0)
+            if aux:
+                loss = loss + aux * load_balancing_loss_func(router_logits, self.moe["num_experts"], self.moe["top_k"])
+            if z:
+                loss = loss + z * torch.logsumexp(torch.cat(router_logits, 0), dim=-1).pow(2).mean()
+        return loss
 
 
 class GPT2Block(nn.Module):
