@@ -64,6 +64,8 @@ const std::vector<Command>& command_table() {
        "nanreplay run incident-bundle/ --out triage/", run_command},
       {"bisect", "find the first non-finite value with fewer replays (step, layer, site, samples); what-ifs",
        "nanreplay bisect incident-bundle/ --json --what-if stable-softmax", bisect_command},
+      {"minimize", "write the smallest bundle that still fails the same way (steps, samples, layers)",
+       "nanreplay minimize incident-bundle/ --out incident-min/", minimize_command},
       {"demo", "write a built-in incident bundle (one attention head overflows) and replay it",
        "nanreplay demo ./nanreplay-demo", demo_command},
       {"scan-data", "scan every token shard for poisoned samples without replaying (prints GB/s)",

@@ -30,6 +30,7 @@ int dispatch_command(const CommandArgs& args, CommandIo& io);
 
 int run_command(const CommandArgs& args, CommandIo& io);        // cli/run_command.cpp
 int bisect_command(const CommandArgs& args, CommandIo& io);     // cli/bisect_command.cpp
+int minimize_command(const CommandArgs& args, CommandIo& io);   // cli/minimize_command.cpp
 int demo_command(const CommandArgs& args, CommandIo& io);       // cli/demo_command.cpp
 int scan_data_command(const CommandArgs& args, CommandIo& io);  // cli/scan_data_command.cpp
 int synth_command(const CommandArgs& args, CommandIo& io);      // cli/synth_command.cpp

@@ -612,6 +612,10 @@ Manifest parse_manifest(const std::string& json_text, const std::string& file_la
   if (auto incident = root.optional_object("incident")) {
     manifest.incident = parse_incident(*incident);
   }
+  if (auto minimized = root.optional_object("minimized")) {
+    manifest.minimized = MinimizedFrom{minimized->string("from"),
+                                       minimized->optional_string("manifest_sha256").value_or("")};
+  }
   return manifest;
 }
 

@@ -136,6 +136,13 @@ struct IncidentInfo {
   std::string symptom;
 };
 
+// A bundle `nanreplay minimize` wrote (docs/minimize.md): the bundle it was
+// cut from. Not used by the replay; report.md names it.
+struct MinimizedFrom {
+  std::string bundle;           // the original bundle's path, absolute
+  std::string manifest_sha256;  // of the original manifest.json
+};
+
 struct Manifest {
   int64_t version = 1;
   ModelConfig model;
@@ -144,6 +151,7 @@ struct Manifest {
   DataConfig data;
   std::vector<StepEntry> steps;  // sorted by step, no duplicates
   std::optional<IncidentInfo> incident;
+  std::optional<MinimizedFrom> minimized;
 };
 
 // The run's own index of bundle sample `sample` (or the token offset it

@@ -98,6 +98,9 @@ nlohmann::json manifest_json(const Manifest& m) {
     if (m.incident->step) incident["step"] = *m.incident->step;
     out["incident"] = incident;
   }
+  if (m.minimized) {
+    out["minimized"] = {{"from", m.minimized->bundle}, {"manifest_sha256", m.minimized->manifest_sha256}};
+  }
   return out;
 }
 

@@ -59,6 +59,7 @@ class BundleReplay {
     report_.moe_top_k = m_.model.moe ? m_.model.moe->top_k : 0;
     report_.precision = m_.precision.compute;
     report_.incident = m_.incident;
+    report_.minimized = m_.minimized;
     report_.devices = options.devices;
     report_.low_precision = low_precision_name(m_.precision.compute, placement_);
     for (const StepFiles& files : bundle.steps()) {

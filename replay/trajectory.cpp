@@ -107,8 +107,10 @@ RolledStart roll_to(const Bundle& bundle, int64_t step) {
     trajectory.advance(result, state, skipped);
   }
   const StepState logged = bundle.load_state(*target);
+  std::optional<AdamWMoments> moments;
+  if (!target->has_model) moments = trajectory.moments();
   return {target->has_model ? ModelCheckpoint(*target, m.model) : trajectory.checkpoint(),
-          with_loss_scale(logged, scales.of(logged))};
+          with_loss_scale(logged, scales.of(logged)), std::move(moments)};
 }
 
 }  // namespace nanreplay

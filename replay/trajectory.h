@@ -33,6 +33,9 @@ class Trajectory {
   ModelCheckpoint snapshot() const;
   const ParamMap& params() const { return params_; }
   const std::vector<std::string>& order() const { return order_; }
+  // The AdamW state the next update starts from (minimize writes it as a
+  // derived step's optimizer.safetensors).
+  const AdamWMoments& moments() const { return moments_; }
 
  private:
   const Manifest* manifest_ = nullptr;
@@ -67,6 +70,9 @@ StepState with_loss_scale(StepState state, double loss_scale);
 struct RolledStart {
   ModelCheckpoint checkpoint;
   StepState state;
+  // A derived step's AdamW state (its parameters' moments and step count);
+  // none when the step has a checkpoint of its own.
+  std::optional<AdamWMoments> moments;
 };
 RolledStart roll_to(const Bundle& bundle, int64_t step);
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 
 #include "reports/number_text.h"
 
@@ -26,13 +27,19 @@ double collapsed_share(int64_t top_k, int64_t num_experts) {
 }
 
 const StepOutcome* expert_load_step(const ReplayReport& report) {
+  std::optional<int64_t> collapse_step;
+  for (const Finding& f : report.findings) {
+    if (f.code == FindingCode::kNumericRouterCollapse && !collapse_step) collapse_step = f.evidence.integer(EvidenceKey::kStep);
+  }
   const StepOutcome* last = nullptr;
+  const StepOutcome* collapsed = nullptr;
   for (const StepOutcome& step : report.steps) {
     if (step.expert_tokens.empty()) continue;
     if (report.first_nonfinite && report.first_nonfinite->step == step.step) return &step;
+    if (collapse_step && *collapse_step == step.step) collapsed = &step;
     last = &step;
   }
-  return last;
+  return collapsed != nullptr ? collapsed : last;
 }
 
 double expert_share(const std::vector<int64_t>& layer_counts, int64_t expert, int64_t top_k) {

@@ -32,8 +32,9 @@ double collapsed_share(int64_t top_k, int64_t num_experts);
 constexpr double kStarvedExpectedTokens = 16.0;
 
 // The step whose expert load report.md and report.html show: the first
-// non-finite value's step where its routing was probed, else the last step
-// whose routing was; nullptr for a dense model.
+// non-finite value's step where its routing was probed, else the first
+// NUMERIC_ROUTER_COLLAPSE's step, else the last step whose routing was
+// probed; nullptr for a dense model.
 const StepOutcome* expert_load_step(const ReplayReport& report);
 
 // An expert's share of its layer's tokens (each token counted once, whatever top_k).

@@ -104,6 +104,10 @@ void write_verdict(std::ostringstream& out, const ReplayReport& report) {
     if (!report.incident->symptom.empty()) out << ": " << escape_markdown(report.incident->symptom);
   }
   out << ".\n";
+  if (report.minimized) {
+    out << "\nThis is a minimized bundle (`nanreplay minimize`) of " << code(report.minimized->bundle)
+        << "; its `minimized` block in manifest.json says what was kept and why.\n";
+  }
 }
 
 void write_steps(std::ostringstream& out, const ReplayReport& report) {

@@ -198,6 +198,7 @@ struct ReplayReport {
   int64_t moe_top_k = 0;  // a mixture of experts' top_k (0: dense): what steps[].expert_tokens' shares divide by
   Compute precision = Compute::kFp32;
   std::optional<IncidentInfo> incident;
+  std::optional<MinimizedFrom> minimized;  // the bundle was written by `nanreplay minimize` from this one
   bool reproduced = false;
   std::optional<FirstNonfinite> first_nonfinite;
   std::vector<StepOutcome> steps;

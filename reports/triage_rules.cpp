@@ -64,6 +64,17 @@ const ProbeRecord* part_record(const std::vector<ProbeRecord>& records, const Pr
   return nullptr;
 }
 
+// The per-head (per-expert) record of `whole` that holds its largest |x|: where a near miss is.
+const ProbeRecord* largest_part(const std::vector<ProbeRecord>& records, const ProbeRecord& whole) {
+  for (const ProbeRecord& r : records) {
+    if (!is_whole(r) && r.step == whole.step && r.phase == whole.phase && r.order == whole.order &&
+        r.rank == whole.rank && r.micro_batch == whole.micro_batch && r.stats.max_abs == whole.stats.max_abs) {
+      return &r;
+    }
+  }
+  return nullptr;
+}
+
 std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, int64_t step,
                                        bool handled_by_scaler, Compute compute,
                                        const TriageThresholds& t) {
@@ -100,11 +111,17 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, 
          {K::kLength, count}, {K::kSiteLength, first_inf->stats.inf_count}})};
   }
   if (tightest != nullptr && tightest->headroom_bits < t.headroom_warn_bits) {
+    const ProbeRecord* part = largest_part(records, *tightest);
+    const int head = part != nullptr ? part->head : -1;
+    const int expert = part != nullptr ? part->expert : -1;
+    const std::string which = head >= 0 ? " (head " + std::to_string(head) + ")"
+                              : expert >= 0 ? " (expert " + std::to_string(expert) + ")" : "";
     return {make_finding(FindingCode::kNumericHeadroomLow, Severity::kWarning,
-        where_text(*tightest) + " came within " + format_number(tightest->headroom_bits) +
+        where_text(*tightest) + which + " came within " + format_number(tightest->headroom_bits) +
             " bits of the " + compute_name(compute) + " limit (max |x| " +
             format_number(tightest->stats.max_abs) + "): a near miss",
-        {{K::kStep, step}, {K::kSite, probe_name(*tightest)}, {K::kMicroBatch, tightest->micro_batch},
+        {{K::kStep, step}, {K::kSite, probe_name(*tightest)}, {K::kHead, optional_index_value(head)},
+         {K::kExpert, optional_index_value(expert)}, {K::kMicroBatch, tightest->micro_batch},
          {K::kRank, tightest->rank}, {K::kAfter, tightest->stats.max_abs}, {K::kExpected, limit},
          {K::kHeadroomBits, tightest->headroom_bits}})};
   }

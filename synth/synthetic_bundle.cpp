@@ -535,7 +535,9 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
     if (fault.kind == FaultKind::kChecksumMismatch) rewrite_token(tmp, m, first_sample * spec.seq_len + 3, 1, false);
     // What the manifest claims: the run's, or the wrong seed a mislabeled bundle names.
     if (spec.manifest_sampler_seed) m.data.sampler.seed = *spec.manifest_sampler_seed;
-    if (fault.kind != FaultKind::kNone) m.incident = IncidentInfo{fault.step, "loss=nan"};
+    if (fault.kind != FaultKind::kNone) {
+      m.incident = IncidentInfo{fault.step, fault.kind == FaultKind::kRouterCollapse ? "loss plateau, one expert busy" : "loss=nan"};
+    }
     if (spec.compute == Compute::kFp8) m.precision.fp8 = Fp8Config{};
     write_text(tmp / "manifest.json", manifest_json(m).dump(2) + "\n");
     fs::remove(dir, ec);  // an empty directory the caller made

@@ -158,6 +158,9 @@ TEST_CASE("a router that sends every token to the same experts is NUMERIC_ROUTER
   CHECK(evidence["share"] == 1.0);
   CHECK(evidence["tokens"] == tokens);
   for (const auto& finding : collapse) CHECK(finding["evidence"]["layer"] == 0);  // layer 1 is healthy
+  // The reports show the expert load of the collapsed step.
+  CHECK(slurp(dir / "out" / "report.md").find("Tokens routed to each expert at step " +
+                                              std::to_string(first_step["step"].get<int64_t>())) != std::string::npos);
 }
 
 TEST_CASE("what-ifs router-fp32 and z-loss replay the failing step with the router changed", "[cli][moe][what-if]") {

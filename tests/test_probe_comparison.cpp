@@ -67,11 +67,19 @@ TEST_CASE("the first differing probe is named by its site, phase, rank, micro-ba
   REQUIRE(cmp.a == &first[2]);
   const nlohmann::json evidence = evidence_json(difference_evidence(105, cmp.where()));
   CHECK(evidence == nlohmann::json{{"step", 105}, {"phase", "backward"}, {"site", "layers.1.attn.scores"},
-                                   {"rank", 1}, {"micro_batch", 0}, {"head", 2}});
+                                   {"rank", 1}, {"micro_batch", 0}, {"head", 2}, {"expert", nullptr}});
 
   const std::vector<ProbeRecord> whole_first{first[3]}, whole_again{again[3]};
   const ProbeComparison whole = compare_probes(pointers(whole_first), whole_again);
   CHECK(evidence_json(difference_evidence(105, whole.where()))["head"].is_null());
+
+  // One expert of a mixture of experts' per-expert site.
+  std::vector<ProbeRecord> expert_first{record(Phase::kForward, "layers.0.mlp.expert.up", -1, 1.0)};
+  expert_first[0].expert = 3;
+  std::vector<ProbeRecord> expert_again = expert_first;
+  expert_again[0].stats.max_abs = 1.5;
+  const ProbeComparison by_expert = compare_probes(pointers(expert_first), expert_again);
+  CHECK(evidence_json(difference_evidence(105, by_expert.where()))["expert"] == 3);
 
   again.pop_back();
   const ProbeComparison shorter = compare_probes(pointers(first), again);

@@ -296,3 +296,25 @@ TEST_CASE("verdict: per-rank norms logged as the global norm are said once, not 
   CHECK_FALSE(rank_norms_logged_global(s, state, t));
   CHECK(rank_mismatch_findings(s, state, t).empty());
 }
+
+TEST_CASE("triage: a near miss in a per-expert site names the expert holding the largest value", "[verdict][moe]") {
+  ProbeRecord whole;
+  whole.step = 4;
+  whole.site = {SiteId::kMlpExpertUp, 1};
+  whole.micro_batch = 0;
+  whole.rank = 0;
+  whole.order = 12;
+  whole.stats.max_abs = 60000.0;  // within a tenth of a bit of fp16's 65504
+  whole.headroom_bits = std::log2(65504.0 / 60000.0);
+  ProbeRecord expert0 = whole, expert2 = whole;
+  expert0.expert = 0;
+  expert0.stats.max_abs = 3.0;
+  expert2.expert = 2;
+  const auto found = overflow_findings({whole, expert0, expert2}, 4, false, Compute::kFp16,
+                                       default_thresholds(Compute::kFp16));
+  REQUIRE(found.size() == 1);
+  CHECK(std::string(found[0].name()) == "NUMERIC_HEADROOM_LOW");
+  CHECK(evidence_json(found[0].evidence)["expert"] == 2);
+  CHECK(evidence_json(found[0].evidence)["head"].is_null());
+  CHECK(found[0].message.find("(expert 2) came within") != std::string::npos);
+}

@@ -1,0 +1,144 @@
+// `nanreplay minimize BUNDLE --out MIN`: the smallest bundle that still fails
+// the same way (docs/minimize.md). Bisects BUNDLE, writes candidates into a
+// staging directory beside MIN, replays each, and renames the first that
+// names the same origin into place: MIN appears whole or not at all, and
+// BUNDLE is only read.
+#include <stdlib.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "cli/cli_support.h"
+#include "cli/command_table.h"
+#include "cli/progress_line.h"
+#include "cli/replay_flags.h"
+#include "loaders/error.h"
+#include "nanreplay_version.h"
+#include "replay/incident.h"
+#include "replay/minimize.h"
+
+namespace nanreplay {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* const kDescription =
+    "Write the smallest bundle that still fails the same way: the failing step (and the step before when the\n"
+    "non-finite values came in with its checkpoint), the samples delta debugging keeps (one micro-batch of one\n"
+    "rank, only the token windows they read, original indices recorded), and for a forward origin at layer L\n"
+    "the model cut to layers 0..L. Each candidate is replayed; the first that names the same origin is\n"
+    "written, a cut that changes it is reported and a larger bundle tried. Nothing is written otherwise.\n"
+    "Example: nanreplay minimize incident-bundle/ --out incident-min/";
+
+cxxopts::Options minimize_options() {
+  cxxopts::Options options("nanreplay minimize", kDescription);
+  options.add_options()
+      ("bundle", "incident bundle directory (only read)", cxxopts::value<std::string>())
+      ("out", "the minimized bundle's directory (must not exist, or be empty)", cxxopts::value<std::string>());
+  add_replay_flags(options, "print one JSON object (minimize_version 1) instead of the text", false);
+  options.parse_positional({"bundle"});
+  options.positional_help("BUNDLE --out MIN");
+  return options;
+}
+
+// A fresh directory beside `out` (same file system, so the final rename is atomic).
+fs::path make_staging(const fs::path& out) {
+  const fs::path parent = fs::absolute(out).parent_path();
+  std::error_code ec;
+  fs::create_directories(parent, ec);
+  std::string pattern = (parent / ("." + out.filename().string() + ".minimize-XXXXXX")).string();
+  if (mkdtemp(pattern.data()) == nullptr) {
+    throw OutputError(out.string(), std::string("cannot create a staging directory beside it: ") + std::strerror(errno));
+  }
+  return pattern;
+}
+
+// Removes the staging directory (the rejected candidates) on the way out.
+class Staging {
+ public:
+  explicit Staging(fs::path dir) : dir_(std::move(dir)) {}
+  ~Staging() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  const fs::path& dir() const { return dir_; }
+
+ private:
+  fs::path dir_;
+};
+
+fs::path checked_out(const fs::path& out, const fs::path& bundle) {
+  std::error_code ec;
+  if (fs::exists(out, ec) && !(fs::is_directory(out, ec) && fs::is_empty(out, ec))) {
+    throw OutputError(out.string(), "already exists; minimize writes a new bundle (choose another --out)");
+  }
+  const fs::path inside = enclosing_bundle(out);
+  if (!inside.empty() && fs::equivalent(inside, bundle, ec)) {
+    throw UsageError("minimize: --out " + out.string() + " lies inside the bundle " + bundle.string() +
+                     "; the bundle is only read");
+  }
+  return out;
+}
+
+}  // namespace
+
+int minimize_command(const CommandArgs& args, CommandIo& io) {
+  cxxopts::Options options = minimize_options();
+  const auto parsed = parse_or_usage(options, args);
+  if (parsed.count("help")) {
+    io.out << options.help() << "\nexit status: 1 MIN written (it names the same origin), 0 nothing non-finite "
+           << "(nothing written), 2 bad input, 3 internal error (no candidate reproduced), 130 interrupted\n";
+    return 0;
+  }
+  if (!parsed.count("bundle")) throw UsageError("minimize: missing BUNDLE (see nanreplay minimize --help)");
+  if (!parsed.count("out")) throw UsageError("minimize: missing --out MIN (see nanreplay minimize --help)");
+  ReplayFlags flags = parse_replay_flags(parsed, true);
+  if (!flags.incident.what_ifs.empty()) throw UsageError("minimize: --what-if is bisect's and run's, not minimize's");
+  flags.incident.bundle = parsed["bundle"].as<std::string>();
+  const fs::path out = checked_out(parsed["out"].as<std::string>(), flags.incident.bundle);
+  const Incident incident(flags.incident, IncidentUse::kBisect);
+
+  ProgressLine progress(io.err, !flags.quiet && !flags.json && io.err_is_terminal);
+  IncidentHooks hooks;
+  hooks.stop_requested = stop_requested;
+  hooks.on_bisect_progress = [&](const BisectProgress& p) { progress.update(p); };
+  const StopDeferral staged_output;  // a stop ends the passes with Interrupted; staging is removed
+  const BisectReport bisected = incident.bisect(hooks, true);
+
+  MinimizeOptions minimize;
+  minimize.tool_version = NANREPLAY_VERSION;
+  minimize.devices = flags.incident.devices;
+  minimize.native_low_precision = flags.incident.native_low_precision;
+  minimize.should_stop = stop_requested;
+  minimize.on_progress = [&](const std::string& stage) { progress.update(BisectProgress{stage, 0, 0}); };
+  std::optional<Staging> staging;
+  if (bisected.origin) {
+    staging.emplace(make_staging(out));
+    minimize.workspace = staging->dir();
+  }
+  MinimizeOutcome outcome = minimize_bundle(incident.bundle(), bisected, minimize);
+  MinimizeReport& report = outcome.report;
+  report.bundle = flags.incident.bundle.string();
+  if (!outcome.accepted.empty()) {
+    if (stop_requested()) throw Interrupted("interrupted while minimizing; nothing was written");
+    std::error_code ec;
+    if (fs::exists(out, ec)) fs::remove(out, ec);  // the empty directory the user made
+    fs::rename(outcome.accepted, out, ec);
+    if (ec) throw OutputError(out.string(), "cannot move the bundle into place: " + ec.message());
+    report.out = out.string();
+    report.reproduce_command = "nanreplay bisect " + out.string() + "   (or: nanreplay run " + out.string() +
+                               " --out triage/)";
+  }
+  progress.clear();
+  if (flags.json) {
+    io.out << minimize_to_json(report).dump(2) << "\n";
+  } else if (!flags.quiet) {
+    io.out << render_minimize(report, {io.color});
+  }
+  return report.written() ? static_cast<int>(ExitStatus::kFound) : 0;
+}
+
+}  // namespace nanreplay

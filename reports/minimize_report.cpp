@@ -1,0 +1,99 @@
+// See minimize_report.h.
+#include "reports/minimize_report.h"
+
+#include <sstream>
+
+#include "reports/number_text.h"
+
+namespace nanreplay {
+
+namespace {
+
+std::string paint(const TextStyle& style, const char* code, const std::string& text) {
+  return style.color ? "\x1b[" + std::string(code) + "m" + text + "\x1b[0m" : text;
+}
+
+nlohmann::json size_json(const BundleSize& s) {
+  return {{"bytes", s.bytes},           {"steps", s.steps},
+          {"checkpoints", s.checkpoints}, {"samples", s.samples},
+          {"tokens", s.tokens},         {"layers", s.layers},
+          {"world_size", s.world_size}, {"grad_accum_steps", s.grad_accum_steps},
+          {"micro_batch_size", s.micro_batch_size}};
+}
+
+std::string bytes_text(uint64_t bytes) {
+  std::ostringstream out;
+  if (bytes >= (1u << 20)) {
+    out.precision(3);
+    out << static_cast<double>(bytes) / (1u << 20) << " MiB";
+  } else if (bytes >= 1024) {
+    out.precision(3);
+    out << static_cast<double>(bytes) / 1024 << " KiB";
+  } else {
+    out << bytes << " B";
+  }
+  return out.str();
+}
+
+double ratio(const MinimizeReport& r) {
+  return r.before.bytes == 0 ? 0.0 : static_cast<double>(r.after.bytes) / static_cast<double>(r.before.bytes);
+}
+
+}  // namespace
+
+nlohmann::json minimize_to_json(const MinimizeReport& r) {
+  nlohmann::json attempts = nlohmann::json::array();
+  for (const MinimizeAttempt& a : r.attempts) {
+    attempts.push_back({{"cut", a.cut}, {"reproduced", a.reproduced}, {"outcome", a.outcome}});
+  }
+  nlohmann::json out = {{"minimize_version", kMinimizeVersion},
+                        {"tool", {{"name", "nanreplay"}, {"version", r.tool_version}}},
+                        {"bundle", r.bundle},
+                        {"out", r.written() ? nlohmann::json(r.out) : nlohmann::json(nullptr)},
+                        {"finding", r.finding},
+                        {"origin", first_nonfinite_json(r.origin)},
+                        {"origin_after", first_nonfinite_json(r.origin_after)},
+                        {"original_sample", r.original_sample ? nlohmann::json(*r.original_sample) : nlohmann::json(nullptr)},
+                        {"before", size_json(r.before)},
+                        {"after", r.written() ? size_json(r.after) : nlohmann::json(nullptr)},
+                        {"ratio", r.written() ? nlohmann::json(ratio(r)) : nlohmann::json(nullptr)},
+                        {"kept", r.kept},
+                        {"removed", r.removed},
+                        {"kept_samples_original", r.kept_samples_original},
+                        {"attempts", attempts},
+                        {"reproduce", r.written() ? nlohmann::json(r.reproduce_command) : nlohmann::json(nullptr)},
+                        {"elapsed_seconds", r.elapsed_seconds}};
+  return out;
+}
+
+std::string render_minimize(const MinimizeReport& r, const TextStyle& style) {
+  std::ostringstream out;
+  out << "minimize  " << r.bundle << "\n";
+  if (!r.origin) {
+    out << paint(style, "1;32", "NOTHING TO MINIMIZE") << "  no step holds a non-finite value; nothing was written\n";
+    return out.str();
+  }
+  const FirstNonfinite& f = *r.origin;
+  out << paint(style, "1;31", "ORIGIN") << "  step " << f.step << ", " << phase_name(f.phase) << ", "
+      << paint(style, "1", f.name());
+  if (r.original_sample) out << ", sample " << *r.original_sample << " (original index)";
+  out << "\n";
+  for (const MinimizeAttempt& a : r.attempts) {
+    out << "  " << (a.reproduced ? "kept    " : "rejected") << "  " << a.cut << ": " << a.outcome << "\n";
+  }
+  out << "\n  " << paint(style, "1", "kept") << "\n";
+  for (const std::string& line : r.kept) out << "    " << line << "\n";
+  out << "  " << paint(style, "1", "removed") << "\n";
+  for (const std::string& line : r.removed) out << "    " << line << "\n";
+  out << "\n  size    " << bytes_text(r.before.bytes) << " -> " << bytes_text(r.after.bytes) << "  (ratio "
+      << format_number(ratio(r)) << ")\n"
+      << "  steps " << r.before.steps << " -> " << r.after.steps << " | samples " << r.before.samples << " -> "
+      << r.after.samples << " | layers " << r.before.layers << " -> " << r.after.layers << " | ranks "
+      << r.before.world_size << " -> " << r.after.world_size << " | micro-batches " << r.before.grad_accum_steps
+      << " -> " << r.after.grad_accum_steps << "\n"
+      << "\n" << paint(style, "1;32", "WROTE") << "  " << r.out << " (replayed: same origin)\n"
+      << "  reproduce: " << r.reproduce_command << "\n";
+  return out.str();
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,64 @@
+// The outcome of `nanreplay minimize` as plain data, and its renderings: the
+// stable JSON object (schema in docs/minimize.md, versioned by
+// "minimize_version") and the terminal text.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "reports/report.h"
+#include "reports/terminal_text.h"
+
+namespace nanreplay {
+
+constexpr int kMinimizeVersion = 1;
+
+// What a bundle holds, counted the same way before and after.
+struct BundleSize {
+  uint64_t bytes = 0;        // every regular file under the bundle directory
+  int64_t steps = 0;
+  int64_t checkpoints = 0;   // steps with model.safetensors
+  int64_t samples = 0;       // distinct samples the steps read
+  int64_t tokens = 0;        // tokens in the shards
+  int64_t layers = 0;
+  int64_t world_size = 0;
+  int64_t grad_accum_steps = 0;
+  int64_t micro_batch_size = 0;
+};
+
+// One candidate bundle replayed and judged; rejected ones say why.
+struct MinimizeAttempt {
+  std::string cut;     // what this candidate removes, in words
+  bool reproduced = false;
+  std::string outcome;  // "same origin", or how it differed
+};
+
+struct MinimizeReport {
+  std::string bundle;  // as given
+  std::string out;     // as given; empty until written
+  std::string tool_version;
+  // "origin": a non-finite origin; "none": nothing to minimize (nothing written).
+  std::string finding = "none";
+  std::optional<FirstNonfinite> origin;           // the original bundle's, as bisect names it
+  std::optional<FirstNonfinite> origin_after;     // the minimized bundle's, as its replay named it
+  std::optional<int64_t> original_sample;         // the origin's sample as an index of the original stream
+  BundleSize before;
+  BundleSize after;
+  std::vector<std::string> kept;     // what MIN holds and why, one line each
+  std::vector<std::string> removed;  // what was cut, one line each
+  std::vector<MinimizeAttempt> attempts;  // in the order tried; the last reproduced one was written
+  std::vector<int64_t> kept_samples_original;  // the failing step's samples, original indices
+  std::string reproduce_command;
+  double elapsed_seconds = 0.0;
+
+  bool written() const { return !out.empty(); }
+};
+
+nlohmann::json minimize_to_json(const MinimizeReport& report);
+std::string render_minimize(const MinimizeReport& report, const TextStyle& style);
+
+}  // namespace nanreplay
