@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include "cli/cli_support.h"
@@ -29,6 +30,8 @@ const char* const kDescription =
     "rank, only the token windows they read, original indices recorded), and for a forward origin at layer L\n"
     "the model cut to layers 0..L. Each candidate is replayed; the first that names the same origin is\n"
     "written, a cut that changes it is reported and a larger bundle tried. Nothing is written otherwise.\n"
+    "Without an origin, a flipped bit the update check names: the two steps around it, as few samples as\n"
+    "still show the same flip.\n"
     "Example: nanreplay minimize incident-bundle/ --out incident-min/";
 
 cxxopts::Options minimize_options() {
@@ -89,8 +92,9 @@ int minimize_command(const CommandArgs& args, CommandIo& io) {
   cxxopts::Options options = minimize_options();
   const auto parsed = parse_or_usage(options, args);
   if (parsed.count("help")) {
-    io.out << options.help() << "\nexit status: 1 MIN written (it names the same origin), 0 nothing non-finite "
-           << "(nothing written), 2 bad input, 3 internal error (no candidate reproduced), 130 interrupted\n";
+    io.out << options.help() << "\nexit status: 1 MIN written (it names the same origin or flipped bit), 0 nothing "
+           << "to minimize (nothing written), 2 bad input, 3 internal error (no candidate reproduced), "
+           << "130 interrupted\n";
     return 0;
   }
   if (!parsed.count("bundle")) throw UsageError("minimize: missing BUNDLE (see nanreplay minimize --help)");
@@ -106,6 +110,7 @@ int minimize_command(const CommandArgs& args, CommandIo& io) {
   hooks.stop_requested = stop_requested;
   hooks.on_bisect_progress = [&](const BisectProgress& p) { progress.update(p); };
   const StopDeferral staged_output;  // a stop ends the passes with Interrupted; staging is removed
+  const auto started = std::chrono::steady_clock::now();  // elapsed_seconds counts the bisection too
   const BisectReport bisected = incident.bisect(hooks, true);
 
   MinimizeOptions minimize;
@@ -114,11 +119,8 @@ int minimize_command(const CommandArgs& args, CommandIo& io) {
   minimize.native_low_precision = flags.incident.native_low_precision;
   minimize.should_stop = stop_requested;
   minimize.on_progress = [&](const std::string& stage) { progress.update(BisectProgress{stage, 0, 0}); };
-  std::optional<Staging> staging;
-  if (bisected.origin) {
-    staging.emplace(make_staging(out));
-    minimize.workspace = staging->dir();
-  }
+  std::optional<Staging> staging;  // made only when there is something to minimize
+  minimize.workspace = [&] { return staging.emplace(make_staging(out)).dir(); };
   MinimizeOutcome outcome = minimize_bundle(incident.bundle(), bisected, minimize);
   MinimizeReport& report = outcome.report;
   report.bundle = flags.incident.bundle.string();
@@ -129,9 +131,12 @@ int minimize_command(const CommandArgs& args, CommandIo& io) {
     fs::rename(outcome.accepted, out, ec);
     if (ec) throw OutputError(out.string(), "cannot move the bundle into place: " + ec.message());
     report.out = out.string();
-    report.reproduce_command = "nanreplay bisect " + out.string() + "   (or: nanreplay run " + out.string() +
-                               " --out triage/)";
+    // bisect names an origin; a flipped bit is the update check's, which only run makes.
+    report.reproduce_command = report.flip ? "nanreplay run " + out.string() + " --out triage/"
+                                           : "nanreplay bisect " + out.string() + "   (or: nanreplay run " +
+                                                 out.string() + " --out triage/)";
   }
+  report.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   progress.clear();
   if (flags.json) {
     io.out << minimize_to_json(report).dump(2) << "\n";

@@ -25,8 +25,10 @@
 #include "probes/sites.h"
 #include "replay/bisect.h"
 #include "replay/bundle_structure.h"
+#include "replay/replay_engine.h"
 #include "replay/step_scan.h"
 #include "replay/trajectory.h"
+#include "reports/number_text.h"
 
 namespace nanreplay {
 
@@ -38,10 +40,10 @@ namespace {
 struct Plan {
   std::vector<int64_t> steps;  // ascending; the last is the failing step
   // true: every kept step reads its whole batch in the original layout
-  // (ranks, micro-batches); false: `samples`, in this order, are the failing
-  // step's only micro-batch on one rank.
+  // (ranks, micro-batches); false: samples[step], in this order, are each
+  // kept step's only micro-batch on one rank (all of one size).
   bool original_layout = true;
-  std::vector<int64_t> samples;
+  std::map<int64_t, std::vector<int64_t>> samples;
   int64_t num_layers = 0;
   std::string cut;  // in words, for the report
 };
@@ -105,13 +107,14 @@ class Minimizer {
       const std::string samples_text = "step " + std::to_string(o.step) + " only, samples {" + list_text(reduced) +
                                        "} as one micro-batch of one rank";
       if (const std::optional<int64_t> cut = cut_layers(); cut && *cut < layers) {
-        plans.push_back({{o.step}, false, reduced, *cut,
-                         samples_text + ", layers 0.." + std::to_string(*cut - 1) + " of " + std::to_string(layers)});
+        plans.push_back({{o.step}, false, {{o.step, reduced}}, *cut,
+                         samples_text + ", layers 0.." + std::to_string(*cut - 1) + " of " +
+                             std::to_string(layers)});
       }
-      plans.push_back({{o.step}, false, reduced, layers, samples_text + ", every layer"});
+      plans.push_back({{o.step}, false, {{o.step, reduced}}, layers, samples_text + ", every layer"});
       const std::vector<int64_t>& pass = bisected_.samples.candidates;
       if (!pass.empty() && pass != reduced) {
-        plans.push_back({{o.step}, false, pass, layers,
+        plans.push_back({{o.step}, false, {{o.step, pass}}, layers,
                          "step " + std::to_string(o.step) + " only, the origin's whole micro-batch {" + list_text(pass) +
                              "}, every layer"});
       }
@@ -121,13 +124,44 @@ class Minimizer {
     return plans;
   }
 
+  // A flipped bit in the checkpoint of step T is judged by the update from
+  // T - 1: both steps, T - 1 with its optimizer state. The check recomputes
+  // T - 1's gradient, so fewer samples give another update unless the
+  // flipped element's gradient does not depend on them (an embedding row no
+  // sample reads): one sample, then one micro-batch, are tried before the
+  // whole batches. Every layer: the gradient comes down through all of them.
+  std::vector<Plan> flip_plans(const FlippedBit& flip) const {
+    const int64_t s = flip.step - 1;
+    const std::vector<int64_t> steps{s, flip.step};
+    const int64_t layers = m_.model.num_layers;
+    const std::string both = "steps " + std::to_string(s) + " and " + std::to_string(flip.step);
+    const auto first_of = [&](int64_t step, size_t n) {
+      const std::vector<int64_t> rank0 = batch_of_step(bundle_, step).samples.at(0);
+      const auto count = static_cast<std::ptrdiff_t>(std::min(n, rank0.size()));
+      return std::vector<int64_t>(rank0.begin(), rank0.begin() + count);
+    };
+    std::vector<Plan> plans;
+    const size_t micro = static_cast<size_t>(m_.data.micro_batch_size);
+    const bool one_pass = m_.data.world_size == 1 && m_.data.grad_accum_steps == 1;
+    if (micro > 1 || !one_pass) {
+      plans.push_back({steps, false, {{s, first_of(s, 1)}, {flip.step, first_of(flip.step, 1)}}, layers,
+                       both + ", the first sample of each as one micro-batch of one rank"});
+    }
+    if (micro > 1 && !one_pass) {
+      plans.push_back({steps, false, {{s, first_of(s, micro)}, {flip.step, first_of(flip.step, micro)}}, layers,
+                       both + ", the first micro-batch of rank 0 of each"});
+    }
+    plans.push_back({steps, true, {}, layers, both + ", whole batches, every layer"});
+    return plans;
+  }
+
   // Writes `plan` as a bundle in `dir` (created).
   void write(const Plan& plan, const fs::path& dir) {
     fs::create_directories(dir / "data");
     std::vector<std::vector<std::vector<int64_t>>> batches;  // per kept step, per rank
     for (int64_t step : plan.steps) {
       batches.push_back(plan.original_layout ? batch_of_step(bundle_, step).samples
-                                             : std::vector<std::vector<int64_t>>{plan.samples});
+                                             : std::vector<std::vector<int64_t>>{plan.samples.at(step)});
     }
     const std::map<int64_t, int64_t> index = write_tokens(batches, dir);
 
@@ -139,7 +173,7 @@ class Minimizer {
     if (!plan.original_layout) {
       m.data.world_size = 1;
       m.data.grad_accum_steps = 1;
-      m.data.micro_batch_size = static_cast<int64_t>(plan.samples.size());
+      m.data.micro_batch_size = static_cast<int64_t>(plan.samples.at(plan.steps.back()).size());
     }
     m.steps.clear();
     for (size_t i = 0; i < plan.steps.size(); ++i) m.steps.push_back(step_entry_for(plan.steps[i], batches[i], index));
@@ -170,6 +204,24 @@ class Minimizer {
     const BisectReport report = bisect_bundle(candidate, options);
     if (report.origin) key = original_key(candidate.manifest(), report.origin->sample);
     return report.origin;
+  }
+
+  // `run`'s findings on `bundle` without probes: every check that needs no
+  // probe record, the update check (flipped bits) included.
+  ReplayReport checked(const Bundle& bundle) const {
+    ReplayOptions options;
+    options.probes = false;
+    options.check_determinism = false;
+    options.devices = options_.devices;
+    options.native_low_precision = options_.native_low_precision;
+    options.should_stop = options_.should_stop;
+    options.tool_version = options_.tool_version;
+    if (options_.on_progress) {
+      options.on_progress = [&](const ReplayProgress& p) {
+        options_.on_progress("update check: replay step " + std::to_string(p.step));
+      };
+    }
+    return replay_bundle(bundle, options);
   }
 
   // Empty when the origins agree; otherwise the first field that differs.
@@ -450,7 +502,28 @@ BundleSize size_of(const Bundle& bundle) {
   return s;
 }
 
-// What MIN holds and why, and what went, from the two sizes and the plan.
+// What went, from the two sizes.
+void explain_removed(MinimizeReport& r) {
+  const BundleSize& b = r.before;
+  const BundleSize& a = r.after;
+  r.removed.push_back(std::to_string(b.steps - a.steps) + " of " + std::to_string(b.steps) + " steps");
+  if (b.samples > a.samples) {
+    r.removed.push_back(std::to_string(b.samples - a.samples) + " of " + std::to_string(b.samples) + " samples");
+  }
+  if (b.layers > a.layers) {
+    r.removed.push_back("layers " + std::to_string(a.layers) + ".." + std::to_string(b.layers - 1));
+  }
+  if (b.world_size > a.world_size) {
+    r.removed.push_back("ranks: " + std::to_string(b.world_size) + " -> " + std::to_string(a.world_size));
+  }
+  if (b.grad_accum_steps > a.grad_accum_steps) {
+    r.removed.push_back("micro-batches per rank: " + std::to_string(b.grad_accum_steps) + " -> " +
+                        std::to_string(a.grad_accum_steps));
+  }
+  r.removed.push_back(std::to_string(b.tokens - a.tokens) + " of " + std::to_string(b.tokens) + " tokens");
+}
+
+// What MIN holds and why, for an origin.
 void explain(MinimizeReport& r, const Plan& plan, const FirstNonfinite& o) {
   const BundleSize& b = r.before;
   const BundleSize& a = r.after;
@@ -487,21 +560,146 @@ void explain(MinimizeReport& r, const Plan& plan, const FirstNonfinite& o) {
     }
     r.kept.push_back("every layer: " + why);
   }
-  r.removed.push_back(std::to_string(b.steps - a.steps) + " of " + std::to_string(b.steps) + " steps");
-  if (b.samples > a.samples) {
-    r.removed.push_back(std::to_string(b.samples - a.samples) + " of " + std::to_string(b.samples) + " samples");
+  explain_removed(r);
+}
+
+std::string index_text(const std::vector<int64_t>& index) { return "[" + list_text(index) + "]"; }
+
+// What MIN holds and why, for a flipped bit.
+void explain_flip(MinimizeReport& r, const Plan& plan, const FlippedBit& flip, size_t other_flips) {
+  const std::string s = std::to_string(flip.step - 1), t = std::to_string(flip.step);
+  r.kept.push_back("steps " + s + " and " + t + ": the checkpoint of " + t +
+                   " holds the flipped value; the update check replays step " + s +
+                   " and applies AdamW to its checkpoint and optimizer state, which predicts what " + t +
+                   " should hold");
+  r.kept.push_back("the one tensor that shows the flip: " + flip.param + " element " + index_text(flip.index) +
+                   " in steps/" + t + "/model.safetensors, bit " + std::to_string(flip.bit) + " (" +
+                   format_number(flip.before) + " became " + format_number(flip.after) + "; AdamW from step " + s +
+                   " predicts " + format_number(flip.expected) + ")");
+  r.kept.push_back("both checkpoints whole, every parameter, and step " + s +
+                   "'s optimizer state whole: a bundle's checkpoint holds every parameter of the model, and the "
+                   "update check recomputes step " + s + "'s gradient (clipped by the norm of all of them), which "
+                   "every parameter and layer feeds");
+  if (plan.original_layout) {
+    r.kept.push_back("every sample of both steps, ranks and micro-batches as the run had them: the update check "
+                     "recomputes the gradient of step " + s + "'s whole batch, and a smaller batch gives another "
+                     "update (see the rejected attempts)");
+  } else {
+    r.kept.push_back("samples {" + list_text(r.kept_samples_original) + "} of step " + s +
+                     " (original indices), as one micro-batch of one rank: the update check still names the same "
+                     "flip with only these; only the token windows they read");
   }
-  if (b.layers > a.layers) {
-    r.removed.push_back("layers " + std::to_string(a.layers) + ".." + std::to_string(b.layers - 1));
+  explain_removed(r);
+  if (other_flips > 0) {
+    r.removed.push_back(std::to_string(other_flips) + " other flipped bit(s) outside these two steps (minimize "
+                        "keeps the first; run on BUNDLE names them all)");
   }
-  if (b.world_size > a.world_size) {
-    r.removed.push_back("ranks: " + std::to_string(b.world_size) + " -> " + std::to_string(a.world_size));
+}
+
+using K = EvidenceKey;
+
+// The flipped bits `run`'s update check names, in its order (step by step).
+std::vector<FlippedBit> flips_in(const std::vector<Finding>& findings) {
+  std::vector<FlippedBit> flips;
+  for (const Finding& f : findings) {
+    if (f.code != FindingCode::kSystemBitFlip || f.severity != Severity::kError) continue;
+    FlippedBit b;
+    b.step = f.evidence.integer(K::kStep).value_or(-1);
+    b.param = f.evidence.text(K::kParam).value_or("");
+    if (const std::vector<int64_t>* index = f.evidence.integers(K::kIndex)) b.index = *index;
+    b.bit = f.evidence.integer(K::kBit).value_or(-1);
+    b.before = f.evidence.number(K::kBefore).value_or(0.0);
+    b.after = f.evidence.number(K::kAfter).value_or(0.0);
+    b.expected = f.evidence.number(K::kExpected).value_or(0.0);
+    b.message = f.message;
+    flips.push_back(b);
   }
-  if (b.grad_accum_steps > a.grad_accum_steps) {
-    r.removed.push_back("micro-batches per rank: " + std::to_string(b.grad_accum_steps) + " -> " +
-                        std::to_string(a.grad_accum_steps));
+  return flips;
+}
+
+bool same_flip(const FlippedBit& a, const FlippedBit& b) {
+  return a.step == b.step && a.param == b.param && a.index == b.index && a.bit == b.bit;
+}
+
+// A candidate's outcome against the original flip.
+MinimizeAttempt judge_flip(const FlippedBit& flip, const ReplayReport& report, std::optional<FlippedBit>& found) {
+  const std::vector<FlippedBit> flips = flips_in(report.findings);
+  for (const FlippedBit& f : flips) {
+    if (same_flip(flip, f)) {
+      found = f;
+      return {"", true, "same flipped bit"};
+    }
   }
-  r.removed.push_back(std::to_string(b.tokens - a.tokens) + " of " + std::to_string(b.tokens) + " tokens");
+  if (!flips.empty()) return {"", false, "another flipped bit: " + flips.front().message};
+  int64_t mismatched = 0;
+  for (const Finding& f : report.findings) mismatched += f.code == FindingCode::kSystemUpdateMismatch ? 1 : 0;
+  if (mismatched > 0) {
+    return {"", false, "no flipped bit: the update no longer follows from this batch (SYSTEM_UPDATE_MISMATCH on " +
+                           std::to_string(mismatched) + " parameter(s))"};
+  }
+  return {"", false, "no flipped bit"};
+}
+
+// Writes each plan in turn, smallest first, and keeps the first `judge`
+// accepts; the others are removed and recorded as rejected.
+std::optional<Plan> first_reproducing(Minimizer& minimizer, const std::vector<Plan>& plans,
+                                      const MinimizeOptions& options, MinimizeOutcome& outcome,
+                                      const std::function<MinimizeAttempt(const fs::path&)>& judge) {
+  const fs::path workspace = options.workspace();
+  int n = 0;
+  for (const Plan& plan : plans) {
+    if (options.on_progress) options.on_progress("candidate: " + plan.cut);
+    const fs::path dir = workspace / ("candidate-" + std::to_string(n++));
+    minimizer.write(plan, dir);
+    MinimizeAttempt attempt = judge(dir);
+    attempt.cut = plan.cut;
+    outcome.report.attempts.push_back(attempt);
+    if (attempt.reproduced) {
+      outcome.accepted = dir;
+      outcome.report.after = size_of(Bundle(dir));
+      return plan;
+    }
+    fs::remove_all(dir);
+  }
+  return std::nullopt;
+}
+
+// No origin: a flipped bit `run`'s update check names, else nothing (and why).
+void minimize_flip(const Bundle& bundle, Minimizer& minimizer, const MinimizeOptions& options,
+                   MinimizeOutcome& outcome) {
+  MinimizeReport& r = outcome.report;
+  const ReplayReport checked = minimizer.checked(bundle);
+  const std::vector<FlippedBit> flips = flips_in(checked.findings);
+  if (flips.empty()) {
+    std::set<std::string> codes;
+    for (const Finding& f : checked.findings) {
+      if (f.severity == Severity::kError) codes.insert(f.name());
+    }
+    r.not_minimized.assign(codes.begin(), codes.end());
+    r.reason = codes.empty()
+                   ? "no step holds a non-finite value, the update check names no flipped bit, and no finding is an "
+                     "error"
+                   : "no step holds a non-finite value and the update check names no flipped bit; minimize has no "
+                     "cut for the other error finding(s), which run names";
+    return;
+  }
+  r.finding = "bit_flip";
+  r.flip = flips.front();
+  const std::optional<Plan> plan =
+      first_reproducing(minimizer, minimizer.flip_plans(*r.flip), options, outcome, [&](const fs::path& dir) {
+        const Bundle candidate(dir);
+        validate_bundle_structure(candidate);
+        return judge_flip(*r.flip, minimizer.checked(candidate), r.flip_after);
+      });
+  if (!plan) {
+    throw std::runtime_error("minimize: no candidate shows the flipped bit, both whole steps included; "
+                             "nothing was written");
+  }
+  if (!plan->original_layout) r.kept_samples_original = minimizer.originals_of(plan->samples.at(r.flip->step - 1));
+  const size_t others = static_cast<size_t>(std::count_if(flips.begin(), flips.end(), [&](const FlippedBit& f) {
+    return f.step != r.flip->step;
+  }));
+  explain_flip(r, *plan, *r.flip, others);
 }
 
 }  // namespace
@@ -521,42 +719,32 @@ MinimizeOutcome minimize_bundle(const Bundle& bundle, const BisectReport& bisect
   r.bundle = bundle.root().string();
   r.tool_version = options.tool_version;
   r.before = size_of(bundle);
-  if (!bisected.origin) return outcome;  // nothing non-finite: nothing to keep
+  Minimizer minimizer(bundle, bisected, options);
+  if (!bisected.origin) {
+    minimize_flip(bundle, minimizer, options, outcome);
+    r.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    return outcome;
+  }
   r.finding = "origin";
   r.origin = bisected.origin;
   if (r.origin->sample >= 0) r.original_sample = original_key(bundle.manifest(), r.origin->sample).value;
 
-  Minimizer minimizer(bundle, bisected, options);
-  int n = 0;
-  for (const Plan& plan : minimizer.plans()) {
-    if (options.on_progress) options.on_progress("candidate: " + plan.cut);
-    const fs::path dir = options.workspace / ("candidate-" + std::to_string(n++));
-    minimizer.write(plan, dir);
-    std::optional<OriginalKey> key;
-    const std::optional<FirstNonfinite> origin = minimizer.replay(dir, key);
-    MinimizeAttempt attempt{plan.cut, false, "no non-finite value"};
-    if (origin) {
-      const std::string diff = minimizer.difference(*r.origin, *origin, key.value_or(OriginalKey{}));
-      attempt.reproduced = diff.empty();
-      attempt.outcome = diff.empty() ? "same origin" : "origin changed: " + diff;
-    }
-    r.attempts.push_back(attempt);
-    if (!attempt.reproduced) {
-      fs::remove_all(dir);
-      continue;
-    }
-    r.origin_after = origin;
-    outcome.accepted = dir;
-    r.kept_samples_original = minimizer.originals_of(plan.original_layout ? std::vector<int64_t>{} : plan.samples);
-    const Bundle written(dir);
-    r.after = size_of(written);
-    explain(r, plan, *r.origin);
-    break;
-  }
-  if (outcome.accepted.empty()) {
+  const std::optional<Plan> plan =
+      first_reproducing(minimizer, minimizer.plans(), options, outcome, [&](const fs::path& dir) {
+        std::optional<OriginalKey> key;
+        const std::optional<FirstNonfinite> origin = minimizer.replay(dir, key);
+        if (!origin) return MinimizeAttempt{"", false, "no non-finite value"};
+        const std::string diff = minimizer.difference(*r.origin, *origin, key.value_or(OriginalKey{}));
+        if (!diff.empty()) return MinimizeAttempt{"", false, "origin changed: " + diff};
+        r.origin_after = origin;
+        return MinimizeAttempt{"", true, "same origin"};
+      });
+  if (!plan) {
     throw std::runtime_error("minimize: no candidate reproduces the origin, the whole failing step included; "
                              "nothing was written");
   }
+  if (!plan->original_layout) r.kept_samples_original = minimizer.originals_of(plan->samples.at(r.origin->step));
+  explain(r, *plan, *r.origin);
   r.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return outcome;
 }

@@ -6,7 +6,11 @@
 // bisect and keeps the first whose origin is the original's (step, phase,
 // site, layer, head, expert, kind, position, and the sample mapped back to its
 // original index). A candidate that changes the origin is recorded and a
-// larger one tried; when none reproduces, nothing is kept. No LibTorch types here.
+// larger one tried; when none reproduces, nothing is kept.
+// Without an origin, the finding is a flipped bit the update check names
+// (SYSTEM_BIT_FLIP): the candidates are the two steps around it, with fewer
+// samples first, each kept only if the same check on it names the same flip
+// (step, parameter, element, bit). No LibTorch types here.
 #pragma once
 
 #include <filesystem>
@@ -20,9 +24,10 @@
 namespace nanreplay {
 
 struct MinimizeOptions {
-  // An empty directory the candidates are written into (one subdirectory
-  // each); the caller renames the accepted one into place.
-  std::filesystem::path workspace;
+  // Makes the empty directory the candidates are written into (one
+  // subdirectory each), once, before the first; never called when nothing is
+  // to be minimized. The caller renames the accepted one into place.
+  std::function<std::filesystem::path()> workspace;
   std::string tool_version;
   std::vector<std::string> devices{"cpu"};
   bool native_low_precision = true;
@@ -37,8 +42,10 @@ struct MinimizeOutcome {
 };
 
 // `bisected`: bisect_bundle's report on `bundle` with the samples stage run.
-// Throws std::runtime_error (exit 3) when no candidate reproduces the origin,
-// the whole failing step included: the tool could not write a faithful bundle.
+// Without an origin, replays `bundle` as `run` does (without probes) for its
+// findings. Throws std::runtime_error (exit 3) when no candidate reproduces
+// the finding, the whole step(s) included: the tool could not write a
+// faithful bundle.
 MinimizeOutcome minimize_bundle(const Bundle& bundle, const BisectReport& bisected, const MinimizeOptions& options);
 
 // Bytes of every regular file under `dir`, recursively.

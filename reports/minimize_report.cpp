@@ -35,6 +35,26 @@ std::string bytes_text(uint64_t bytes) {
   return out.str();
 }
 
+nlohmann::json flip_json(const std::optional<FlippedBit>& f) {
+  if (!f) return nullptr;
+  return {{"step", f->step},
+          {"param", f->param},
+          {"index", f->index},
+          {"bit", f->bit},
+          {"before", f->before},
+          {"after", f->after},
+          {"expected", f->expected},
+          {"tensor", "steps/" + std::to_string(f->step) + "/model.safetensors"},
+          {"update_from", f->step - 1},
+          {"message", f->message}};
+}
+
+std::string index_text(const std::vector<int64_t>& index) {
+  std::string out = "[";
+  for (size_t i = 0; i < index.size(); ++i) out += (i ? ", " : "") + std::to_string(index[i]);
+  return out + "]";
+}
+
 double ratio(const MinimizeReport& r) {
   return r.before.bytes == 0 ? 0.0 : static_cast<double>(r.after.bytes) / static_cast<double>(r.before.bytes);
 }
@@ -53,7 +73,12 @@ nlohmann::json minimize_to_json(const MinimizeReport& r) {
                         {"finding", r.finding},
                         {"origin", first_nonfinite_json(r.origin)},
                         {"origin_after", first_nonfinite_json(r.origin_after)},
-                        {"original_sample", r.original_sample ? nlohmann::json(*r.original_sample) : nlohmann::json(nullptr)},
+                        {"original_sample",
+                         r.original_sample ? nlohmann::json(*r.original_sample) : nlohmann::json(nullptr)},
+                        {"bit_flip", flip_json(r.flip)},
+                        {"bit_flip_after", flip_json(r.flip_after)},
+                        {"reason", r.reason.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.reason)},
+                        {"not_minimized", r.not_minimized},
                         {"before", size_json(r.before)},
                         {"after", r.written() ? size_json(r.after) : nlohmann::json(nullptr)},
                         {"ratio", r.written() ? nlohmann::json(ratio(r)) : nlohmann::json(nullptr)},
@@ -69,14 +94,27 @@ nlohmann::json minimize_to_json(const MinimizeReport& r) {
 std::string render_minimize(const MinimizeReport& r, const TextStyle& style) {
   std::ostringstream out;
   out << "minimize  " << r.bundle << "\n";
-  if (!r.origin) {
-    out << paint(style, "1;32", "NOTHING TO MINIMIZE") << "  no step holds a non-finite value; nothing was written\n";
+  if (!r.origin && !r.flip) {
+    out << paint(style, "1;32", "NOTHING TO MINIMIZE") << "  " << r.reason << "; nothing was written\n";
+    if (!r.not_minimized.empty()) {
+      out << "  error findings not minimized:";
+      for (const std::string& code : r.not_minimized) out << " " << code;
+      out << "\n";
+    }
     return out.str();
   }
-  const FirstNonfinite& f = *r.origin;
-  out << paint(style, "1;31", "ORIGIN") << "  step " << f.step << ", " << phase_name(f.phase) << ", "
-      << paint(style, "1", f.name());
-  if (r.original_sample) out << ", sample " << *r.original_sample << " (original index)";
+  if (r.origin) {
+    const FirstNonfinite& f = *r.origin;
+    out << paint(style, "1;31", "ORIGIN") << "  step " << f.step << ", " << phase_name(f.phase) << ", "
+        << paint(style, "1", f.name());
+    if (r.original_sample) out << ", sample " << *r.original_sample << " (original index)";
+  } else {
+    const FlippedBit& f = *r.flip;
+    out << paint(style, "1;31", "BIT FLIP") << "  step " << f.step << ", " << paint(style, "1", f.param)
+        << " element " << index_text(f.index) << ", bit " << f.bit << " (SYSTEM_BIT_FLIP, no non-finite value)\n"
+        << "  shown by  " << f.param << " in steps/" << f.step << "/model.safetensors against AdamW from step "
+        << f.step - 1 << ": " << format_number(f.before) << " became " << format_number(f.after);
+  }
   out << "\n";
   for (const MinimizeAttempt& a : r.attempts) {
     out << "  " << (a.reproduced ? "kept    " : "rejected") << "  " << a.cut << ": " << a.outcome << "\n";
@@ -91,7 +129,8 @@ std::string render_minimize(const MinimizeReport& r, const TextStyle& style) {
       << r.after.samples << " | layers " << r.before.layers << " -> " << r.after.layers << " | ranks "
       << r.before.world_size << " -> " << r.after.world_size << " | micro-batches " << r.before.grad_accum_steps
       << " -> " << r.after.grad_accum_steps << "\n"
-      << "\n" << paint(style, "1;32", "WROTE") << "  " << r.out << " (replayed: same origin)\n"
+      << "\n" << paint(style, "1;32", "WROTE") << "  " << r.out
+      << (r.origin ? " (replayed: same origin)\n" : " (update check replayed: same flipped bit)\n")
       << "  reproduce: " << r.reproduce_command << "\n";
   return out.str();
 }

@@ -1,145 +1,56 @@
-// `nanreplay minimize` through the real binary: on every incident preset the
-// minimized bundle names the same origin (step, phase, site, layer, head,
-// expert, kind, position, and the sample mapped back to its original index)
-// and is a fraction of the original's size; rolled-forward, data-parallel and
-// accumulation bundles included; nothing written where nothing is to be kept,
-// and never into the input.
+// `nanreplay minimize` through the real binary, on two small bundles: what
+// needs C++ (exit statuses, nothing written, the rank and micro-batch
+// reduction, the layer cut, report.md of a run on MIN), and the renderings
+// of a flipped bit in process. The sweep over every incident preset
+// (same origin or flipped bit, original sample index, size ratio, rolled-forward
+// windows) is tests/py/test_minimize_presets.py, against the Release CLI:
+// under the sanitizers it would take minutes.
 #include <string>
 #include <vector>
 
+#include "reports/minimize_report.h"
 #include "tests/cli_harness.h"
 
 using namespace nanreplay_test;
 
-namespace {
-
-struct Minimized {
-  nlohmann::json report;  // minimize --json
-  nlohmann::json origin;  // bisect --json of MIN: its origin
-  nlohmann::json manifest;  // MIN's manifest.json
-};
-
-Minimized minimize(const ScratchDir& dir, const std::string& preset, const std::vector<std::string>& synth_extra = {}) {
-  std::vector<std::string> synth = {"synth", preset, (dir / "bundle").string()};
-  synth.insert(synth.end(), synth_extra.begin(), synth_extra.end());
-  const CliResult written = run_cli(synth);
-  INFO(written.err);
-  REQUIRE(written.status == 0);
-  const CliResult run = run_cli({"minimize", (dir / "bundle").string(), "--out", (dir / "min").string(), "--json"});
-  INFO(preset << ": " << run.err);
-  REQUIRE(run.status == 1);
-  Minimized m;
-  m.report = nlohmann::json::parse(run.out);
-  const CliResult bisect = run_cli({"bisect", (dir / "min").string(), "--json", "--no-samples"});
-  REQUIRE(bisect.status == 1);
-  m.origin = nlohmann::json::parse(bisect.out)["origin"];
-  m.manifest = read_json(dir / "min" / "manifest.json");
-  return m;
-}
-
-// The original index MIN records for its own sample `sample`.
-int64_t original_of(const nlohmann::json& manifest, int64_t sample) {
-  for (const auto& step : manifest["steps"]) {
-    for (size_t r = 0; r < step["samples"].size(); ++r) {
-      for (size_t i = 0; i < step["samples"][r].size(); ++i) {
-        if (step["samples"][r][i] == sample) return step["original_samples"][r][i].get<int64_t>();
-      }
-    }
-  }
-  return -1;
-}
-
-void check_same_origin(const Minimized& m, double max_ratio) {
-  const nlohmann::json& before = m.report["origin"];
-  const nlohmann::json& after = m.origin;
-  INFO(before.dump() << "\n" << after.dump());
-  REQUIRE(after.is_object());
-  for (const char* key : {"step", "phase", "site", "layer", "head", "expert", "kind", "position"}) {
-    CHECK(before[key] == after[key]);
-  }
-  if (before["sample"].get<int64_t>() >= 0) {
-    CHECK(original_of(m.manifest, after["sample"].get<int64_t>()) == m.report["original_sample"].get<int64_t>());
-  }
-  CHECK(m.report["after"]["bytes"].get<double>() < max_ratio * m.report["before"]["bytes"].get<double>());
-  CHECK(m.report["ratio"].get<double>() < max_ratio);
-  CHECK(m.manifest["minimized"]["from"].get<std::string>().find("bundle") != std::string::npos);
-}
-
-void check_presets(const std::vector<std::string>& presets, double max_ratio) {
-  for (const std::string& preset : presets) {
-    DYNAMIC_SECTION(preset) {
-      ScratchDir dir("minimize");
-      check_same_origin(minimize(dir, preset), max_ratio);
-    }
-  }
-}
-
-}  // namespace
-
-// One step of four (or six), one sample, and the layers a forward origin needs: under a tenth.
-TEST_CASE("minimize keeps the origin of the attention and MLP overflows", "[minimize][cli]") {
-  check_presets({"head-overflow", "qwen2-head-overflow", "repeat-run", "mlp-overflow"}, 0.1);
-}
-
-TEST_CASE("minimize keeps the origin of the data and scale faults", "[minimize][cli]") {
-  check_presets({"zero-embedding", "poisoned-token", "fp8-scale-collapse", "mislabeled-rope"}, 0.1);
-}
-
-TEST_CASE("minimize keeps the origin of transient and cascading failures", "[minimize][cli]") {
-  check_presets({"cascade", "transient-fp16"}, 0.1);
-}
-
-TEST_CASE("minimize keeps the origin of a mixture of experts' overflows", "[minimize][cli]") {
-  check_presets({"router-overflow", "expert-overflow"}, 0.1);
-}
-
-TEST_CASE("minimize reduces two data-parallel ranks and their micro-batches to the one that fails", "[minimize][cli]") {
+// glitch-token: 2 ranks of 2 micro-batches, the origin in rank 1's embedding output.
+TEST_CASE("minimize reduces ranks and micro-batches to the failing sample and cuts the layers", "[minimize][cli]") {
   ScratchDir dir("minimize-dp");
-  const Minimized m = minimize(dir, "glitch-token");
-  check_same_origin(m, 0.1);
-  CHECK(m.report["before"]["world_size"] == 2);
-  CHECK(m.report["after"]["world_size"] == 1);
-  CHECK(m.report["after"]["grad_accum_steps"] == 1);
-  CHECK(m.report["after"]["samples"] == 1);
-}
-
-TEST_CASE("minimize cuts the model after a forward origin's layer", "[minimize][cli]") {
-  ScratchDir dir("minimize-cut");
-  const Minimized m = minimize(dir, "demo");  // layers.2.attn.scores of 4 layers
-  check_same_origin(m, 0.1);
-  CHECK(m.manifest["model"]["num_layers"] == 3);
-  CHECK(m.report["after"]["layers"] == 3);
-  // run on MIN: report.md names the original.
-  const CliResult run = run_cli({"run", (dir / "min").string(), "--out", (dir / "triage").string()});
+  REQUIRE(run_cli({"synth", "glitch-token", (dir / "bundle").string()}).status == 0);
+  const CliResult run = run_cli({"minimize", (dir / "bundle").string(), "--out", (dir / "min").string(), "--json"});
+  INFO(run.err);
   REQUIRE(run.status == 1);
+  const nlohmann::json report = nlohmann::json::parse(run.out);
+  CHECK(report["finding"] == "origin");
+  CHECK(report["before"]["world_size"] == 2);
+  CHECK(report["after"]["world_size"] == 1);
+  CHECK(report["after"]["grad_accum_steps"] == 1);
+  CHECK(report["after"]["samples"] == 1);
+  CHECK(report["ratio"].get<double>() < 0.1);
+  // An origin in the embedding keeps layer 0 only (a model has at least one layer).
+  const nlohmann::json manifest = read_json(dir / "min" / "manifest.json");
+  CHECK(manifest["model"]["num_layers"] == 1);
+  CHECK(report["after"]["layers"] == 1);
+  CHECK(manifest["minimized"]["num_layers"] == 2);
+
+  const CliResult triage = run_cli({"run", (dir / "min").string(), "--out", (dir / "triage").string(), "--json"});
+  REQUIRE(triage.status == 1);
+  const nlohmann::json origin = nlohmann::json::parse(triage.out)["first_nonfinite"];
+  for (const char* key : {"step", "phase", "site", "layer", "kind", "position"}) {
+    CHECK(origin[key] == report["origin"][key]);
+  }
   CHECK(slurp(dir / "triage" / "report.md").find("minimized bundle") != std::string::npos);
 }
 
-TEST_CASE("minimize keeps the update that brought a flipped bit in", "[minimize][cli]") {
-  ScratchDir dir("minimize-flip");
-  const Minimized m = minimize(dir, "bit-flip");
-  check_same_origin(m, 0.5);
-  CHECK(m.manifest["steps"].size() == 2);  // 102 and 103, with 102's optimizer state
-  CHECK(std::filesystem::exists(dir / "min" / "steps" / "102" / "optimizer.safetensors"));
-}
-
-TEST_CASE("minimize writes a rolled-forward step's derived parameters as its checkpoint", "[minimize][cli]") {
-  ScratchDir dir("minimize-rolled");
-  const Minimized m = minimize(dir, "zero-embedding", {"--checkpoint-every", "10"});
-  check_same_origin(m, 0.35);
-  CHECK(m.report["before"]["checkpoints"] == 1);
-  CHECK(m.manifest["steps"].size() == 1);
-  CHECK(std::filesystem::exists(dir / "min" / "steps" / "103" / "model.safetensors"));
-}
-
-TEST_CASE("minimize writes nothing when nothing is non-finite, and never into the bundle", "[minimize][cli]") {
+TEST_CASE("minimize writes nothing when nothing fails, and never into the bundle", "[minimize][cli]") {
   ScratchDir dir("minimize-none");
   REQUIRE(run_cli({"synth", "clean-fp32", (dir / "bundle").string()}).status == 0);
   const std::string manifest = slurp(dir / "bundle" / "manifest.json");
-  const CliResult clean = run_cli({"minimize", (dir / "bundle").string(), "--out", (dir / "min").string(), "--json"});
+  const CliResult clean = run_cli({"minimize", (dir / "bundle").string(), "--out", (dir / "min" / "x").string()});
   CHECK(clean.status == 0);
-  CHECK(nlohmann::json::parse(clean.out)["out"].is_null());
-  CHECK_FALSE(std::filesystem::exists(dir / "min"));
+  CHECK(clean.out.find("NOTHING TO MINIMIZE") != std::string::npos);
+  CHECK(clean.out.find("no flipped bit") != std::string::npos);  // says why
+  CHECK_FALSE(std::filesystem::exists(dir / "min"));             // not even the parent of MIN
 
   const CliResult inside =
       run_cli({"minimize", (dir / "bundle").string(), "--out", (dir / "bundle" / "min").string()});
@@ -153,4 +64,30 @@ TEST_CASE("minimize writes nothing when nothing is non-finite, and never into th
   const CliResult taken = run_cli({"minimize", (dir / "bundle").string(), "--out", (dir / "taken").string()});
   CHECK(taken.status == 2);
   CHECK(run_cli({"minimize", (dir / "bundle").string()}).status == 2);  // no --out
+  CHECK(run_cli({"minimize", (dir / "bundle").string(), "--out", (dir / "m").string(), "--what-if",
+                 "stable-softmax"})
+            .status == 2);
+}
+
+TEST_CASE("a minimized flipped bit names the one tensor that shows it", "[minimize]") {
+  nanreplay::MinimizeReport r;
+  r.bundle = "b";
+  r.out = "m";
+  r.finding = "bit_flip";
+  r.flip = nanreplay::FlippedBit{103, "model.layers.0.mlp.up_proj.weight", {0, 0}, 29, 0.03, 1e-21, 0.03, "msg"};
+  r.flip_after = r.flip;
+  r.reproduce_command = "nanreplay run m --out triage/";
+  const std::string text = nanreplay::render_minimize(r, {false});
+  CHECK(text.find("BIT FLIP  step 103, model.layers.0.mlp.up_proj.weight element [0, 0], bit 29") != std::string::npos);
+  CHECK(text.find("shown by  model.layers.0.mlp.up_proj.weight in steps/103/model.safetensors against AdamW from "
+                  "step 102") != std::string::npos);
+  CHECK(text.find("same flipped bit") != std::string::npos);
+  const nlohmann::json j = nanreplay::minimize_to_json(r);
+  CHECK(j["finding"] == "bit_flip");
+  CHECK(j["origin"].is_null());
+  CHECK(j["bit_flip"]["tensor"] == "steps/103/model.safetensors");
+  CHECK(j["bit_flip"]["update_from"] == 102);
+  CHECK(j["bit_flip"]["index"] == nlohmann::json::array({0, 0}));
+  CHECK(j["bit_flip_after"]["bit"] == 29);
+  CHECK(j["reason"].is_null());
 }
