@@ -107,6 +107,8 @@ std::string render_minimize(const MinimizeReport& r, const TextStyle& style) {
     const FirstNonfinite& f = *r.origin;
     out << paint(style, "1;31", "ORIGIN") << "  step " << f.step << ", " << phase_name(f.phase) << ", "
         << paint(style, "1", f.name());
+    if (f.head >= 0) out << " head " << f.head;
+    if (f.expert >= 0) out << " expert " << f.expert;
     if (r.original_sample) out << ", sample " << *r.original_sample << " (original index)";
   } else {
     const FlippedBit& f = *r.flip;
