@@ -21,6 +21,7 @@
 
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
+#include "cli/staging_dir.h"
 #include "loaders/bundle.h"
 #include "loaders/error.h"
 #include "replay/bundle_structure.h"
@@ -96,34 +97,6 @@ std::pair<fs::path, CommandArgs> take_out(const CommandArgs& args) {
   return {out, rest};
 }
 
-// A fresh directory beside `out` (same file system, so the final rename is atomic).
-fs::path make_staging(const fs::path& out) {
-  const fs::path parent = fs::absolute(out).parent_path();
-  std::error_code ec;
-  fs::create_directories(parent, ec);
-  std::string pattern = (parent / ("." + out.filename().string() + ".import-XXXXXX")).string();
-  if (mkdtemp(pattern.data()) == nullptr) {
-    throw OutputError(out.string(), std::string("cannot create a staging directory beside it: ") + std::strerror(errno));
-  }
-  return pattern;
-}
-
-// Removes the staging directory (and whatever the helper left in it) on the way out.
-class Staging {
- public:
-  explicit Staging(fs::path dir) : dir_(std::move(dir)) {}
-  ~Staging() {
-    std::error_code ec;
-    if (!dir_.empty()) fs::remove_all(dir_, ec);
-  }
-  Staging(const Staging&) = delete;
-  Staging& operator=(const Staging&) = delete;
-  const fs::path& dir() const { return dir_; }
-
- private:
-  fs::path dir_;
-};
-
 // The helper's exit status; a stop request kills it and throws Interrupted.
 int run_helper(const std::vector<std::string>& argv) {
   std::vector<char*> words;
@@ -190,7 +163,7 @@ int import_command(const CommandArgs& args, CommandIo& io) {
   if (!fs::exists(script)) throw UsageError("import: the helper " + script.string() + " is missing");
   const std::string python = python_interpreter();
   const StopDeferral staged_output;  // a stop now is polled, and the staging directory removed
-  Staging staging(make_staging(out));
+  StagingDir staging(out, "import");
   std::vector<std::string> argv = {python, script.string()};
   argv.insert(argv.end(), helper_args.begin(), helper_args.end());
   argv.push_back("--out");

@@ -13,6 +13,7 @@
 #include "cli/command_table.h"
 #include "cli/progress_line.h"
 #include "cli/replay_flags.h"
+#include "cli/staging_dir.h"
 #include "loaders/error.h"
 #include "nanreplay_version.h"
 #include "replay/incident.h"
@@ -44,34 +45,6 @@ cxxopts::Options minimize_options() {
   options.positional_help("BUNDLE --out MIN");
   return options;
 }
-
-// A fresh directory beside `out` (same file system, so the final rename is atomic).
-fs::path make_staging(const fs::path& out) {
-  const fs::path parent = fs::absolute(out).parent_path();
-  std::error_code ec;
-  fs::create_directories(parent, ec);
-  std::string pattern = (parent / ("." + out.filename().string() + ".minimize-XXXXXX")).string();
-  if (mkdtemp(pattern.data()) == nullptr) {
-    throw OutputError(out.string(), std::string("cannot create a staging directory beside it: ") + std::strerror(errno));
-  }
-  return pattern;
-}
-
-// Removes the staging directory (the rejected candidates) on the way out.
-class Staging {
- public:
-  explicit Staging(fs::path dir) : dir_(std::move(dir)) {}
-  ~Staging() {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-  Staging(const Staging&) = delete;
-  Staging& operator=(const Staging&) = delete;
-  const fs::path& dir() const { return dir_; }
-
- private:
-  fs::path dir_;
-};
 
 fs::path checked_out(const fs::path& out, const fs::path& bundle) {
   std::error_code ec;
@@ -119,8 +92,8 @@ int minimize_command(const CommandArgs& args, CommandIo& io) {
   minimize.native_low_precision = flags.incident.native_low_precision;
   minimize.should_stop = stop_requested;
   minimize.on_progress = [&](const std::string& stage) { progress.update(BisectProgress{stage, 0, 0}); };
-  std::optional<Staging> staging;  // made only when there is something to minimize
-  minimize.workspace = [&] { return staging.emplace(make_staging(out)).dir(); };
+  std::optional<StagingDir> staging;  // made only when there is something to minimize
+  minimize.workspace = [&] { return staging.emplace(out, "minimize").dir(); };
   MinimizeOutcome outcome = minimize_bundle(incident.bundle(), bisected, minimize);
   MinimizeReport& report = outcome.report;
   report.bundle = flags.incident.bundle.string();
