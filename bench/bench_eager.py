@@ -1,19 +1,27 @@
 """One bundle step's forward and backward in eager PyTorch, timed on request:
 the baseline of bench/bench_replay.cpp's "replay / eager" ratio. With
 --train, a whole training step (clip_grad_norm_ and torch.optim.AdamW too):
-the baseline of its "derived step / eager training step" ratio.
+the baseline of its "derived step / eager training step" ratio. With
+--moe-layer N, N passes of one mixture-of-experts layer alone: Hugging Face's
+Qwen3MoeSparseMoeBlock (tests/py/torch_models.py) on layer 0's weights,
+forward from h = randn(batch, seq, hidden) after manual_seed(0) and backward
+from g = randn drawn next, as sum(out * g) (bench_replay's MoeLayer draws
+the same h and g): the baseline of its "MoE layer" ratio.
 
 The model is tests/py/reference_model.py's llama or gpt2 (plain torch ops, as
-a training script would write them) on the step's checkpoint and batch; the
-step is every rank's micro-batches with gradient accumulation, then the
-global gradient norm, as the replay computes it. Weights and tokens are read
-once; each request times one whole step.
+a training script would write them; a mixture of experts, moe_mlp, loops
+over the experts as Hugging Face's Qwen3MoeSparseMoeBlock does) on the
+step's checkpoint and batch; the step is every rank's micro-batches with
+gradient accumulation, then the global gradient norm, as the replay
+computes it. Weights and tokens are read once; each request times one whole
+step.
 
-Protocol (stdin/stdout, one line each): "step" -> "SECONDS LOSS GRAD_NORM";
-"quit" ends. bench_replay starts this with Debian's /usr/bin/python3
-(python3-torch, the same LibTorch 1.13 the replay links) and the same
-thread count, and interleaves its requests with its own timed steps.
-Usage: /usr/bin/python3 bench/bench_eager.py --bundle DIR --step N --threads T
+Protocol (stdin/stdout, one line each): "step" -> "SECONDS LOSS GRAD_NORM"
+(--moe-layer: sum(out * g) and the norm of h's gradient); "quit" ends.
+bench_replay starts this with Debian's /usr/bin/python3 (python3-torch, the
+same LibTorch 1.13 the replay links) and the same thread count, and
+interleaves its requests with its own timed steps.
+Usage: /usr/bin/python3 bench/bench_eager.py --bundle DIR --step N --threads T [--train | --moe-layer N]
 """
 import argparse
 import json
@@ -25,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "py"))
 import reference_model  # noqa: E402
+import torch_models  # noqa: E402
 
 
 def training_optimizer(m, params, lr):
@@ -36,6 +45,27 @@ def training_optimizer(m, params, lr):
                              lr=lr, betas=tuple(o["betas"]), eps=o["eps"], foreach=False)
 
 
+def moe_layer_passes(cfg, data, params, passes):
+    """One MoE layer alone: HF's block with layer 0's weights, forward and backward, `passes` times."""
+    moe, prefix = cfg["moe"], "model.layers.0.mlp."
+    block = torch_models.Qwen3MoeSparseMoeBlock(cfg["hidden_size"], moe["num_experts"], moe["top_k"],
+                                                moe.get("intermediate_size") or cfg["intermediate_size"],
+                                                moe.get("norm_topk_prob", False))
+    block.load_state_dict({k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)})
+    torch.manual_seed(0)
+    h = torch.randn(data["micro_batch_size"], data["seq_len"], cfg["hidden_size"])
+    g = torch.randn(h.shape)
+
+    def run():
+        for _ in range(passes):
+            block.zero_grad(set_to_none=True)
+            x = h.detach().requires_grad_(True)
+            objective = (block(x)[0] * g).sum()
+            objective.backward()
+        return objective.item(), x.grad.norm().item()
+    return run
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bundle", required=True)
@@ -43,6 +73,9 @@ def main():
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--train", action="store_true",
                     help="a whole training step: also clip_grad_norm_ and torch.optim.AdamW (the manifest's settings)")
+    ap.add_argument("--moe-layer", type=int, metavar="PASSES",
+                    help="time PASSES passes of one mixture-of-experts layer alone (HF's Qwen3MoeSparseMoeBlock), "
+                         "not a step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -83,12 +116,13 @@ def main():
 
     lr = json.loads((bundle.root / step_dir / "state.json").read_text())["lr"]
     optimizer = training_optimizer(m, params, lr) if args.train else None
+    timed = moe_layer_passes(cfg, d, params, args.moe_layer) if args.moe_layer else step
 
     for line in sys.stdin:
         if line.strip() != "step":
             break
         start = time.perf_counter()
-        loss, norm = step()
+        loss, norm = timed()
         seconds = time.perf_counter() - start
         print(f"{seconds:.6f} {loss:.9g} {norm:.9g}", flush=True)
 

@@ -4,11 +4,14 @@
 #   1. statistics kernel / plain sum, / LibTorch abs().max()+isfinite().all()  (bench_stats)
 #   2. replay step probes on / off                                              (bench_replay)
 #   3. replay step / eager PyTorch (Debian's /usr/bin/python3, python3-torch)  (bench_replay)
+#      2 and 3 for the dense llama and for its mixture-of-experts twin, and one
+#      MoE layer / Hugging Face's Qwen3MoeSparseMoeBlock                      (bench_replay --model both)
 #   4. peak RSS of a 10-step / a 1-step bundle                                  (bench_replay)
 #   5. whole `nanreplay run` / whole eager PyTorch replay, 3 and 10 steps       (bench_whole_run)
 #   6. OpenBLAS on OpenMP / on pthreads, replay step and whole run            (bench_blas.sh)
-# The first run writes two bundles of a hidden-512, 8-layer llama (~4 GB) into
-# the work directory and reuses them afterwards.
+# The first run writes the bundles of a hidden-512, 8-layer llama (~4 GB) and
+# a 1-step bundle of its MoE twin (~1 GB) into the work directory and
+# reuses them afterwards.
 #   bench/run_all.sh [BUILD_DIR] [WORK_DIR]     (defaults: build, bench-work)
 # Environment: NANREPLAY_BENCH_THREADS (2), NANREPLAY_BENCH_REPS (9).
 set -euo pipefail
@@ -22,8 +25,8 @@ cmake --build "$build" --target bench_stats bench_replay bench_whole_run nanrepl
 echo "== statistics kernel (256 MiB buffers, $threads threads)"
 "$build/bench/bench_stats" 256 "$reps" "$threads"
 echo
-echo "== replay (hidden 512, 8 layers, seq 256; $threads threads)"
-"$build/bench/bench_replay" --work "$work" --reps "$reps" --threads "$threads"
+echo "== replay, dense and MoE (hidden 512, 8 layers, seq 256; 8 experts, top 2; $threads threads)"
+"$build/bench/bench_replay" --model both --work "$work" --reps "$reps" --threads "$threads"
 echo
 echo "== whole run against a whole eager replay (27M-parameter llama; $threads threads)"
 "$build/bench/bench_whole_run" --work "$work" --reps "$reps" --threads "$threads"
