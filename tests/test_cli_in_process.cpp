@@ -1,5 +1,5 @@
 // The CLI driven in process through run_cli (cli/cli.h), with string streams
-// as its CommandIo: run, trace, inspect and bisect --json on a synthetic
+// as its CommandIo: run, trace, inspect, bisect and minimize --json on a synthetic
 // bundle written here, usage errors and "did you mean"; and the incident entry
 // points a stop request ends (replay/incident.h, reports/run_outputs.h).
 // The end-to-end tests through the real binary stay in test_cli_*.cpp (signals,
@@ -56,7 +56,7 @@ fs::path write_bundle(const ScratchDir& dir, const std::string& preset) {
 
 }  // namespace
 
-TEST_CASE("run_cli in process: run, trace, inspect and bisect --json on one bundle", "[cli][in-process]") {
+TEST_CASE("run_cli in process: run, trace, inspect, bisect and minimize --json on one bundle", "[cli][in-process]") {
   ScratchDir dir("in-process");
   const nanreplay::SyntheticSpec spec = nanreplay::synthetic_preset("head-overflow");
   const fs::path bundle = write_bundle(dir, "head-overflow");
@@ -98,6 +98,14 @@ TEST_CASE("run_cli in process: run, trace, inspect and bisect --json on one bund
     INFO(key);
     CHECK(bisected["origin"][key] == origin[key]);
   }
+
+  const InProcess minimize = cli({"minimize", bundle.string(), "--out", (dir / "min").string(), "--json"});
+  INFO(minimize.err);
+  REQUIRE(minimize.status == static_cast<int>(nanreplay::ExitStatus::kFound));
+  const nlohmann::json minimized = nlohmann::json::parse(minimize.out);
+  CHECK(minimized["origin_after"]["site"] == origin["site"]);
+  CHECK(minimized["after"]["bytes"].get<int64_t>() < minimized["before"]["bytes"].get<int64_t>());
+  CHECK(nlohmann::json::parse(cli({"inspect", (dir / "min").string(), "--json"}).out)["valid"] == true);
 }
 
 TEST_CASE("run_cli in process: usage errors are one line and exit 2, unknown commands a suggestion",
