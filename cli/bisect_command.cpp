@@ -65,6 +65,7 @@ int bisect_command(const CommandArgs& args, CommandIo& io) {
   ReplayFlags flags = parse_replay_flags(parsed, true);
   flags.incident.bundle = parsed["bundle"].as<std::string>();
   const Incident incident(flags.incident, IncidentUse::kBisect);
+  if (incident.layer_streamed() && !flags.quiet) io.err << "nanreplay: " << incident.streaming_note() << "\n";
   const BisectReport report =
       bisect_showing_progress(incident, parsed.count("no-samples") == 0, !flags.quiet && !flags.json, io);
   if (flags.json) {

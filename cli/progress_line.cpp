@@ -16,9 +16,11 @@ void ProgressLine::update(const ReplayProgress& p) {
   const double done = static_cast<double>(p.step_index);
   const std::string eta =
       done > 0 ? std::to_string(static_cast<int>(elapsed / done * (p.step_count - done))) + "s" : "?";
-  draw(format_text("  replaying step %lld (%zu/%zu), rank %d, micro-batch %d, %s  %.1fs elapsed, ~%s left",
+  // A layer-streamed step is long: it says which block it is in.
+  const std::string block = p.layer >= 0 ? format_text(" layer %d/%d", p.layer + 1, p.num_layers) : "";
+  draw(format_text("  replaying step %lld (%zu/%zu), rank %d, micro-batch %d, %s%s  %.1fs elapsed, ~%s left",
                    static_cast<long long>(p.step), p.step_index + 1, p.step_count, p.rank, p.micro_batch,
-                   p.phase.c_str(), elapsed, eta.c_str()));
+                   p.phase.c_str(), block.c_str(), elapsed, eta.c_str()));
 }
 
 void ProgressLine::update(const BisectProgress& p) {

@@ -44,6 +44,11 @@ void add_replay_flags(cxxopts::Options& options, const char* json_help, bool cro
       ("emulate-low-precision", "on a GPU, emulate bf16/fp16 by rounding fp32 as on CPU instead of computing natively")
       ("max-memory", "refuse a replay estimated to need more than SIZE (8G, 512M, 1.5GiB or bytes; "
                      "default: 80% of the available memory)", cxxopts::value<std::string>(), "SIZE")
+      ("stream", "replay layer by layer from the mapped checkpoint, the gradients on scratch files "
+                 "(automatic when only that fits the memory limit)")
+      ("scratch", "where a layer-streamed replay puts its scratch directory (removed at the end; "
+                  "default: beside --out for run, the temporary directory for bisect)",
+       cxxopts::value<std::string>(), "DIR")
       ("json", json_help)
       ("q,quiet", "print nothing but errors")
       ("h,help", "show this help")
@@ -67,6 +72,8 @@ ReplayFlags parse_replay_flags(const cxxopts::ParseResult& args, bool probes) {
     const std::string size = args["max-memory"].as<std::string>();
     incident.max_memory = MemoryLimit{parse_memory_size(size), "--max-memory " + size};
   }
+  incident.stream = args.count("stream") > 0;
+  if (args.count("scratch")) incident.scratch = args["scratch"].as<std::string>();
   flags.json = args.count("json") > 0;
   flags.quiet = args.count("quiet") > 0;
   return flags;

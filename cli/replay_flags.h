@@ -1,5 +1,6 @@
 // The flags `run` and `bisect` share, declared and parsed once: --threads,
 // --device (and run's --cross-check), --emulate-low-precision, --max-memory,
+// --stream, --scratch,
 // --json, -q/--quiet, -h/--help and the repeatable --what-if, in the order
 // both commands' --help lists them, with every check that needs no bundle.
 #pragma once

@@ -120,6 +120,7 @@ ReplayReport replay_and_write(const RunSettings& settings, CommandIo& io) {
     const PhaseTimer timer(loading, TimedPhase::kLoad);
     incident.emplace(settings.incident, IncidentUse::kReplay);
   }
+  if (incident->layer_streamed() && !settings.quiet) io.err << "nanreplay: " << incident->streaming_note() << "\n";
   const StopDeferral staged_output;  // destroyed after `outputs`: its cleanup runs first
   RunOutputs outputs(settings.out, incident->bundle().root(), settings.replace_existing);
   ReplayReport report = replay_showing_progress(*incident, settings.quiet, io, outputs);
@@ -150,6 +151,8 @@ int run_command(const CommandArgs& args, CommandIo& io) {
   settings.incident = flags.incident;
   settings.incident.bundle = parsed["bundle"].as<std::string>();
   settings.incident.only_steps = steps;
+  // A streamed replay's scratch files go beside the results, on the disk the user chose for them.
+  if (!settings.incident.scratch) settings.incident.scratch = fs::absolute(settings.out).parent_path();
   settings.quiet = flags.quiet;
   settings.timings = parsed.count("timings") > 0;
   const ReplayReport report = replay_and_write(settings, io);

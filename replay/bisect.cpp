@@ -16,6 +16,7 @@
 
 #include "loaders/error.h"
 #include "replay/ddmin.h"
+#include "replay/layer_stream.h"
 #include "replay/origin_tokens.h"
 #include "replay/replay_engine.h"
 #include "replay/step_scan.h"
@@ -115,7 +116,7 @@ class Bisection {
       scales.step_done(scan.scaler_skips);
       derivable = true;
       if (!next_derived) continue;
-      if (files.has_model) trajectory.start(bundle_, files);
+      if (files.has_model) trajectory.start(bundle_, files, placement().stream);
       trajectory.advance(result, state, scan.scaler_skips);
     }
     return std::nullopt;
@@ -126,7 +127,7 @@ class Bisection {
     if (!bad_loaded_) bad_loaded_ = std::make_unique<LoadedStep>(bundle_, step, placement());
     LoadedStep& loaded = *bad_loaded_;
     const std::string embedding = expected_parameters(bundle_.manifest().model).front().name;
-    origin_embedding_ = loaded.checkpoint().params().at(embedding).detach().to(torch::kCPU).clone();
+    origin_embedding_ = loaded.checkpoint().param(embedding).detach().to(torch::kCPU).clone();
     stage_ = "site";
     FirstNonfinite origin = locate_first(loaded, {}, *bad_scan_, report_.site_replays, hook());
     origin.contaminated_params = loaded.nonfinite_params();
@@ -145,7 +146,9 @@ class Bisection {
 
   // Every pass computes where --device says.
   ComputePlacement placement() const {
-    return placement_for(options_.devices, options_.native_low_precision, bundle_.manifest().precision.compute);
+    return streamed_if(
+        placement_for(options_.devices, options_.native_low_precision, bundle_.manifest().precision.compute),
+        options_.stream_scratch);
   }
 
   // The bad step's token embedding as its replay held it (checkpoint or derived).
@@ -278,7 +281,7 @@ BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options) {
   if (!options.what_ifs.empty()) {
     bisection.set_stage("what-if", report.origin ? report.origin->step : 0);
     report.what_if = evaluate_what_ifs(bundle, report.origin, options.what_ifs, bisection.hook(),
-                                       options.devices, options.native_low_precision);
+                                       options.devices, options.native_low_precision, options.stream_scratch);
   }
   report.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return report;

@@ -11,7 +11,9 @@
 // docs/bisect-and-what-if.md. No LibTorch types here.
 #pragma once
 
+#include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,6 +38,8 @@ struct BisectOptions {
   // --device: where every pass computes (one device, or two with the layers split).
   std::vector<std::string> devices{"cpu"};
   bool native_low_precision = true;  // bf16/fp16 natively on a GPU
+  // Set: every pass layer by layer, scratch files in a directory made inside this one.
+  std::optional<std::filesystem::path> stream_scratch;
 };
 
 BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options);

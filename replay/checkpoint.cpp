@@ -40,7 +40,7 @@ void ModelCheckpoint::place(const std::vector<torch::Device>& devices, int num_l
                            name.find(".wte.") != std::string::npos || name.find(".wpe.") != std::string::npos;
     const bool on_first = devices.size() == 1 || embedding || (layer >= 0 && layer < first_half);
     const torch::Device& device = on_first ? devices.front() : devices.back();
-    torch::Tensor leaf = params_.at(name).detach().to(device, /*non_blocking=*/false, /*copy=*/true);
+    torch::Tensor leaf = params().at(name).detach().to(device, /*non_blocking=*/false, /*copy=*/true);
     leaf.requires_grad_(true);
     placed_.emplace(name, leaf);
   }
@@ -71,20 +71,65 @@ torch::Tensor tensor_from_safetensors(const TensorInfo& info, const std::string&
 
 ModelCheckpoint::ModelCheckpoint(const StepFiles& files, const ModelConfig& model)
     : file_(SafetensorsFile::open(files.model.string(), files.label("model.safetensors"))) {
-  check_checkpoint_matches_model(file_, model);
-  const std::vector<ParamSpec> expected = expected_parameters(model);
-  for (const ParamSpec& spec : expected) {
-    const TensorInfo& info = file_.at(spec.name);
-    torch::Tensor master = tensor_from_safetensors(info, file_.label());
-    // An upcast (or realigned) copy never reads the mapping again.
-    if (master.data_ptr() != static_cast<const void*>(info.data)) file_.release(info);
-    master.requires_grad_(true);
-    params_.emplace(spec.name, master);
+  check_checkpoint_matches_model(*file_, model);
+  for (const ParamSpec& spec : expected_parameters(model)) {
+    const TensorInfo& info = file_->at(spec.name);
+    if (info.dtype != DType::kF32 && info.dtype != DType::kBF16 && info.dtype != DType::kF16) {
+      throw InputError(file_->label(), info.name,
+                       std::string("dtype ") + dtype_name(info.dtype) +
+                           " is not a parameter type (expected F32, BF16 or F16)");
+    }
     order_.push_back(spec.name);
   }
 }
 
 ModelCheckpoint::ModelCheckpoint(ParamMap params, std::vector<std::string> order)
-    : params_(std::move(params)), order_(std::move(order)) {}
+    : params_(std::move(params)), loaded_(true), order_(std::move(order)) {}
+
+ModelCheckpoint::ModelCheckpoint(std::function<torch::Tensor(size_t)> read, std::vector<std::string> order)
+    : order_(std::move(order)), read_(std::move(read)) {}
+
+ModelCheckpoint ModelCheckpoint::share() const {
+  if (file_) throw std::logic_error("ModelCheckpoint::share: only derived parameters are shared");
+  return read_ && !loaded_ ? ModelCheckpoint(read_, order_) : ModelCheckpoint(params_, order_);
+}
+
+ParamMap& ModelCheckpoint::params() {
+  if (loaded_) return params_;
+  for (const std::string& name : order_) {
+    torch::Tensor master = param(name);
+    if (read_) {
+      params_.emplace(name, master.requires_grad_(true));
+      continue;
+    }
+    // An upcast (or realigned) copy never reads the mapping again.
+    const TensorInfo& info = file_->at(name);
+    if (master.data_ptr() != static_cast<const void*>(info.data)) file_->release(info);
+    master.requires_grad_(true);
+    params_.emplace(name, master);
+  }
+  loaded_ = true;
+  return params_;
+}
+
+torch::Tensor ModelCheckpoint::param(const std::string& name) const {
+  if (loaded_) return params_.at(name);
+  if (read_) {
+    const auto it = std::find(order_.begin(), order_.end(), name);
+    if (it == order_.end()) throw std::out_of_range("no parameter " + name);
+    return read_(static_cast<size_t>(it - order_.begin()));
+  }
+  return tensor_from_safetensors(file_->at(name), file_->label());
+}
+
+void ModelCheckpoint::release(const std::string& name) const {
+  if (loaded_ && file_) {
+    // Loaded leaves in place still read the mapping: only copies may let it go.
+    const TensorInfo& info = file_->at(name);
+    if (params_.at(name).data_ptr() != static_cast<const void*>(info.data)) file_->release(info);
+    return;
+  }
+  if (file_) file_->release(file_->at(name));
+}
 
 }  // namespace nanreplay

@@ -11,13 +11,6 @@
 
 namespace nanreplay {
 
-// What the router losses read, one entry per layer in order.
-struct RouterOutputs {
-  std::vector<torch::Tensor> logits;         // (tokens, E) fp32, as the mlp.router site holds them
-  std::vector<torch::Tensor> probs;          // (tokens, E) softmax in fp32
-  std::vector<torch::Tensor> expert_tokens;  // (E) int64: tokens routed to each expert (no grad)
-};
-
 // The layer's MLP output (B, T, C) from the post-attention norm's output h.
 torch::Tensor experts_mlp(const ModelConfig& model, const ParamMap& params, const torch::Tensor& h, int layer,
                           const Numerics& numerics, ProbeSession& probes, RouterOutputs& router);

@@ -7,6 +7,7 @@
 
 #include "replay/numerics.h"
 #include "replay/probe_session.h"
+#include "replay/step_model.h"
 
 namespace nanreplay {
 
@@ -40,7 +41,7 @@ Numerics step_numerics(const Manifest& manifest, const std::map<std::string, Fp8
 }
 
 PassOutput replay_pass(const ModelConfig& model, const TokenStream& tokens, int64_t seq_len,
-                       const PassInput& input, ParamMap& params, const Numerics& numerics,
+                       const PassInput& input, StepModel& params, const Numerics& numerics,
                        const ProbeScope& scope, const std::function<void()>& before_backward) {
   const std::vector<int64_t>& ids = input.context.sample_ids;
   const auto rows = static_cast<int64_t>(ids.size());
@@ -48,7 +49,8 @@ PassOutput replay_pass(const ModelConfig& model, const TokenStream& tokens, int6
   const torch::Tensor inputs = window.narrow(1, 0, seq_len);
   const torch::Tensor targets = window.narrow(1, 1, seq_len);
   ProbeSession probes(input.context, numerics, scope, model);
-  const ForwardResult forward = forward_loss(model, params, inputs, targets, numerics, probes);
+  const ForwardResult forward =
+      params.forward_backward(model, numerics, probes, inputs, targets, input.backward_scale, before_backward);
   PassOutput out;
   out.loss = forward.loss.item<double>();
   if (forward.sample_loss.defined()) {
@@ -57,8 +59,6 @@ PassOutput replay_pass(const ModelConfig& model, const TokenStream& tokens, int6
                                    forward.sample_loss[row].item<double>()});
     }
   }
-  if (before_backward) before_backward();
-  (forward.loss * input.backward_scale).backward();
   out.norm_checks = probes.take_norm_checks();
   out.probes = probes.take_records();
   return out;

@@ -33,9 +33,11 @@ struct PassOutput {
   std::vector<NormCheck> norm_checks;  // with full probes
 };
 
+class StepModel;  // replay/step_model.h
+
 // `before_backward` runs between the forward and the backward (progress, interrupts).
 PassOutput replay_pass(const ModelConfig& model, const TokenStream& tokens, int64_t seq_len,
-                       const PassInput& input, ParamMap& params, const Numerics& numerics,
+                       const PassInput& input, StepModel& params, const Numerics& numerics,
                        const ProbeScope& scope, const std::function<void()>& before_backward = {});
 
 // The arithmetic of a step: the bundle's precision with this step's fp8 scales.

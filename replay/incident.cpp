@@ -22,6 +22,28 @@ const IncidentSettings& prepare_process(const IncidentSettings& settings, Incide
   return settings;
 }
 
+// Where the scratch directory goes: an existing directory outside the bundle
+// (the tool never writes into one), on one device.
+std::filesystem::path checked_scratch(const IncidentSettings& settings, const std::filesystem::path& bundle) {
+  namespace fs = std::filesystem;
+  if (settings.devices.size() > 1 && !settings.cross_check) {
+    throw UsageError("--device " + settings.devices[0] + "," + settings.devices[1] +
+                     ": a layer-streamed replay computes on one device (it streams the layers from host memory)");
+  }
+  const fs::path parent = settings.scratch ? *settings.scratch : fs::temp_directory_path();
+  std::error_code error;
+  if (!fs::is_directory(parent, error)) {
+    throw UsageError("--scratch " + parent.string() + ": not a directory");
+  }
+  const fs::path inside = fs::weakly_canonical(parent, error);
+  const fs::path root = fs::weakly_canonical(bundle, error);
+  const auto mismatch = std::mismatch(root.begin(), root.end(), inside.begin(), inside.end());
+  if (mismatch.first == root.end()) {
+    throw UsageError("--scratch " + parent.string() + ": inside the bundle, which the tool never writes into");
+  }
+  return parent;
+}
+
 size_t count_selected_steps(const Bundle& bundle, const std::optional<std::set<int64_t>>& only_steps) {
   size_t count = 0;
   for (const StepFiles& files : bundle.steps()) {
@@ -40,11 +62,21 @@ Incident::Incident(const IncidentSettings& settings, IncidentUse use)
   // Refused before any checkpoint is opened or any output directory created.
   // `run` streams each step's probe records to the trace and keeps only the steps that matter.
   const size_t steps_with_probes = std::min(steps_to_replay_, ProbeRetention::kMostStepsHeld);
-  const MemoryEstimate estimate =
-      use == IncidentUse::kReplay
-          ? estimate_replay_memory(bundle_.manifest(), steps_with_probes, settings_.probes, bundle_.rolls_forward())
-          : estimate_replay_memory(bundle_.manifest(), 1, true, bundle_.rolls_forward());
-  require_memory_fits(estimate, settings_.max_memory ? *settings_.max_memory : default_memory_limit());
+  const size_t held = use == IncidentUse::kReplay ? steps_with_probes : 1;
+  const bool probes = use == IncidentUse::kBisect || settings_.probes;
+  const Manifest& m = bundle_.manifest();
+  const MemoryEstimate in_memory = estimate_replay_memory(m, held, probes, bundle_.rolls_forward());
+  const MemoryLimit limit = settings_.max_memory ? *settings_.max_memory : default_memory_limit();
+  if (choose_layer_streaming(in_memory, estimate_streamed_memory(m, held, probes, bundle_.rolls_forward()), limit,
+                             settings_.stream)) {
+    scratch_parent_ = checked_scratch(settings_, bundle_.root());
+    streaming_note_ = "replaying layer by layer (" +
+                      (settings_.stream ? std::string("--stream")
+                                        : "in memory it needs an estimated " + format_bytes(in_memory.total()) +
+                                              ", more than the limit of " +
+                                              format_bytes(static_cast<double>(limit.bytes))) +
+                      "); scratch files in " + scratch_parent_->string();
+  }
   // Every structural fault `inspect` reports, before any work or output.
   validate_bundle_structure(bundle_);
 }
@@ -67,6 +99,7 @@ ReplayReport Incident::replay(const IncidentHooks& hooks) const {
   options.native_low_precision = settings_.native_low_precision;
   options.should_stop = poll(hooks);
   options.on_step_probes = hooks.on_step_probes;
+  options.stream_scratch = scratch_parent_;
   ReplayReport report = replay_bundle(bundle_, options);
   if (!settings_.what_ifs.empty()) {
     const auto before_pass = [&] {
@@ -74,7 +107,7 @@ ReplayReport Incident::replay(const IncidentHooks& hooks) const {
     };
     const PhaseTimer timer(report.timings, TimedPhase::kWhatIfs);
     report.what_if = evaluate_what_ifs(bundle_, report.first_nonfinite, settings_.what_ifs, before_pass,
-                                       {settings_.devices.front()}, settings_.native_low_precision);
+                                       {settings_.devices.front()}, settings_.native_low_precision, scratch_parent_);
   }
   throw_if_mapped_file_changed();
   return report;
@@ -89,6 +122,7 @@ BisectReport Incident::bisect(const IncidentHooks& hooks, bool minimize_samples)
   options.tool_version = NANREPLAY_VERSION;
   options.devices = settings_.devices;
   options.native_low_precision = settings_.native_low_precision;
+  options.stream_scratch = scratch_parent_;
   BisectReport report = bisect_bundle(bundle_, options);
   throw_if_mapped_file_changed();
   return report;

@@ -34,6 +34,12 @@ struct IncidentSettings {
   std::vector<WhatIf> what_ifs;           // replayed at the first non-finite step
   bool probes = true;                     // replay: probes on every site
   std::optional<std::set<int64_t>> only_steps;  // replay: default every step
+  // Replay layer by layer (replay/layer_stream.h) even when the model fits in
+  // memory; unset, only when it does not.
+  bool stream = false;
+  // Where a streamed replay's scratch directory goes (default: the system's
+  // temporary directory; `run` passes the directory beside --out).
+  std::optional<std::filesystem::path> scratch;
 };
 
 // What the incident is opened for. A replay keeps every step's probe records
@@ -64,6 +70,10 @@ class Incident {
   const Bundle& bundle() const { return bundle_; }
   // The bundle's steps the replay selects (all, or only_steps).
   size_t steps_to_replay() const { return steps_to_replay_; }
+  // Whether the replay streams layer by layer (asked for, or the only mode that fits).
+  bool layer_streamed() const { return scratch_parent_.has_value(); }
+  // What the terminal says about it: "replaying layer by layer (...)", or "" in memory.
+  const std::string& streaming_note() const { return streaming_note_; }
 
   // `run`: every selected step with probes (replay_bundle), the what-ifs at
   // its first non-finite value, then the mapped-file check the checks after
@@ -79,6 +89,8 @@ class Incident {
   IncidentSettings settings_;
   Bundle bundle_;
   size_t steps_to_replay_ = 0;
+  std::optional<std::filesystem::path> scratch_parent_;  // set: streamed
+  std::string streaming_note_;
 };
 
 }  // namespace nanreplay

@@ -218,6 +218,39 @@ MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_wit
   return estimate;
 }
 
+MemoryEstimate estimate_streamed_memory(const Manifest& manifest, size_t steps_with_probes, bool probes,
+                                        bool rolls_forward) {
+  const Dims d = dims_of(manifest);
+  const ParamCount params = count_parameters(manifest, d);
+  const bool reduced = manifest.precision.compute == Compute::kBf16 ||
+                       manifest.precision.compute == Compute::kFp16;
+  Dims one_layer = d;
+  one_layer.L = 1;
+  const double with_one_layer = count_parameters(manifest, one_layer).elements;
+  one_layer.L = 0;
+  const double outer = count_parameters(manifest, one_layer).elements;  // embeddings, final norm, head
+  const double block = with_one_layer - outer;
+  const double N = d.B * d.T;
+  MemoryEstimate estimate;
+  // As in memory (masters, the mapping, rounded copies), for the outer
+  // tensors and one block.
+  estimate.parameters = (outer + block) * kFloatBytes * (reduced ? 3 : 2);
+  // The outer tensors' .grad and one block's; accumulating reads a block's
+  // earlier sum back and writes the new one (two more copies of a block).
+  estimate.gradients = (outer + 3 * block) * kFloatBytes;
+  // One block's activations (activation_bytes of a one-layer model), plus the
+  // residual stream entering each block.
+  one_layer.L = 1;
+  estimate.activations = activation_bytes(manifest, one_layer) + (d.L + 1) * N * d.C * kFloatBytes;
+  estimate.probes = probes ? probe_record_bytes(manifest, d, params.tensors, steps_with_probes) : 0;
+  // Rolling forward on scratch files: one parameter, its gradient and its two
+  // moments at a time; the largest is the embedding (or a block's widest).
+  const double largest = std::max({d.V * d.C, d.F * d.C, 3 * d.C * d.C});
+  estimate.rolling = rolls_forward ? 4 * largest * kFloatBytes : 0;
+  estimate.runtime = kRuntimeBytes;
+  return estimate;
+}
+
 MemoryLimit default_memory_limit() {
   std::optional<double> available = meminfo_available_bytes();
   std::string source = "MemAvailable";
@@ -304,21 +337,28 @@ std::string dominant_cause(const MemoryEstimate& e) {
 
 }  // namespace
 
-void require_memory_fits(const MemoryEstimate& estimate, const MemoryLimit& limit) {
-  if (estimate.total() <= static_cast<double>(limit.bytes)) return;
+bool choose_layer_streaming(const MemoryEstimate& in_memory, const MemoryEstimate& streamed,
+                            const MemoryLimit& limit, bool stream) {
+  const double room = static_cast<double>(limit.bytes);
+  if (!stream && in_memory.total() <= room) return false;
+  if (streamed.total() <= room) return true;
+  // The breakdown of the mode asked for (streamed with --stream, else in memory), the other's total.
+  const MemoryEstimate& shown = stream ? streamed : in_memory;
   std::ostringstream message;
-  message << "this replay needs an estimated " << format_bytes(estimate.total())
-          << " of memory (parameters " << format_bytes(estimate.parameters) << ", gradients "
-          << format_bytes(estimate.gradients) << ", activations of one micro-batch "
-          << format_bytes(estimate.activations) << ", probe records "
-          << format_bytes(estimate.probes)
-          << (estimate.rolling > 0 ? ", rolled-forward parameters and AdamW state " + format_bytes(estimate.rolling) : "")
-          << ", runtime " << format_bytes(estimate.runtime)
-          << "), more than the limit of " << format_bytes(static_cast<double>(limit.bytes))
-          << " (" << limit.source << "); most of it is " << dominant_cause(estimate)
-          << ". Nothing was loaded; if the machine has the room, raise the limit with "
-          << "--max-memory SIZE";
+  message << "this replay needs an estimated " << format_bytes(shown.total()) << " of memory "
+          << (stream ? "streamed layer by layer" : "in memory") << " (parameters " << format_bytes(shown.parameters)
+          << ", gradients " << format_bytes(shown.gradients) << ", activations of one micro-batch "
+          << format_bytes(shown.activations) << ", probe records " << format_bytes(shown.probes)
+          << (shown.rolling > 0 ? ", rolled-forward parameters and AdamW state " + format_bytes(shown.rolling) : "")
+          << ", runtime " << format_bytes(shown.runtime) << ") and "
+          << format_bytes((stream ? in_memory : streamed).total())
+          << (stream ? " in memory" : " streamed layer by layer") << ", more than the limit of " << format_bytes(room)
+          << " (" << limit.source << "); "
+          << (in_memory.total() <= room ? "the in-memory replay would fit: drop --stream" : "neither fits")
+          << "; most of it is " << dominant_cause(streamed)
+          << ". Nothing was loaded; if the machine has the room, raise the limit with --max-memory SIZE";
   throw UsageError(message.str());
 }
+
 
 }  // namespace nanreplay

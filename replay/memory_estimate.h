@@ -31,6 +31,12 @@ struct MemoryEstimate {
 MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_with_probes, bool probes,
                                       bool rolls_forward = false);
 
+// The same replay streamed layer by layer (replay/layer_stream.h): one
+// block's parameters, gradients and working set at a time, the embeddings
+// and head for the whole pass, and the residual stream entering every block.
+MemoryEstimate estimate_streamed_memory(const Manifest& manifest, size_t steps_with_probes, bool probes,
+                                        bool rolls_forward = false);
+
 // A memory limit and where it came from, for the refusal message.
 struct MemoryLimit {
   uint64_t bytes = 0;
@@ -49,8 +55,11 @@ uint64_t parse_memory_size(const std::string& text);
 // "1.5 GiB", "512.0 MiB", "800 bytes".
 std::string format_bytes(double bytes);
 
-// Throws UsageError with the estimate, its breakdown and the limit when the
-// estimate exceeds the limit.
-void require_memory_fits(const MemoryEstimate& estimate, const MemoryLimit& limit);
+// Whether the replay streams layer by layer: when asked (`stream`), or when
+// only the streamed replay fits the limit. Throws UsageError with both
+// estimates, and which one would fit, when the mode asked for (or either,
+// unasked) does not fit: the breakdown, the limit, what most of it is.
+bool choose_layer_streaming(const MemoryEstimate& in_memory, const MemoryEstimate& streamed,
+                            const MemoryLimit& limit, bool stream);
 
 }  // namespace nanreplay

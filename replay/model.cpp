@@ -153,154 +153,166 @@ ForwardResult next_token_loss(const torch::Tensor& logits, const torch::Tensor& 
   return result;
 }
 
-ForwardResult llama_forward(const ModelConfig& m, const ParamMap& p, const torch::Tensor& inputs,
-                            const torch::Tensor& targets, const Numerics& numerics,
-                            ProbeSession& probes) {
-  const int64_t B = inputs.size(0), T = inputs.size(1), H = m.num_heads, G = m.num_kv_heads,
-                D = m.head_dim();
+}  // namespace
+
+ModelPass::ModelPass(const ModelConfig& model, const Numerics& numerics, ProbeSession& probes)
+    : m_(model), numerics_(numerics), probes_(probes) {}
+
+torch::Tensor ModelPass::embed(const ParamMap& p, const torch::Tensor& inputs) {
   using R = ParamRole;
-  const Weights w{p, Arch::kLlama};
-  const auto [cos0, sin0] = rotary_tables(T, m, w(R::kTokenEmbedding).device());
-  torch::Tensor cos = cos0, sin = sin0;  // moved along with the activations
-  auto rope = [&, &cos = cos, &sin = sin](const torch::Tensor& x, int64_t heads) {
-    const torch::Tensor per_head = x.view({B, T, heads, D}).transpose(1, 2);  // (B, heads, T, D)
-    return apply_rotary(per_head, cos, sin, m.rope_style).transpose(1, 2).reshape({B, T, heads * D});
-  };
+  const Weights w{p, m_.arch};
   const torch::Tensor embedding = w(R::kTokenEmbedding);
-  torch::Tensor x = probes.site({SiteId::kEmbed, -1},
-                                F::embedding(inputs.to(embedding.device()), embedding));  // (B, T, C)
-  SiteRef stream{SiteId::kEmbed, -1};
-  RouterOutputs router;  // a mixture of experts' routers, for the router losses
-  for (int layer = 0; layer < m.num_layers; ++layer) {
-    // With the layers split across devices, the activations follow the layer's weights.
-    const torch::Device device = w(R::kAttnNorm, layer).device();
-    if (x.device() != device) {
-      x = x.to(device);
-      cos = cos.to(device);
-      sin = sin.to(device);
-    }
-    const Numerics block = numerics.in_layer(layer);  // what-ifs may run a layer in fp32
-    auto proj = [&](const torch::Tensor& in, R role, std::optional<R> bias = std::nullopt) {
-      return block.linear(in, w(role, layer), bias ? w(*bias, layer) : torch::Tensor(), w.module(role, layer));
-    };
-    const auto with_bias = [&](R bias) { return m.attention_bias ? std::optional<R>(bias) : std::nullopt; };
-    // q_norm / k_norm before rotary: in fp32 from the rounded projection (as
-    // autocast hands it over), rounded again as the site they feed would be.
-    auto qk_normed = [&](const torch::Tensor& projected, R weight, SiteId site, int64_t heads) {
-      if (m.qk_norm == QkNorm::kNone) return projected;
-      const SiteRef ref{site, layer};
-      const auto rounded = [&](const torch::Tensor& t) { return block.rounds_site(ref) ? block.round(t) : t; };
-      const torch::Tensor in = rounded(projected);
-      const torch::Tensor scale = m.qk_norm_unit_weights ? torch::ones({D}, in.options()) : w(weight, layer);
-      const torch::Tensor normed =
-          m.qk_norm == QkNorm::kHead
-              ? rms_norm(in.view({B, T, heads, D}), scale, m.norm_eps, probes, ref).reshape({B, T, heads * D})
-              : rms_norm(in, scale, m.norm_eps, probes, ref);
-      return rounded(normed);
-    };
-    probes.alias({SiteId::kInput, layer}, stream);
-    const torch::Tensor h = probes.site(
-        {SiteId::kAttnNorm, layer},
-        rms_norm(x, w(R::kAttnNorm, layer), m.norm_eps, probes, {SiteId::kAttnNorm, layer}));
-    AttentionInputs attn;
-    attn.q = probes.site({SiteId::kAttnQ, layer},
-                         rope(qk_normed(proj(h, R::kQProj, with_bias(R::kQBias)), R::kQNorm, SiteId::kAttnQ, H), H));
-    attn.k = probes.site({SiteId::kAttnK, layer},
-                         rope(qk_normed(proj(h, R::kKProj, with_bias(R::kKBias)), R::kKNorm, SiteId::kAttnK, G), G));
-    attn.v = probes.site({SiteId::kAttnV, layer},
-                         proj(h, R::kVProj, with_bias(R::kVBias)));
-    const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
-    const torch::Tensor attn_out = probes.site(
-        {SiteId::kAttnOut, layer}, proj(context, R::kOProj));
-    x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
-    const torch::Tensor h2 = probes.site(
-        {SiteId::kMlpNorm, layer},
-        rms_norm(x, w(R::kMlpNorm, layer), m.norm_eps, probes, {SiteId::kMlpNorm, layer}));
-    torch::Tensor mlp_out;
-    if (m.moe) {
-      mlp_out = experts_mlp(m, p, h2, layer, block, probes, router);
-    } else {
-      const torch::Tensor gate = probes.site({SiteId::kMlpGate, layer}, proj(h2, R::kGateProj));
-      const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, proj(h2, R::kUpProj));
-      const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, F::silu(gate) * up);  // (B, T, F)
-      mlp_out = probes.site({SiteId::kMlpDown, layer}, proj(act, R::kDownProj));
-    }
-    x = probes.site({SiteId::kOutput, layer}, x + mlp_out);
-    stream = {SiteId::kOutput, layer};
+  torch::Tensor tokens = F::embedding(inputs.to(embedding.device()), embedding);  // (B, T, C)
+  if (m_.arch == Arch::kGpt2) {
+    const torch::Tensor positions =
+        torch::arange(inputs.size(1), torch::TensorOptions().dtype(torch::kLong).device(embedding.device()));
+    tokens = tokens + F::embedding(positions, w(R::kPositionEmbedding));
   }
-  x = x.to(w(R::kFinalNorm).device());
-  const torch::Tensor final_norm = probes.site(
-      {SiteId::kFinalNorm, -1}, rms_norm(x, w(R::kFinalNorm), m.norm_eps, probes, {SiteId::kFinalNorm, -1}));
-  // A tied head on a split model reads the embedding through a differentiable copy.
-  const torch::Tensor head = (m.tie_embeddings ? embedding : w(R::kLmHead)).to(x.device());
-  // The logits site is before the final soft cap, which only the loss reads.
-  const torch::Tensor logits =
-      probes.site({SiteId::kLogits, -1}, numerics.linear(final_norm, head, {}, "lm_head"));  // (B, T, V)
-  return next_token_loss(logits, targets, probes, m.final_logit_softcap,
-                         m.moe ? router_loss(*m.moe, router) : torch::Tensor());
+  return probes_.site({SiteId::kEmbed, -1}, tokens);
 }
 
-ForwardResult gpt2_forward(const ModelConfig& m, const ParamMap& p, const torch::Tensor& inputs,
-                           const torch::Tensor& targets, const Numerics& numerics,
-                           ProbeSession& probes) {
-  const int64_t T = inputs.size(1), C = m.hidden_size;
+torch::Tensor ModelPass::block(const ParamMap& p, int layer, const torch::Tensor& x) {
+  // The residual stream entering block L is the tensor probed as the one before it.
+  probes_.alias({SiteId::kInput, layer}, layer == 0 ? SiteRef{SiteId::kEmbed, -1} : SiteRef{SiteId::kOutput, layer - 1});
+  return m_.arch == Arch::kLlama ? llama_block(p, layer, x) : gpt2_block(p, layer, x);
+}
+
+torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor x) {
+  const ModelConfig& m = m_;
+  ProbeSession& probes = probes_;
+  const int64_t B = x.size(0), T = x.size(1), H = m.num_heads, G = m.num_kv_heads, D = m.head_dim();
+  using R = ParamRole;
+  const Weights w{p, Arch::kLlama};
+  // With the layers split across devices, the activations follow the layer's weights.
+  const torch::Device device = w(R::kAttnNorm, layer).device();
+  if (x.device() != device) x = x.to(device);
+  if (!cos_.defined()) std::tie(cos_, sin_) = rotary_tables(T, m, device);
+  if (cos_.device() != device) {
+    cos_ = cos_.to(device);
+    sin_ = sin_.to(device);
+  }
+  auto rope = [&](const torch::Tensor& in, int64_t heads) {
+    const torch::Tensor per_head = in.view({B, T, heads, D}).transpose(1, 2);  // (B, heads, T, D)
+    return apply_rotary(per_head, cos_, sin_, m.rope_style).transpose(1, 2).reshape({B, T, heads * D});
+  };
+  const Numerics block = numerics_.in_layer(layer);  // what-ifs may run a layer in fp32
+  auto proj = [&](const torch::Tensor& in, R role, std::optional<R> bias = std::nullopt) {
+    return block.linear(in, w(role, layer), bias ? w(*bias, layer) : torch::Tensor(), w.module(role, layer));
+  };
+  const auto with_bias = [&](R bias) { return m.attention_bias ? std::optional<R>(bias) : std::nullopt; };
+  // q_norm / k_norm before rotary: in fp32 from the rounded projection (as
+  // autocast hands it over), rounded again as the site they feed would be.
+  auto qk_normed = [&](const torch::Tensor& projected, R weight, SiteId site, int64_t heads) {
+    if (m.qk_norm == QkNorm::kNone) return projected;
+    const SiteRef ref{site, layer};
+    const auto rounded = [&](const torch::Tensor& t) { return block.rounds_site(ref) ? block.round(t) : t; };
+    const torch::Tensor in = rounded(projected);
+    const torch::Tensor scale = m.qk_norm_unit_weights ? torch::ones({D}, in.options()) : w(weight, layer);
+    const torch::Tensor normed =
+        m.qk_norm == QkNorm::kHead
+            ? rms_norm(in.view({B, T, heads, D}), scale, m.norm_eps, probes, ref).reshape({B, T, heads * D})
+            : rms_norm(in, scale, m.norm_eps, probes, ref);
+    return rounded(normed);
+  };
+  const torch::Tensor h = probes.site(
+      {SiteId::kAttnNorm, layer},
+      rms_norm(x, w(R::kAttnNorm, layer), m.norm_eps, probes, {SiteId::kAttnNorm, layer}));
+  AttentionInputs attn;
+  attn.q = probes.site({SiteId::kAttnQ, layer},
+                       rope(qk_normed(proj(h, R::kQProj, with_bias(R::kQBias)), R::kQNorm, SiteId::kAttnQ, H), H));
+  attn.k = probes.site({SiteId::kAttnK, layer},
+                       rope(qk_normed(proj(h, R::kKProj, with_bias(R::kKBias)), R::kKNorm, SiteId::kAttnK, G), G));
+  attn.v = probes.site({SiteId::kAttnV, layer}, proj(h, R::kVProj, with_bias(R::kVBias)));
+  const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
+  const torch::Tensor attn_out = probes.site({SiteId::kAttnOut, layer}, proj(context, R::kOProj));
+  x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
+  const torch::Tensor h2 = probes.site(
+      {SiteId::kMlpNorm, layer},
+      rms_norm(x, w(R::kMlpNorm, layer), m.norm_eps, probes, {SiteId::kMlpNorm, layer}));
+  torch::Tensor mlp_out;
+  if (m.moe) {
+    mlp_out = experts_mlp(m, p, h2, layer, block, probes, router_);
+  } else {
+    const torch::Tensor gate = probes.site({SiteId::kMlpGate, layer}, proj(h2, R::kGateProj));
+    const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, proj(h2, R::kUpProj));
+    const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, F::silu(gate) * up);  // (B, T, F)
+    mlp_out = probes.site({SiteId::kMlpDown, layer}, proj(act, R::kDownProj));
+  }
+  return probes.site({SiteId::kOutput, layer}, x + mlp_out);
+}
+
+torch::Tensor ModelPass::gpt2_block(const ParamMap& p, int layer, torch::Tensor x) {
+  const ModelConfig& m = m_;
+  ProbeSession& probes = probes_;
+  const int64_t C = m.hidden_size;
   using R = ParamRole;
   const Weights w{p, Arch::kGpt2};
-  const torch::Tensor wte = w(R::kTokenEmbedding);
-  const torch::Tensor positions =
-      torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(wte.device()));
-  torch::Tensor x = probes.site(
-      {SiteId::kEmbed, -1},
-      F::embedding(inputs.to(wte.device()), wte) + F::embedding(positions, w(R::kPositionEmbedding)));
-  SiteRef stream{SiteId::kEmbed, -1};
-  auto layer_norm = [&](const torch::Tensor& in, R weight, R bias, int layer, const SiteRef& site) {
+  auto layer_norm = [&](const torch::Tensor& in, R weight, R bias, const SiteRef& site) {
     if (probes.enabled()) {
       probes.check_norm(site, in.detach().var(-1, /*unbiased=*/false), m.norm_eps, "variance");
     }
     return F::layer_norm(
-        in, F::LayerNormFuncOptions({C}).weight(w(weight, layer)).bias(w(bias, layer)).eps(m.norm_eps));
+        in, F::LayerNormFuncOptions({C}).weight(w(weight, site.layer)).bias(w(bias, site.layer)).eps(m.norm_eps));
   };
-  for (int layer = 0; layer < m.num_layers; ++layer) {
-    x = x.to(w(R::kAttnNorm, layer).device());  // split layers: follow the weights
-    const Numerics block = numerics.in_layer(layer);  // what-ifs may run a layer in fp32
-    auto linear = [&](const torch::Tensor& in, R weight, R bias) {
-      return block.linear(in, w(weight, layer), w(bias, layer), w.module(weight, layer));
-    };
-    probes.alias({SiteId::kInput, layer}, stream);
-    const torch::Tensor h = probes.site({SiteId::kAttnNorm, layer}, layer_norm(x, R::kAttnNorm, R::kAttnNormBias, layer, {SiteId::kAttnNorm, layer}));
-    const std::vector<torch::Tensor> qkv = linear(h, R::kQkv, R::kQkvBias).split(C, -1);  // 3 x (B, T, C)
-    AttentionInputs attn;
-    attn.q = probes.site({SiteId::kAttnQ, layer}, qkv[0]);
-    attn.k = probes.site({SiteId::kAttnK, layer}, qkv[1]);
-    attn.v = probes.site({SiteId::kAttnV, layer}, qkv[2]);
-    const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
-    const torch::Tensor attn_out =
-        probes.site({SiteId::kAttnOut, layer}, linear(context, R::kOProj, R::kOProjBias));
-    x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
-    const torch::Tensor h2 = probes.site({SiteId::kMlpNorm, layer}, layer_norm(x, R::kMlpNorm, R::kMlpNormBias, layer, {SiteId::kMlpNorm, layer}));
-    const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, linear(h2, R::kUpProj, R::kUpBias));
-    const torch::Tensor act =
-        probes.site({SiteId::kMlpAct, layer}, F::gelu(up, F::GELUFuncOptions().approximate("tanh")));
-    const torch::Tensor down = probes.site({SiteId::kMlpDown, layer}, linear(act, R::kDownProj, R::kDownBias));
-    x = probes.site({SiteId::kOutput, layer}, x + down);
-    stream = {SiteId::kOutput, layer};
-  }
-  x = x.to(w(R::kFinalNorm).device());
-  const torch::Tensor final_norm = probes.site(
-      {SiteId::kFinalNorm, -1}, layer_norm(x, R::kFinalNorm, R::kFinalNormBias, -1, {SiteId::kFinalNorm, -1}));
-  const torch::Tensor logits = probes.site(
-      {SiteId::kLogits, -1}, numerics.linear(final_norm, wte.to(x.device()), {}, "lm_head"));
-  return next_token_loss(logits, targets, probes);
+  x = x.to(w(R::kAttnNorm, layer).device());  // split layers: follow the weights
+  const Numerics block = numerics_.in_layer(layer);  // what-ifs may run a layer in fp32
+  auto linear = [&](const torch::Tensor& in, R weight, R bias) {
+    return block.linear(in, w(weight, layer), w(bias, layer), w.module(weight, layer));
+  };
+  const torch::Tensor h = probes.site({SiteId::kAttnNorm, layer},
+                                      layer_norm(x, R::kAttnNorm, R::kAttnNormBias, {SiteId::kAttnNorm, layer}));
+  const std::vector<torch::Tensor> qkv = linear(h, R::kQkv, R::kQkvBias).split(C, -1);  // 3 x (B, T, C)
+  AttentionInputs attn;
+  attn.q = probes.site({SiteId::kAttnQ, layer}, qkv[0]);
+  attn.k = probes.site({SiteId::kAttnK, layer}, qkv[1]);
+  attn.v = probes.site({SiteId::kAttnV, layer}, qkv[2]);
+  const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
+  const torch::Tensor attn_out = probes.site({SiteId::kAttnOut, layer}, linear(context, R::kOProj, R::kOProjBias));
+  x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
+  const torch::Tensor h2 = probes.site({SiteId::kMlpNorm, layer},
+                                       layer_norm(x, R::kMlpNorm, R::kMlpNormBias, {SiteId::kMlpNorm, layer}));
+  const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, linear(h2, R::kUpProj, R::kUpBias));
+  const torch::Tensor act =
+      probes.site({SiteId::kMlpAct, layer}, F::gelu(up, F::GELUFuncOptions().approximate("tanh")));
+  const torch::Tensor down = probes.site({SiteId::kMlpDown, layer}, linear(act, R::kDownProj, R::kDownBias));
+  return probes.site({SiteId::kOutput, layer}, x + down);
 }
 
-}  // namespace
+ForwardResult ModelPass::head(const ParamMap& p, const torch::Tensor& x_in, const torch::Tensor& targets) {
+  using R = ParamRole;
+  const Weights w{p, m_.arch};
+  const SiteRef norm_site{SiteId::kFinalNorm, -1};
+  const torch::Tensor x = x_in.to(w(R::kFinalNorm).device());
+  torch::Tensor final_norm;
+  if (m_.arch == Arch::kLlama) {
+    final_norm = probes_.site(norm_site, rms_norm(x, w(R::kFinalNorm), m_.norm_eps, probes_, norm_site));
+  } else {
+    if (probes_.enabled()) probes_.check_norm(norm_site, x.detach().var(-1, /*unbiased=*/false), m_.norm_eps, "variance");
+    final_norm = probes_.site(
+        norm_site, F::layer_norm(x, F::LayerNormFuncOptions({m_.hidden_size})
+                                        .weight(w(R::kFinalNorm))
+                                        .bias(w(R::kFinalNormBias))
+                                        .eps(m_.norm_eps)));
+  }
+  // gpt2's head is always the token embedding; a tied head on a split model
+  // reads it through a differentiable copy.
+  const bool tied = m_.arch == Arch::kGpt2 || m_.tie_embeddings;
+  const torch::Tensor head = (tied ? w(R::kTokenEmbedding) : w(R::kLmHead)).to(x.device());
+  // The logits site is before the final soft cap, which only the loss reads.
+  const torch::Tensor logits =
+      probes_.site({SiteId::kLogits, -1}, numerics_.linear(final_norm, head, {}, "lm_head"));  // (B, T, V)
+  if (m_.arch == Arch::kGpt2) return next_token_loss(logits, targets, probes_);
+  return next_token_loss(logits, targets, probes_, m_.final_logit_softcap,
+                         m_.moe ? router_loss(*m_.moe, router_) : torch::Tensor());
+}
 
 ForwardResult forward_loss(const ModelConfig& model, const ParamMap& params,
                            const torch::Tensor& inputs, const torch::Tensor& targets,
                            const Numerics& numerics, ProbeSession& probes) {
-  return model.arch == Arch::kLlama
-             ? llama_forward(model, params, inputs, targets, numerics, probes)
-             : gpt2_forward(model, params, inputs, targets, numerics, probes);
+  ModelPass pass(model, numerics, probes);
+  torch::Tensor x = pass.embed(params, inputs);
+  for (int layer = 0; layer < model.num_layers; ++layer) x = pass.block(params, layer, x);
+  return pass.head(params, x, targets);
 }
 
 }  // namespace nanreplay

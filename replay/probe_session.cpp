@@ -267,6 +267,7 @@ struct ProbeSession::State {
   int num_forward_sites = 0;
   std::vector<int> order_of;  // (layer + 1) * kSiteCount + id -> forward order
   int last_order = -1;        // the forward order of the last site produced
+  bool recomputing = false;   // begin_recompute(): hooks only
 
   // The forward must produce its sites in the site table's order: the order
   // that defines "first", and the reverse of the backward's.
@@ -426,7 +427,7 @@ torch::Tensor ProbeSession::produce(const SiteRef& ref, const torch::Tensor& val
   const bool rounded = numerics_.rounds_site(ref);
   const torch::Tensor held = rounded ? numerics_.to_low(value) : value;
   if (state_->probed(ref)) {
-    state_->probe(held, ref, Phase::kForward, routing);
+    if (!state_->recomputing) state_->probe(held, ref, Phase::kForward, routing);
     if (held.requires_grad()) {
       std::shared_ptr<State> state = state_;
       held.register_hook([state, ref, routing](torch::Tensor grad) { state->probe(grad, ref, Phase::kBackward, routing); });
@@ -437,11 +438,16 @@ torch::Tensor ProbeSession::produce(const SiteRef& ref, const torch::Tensor& val
 
 void ProbeSession::alias(const SiteRef& ref, const SiteRef& same_as) {
   state_->advance_to(ref);
-  if (!state_->probed(ref)) return;
+  if (!state_->probed(ref) || state_->recomputing) return;
   state_->aliases.emplace_back(ref, same_as);  // copied in take_records, once all are resolved
 }
 
-bool ProbeSession::enabled() const { return state_->scope.level == ProbeLevel::kFull; }
+bool ProbeSession::enabled() const { return state_->scope.level == ProbeLevel::kFull && !state_->recomputing; }
+
+void ProbeSession::begin_recompute() {
+  state_->recomputing = true;
+  state_->last_order = -1;  // each piece produces its sites in order from the start
+}
 
 void ProbeSession::check_norm(const SiteRef& ref, const torch::Tensor& moment, double eps, const char* moment_name) {
   if (!enabled()) return;
@@ -481,6 +487,7 @@ std::vector<ProbeRecord> ProbeSession::take_records() {
   State& s = *state_;
   s.resolve();
   s.last_order = -1;  // the pass is over; a session used again starts a new one
+  s.recomputing = false;
   for (const auto& [ref, same_as] : s.aliases) {
     for (Phase phase : {Phase::kForward, Phase::kBackward}) {
       std::vector<ProbeRecord> copies;

@@ -95,6 +95,13 @@ class ProbeSession {
   // Full statistics are being taken (norm checks and per-sample losses with them).
   bool enabled() const;
 
+  // The layer-streamed replay's backward computes each piece of the forward
+  // again from its saved input: the sites it produces from here on are
+  // rounded and their gradients hooked, but their forward statistics, norm
+  // checks and aliases, taken by the first forward, are not taken twice.
+  // Call before each piece.
+  void begin_recompute();
+
   // Forward records in execution order, then backward records in reverse
   // forward order; call after backward has run.
   std::vector<ProbeRecord> take_records();

@@ -17,6 +17,7 @@
 
 #include "loaders/error.h"
 #include "replay/data_findings.h"
+#include "replay/layer_stream.h"
 #include "replay/origin_tokens.h"
 #include "replay/probe_comparison.h"
 #include "replay/probe_retention.h"
@@ -50,9 +51,10 @@ class BundleReplay {
         thresholds_(options.thresholds.value_or(default_thresholds(m_.precision.compute))),
         // With --cross-check the replay runs on the first device; the second
         // replays the step of interest again for the comparison.
-        placement_(placement_for(options.cross_check ? std::vector<std::string>{options.devices.front()}
-                                                     : options.devices,
-                                 options.native_low_precision, m_.precision.compute)) {
+        placement_(streamed_if(placement_for(options.cross_check ? std::vector<std::string>{options.devices.front()}
+                                                                 : options.devices,
+                                             options.native_low_precision, m_.precision.compute),
+                               options.stream_scratch)) {
     report_.bundle = bundle.root().string();
     report_.tool_version = options.tool_version;
     report_.arch = m_.model.arch;
@@ -119,8 +121,9 @@ class BundleReplay {
     }
     if (options_.cross_check) {
       const PhaseTimer timer(report_.timings, TimedPhase::kCrossCheck);
-      const ComputePlacement second =
+      ComputePlacement second =
           placement_for({options_.devices.back()}, options_.native_low_precision, m_.precision.compute);
+      second.stream = placement_.stream;
       report_.cross_check = check_across_devices(bundle_, recheck_input(*files), report_.probes, second,
                                                  options_.devices.front(),
                                                  options_.devices.back());
@@ -191,6 +194,12 @@ class BundleReplay {
       if (options_.should_stop && options_.should_stop()) throw Interrupted(interrupted_after_steps(index, todo_.size()));
       if (options_.on_progress) options_.on_progress({index, todo_.size(), files.step, rank, micro, phase});
     };
+    request.on_block = [&](int rank, int micro, int layer, const char* phase) {
+      if (options_.should_stop && options_.should_stop()) throw Interrupted(interrupted_after_steps(index, todo_.size()));
+      if (options_.on_progress) {
+        options_.on_progress({index, todo_.size(), files.step, rank, micro, phase, layer, static_cast<int>(m_.model.num_layers)});
+      }
+    };
     StepResult step =
         replay_step({m_, bundle_.tokens(), files.step, state, batch}, checkpoint, placement_, request);
     triage_step(files, state, checkpoint, step, outcome);
@@ -223,13 +232,13 @@ class BundleReplay {
                     const StepOutcome& outcome) {
     const StepFiles* next = find_files(files.step + 1);
     if (next == nullptr || (next->has_model && files.has_model)) return;
-    if (files.has_model) trajectory_.start(bundle_, files);
+    if (files.has_model) trajectory_.start(bundle_, files, placement_.stream);
     trajectory_.advance(step, state, outcome.scaler_skipped);
     trajectory_ok_ = true;
     const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
     if (next->has_model && options_.check_updates && predictable) {
       const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
-      add(derived_update_findings(bundle_, files, *next, trajectory_.params(), trajectory_.order(), *state.lr));
+      add(derived_update_findings(bundle_, files, *next, trajectory_.checkpoint(), *state.lr));
     }
   }
 
@@ -312,8 +321,8 @@ class BundleReplay {
   torch::Tensor origin_embedding() const {
     const StepFiles& files = bundle_.step_files(first_->step);
     const std::string key = expected_parameters(m_.model).front().name;
-    if (!files.has_model) return recheck_params_->params().at(key).detach();
-    return ModelCheckpoint(files, m_.model).params().at(key).detach().clone();
+    if (!files.has_model) return recheck_params_->param(key).detach();
+    return ModelCheckpoint(files, m_.model).param(key).detach().clone();
   }
 
   const StepFiles* find_files(int64_t step) const {

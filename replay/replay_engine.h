@@ -4,6 +4,7 @@
 // rank). Holds at most one step's checkpoint at a time. No LibTorch types here.
 #pragma once
 
+#include <filesystem>
 #include <functional>
 #include <optional>
 #include <set>
@@ -23,6 +24,8 @@ struct ReplayProgress {
   int rank = 0;
   int micro_batch = 0;
   std::string phase;  // "forward", "backward", "grad"
+  int layer = -1;     // a layer-streamed replay: the block being computed
+  int num_layers = 0;
 };
 
 struct ReplayOptions {
@@ -45,6 +48,9 @@ struct ReplayOptions {
   // trace), and report.probes keeps only the steps that matter
   // (replay/probe_retention.h): memory stays flat however long the window.
   std::function<void(const std::vector<ProbeRecord>&)> on_step_probes;
+  // Set: replay layer by layer (replay/layer_stream.h), the scratch files in
+  // a directory made inside this one and removed at the end.
+  std::optional<std::filesystem::path> stream_scratch;
 };
 
 // What the Interrupted (loaders/error.h) thrown when should_stop() returned

@@ -25,8 +25,8 @@ DifferingStats replay_and_compare(const Bundle& bundle, const RecheckInput& step
                                    const std::optional<PassRef>& only, ReplayComparison& into) {
   const StepFiles& files = step.files;
   const StepBatch batch = batch_of_step(bundle, files.step);
-  ModelCheckpoint checkpoint = step.params != nullptr ? ModelCheckpoint(step.params->params(), step.params->order())
-                                                      : ModelCheckpoint(files, bundle.manifest().model);
+  ModelCheckpoint checkpoint =
+      step.params != nullptr ? step.params->share() : ModelCheckpoint(files, bundle.manifest().model);
   StepRequest request;
   request.only_pass = only;
   const StepResult again =

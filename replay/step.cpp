@@ -10,6 +10,8 @@
 
 #include <torch/torch.h>
 
+#include "replay/step_model.h"
+
 namespace nanreplay {
 
 namespace {
@@ -45,7 +47,7 @@ struct PendingPass {
 // The parameter gradients' records: every one at kFull, the non-finite ones at kFlags.
 void add_gradient_records(StepResult& result, int64_t step, const std::vector<std::string>& order, ProbeLevel level) {
   for (size_t i = 0; i < result.grads.size(); ++i) {
-    const torch::Tensor& grad = result.grads[i];
+    const torch::Tensor grad = result.grads[i];
     if (level == ProbeLevel::kFlags && torch::isfinite(grad).all().item<bool>()) continue;
     for (ProbeRecord& record : describe_tensor(grad.to(torch::kCPU), nullptr, {})) {
       record.step = step;
@@ -86,7 +88,7 @@ std::vector<int64_t> micro_batch_rows(const StepBatch& batch, const DataConfig& 
   return rows;
 }
 
-StepResult replay_step(const StepInputs& in, ParamMap& params, const std::vector<std::string>& order,
+StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector<std::string>& order,
                        const StepRequest& request) {
   const DataConfig& data = in.manifest.data;
   const StepArithmetic arithmetic(in.manifest, in.state, request.overrides, request.native_low_precision);
@@ -99,12 +101,12 @@ StepResult replay_step(const StepInputs& in, ParamMap& params, const std::vector
   StepResult result;
   std::vector<PendingPass> passes;
   std::vector<torch::Tensor> rank_norms;
-  std::vector<torch::Tensor> step_grads(order.size());
   int settled_at = accum;  // the earliest micro-batch whose flags settle that the step is bad
   const std::optional<PassRef>& only = request.only_pass;
+  model.begin_step();
   for (int rank = 0; rank < world; ++rank) {
     if (only && rank != only->rank) continue;
-    clear_gradients(params, order);
+    model.begin_rank();
     bool rank_complete = !only;  // one pass has no step gradients
     for (int micro = 0; micro < accum; ++micro) {
       if (only && micro != only->micro_batch) continue;
@@ -119,13 +121,18 @@ StepResult replay_step(const StepInputs& in, ParamMap& params, const std::vector
       const torch::Tensor window = sample_windows(in.tokens, pass.rows, data.seq_len);
       pass.probes = std::make_unique<ProbeSession>(BatchContext{in.step, micro, rank, pass.rows},
                                                    arithmetic.numerics, scope, arithmetic.model);
-      const ForwardResult forward = forward_loss(arithmetic.model, params, window.narrow(1, 0, data.seq_len),
-                                                 window.narrow(1, 1, data.seq_len), arithmetic.numerics, *pass.probes);
-      pass.loss = forward.loss.detach();
-      pass.sample_loss = forward.sample_loss;
-      if (request.before_pass) request.before_pass(rank, micro, "backward");
       // The rank's micro-batch loss / grad_accum_steps, times the loss scale.
-      (forward.loss * (arithmetic.loss_scale / accum)).backward();
+      const ForwardResult forward = model.forward_backward(
+          arithmetic.model, arithmetic.numerics, *pass.probes, window.narrow(1, 0, data.seq_len),
+          window.narrow(1, 1, data.seq_len), arithmetic.loss_scale / accum,
+          [&] {
+            if (request.before_pass) request.before_pass(rank, micro, "backward");
+          },
+          [&](int layer, const char* phase) {
+            if (request.on_block) request.on_block(rank, micro, layer, phase);
+          });
+      pass.loss = forward.loss;
+      pass.sample_loss = forward.sample_loss;
       ++result.passes;
       result.rows_of_pass[{micro, rank}] = pass.rows;
       if (settle_early) {
@@ -140,18 +147,16 @@ StepResult replay_step(const StepInputs& in, ParamMap& params, const std::vector
       result.complete = false;
       continue;
     }
-    const std::vector<torch::Tensor> own =
-        add_rank_gradients(params, order, 1.0 / arithmetic.loss_scale, world, step_grads);
-    rank_norms.push_back(total_grad_norm_tensor(own));
+    rank_norms.push_back(model.end_rank(1.0 / arithmetic.loss_scale, world));
   }
-  clear_gradients(params, order);
+  model.end_ranks();
 
   // The one synchronisation: losses, norms, per-sample losses.
   std::vector<torch::Tensor> scalars;
   for (const PendingPass& p : passes) scalars.push_back(p.loss);
   scalars.insert(scalars.end(), rank_norms.begin(), rank_norms.end());
   // One rank: the global gradient is that rank's, and so is its norm.
-  if (result.complete) scalars.push_back(world == 1 ? rank_norms.front() : total_grad_norm_tensor(step_grads));
+  if (result.complete) scalars.push_back(world == 1 ? rank_norms.front() : model.step_grad_norm());
   for (const PendingPass& p : passes) {
     if (p.sample_loss.defined()) scalars.push_back(p.sample_loss);
   }
@@ -189,21 +194,24 @@ StepResult replay_step(const StepInputs& in, ParamMap& params, const std::vector
   if (result.complete) {
     // The system checks read the gradients on the host; a cheap pass only
     // looks for non-finite ones, where they are.
-    if (request.probes != ProbeLevel::kFlags) {
-      for (torch::Tensor& grad : step_grads) grad = grad.to(torch::kCPU);
-    }
-    result.grads = std::move(step_grads);
+    result.grads = model.step_gradients(request.probes == ProbeLevel::kFlags);
     if (request.probes != ProbeLevel::kOff) add_gradient_records(result, in.step, order, request.probes);
   }
   return result;
 }
 
+StepResult replay_step(const StepInputs& inputs, ParamMap& params, const std::vector<std::string>& order,
+                       const StepRequest& request) {
+  const std::unique_ptr<StepModel> model = in_memory_model(params, order);
+  return replay_step(inputs, *model, order, request);
+}
+
 StepResult replay_step(const StepInputs& inputs, ModelCheckpoint& checkpoint, const ComputePlacement& placement,
                        const StepRequest& request) {
-  checkpoint.place(placement, static_cast<int>(inputs.manifest.model.num_layers));
   StepRequest placed = request;
   placed.native_low_precision = placement.native_low_precision;
-  return replay_step(inputs, checkpoint.compute_params(), checkpoint.order(), placed);
+  const std::unique_ptr<StepModel> model = checkpoint_model(checkpoint, inputs.manifest.model, placement);
+  return replay_step(inputs, *model, checkpoint.order(), placed);
 }
 
 StepJudgement judge_step(const StepResult& result, Compute compute) {

@@ -19,6 +19,7 @@
 #include "loaders/bundle.h"
 #include "replay/checkpoint.h"
 #include "replay/gradients.h"
+#include "replay/layer_stream.h"
 #include "replay/probe_session.h"
 
 namespace nanreplay {
@@ -57,6 +58,9 @@ struct StepRequest {
   // bf16/fp16 matmuls in the low type on a GPU instead of emulated by rounding fp32.
   bool native_low_precision = false;
   PassProgress before_pass;
+  // A layer-streamed replay: called before each block of each pass,
+  // (rank, micro-batch, layer, "forward" | "backward"). May throw to stop.
+  std::function<void(int rank, int micro_batch, int layer, const char* phase)> on_block;
 };
 
 struct StepResult {
@@ -64,8 +68,9 @@ struct StepResult {
   std::vector<double> rank_losses;
   std::vector<double> rank_grad_norms;
   double grad_norm = 0.0;            // global norm before clipping (clip_grad_norm_'s)
-  // Per parameter in the checkpoint's order: on the host, or where computed at kFlags.
-  std::vector<torch::Tensor> grads;
+  // Per parameter in the checkpoint's order: on the host (in memory or on
+  // the layer-streamed replay's scratch files), or where computed at kFlags.
+  GradientSet grads;
   // Forward and backward records of every pass, then the parameter
   // gradients' (every one at kFull, the non-finite ones at kFlags).
   std::vector<ProbeRecord> probes;
@@ -97,6 +102,11 @@ struct StepInputs {
   const StepBatch& batch;
 };
 
+class StepModel;  // replay/step_model.h
+
+// The step on parameters held as `model` says, named in `order`.
+StepResult replay_step(const StepInputs& inputs, StepModel& model, const std::vector<std::string>& order,
+                       const StepRequest& request);
 // The step from parameters in memory (the synthetic trainer's).
 StepResult replay_step(const StepInputs& inputs, ParamMap& params, const std::vector<std::string>& order,
                        const StepRequest& request);

@@ -20,10 +20,12 @@ bool is_fp16(const Manifest& m) { return m.precision.compute == Compute::kFp16; 
 
 bool earlier(const ProbeRecord& a, const ProbeRecord& b) { return execution_key(a) < execution_key(b); }
 
-bool all_finite(const std::vector<torch::Tensor>& grads) {
-  return std::all_of(grads.begin(), grads.end(), [](const torch::Tensor& g) {
-    return !g.defined() || torch::isfinite(g).all().item<bool>();
-  });
+bool all_finite(const GradientSet& grads) {
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const torch::Tensor g = grads[i];
+    if (g.defined() && !torch::isfinite(g).all().item<bool>()) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -68,8 +70,8 @@ std::optional<std::string> unreplayable_reason(const Bundle& bundle, const StepB
 
 namespace {
 
-RolledStart start_of(const Bundle& bundle, int64_t step) {
-  if (bundle.rolls_forward()) return roll_to(bundle, step);
+RolledStart start_of(const Bundle& bundle, int64_t step, const ComputePlacement& placement) {
+  if (bundle.rolls_forward()) return roll_to(bundle, step, placement);
   const StepFiles& files = bundle.step_files(step);
   return {ModelCheckpoint(files, bundle.manifest().model), bundle.load_state(files)};
 }
@@ -77,7 +79,7 @@ RolledStart start_of(const Bundle& bundle, int64_t step) {
 }  // namespace
 
 LoadedStep::LoadedStep(const Bundle& bundle, int64_t step, const ComputePlacement& placement)
-    : LoadedStep(bundle, step, start_of(bundle, step), placement) {}
+    : LoadedStep(bundle, step, start_of(bundle, step, placement), placement) {}
 
 LoadedStep::LoadedStep(const Bundle& bundle, int64_t step, RolledStart start, const ComputePlacement& placement)
     : LoadedStep(bundle, step, std::move(start.checkpoint), std::move(start.state), placement) {}
@@ -89,9 +91,8 @@ LoadedStep::LoadedStep(const Bundle& bundle, int64_t step, ModelCheckpoint check
       state_(std::move(state)),
       batch_(batch_of_step(bundle, step)),
       checkpoint_(std::move(checkpoint)),
-      native_(placement.native_low_precision) {
-  checkpoint_.place(placement, static_cast<int>(bundle.manifest().model.num_layers));
-}
+      model_(checkpoint_model(checkpoint_, bundle.manifest().model, placement)),
+      native_(placement.native_low_precision) {}
 
 std::vector<int64_t> LoadedStep::samples() const {
   std::vector<int64_t> all;
@@ -104,7 +105,8 @@ std::vector<int64_t> LoadedStep::samples() const {
 std::vector<std::string> LoadedStep::nonfinite_params() const {
   std::vector<std::string> names;
   for (const std::string& name : checkpoint_.order()) {
-    if (!torch::isfinite(checkpoint_.params().at(name)).all().item<bool>()) names.push_back(name);
+    if (!torch::isfinite(checkpoint_.param(name)).all().item<bool>()) names.push_back(name);
+    checkpoint_.release(name);
   }
   return names;
 }
@@ -113,7 +115,7 @@ StepResult replay_loaded_step(LoadedStep& step, const StepRequest& request) {
   StepRequest placed = request;
   placed.native_low_precision = step.native_low_precision();
   const StepInputs inputs{step.bundle().manifest(), step.bundle().tokens(), step.step(), step.state(), step.batch()};
-  return replay_step(inputs, step.checkpoint().compute_params(), step.checkpoint().order(), placed);
+  return replay_step(inputs, step.model(), step.checkpoint().order(), placed);
 }
 
 StepScan scan_step(LoadedStep& step, const StepOverrides& overrides, bool stop_at_first_bad,
@@ -153,14 +155,15 @@ FirstNonfinite locate_first(LoadedStep& step, const StepOverrides& overrides, co
   if (flag.phase == Phase::kGrad) return first_nonfinite_of(flag);  // described by the scan: no pass
   const Manifest& m = step.bundle().manifest();
   const StepArithmetic arithmetic(m, step.state(), overrides, step.native_low_precision());
-  ParamMap& params = step.checkpoint().compute_params();
   if (before_pass) before_pass();
   const PassInput input{{step.step(), flag.micro_batch, flag.rank, scan.first_pass_samples},
                         arithmetic.loss_scale / static_cast<double>(m.data.grad_accum_steps)};
   // Full statistics on the flagged block only; the rest of the pass computes as always.
-  const PassOutput out = replay_pass(arithmetic.model, step.bundle().tokens(), m.data.seq_len, input, params,
+  step.model().begin_step();
+  step.model().begin_rank();
+  const PassOutput out = replay_pass(arithmetic.model, step.bundle().tokens(), m.data.seq_len, input, step.model(),
                                      arithmetic.numerics, {ProbeLevel::kFull, flag.layer});
-  clear_gradients(params, step.checkpoint().order());
+  step.model().end_ranks();
   ++passes;
   const ProbeRecord* best = nullptr;
   for (const ProbeRecord& record : out.probes) {
@@ -178,23 +181,23 @@ FirstNonfinite locate_first(LoadedStep& step, const StepOverrides& overrides, co
 bool pass_fails(LoadedStep& step, const std::vector<int64_t>& samples, const PassHook& before_pass) {
   const Manifest& m = step.bundle().manifest();
   const StepArithmetic arithmetic(m, step.state(), {}, step.native_low_precision());
-  ParamMap& params = step.checkpoint().compute_params();
-  const std::vector<std::string>& order = step.checkpoint().order();
+  StepModel& model = step.model();
   if (before_pass) before_pass();
-  clear_gradients(params, order);
+  model.begin_step();
+  model.begin_rank();
   const PassInput input{{step.step(), 0, 0, samples},
                         arithmetic.loss_scale / static_cast<double>(m.data.grad_accum_steps)};
-  const PassOutput out = replay_pass(arithmetic.model, step.bundle().tokens(), m.data.seq_len, input, params,
+  const PassOutput out = replay_pass(arithmetic.model, step.bundle().tokens(), m.data.seq_len, input, model,
                                      arithmetic.numerics, {ProbeLevel::kFlags, {}});
-  std::vector<torch::Tensor> grads;
-  add_rank_gradients(params, order, 1.0 / arithmetic.loss_scale, 1, grads);
-  clear_gradients(params, order);
+  const torch::Tensor norm = model.end_rank(1.0 / arithmetic.loss_scale, 1);
+  model.end_ranks();
+  const GradientSet grads = model.step_gradients(/*where_computed=*/true);
   const bool forward_flag = std::any_of(out.probes.begin(), out.probes.end(),
                                         [](const ProbeRecord& r) { return r.phase == Phase::kForward; });
   if (forward_flag) return true;
   if (!is_fp16(m)) return !out.probes.empty() || !all_finite(grads);
   const bool anything = !out.probes.empty() || !all_finite(grads);
-  return anything && std::isfinite(total_grad_norm(grads));  // the scaler skips a non-finite norm
+  return anything && std::isfinite(norm.item<double>());  // the scaler skips a non-finite norm
 }
 
 }  // namespace nanreplay

@@ -18,6 +18,7 @@
 #include "loaders/bundle.h"
 #include "replay/checkpoint.h"
 #include "replay/step.h"
+#include "replay/step_model.h"
 #include "reports/report.h"
 
 namespace nanreplay {
@@ -59,6 +60,10 @@ class LoadedStep {
   const StepState& state() const { return state_; }
   const StepBatch& batch() const { return batch_; }
   ModelCheckpoint& checkpoint() { return checkpoint_; }
+  // The checkpoint as the replay computes with it (placed, or streamed).
+  StepModel& model() { return *model_; }
+  LoadedStep(const LoadedStep&) = delete;  // model_ refers to checkpoint_
+  LoadedStep& operator=(const LoadedStep&) = delete;
   bool native_low_precision() const { return native_; }
   // Every sample of the step: rank by rank, micro-batch by micro-batch.
   std::vector<int64_t> samples() const;
@@ -73,6 +78,7 @@ class LoadedStep {
   StepState state_;
   StepBatch batch_;
   ModelCheckpoint checkpoint_;
+  std::unique_ptr<StepModel> model_;
   bool native_ = false;
 };
 

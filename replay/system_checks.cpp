@@ -303,7 +303,7 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
     // their pages dropped after each parameter, so the check holds one slice's
     // temporaries and no whole file resident beyond what the replay holds.
     const ReleaseWhenDone release_actual{next, actual_info};
-    const torch::Tensor param = in.checkpoint->params().at(name).detach().reshape({actual_info.shape.empty() ? 1 : actual_info.shape[0], -1});
+    const torch::Tensor param = in.checkpoint->param(name).detach().reshape({actual_info.shape.empty() ? 1 : actual_info.shape[0], -1});
     const torch::Tensor grad = in.grads->grads[i].reshape(param.sizes());
     const bool decay = !excluded_from_decay(config, name);
     const SlicePrediction predict = [&](int64_t row, int64_t count) {
@@ -322,6 +322,7 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
       optimizer.release(optimizer.at(name + ".exp_avg"));
       optimizer.release(optimizer.at(name + ".exp_avg_sq"));
     }
+    in.checkpoint->release(name);  // a streamed replay's checkpoint is larger than memory
     const std::vector<Finding> found = deviation_findings(name, deviations, actual_info, at);
     findings.insert(findings.end(), found.begin(), found.end());
   }
@@ -329,18 +330,17 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
 }
 
 std::vector<Finding> derived_update_findings(const Bundle& bundle, const StepFiles& current, const StepFiles& next,
-                                             const ParamMap& predicted, const std::vector<std::string>& order,
-                                             double lr) {
+                                             const ModelCheckpoint& predicted, double lr) {
   torch::NoGradGuard no_grad;
   (void)bundle;
   const SafetensorsFile stored = SafetensorsFile::open(next.model.string(), next.label("model.safetensors"));
   const UpdateContext at{current.step, next.step, stored.label(), lr};
   std::vector<Finding> findings;
-  for (const std::string& name : order) {
+  for (const std::string& name : predicted.order()) {
     const TensorInfo& actual_info = stored.at(name);
     const ReleaseWhenDone release_actual{stored, actual_info};
     const torch::Tensor value =
-        predicted.at(name).detach().reshape({actual_info.shape.empty() ? 1 : actual_info.shape[0], -1});
+        predicted.param(name).detach().reshape({actual_info.shape.empty() ? 1 : actual_info.shape[0], -1});
     const SlicePrediction predict = [&](int64_t row, int64_t count) { return value.narrow(0, row, count).clone(); };
     const std::vector<Finding> found =
         deviation_findings(name, compare_with_stored(predict, actual_info, stored.label(), lr), actual_info, at);

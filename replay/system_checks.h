@@ -32,10 +32,9 @@ struct UpdateCheckInput {
 std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInput& input);
 
 // The same, rolling forward: the tool's own update of derived step `current`
-// (`predicted`, in `order`) against the checkpoint of `next`, what the run
-// really held there.
+// (`predicted`, read one parameter at a time) against the checkpoint of
+// `next`, what the run really held there.
 std::vector<Finding> derived_update_findings(const Bundle& bundle, const StepFiles& current, const StepFiles& next,
-                                             const ParamMap& predicted, const std::vector<std::string>& order,
-                                             double lr);
+                                             const ModelCheckpoint& predicted, double lr);
 
 }  // namespace nanreplay

@@ -4,15 +4,19 @@
 // count, the fp16 loss scale) and updates them in place with the step's
 // replayed gradients, exactly as "the update between two steps" of the
 // bundle format says (clip_grad_norm_, then PyTorch's AdamW; an fp16 step the
-// scaler skips changes nothing and halves the scale).
+// scaler skips changes nothing and halves the scale). A layer-streamed
+// replay keeps them on scratch files instead, one tensor at a time in memory.
 #pragma once
 
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "loaders/bundle.h"
 #include "replay/adamw.h"
 #include "replay/checkpoint.h"
+#include "replay/layer_stream.h"
 #include "replay/step.h"
 
 namespace nanreplay {
@@ -20,28 +24,33 @@ namespace nanreplay {
 class Trajectory {
  public:
   // Starts from a step's checkpoint and optimizer state (owned copies: the
-  // checkpoint's mapping stays read-only).
-  void start(const Bundle& bundle, const StepFiles& files);
+  // checkpoint's mapping stays read-only), on scratch files in `scratch` when set.
+  void start(const Bundle& bundle, const StepFiles& files, std::shared_ptr<StreamScratch> scratch = nullptr);
   bool started() const { return !order_.empty(); }
 
   // After step `step` replayed to `result`: the parameters of the next step.
   void advance(const StepResult& result, const StepState& state, bool scaler_skipped);
 
-  // The current parameters as the next step's checkpoint (the same tensors).
-  ModelCheckpoint checkpoint() const { return ModelCheckpoint(params_, order_); }
+  // The current parameters as the next step's checkpoint (the same tensors,
+  // or what the scratch file holds when read).
+  ModelCheckpoint checkpoint() const;
   // A copy of the current parameters that later updates leave alone.
   ModelCheckpoint snapshot() const;
-  const ParamMap& params() const { return params_; }
   const std::vector<std::string>& order() const { return order_; }
   // The AdamW state the next update starts from (minimize writes it as a
-  // derived step's optimizer.safetensors).
-  const AdamWMoments& moments() const { return moments_; }
+  // derived step's optimizer.safetensors); read whole from scratch files.
+  AdamWMoments moments() const;
 
  private:
+  void advance_on_scratch(const StepResult& result, double lr);
+
   const Manifest* manifest_ = nullptr;
   ParamMap params_;
   std::vector<std::string> order_;
   AdamWMoments moments_;
+  // On scratch instead (a layer-streamed replay): parameters, exp_avg, exp_avg_sq.
+  std::shared_ptr<StreamScratch> scratch_;
+  std::shared_ptr<ScratchTensors> params_file_, exp_avg_file_, exp_avg_sq_file_;
 };
 
 // fp16's loss scale along a rolled-forward window: a step's state.json
@@ -74,6 +83,8 @@ struct RolledStart {
   // none when the step has a checkpoint of its own.
   std::optional<AdamWMoments> moments;
 };
-RolledStart roll_to(const Bundle& bundle, int64_t step);
+// `placement`: where the steps before it replay (streamed: their parameters
+// and moments on scratch files too).
+RolledStart roll_to(const Bundle& bundle, int64_t step, const ComputePlacement& placement = {});
 
 }  // namespace nanreplay

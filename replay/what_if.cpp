@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "loaders/error.h"
+#include "replay/layer_stream.h"
 #include "replay/step_scan.h"
 #include "reports/number_text.h"
 
@@ -306,7 +307,8 @@ std::string what_if_help() {
 std::vector<WhatIfOutcome> evaluate_what_ifs(const Bundle& bundle, const std::optional<FirstNonfinite>& origin,
                                              const std::vector<WhatIf>& what_ifs,
                                              const std::function<void()>& before_pass,
-                                             const std::vector<std::string>& devices, bool native_low_precision) {
+                                             const std::vector<std::string>& devices, bool native_low_precision,
+                                             const std::optional<std::filesystem::path>& stream_scratch) {
   std::vector<WhatIfOutcome> outcomes;
   if (what_ifs.empty()) return outcomes;
   if (!origin) {
@@ -319,8 +321,8 @@ std::vector<WhatIfOutcome> evaluate_what_ifs(const Bundle& bundle, const std::op
     return outcomes;
   }
   // A what-if replays on the run's devices; a split model stays split.
-  const ComputePlacement placement =
-      placement_for(devices, native_low_precision, bundle.manifest().precision.compute);
+  const ComputePlacement placement = streamed_if(
+      placement_for(devices, native_low_precision, bundle.manifest().precision.compute), stream_scratch);
   LoadedStep step(bundle, origin->step, placement);
   // Every what-if is checked against the step before the first replay.
   std::vector<StepOverrides> overrides;

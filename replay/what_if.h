@@ -5,6 +5,7 @@
 // types here: the CLI parses and checks specs before anything is replayed.
 #pragma once
 
+#include <filesystem>
 #include <functional>
 #include <optional>
 #include <string>
@@ -52,6 +53,7 @@ std::vector<WhatIfOutcome> evaluate_what_ifs(const Bundle& bundle, const std::op
                                              const std::vector<WhatIf>& what_ifs,
                                              const std::function<void()>& before_pass,
                                              const std::vector<std::string>& devices = {"cpu"},
-                                             bool native_low_precision = true);
+                                             bool native_low_precision = true,
+                                             const std::optional<std::filesystem::path>& stream_scratch = {});
 
 }  // namespace nanreplay

@@ -3,12 +3,15 @@
 // It reports; validate_bundle_structure (replay/bundle_structure.h) validates.
 #include "reports/bundle_summary.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <sstream>
 
 #include "loaders/error.h"
 #include "loaders/safetensors.h"
+#include "replay/memory_estimate.h"
+#include "replay/probe_retention.h"
 #include "reports/terminal_text.h"
 
 namespace nanreplay {
@@ -31,6 +34,22 @@ nlohmann::json optional_number(const std::optional<double>& value) {
 }
 
 }  // namespace
+
+// What `run` would need, in memory and streamed layer by layer, against the
+// default limit, and the mode that limit gives it.
+nlohmann::json memory_summary(const Bundle& bundle) {
+  const size_t held = std::min(bundle.steps().size(), ProbeRetention::kMostStepsHeld);
+  const MemoryEstimate in_memory = estimate_replay_memory(bundle.manifest(), held, true, bundle.rolls_forward());
+  const MemoryEstimate streamed = estimate_streamed_memory(bundle.manifest(), held, true, bundle.rolls_forward());
+  const MemoryLimit limit = default_memory_limit();
+  const double room = static_cast<double>(limit.bytes);
+  const char* mode = in_memory.total() <= room ? "in memory" : streamed.total() <= room ? "streamed" : "neither fits";
+  return {{"in_memory_bytes", in_memory.total()},
+          {"streamed_bytes", streamed.total()},
+          {"limit_bytes", limit.bytes},
+          {"limit_source", limit.source},
+          {"run_mode", mode}};
+}
 
 nlohmann::json summarize_bundle(const Bundle& bundle) {
   const Manifest& m = bundle.manifest();
@@ -103,7 +122,8 @@ nlohmann::json summarize_bundle(const Bundle& bundle) {
             {"seed", randperm_only(sampler.seed)},
             {"epoch", randperm_only(sampler.epoch)},
             {"epoch_start_step", randperm_only(sampler.epoch_start_step)}}},
-          {"incident", incident}};
+          {"incident", incident},
+          {"memory", memory_summary(bundle)}};
 }
 
 std::string render_bundle_summary(const nlohmann::json& s) {
@@ -147,6 +167,11 @@ std::string render_bundle_summary(const nlohmann::json& s) {
                   number(step["lr"]).c_str());
     out << line;
   }
+  const auto& memory = s["memory"];
+  out << "memory     run needs ~" << format_bytes(memory["in_memory_bytes"].get<double>()) << " in memory, ~"
+      << format_bytes(memory["streamed_bytes"].get<double>()) << " streamed layer by layer; limit "
+      << format_bytes(memory["limit_bytes"].get<double>()) << " (" << memory["limit_source"].get<std::string>()
+      << "): " << memory["run_mode"].get<std::string>() << "\n";
   out << "checked    the structure `nanreplay run` needs (every header, tensor, sample); " << kFaithfulnessNote
       << "\n";
   return out.str();

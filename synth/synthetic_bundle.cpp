@@ -449,7 +449,7 @@ struct Trainer {
     }
     std::vector<torch::Tensor> plain;
     for (const std::string& name : order) plain.push_back(params.at(name).detach());
-    adamw_update(plain, grads.grads, grads.grad_norm, moments, spec.lr, spec.optimizer, order);
+    adamw_update(plain, grads.grads.all(), grads.grad_norm, moments, spec.lr, spec.optimizer, order);
   }
 };
 

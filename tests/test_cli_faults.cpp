@@ -227,6 +227,31 @@ TEST_CASE("a disk that fills while the outputs are written: exit 2, one line, pr
   CHECK(names_in(scratch / "disk") == std::vector<std::string>{"filler", "triage"});
 }
 
+TEST_CASE("a layer-streamed replay whose scratch disk fills: exit 2, one line naming the file, nothing left",
+          "[cli][faults][disk][stream]") {
+  ScratchDir scratch("faults-scratch-full");
+  const fs::path out = scratch / "out";
+  const CliResult not_dir = run_cli({"run", clean_bundle().string(), "--out", out.string(), "--stream",
+                                     "--scratch", (scratch / "missing").string()});
+  check_one_error_line(not_dir, {"--scratch", "not a directory"});
+  CHECK_FALSE(fs::exists(out));
+
+  TmpfsMount disk(scratch / "disk", "64k");
+  if (!disk.mounted()) {
+    WARN("a tmpfs mount needs root; the full scratch disk is skipped");
+    return;
+  }
+  const CliResult full = run_cli({"run", clean_bundle().string(), "--out", out.string(), "--stream", "--quiet",
+                                  "--scratch", (scratch / "disk").string()});
+  INFO(full.err);
+  CHECK(full.status == 2);
+  CHECK(line_count(full.err) == 1);
+  CHECK(full.err.find("No space left on device") != std::string::npos);
+  CHECK(full.err.find((scratch / "disk" / "nanreplay-scratch-").string()) != std::string::npos);
+  CHECK(names_in(scratch / "disk").empty());
+  CHECK_FALSE(fs::exists(out));
+}
+
 TEST_CASE("a read-only --out or a result name taken by a directory: exit 2, nothing changed",
           "[cli][faults][disk]") {
   ScratchDir scratch("faults-readonly");

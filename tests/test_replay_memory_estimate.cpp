@@ -129,8 +129,9 @@ TEST_CASE("memory_estimate: absurd manifests give a refusable number, not a cras
   m.data.seq_len = int64_t{1} << 40;
   const double bytes = total(m, 1000000);
   CHECK(bytes > 1e30);
-  CHECK_THROWS_AS(nanreplay::require_memory_fits(estimate_replay_memory(m, 1, true),
-                                                 {uint64_t{1} << 62, "test"}),
+  CHECK_THROWS_AS(nanreplay::choose_layer_streaming(estimate_replay_memory(m, 1, true),
+                                                    nanreplay::estimate_streamed_memory(m, 1, true),
+                                                    {uint64_t{1} << 62, "test"}, false),
                   nanreplay::UsageError);
   CHECK(nanreplay::format_bytes(bytes).find("bytes") != std::string::npos);
   CHECK(nanreplay::format_bytes(INFINITY) == "more than can be counted");
@@ -171,34 +172,88 @@ TEST_CASE("memory_estimate: the default limit is a fraction of this machine's me
   CHECK(limit.source.find("80% of") != std::string::npos);
 }
 
-TEST_CASE("memory_estimate: the refusal gives the estimate, the limit and the cause",
-          "[replay][memory]") {
-  Manifest big = example_manifest();  // a 7B-like llama: parameters dominate
+namespace {
+
+// A 7B-like llama: parameters dominate.
+Manifest llama_7b_like() {
+  Manifest big = example_manifest();
   big.model.vocab_size = 32000;
   big.model.hidden_size = 4096;
   big.model.num_heads = 32;
   big.model.num_kv_heads = 32;
   big.model.num_layers = 32;
   big.model.intermediate_size = 11008;
+  return big;
+}
+
+bool streams(const Manifest& m, uint64_t limit, bool asked) {
+  return nanreplay::choose_layer_streaming(estimate_replay_memory(m, 6, true),
+                                           nanreplay::estimate_streamed_memory(m, 6, true), {limit, "test"}, asked);
+}
+
+}  // namespace
+
+TEST_CASE("memory_estimate: the refusal gives both estimates, the limit and the cause",
+          "[replay][memory]") {
+  const Manifest big = llama_7b_like();
   const nanreplay::MemoryEstimate estimate = estimate_replay_memory(big, 6, true);
-  CHECK_NOTHROW(nanreplay::require_memory_fits(estimate, {uint64_t{1} << 40, "--max-memory 1T"}));
+  const nanreplay::MemoryEstimate streamed = nanreplay::estimate_streamed_memory(big, 6, true);
+  CHECK_FALSE(streams(big, uint64_t{1} << 40, false));
   try {
-    nanreplay::require_memory_fits(estimate, {uint64_t{1} << 20, "--max-memory 1M"});
+    streams(big, uint64_t{1} << 20, false);
     FAIL("expected a refusal");
   } catch (const nanreplay::UsageError& error) {
     const std::string message = error.what();
-    CHECK(message.find(nanreplay::format_bytes(estimate.total())) != std::string::npos);
-    CHECK(message.find("1.0 MiB (--max-memory 1M)") != std::string::npos);
+    CHECK(message.find(nanreplay::format_bytes(estimate.total()) + " of memory in memory") != std::string::npos);
+    CHECK(message.find(nanreplay::format_bytes(streamed.total()) + " streamed layer by layer") != std::string::npos);
+    CHECK(message.find("1.0 MiB (test); neither fits") != std::string::npos);
     CHECK(message.find("most of it is parameters and gradients") != std::string::npos);
     CHECK(message.find("model.vocab_size") != std::string::npos);
     CHECK(message.find('\n') == std::string::npos);
   }
   // A tiny model is mostly LibTorch's fixed cost, and the message says so.
   try {
-    nanreplay::require_memory_fits(estimate_replay_memory(example_manifest(), 1, false),
-                                   {uint64_t{1} << 20, "--max-memory 1M"});
+    nanreplay::choose_layer_streaming(estimate_replay_memory(example_manifest(), 1, false),
+                                      nanreplay::estimate_streamed_memory(example_manifest(), 1, false),
+                                      {uint64_t{1} << 20, "--max-memory 1M"}, false);
     FAIL("expected a refusal");
   } catch (const nanreplay::UsageError& error) {
     CHECK(std::string(error.what()).find("runtime's fixed cost") != std::string::npos);
   }
+}
+
+TEST_CASE("memory_estimate: a model larger than the limit streams, and --stream says when it need not",
+          "[replay][memory]") {
+  const Manifest big = llama_7b_like();
+  const double in_memory = estimate_replay_memory(big, 6, true).total();
+  const double streamed = nanreplay::estimate_streamed_memory(big, 6, true).total();
+  INFO("in memory " << nanreplay::format_bytes(in_memory) << ", streamed " << nanreplay::format_bytes(streamed));
+  // 7B: over 100 GiB in memory (masters, gradients), a few GiB streamed: this machine's 24 GiB holds it.
+  CHECK(in_memory > 100.0 * (uint64_t{1} << 30));
+  CHECK(streamed < 8.0 * (uint64_t{1} << 30));
+  const uint64_t machine = uint64_t{19} << 30;
+  CHECK(streams(big, machine, false));
+  CHECK(streams(big, machine, true));
+  CHECK(streams(example_manifest(), machine, true));  // asked for, and it fits
+  try {
+    streams(example_manifest(), static_cast<uint64_t>(
+                                    nanreplay::estimate_streamed_memory(example_manifest(), 6, true).total() - 1), true);
+    FAIL("expected a refusal");
+  } catch (const nanreplay::UsageError& error) {
+    // Asked for and not fitting: refused with the streamed breakdown.
+    const std::string message = error.what();
+    CHECK(message.find("streamed layer by layer (") != std::string::npos);
+  }
+}
+
+TEST_CASE("memory_estimate: streamed, memory hardly grows with the number of layers", "[replay][memory]") {
+  Manifest m = llama_7b_like();
+  m.model.num_layers = 4;
+  const double streamed_4 = nanreplay::estimate_streamed_memory(m, 1, false).total();
+  const double in_memory_4 = estimate_replay_memory(m, 1, false).total();
+  m.model.num_layers = 64;
+  const double streamed_64 = nanreplay::estimate_streamed_memory(m, 1, false).total();
+  const double in_memory_64 = estimate_replay_memory(m, 1, false).total();
+  CHECK(streamed_64 / streamed_4 < 1.3);
+  CHECK(in_memory_64 / in_memory_4 > 5);
 }

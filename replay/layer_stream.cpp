@@ -1,0 +1,258 @@
+// Layer-streamed replay; see layer_stream.h. Why the values match the
+// in-memory replay bit for bit: each piece runs the same ops on the same
+// inputs; autograd sums a tensor's gradient contributions in an order fixed
+// by the piece's own graph, which is the same whether the piece's input is a
+// leaf or the output of the piece before it; and where a gradient is summed
+// across pieces (a tied embedding, a router's outputs read by the router
+// losses) there are exactly two terms, whose sum does not depend on order.
+#include "replay/layer_stream.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include <torch/torch.h>
+
+#include "loaders/error.h"
+#include "probes/sites.h"
+
+namespace nanreplay {
+
+namespace {
+
+// A scratch file that cannot be made, written or read (a full disk, a
+// read-only one): exit 2 like a failing --out, naming the file and the reason.
+OutputError scratch_error(const std::string& what, const std::filesystem::path& path) {
+  return OutputError(path.string(), what + ": " + std::strerror(errno));
+}
+
+}  // namespace
+
+StreamScratch::StreamScratch(const std::filesystem::path& parent) {
+  std::string pattern = (parent / "nanreplay-scratch-XXXXXX").string();
+  if (mkdtemp(pattern.data()) == nullptr) {
+    throw scratch_error("cannot create a scratch directory here", parent);
+  }
+  dir = pattern;
+}
+
+ComputePlacement streamed_if(ComputePlacement placement, const std::optional<std::filesystem::path>& scratch_parent) {
+  if (scratch_parent) placement.stream = std::make_shared<StreamScratch>(*scratch_parent);
+  return placement;
+}
+
+StreamScratch::~StreamScratch() {
+  std::error_code ignored;
+  std::filesystem::remove_all(dir, ignored);
+}
+
+ScratchTensors::ScratchTensors(const StreamScratch& scratch, const std::string& name,
+                               std::vector<std::vector<int64_t>> shapes)
+    : shapes_(std::move(shapes)), held_(shapes_.size(), false) {
+  static std::atomic<int> serial{0};
+  path_ = scratch.dir / (name + "-" + std::to_string(serial++) + ".f32");
+  fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd_ < 0) throw scratch_error("cannot create scratch file", path_);
+  uint64_t offset = 0;
+  for (const std::vector<int64_t>& shape : shapes_) {
+    offsets_.push_back(offset);
+    uint64_t numel = 1;
+    for (int64_t d : shape) numel *= static_cast<uint64_t>(d);
+    offset += numel * sizeof(float);
+  }
+}
+
+ScratchTensors::~ScratchTensors() {
+  ::close(fd_);
+  ::unlink(path_.c_str());
+}
+
+void ScratchTensors::write(size_t slot, const torch::Tensor& value) {
+  const torch::Tensor host = value.detach().to(torch::kCPU, torch::kFloat32).contiguous();
+  const char* data = static_cast<const char*>(host.data_ptr());
+  const size_t bytes = static_cast<size_t>(host.numel()) * sizeof(float);
+  for (size_t done = 0; done < bytes;) {
+    const ssize_t n = ::pwrite(fd_, data + done, bytes - done, static_cast<off_t>(offsets_.at(slot) + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) throw scratch_error("cannot write scratch file", path_);
+    done += static_cast<size_t>(n);
+  }
+  held_.at(slot) = true;
+}
+
+torch::Tensor ScratchTensors::read(size_t slot) const {
+  if (!held_.at(slot)) throw std::logic_error("scratch slot read before it was written");
+  torch::Tensor out = torch::empty(shapes_.at(slot), torch::kFloat32);
+  char* data = static_cast<char*>(out.data_ptr());
+  const size_t bytes = static_cast<size_t>(out.numel()) * sizeof(float);
+  for (size_t done = 0; done < bytes;) {
+    const ssize_t n = ::pread(fd_, data + done, bytes - done, static_cast<off_t>(offsets_[slot] + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n == 0) errno = EIO;  // shorter than written: something else truncated it
+    if (n <= 0) throw scratch_error("cannot read scratch file", path_);
+    done += static_cast<size_t>(n);
+  }
+  return out;
+}
+
+void ScratchTensors::forget_all() { held_.assign(held_.size(), false); }
+
+StreamedModel::StreamedModel(ModelCheckpoint& checkpoint, const ModelConfig& model, const torch::Device& device,
+                             std::shared_ptr<StreamScratch> scratch)
+    : checkpoint_(checkpoint), device_(device), scratch_(std::move(scratch)), order_(checkpoint.order()) {
+  blocks_.resize(static_cast<size_t>(model.num_layers));
+  const std::vector<ParamSpec> specs = expected_parameters(model);
+  for (size_t i = 0; i < order_.size(); ++i) {
+    const int layer = layer_of_parameter(order_[i]);
+    (layer < 0 ? outer_ : blocks_.at(static_cast<size_t>(layer))).push_back(i);
+    shapes_.push_back(specs.at(i).shape);
+  }
+  begin_step();
+}
+
+void StreamedModel::begin_step() {
+  rank_grads_ = std::make_shared<ScratchTensors>(*scratch_, "rank-gradients", shapes_);
+  step_grads_.reset();
+}
+
+StreamedModel::~StreamedModel() = default;
+
+ParamMap StreamedModel::load(const std::vector<size_t>& slots, bool leaves) const {
+  ParamMap params;
+  for (size_t slot : slots) {
+    torch::Tensor t = checkpoint_.param(order_[slot]).detach();
+    if (device_ != t.device()) t = t.to(device_);
+    if (leaves) t.requires_grad_(true);
+    params.emplace(order_[slot], t);
+  }
+  return params;
+}
+
+void StreamedModel::release(const std::vector<size_t>& slots) const {
+  for (size_t slot : slots) checkpoint_.release(order_[slot]);
+}
+
+// As AccumulateGrad across passes: the first pass's gradient, then old + new.
+void StreamedModel::accumulate(const std::vector<size_t>& slots, const ParamMap& leaves) {
+  for (size_t slot : slots) {
+    const torch::Tensor grad = leaves.at(order_[slot]).grad();
+    if (!grad.defined()) continue;
+    rank_grads_->write(slot, rank_grads_->holds(slot) ? rank_grads_->read(slot) + grad.cpu() : grad);
+  }
+}
+
+void StreamedModel::clear_gradients() { rank_grads_->forget_all(); }
+
+ForwardResult StreamedModel::forward_backward(const ModelConfig& model, const Numerics& numerics, ProbeSession& probes,
+                                              const torch::Tensor& inputs, const torch::Tensor& targets,
+                                              double backward_scale, const std::function<void()>& before_backward,
+                                              const BlockHook& on_block) {
+  const int layers = static_cast<int>(model.num_layers);
+  ModelPass pass(model, numerics, probes);
+  // The embeddings and the head stay for the whole pass: a tied head and the
+  // embedding are one leaf, whose gradient sums both uses as autograd's would.
+  const ParamMap outer = load(outer_, /*leaves=*/true);
+  std::vector<torch::Tensor> stream(static_cast<size_t>(layers) + 1);  // what enters each block, then the head
+  ForwardResult result;
+  RouterOutputs routers;
+  {
+    torch::NoGradGuard no_grad;  // the forward's values and statistics; its graph is built again per block
+    torch::Tensor x = pass.embed(outer, inputs);
+    for (int layer = 0; layer < layers; ++layer) {
+      if (on_block) on_block(layer, "forward");
+      stream[static_cast<size_t>(layer)] = x;
+      const std::vector<size_t>& slots = blocks_[static_cast<size_t>(layer)];
+      x = pass.block(load(slots, /*leaves=*/false), layer, x);
+      release(slots);
+    }
+    stream.back() = x;
+    routers = pass.router();
+    result = pass.head(outer, x, targets);
+  }
+  if (before_backward) before_backward();
+
+  // The head again, from the last block's output and the routers' outputs as leaves.
+  probes.begin_recompute();
+  const torch::Tensor head_input = stream.back().detach().requires_grad_(true);
+  RouterOutputs& head_routers = pass.router();
+  head_routers.expert_tokens = routers.expert_tokens;
+  head_routers.logits.clear();
+  head_routers.probs.clear();
+  for (const torch::Tensor& t : routers.logits) head_routers.logits.push_back(t.detach().requires_grad_(true));
+  for (const torch::Tensor& t : routers.probs) head_routers.probs.push_back(t.detach().requires_grad_(true));
+  const RouterOutputs router_leaves = head_routers;
+  (pass.head(outer, head_input, targets).loss * backward_scale).backward();
+  torch::Tensor grad = head_input.grad();
+
+  for (int layer = layers - 1; layer >= 0; --layer) {
+    if (on_block) on_block(layer, "backward");
+    const std::vector<size_t>& slots = blocks_[static_cast<size_t>(layer)];
+    const ParamMap params = load(slots, /*leaves=*/true);
+    probes.begin_recompute();
+    pass.router() = RouterOutputs{};
+    const torch::Tensor input = stream[static_cast<size_t>(layer)].detach().requires_grad_(true);
+    std::vector<torch::Tensor> roots{pass.block(params, layer, input)};
+    std::vector<torch::Tensor> grads{grad};
+    if (model.moe) {  // the router losses' gradients enter at the block's router outputs
+      const size_t l = static_cast<size_t>(layer);
+      for (const auto& [leaf, again] : {std::pair(router_leaves.logits[l], pass.router().logits.at(0)),
+                                        std::pair(router_leaves.probs[l], pass.router().probs.at(0))}) {
+        if (!leaf.grad().defined()) continue;
+        roots.push_back(again);
+        grads.push_back(leaf.grad());
+      }
+    }
+    torch::autograd::backward(roots, grads);
+    grad = input.grad();
+    stream[static_cast<size_t>(layer)] = torch::Tensor();
+    accumulate(slots, params);
+    release(slots);
+  }
+
+  // The embeddings again, from the gradient entering the first block.
+  probes.begin_recompute();
+  torch::autograd::backward({pass.embed(outer, inputs)}, {grad});
+  accumulate(outer_, outer);
+  release(outer_);
+  result.loss = result.loss.detach();
+  return result;
+}
+
+torch::Tensor StreamedModel::add_rank_gradients(double inv_scale, int64_t world_size) {
+  // One rank: the step's gradients are the rank's, unscaled in their own slots.
+  if (world_size == 1) {
+    step_grads_ = rank_grads_;
+  } else if (!step_grads_) {
+    step_grads_ = std::make_shared<ScratchTensors>(*scratch_, "step-gradients", shapes_);
+  }
+  std::vector<torch::Tensor> norms;
+  for (size_t slot = 0; slot < order_.size(); ++slot) {
+    const bool held = rank_grads_->holds(slot);
+    const torch::Tensor grad = held ? rank_grads_->read(slot) : torch::zeros(shapes_[slot], torch::kFloat32);
+    // The arithmetic of add_rank_gradients (replay/gradients.cpp).
+    const torch::Tensor own = inv_scale == 1.0 ? grad : grad * inv_scale;
+    norms.push_back(own.norm(2));
+    if (world_size == 1) {
+      if (inv_scale != 1.0 || !held) rank_grads_->write(slot, own);
+      continue;
+    }
+    const torch::Tensor share = own / world_size;
+    step_grads_->write(slot, step_grads_->holds(slot) ? step_grads_->read(slot) + share : share);
+  }
+  return torch::stack(norms).norm(2);
+}
+
+GradientSet StreamedModel::step_gradients() const { return GradientSet(std::shared_ptr<const ScratchTensors>(step_grads_)); }
+
+torch::Tensor StreamedModel::step_grad_norm() const {
+  std::vector<torch::Tensor> norms;
+  for (size_t slot = 0; slot < order_.size(); ++slot) norms.push_back(step_grads_->read(slot).norm(2));
+  return torch::stack(norms).norm(2);
+}
+
+}  // namespace nanreplay

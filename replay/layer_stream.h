@@ -1,0 +1,134 @@
+// The layer-streamed replay: a model larger than memory replayed one block
+// at a time. The forward loads each block's parameters from the mapped
+// checkpoint, keeps only the residual stream entering it and lets the
+// parameters go; the backward loads each block again, last first, computes
+// it again from its saved input (replay/model.h's ModelPass, the same
+// arithmetic) and runs autograd through that block alone, from the gradient
+// the block above handed down. Parameter gradients accumulate on scratch
+// files, so a step's gradients are never all in memory at once. The values,
+// the probe records and the gradients are those of the in-memory replay bit
+// for bit (tests/py/test_stream_presets.py shows it on every preset).
+#pragma once
+
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/types.h>
+
+#include "replay/checkpoint.h"
+#include "replay/model.h"
+
+namespace nanreplay {
+
+// A directory of scratch files, made inside `parent` as
+// nanreplay-scratch-XXXXXX and removed with everything in it when the last
+// owner lets go (at the end, on an error or an interrupt: unwinding).
+struct StreamScratch {
+  explicit StreamScratch(const std::filesystem::path& parent);
+  ~StreamScratch();
+  StreamScratch(const StreamScratch&) = delete;
+  StreamScratch& operator=(const StreamScratch&) = delete;
+  std::filesystem::path dir;
+};
+
+// fp32 tensors of fixed shapes in one scratch file, a slot each, read and
+// written whole (pread/pwrite: nothing stays mapped, so nothing stays resident).
+class ScratchTensors {
+ public:
+  ScratchTensors(const StreamScratch& scratch, const std::string& name, std::vector<std::vector<int64_t>> shapes);
+  ~ScratchTensors();
+  ScratchTensors(const ScratchTensors&) = delete;
+  ScratchTensors& operator=(const ScratchTensors&) = delete;
+
+  size_t size() const { return shapes_.size(); }
+  bool holds(size_t slot) const { return held_.at(slot); }
+  void write(size_t slot, const torch::Tensor& value);
+  torch::Tensor read(size_t slot) const;  // a new host tensor; the slot must hold a value
+  void forget_all();                      // every slot empty again (the file keeps its size)
+
+ private:
+  std::filesystem::path path_;
+  int fd_ = -1;
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<uint64_t> offsets_;
+  std::vector<bool> held_;
+};
+
+// A step's parameter gradients: in memory, or on a scratch file (read one at
+// a time: a caller that walks them holds one at once).
+class GradientSet {
+ public:
+  GradientSet() = default;
+  GradientSet(std::vector<torch::Tensor> in_memory) : memory_(std::move(in_memory)) {}  // NOLINT: implicit on purpose
+  explicit GradientSet(std::shared_ptr<const ScratchTensors> scratch) : scratch_(std::move(scratch)) {}
+  size_t size() const { return scratch_ ? scratch_->size() : memory_.size(); }
+  bool empty() const { return size() == 0; }
+  torch::Tensor operator[](size_t i) const { return scratch_ ? scratch_->read(i) : memory_[i]; }
+  torch::Tensor at(size_t i) const { return scratch_ ? scratch_->read(i) : memory_.at(i); }
+  // Every gradient at once (a model small enough: the synthetic trainer's).
+  std::vector<torch::Tensor> all() const {
+    if (!scratch_) return memory_;
+    std::vector<torch::Tensor> out;
+    for (size_t i = 0; i < size(); ++i) out.push_back(scratch_->read(i));
+    return out;
+  }
+
+ private:
+  std::vector<torch::Tensor> memory_;
+  std::shared_ptr<const ScratchTensors> scratch_;
+};
+
+// `placement`, streamed layer by layer with its scratch files in a new
+// directory inside `scratch_parent` when that is set.
+ComputePlacement streamed_if(ComputePlacement placement, const std::optional<std::filesystem::path>& scratch_parent);
+
+// A checkpoint replayed layer by layer on `device`, its gradients on scratch
+// files in `scratch`. Passes accumulate gradients as autograd's .grad does
+// across micro-batches; add_rank_gradients reduces them as DDP does
+// (replay/gradients.h, the same arithmetic).
+class StreamedModel {
+ public:
+  StreamedModel(ModelCheckpoint& checkpoint, const ModelConfig& model, const torch::Device& device,
+                std::shared_ptr<StreamScratch> scratch);
+  ~StreamedModel();
+
+  // One batch forward and backward (loss * backward_scale). `before_backward`
+  // runs between the two; `on_block(layer, "forward" | "backward")` before
+  // each block (progress within a long step).
+  using BlockHook = std::function<void(int layer, const char* phase)>;
+  ForwardResult forward_backward(const ModelConfig& model, const Numerics& numerics, ProbeSession& probes,
+                                 const torch::Tensor& inputs, const torch::Tensor& targets, double backward_scale,
+                                 const std::function<void()>& before_backward, const BlockHook& on_block = {});
+  // Before a step: new scratch files for its gradients (a GradientSet of
+  // an earlier step keeps its own until it is dropped).
+  void begin_step();
+  // Forgets the accumulated gradients (before a rank's first micro-batch).
+  void clear_gradients();
+  // The accumulated gradients unscaled by `inv_scale`, divided by the world
+  // size and added to the step's; returns the rank's gradient norm (0-dim).
+  torch::Tensor add_rank_gradients(double inv_scale, int64_t world_size);
+  // After the last rank: the step's gradients (on scratch) and their global norm.
+  GradientSet step_gradients() const;
+  torch::Tensor step_grad_norm() const;
+
+ private:
+  ParamMap load(const std::vector<size_t>& slots, bool leaves) const;
+  void release(const std::vector<size_t>& slots) const;
+  void accumulate(const std::vector<size_t>& slots, const ParamMap& leaves);
+
+  ModelCheckpoint& checkpoint_;
+  torch::Device device_;
+  std::shared_ptr<StreamScratch> scratch_;
+  std::vector<std::string> order_;
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<size_t> outer_;                // embeddings, final norm, head: loaded once a pass
+  std::vector<std::vector<size_t>> blocks_;  // each block's parameters
+  std::shared_ptr<ScratchTensors> rank_grads_;  // this rank's, accumulated over its micro-batches
+  std::shared_ptr<ScratchTensors> step_grads_;  // the step's: the ranks' reduced (the rank's own with one rank)
+};
+
+}  // namespace nanreplay
