@@ -10,7 +10,8 @@ later step derived) are checked against torch.optim.AdamW stepping the same
 model: losses within 1e-5 relative. clean-moe (llama with model.moe, Hugging Face Qwen3-MoE's routing
 and router losses: reference_model.moe_mlp) is checked in fp32, bf16 and rolled forward.
 
-Bundles come from `nanreplay synth`; the report from `nanreplay run --json`.
+Bundles come from `nanreplay synth`; the report from `nanreplay run --json`, which `run --stream` (the
+layer-streamed replay) must give again, all but its timings, on every one of these bundles.
 Run by CTest with Debian's /usr/bin/python3 (python3-torch).
 """
 import argparse
@@ -32,11 +33,27 @@ PRESETS = (["clean-fp32", "clean-dp", "clean-gqa", "clean-gpt2", "clean-bf16", "
 # against torch.optim.AdamW and clip_grad_norm_ applied by PyTorch itself.
 ROLLED_PRESETS = ["clean-fp32", "clean-gpt2", "clean-dp", "clean-combined", "clean-moe"]
 ROLLED_TOLERANCE = 1e-5
+VOLATILE = ("timings", "elapsed_seconds")
 TOLERANCE = {"fp32": {"loss": 1e-5, "grad_norm": 1e-5}, "bf16": {"loss": 1e-5, "grad_norm": 1e-4}}
 
 
 def rel_err(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+def replay(cli, bundle_dir, out):
+    """`run --json` in memory, then layer by layer: (exit status, report, stderr, what the streamed run changed)."""
+    run = subprocess.run([cli, "run", str(bundle_dir), "--out", str(out), "--json"], capture_output=True, text=True)
+    if run.returncode != 0:
+        return run.returncode, None, run.stderr, []
+    streamed = subprocess.run([cli, "run", str(bundle_dir), "--out", str(out) + "-stream", "--json", "--stream",
+                               "--scratch", str(out.parent)], capture_output=True, text=True)
+    report = json.loads(run.stdout)
+    if streamed.returncode != 0:
+        return 0, report, streamed.stderr, ["exit status " + str(streamed.returncode)]
+    other = json.loads(streamed.stdout)
+    differ = [k for k in set(report) | set(other) if k not in VOLATILE and report.get(k) != other.get(k)]
+    return 0, report, "", differ
 
 
 def main():
@@ -57,13 +74,14 @@ def main():
             manifest = json.loads((bundle_dir / "manifest.json").read_text())
             manifest["precision"] = {"compute": precision}
             (bundle_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        run = subprocess.run([args.cli, "run", str(bundle_dir), "--out", str(work / (preset + "-out")), "--json"],
-                             capture_output=True, text=True)
-        if run.returncode != 0:
-            print(f"FAIL {preset}: nanreplay run exited {run.returncode}: {run.stderr}")
+        status, report, stderr, streamed_differs = replay(args.cli, bundle_dir, work / (preset + "-out"))
+        if status != 0:
+            print(f"FAIL {preset}: nanreplay run exited {status}: {stderr}")
             failures += 1
             continue
-        report = json.loads(run.stdout)
+        checked += 1
+        failures += bool(streamed_differs)
+        print(f"{'FAIL' if streamed_differs else 'ok  '} {preset}: run --stream gives the same report {streamed_differs}")
         bundle = reference_model.Bundle(bundle_dir)
         tolerance = TOLERANCE[bundle.manifest.get("precision", {}).get("compute", "fp32")]
         entries = {e["step"]: e["dir"] for e in bundle.manifest["steps"]}
@@ -84,13 +102,15 @@ def main():
         bundle_dir = work / (preset + "-rolled")
         subprocess.run([args.cli, "synth", preset, str(bundle_dir), "--checkpoint-every", "1000"], check=True,
                        stdout=subprocess.DEVNULL)
-        run = subprocess.run([args.cli, "run", str(bundle_dir), "--out", str(work / (preset + "-rolled-out")),
-                              "--json"], capture_output=True, text=True)
-        if run.returncode != 0:
-            print(f"FAIL {preset} rolled: nanreplay run exited {run.returncode}: {run.stderr}")
+        status, report, stderr, streamed_differs = replay(args.cli, bundle_dir, work / (preset + "-rolled-out"))
+        if status != 0:
+            print(f"FAIL {preset} rolled: nanreplay run exited {status}: {stderr}")
             failures += 1
             continue
-        report = json.loads(run.stdout)
+        checked += 1
+        failures += bool(streamed_differs)
+        print(f"{'FAIL' if streamed_differs else 'ok  '} {preset} rolled: run --stream gives the same report "
+              f"{streamed_differs}")
         theirs = reference_model.train_window(reference_model.Bundle(bundle_dir))
         derived = [row["step"] for row in report["steps"] if row["params"] == "derived"]
         if len(derived) != len(report["steps"]) - 1:
