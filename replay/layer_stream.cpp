@@ -51,11 +51,11 @@ StreamScratch::~StreamScratch() {
   std::filesystem::remove_all(dir, ignored);
 }
 
-ScratchTensors::ScratchTensors(const StreamScratch& scratch, const std::string& name,
+ScratchTensors::ScratchTensors(std::shared_ptr<StreamScratch> scratch, const std::string& name,
                                std::vector<std::vector<int64_t>> shapes)
-    : shapes_(std::move(shapes)), held_(shapes_.size(), false) {
+    : scratch_(std::move(scratch)), shapes_(std::move(shapes)), held_(shapes_.size(), false) {
   static std::atomic<int> serial{0};
-  path_ = scratch.dir / (name + "-" + std::to_string(serial++) + ".f32");
+  path_ = scratch_->dir / (name + "-" + std::to_string(serial++) + ".f32");
   fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd_ < 0) throw scratch_error("cannot create scratch file", path_);
   uint64_t offset = 0;
@@ -116,7 +116,7 @@ StreamedModel::StreamedModel(ModelCheckpoint& checkpoint, const ModelConfig& mod
 }
 
 void StreamedModel::begin_step() {
-  rank_grads_ = std::make_shared<ScratchTensors>(*scratch_, "rank-gradients", shapes_);
+  rank_grads_ = std::make_shared<ScratchTensors>(scratch_, "rank-gradients", shapes_);
   step_grads_.reset();
 }
 
@@ -228,7 +228,7 @@ torch::Tensor StreamedModel::add_rank_gradients(double inv_scale, int64_t world_
   if (world_size == 1) {
     step_grads_ = rank_grads_;
   } else if (!step_grads_) {
-    step_grads_ = std::make_shared<ScratchTensors>(*scratch_, "step-gradients", shapes_);
+    step_grads_ = std::make_shared<ScratchTensors>(scratch_, "step-gradients", shapes_);
   }
   std::vector<torch::Tensor> norms;
   for (size_t slot = 0; slot < order_.size(); ++slot) {

@@ -36,10 +36,12 @@ struct StreamScratch {
 };
 
 // fp32 tensors of fixed shapes in one scratch file, a slot each, read and
-// written whole (pread/pwrite: nothing stays mapped, so nothing stays resident).
+// written whole (pread/pwrite: nothing stays mapped, so nothing stays
+// resident). Keeps its directory while it lives.
 class ScratchTensors {
  public:
-  ScratchTensors(const StreamScratch& scratch, const std::string& name, std::vector<std::vector<int64_t>> shapes);
+  ScratchTensors(std::shared_ptr<StreamScratch> scratch, const std::string& name,
+                 std::vector<std::vector<int64_t>> shapes);
   ~ScratchTensors();
   ScratchTensors(const ScratchTensors&) = delete;
   ScratchTensors& operator=(const ScratchTensors&) = delete;
@@ -51,6 +53,7 @@ class ScratchTensors {
   void forget_all();                      // every slot empty again (the file keeps its size)
 
  private:
+  std::shared_ptr<StreamScratch> scratch_;
   std::filesystem::path path_;
   int fd_ = -1;
   std::vector<std::vector<int64_t>> shapes_;

@@ -49,9 +49,9 @@ void Trajectory::start(const Bundle& bundle, const StepFiles& files, std::shared
   if (scratch_) {
     std::vector<std::vector<int64_t>> shapes;
     for (const ParamSpec& spec : expected_parameters(bundle.manifest().model)) shapes.push_back(spec.shape);
-    params_file_ = std::make_shared<ScratchTensors>(*scratch_, "derived-parameters", shapes);
-    exp_avg_file_ = std::make_shared<ScratchTensors>(*scratch_, "exp-avg", shapes);
-    exp_avg_sq_file_ = std::make_shared<ScratchTensors>(*scratch_, "exp-avg-sq", shapes);
+    params_file_ = std::make_shared<ScratchTensors>(scratch_, "derived-parameters", shapes);
+    exp_avg_file_ = std::make_shared<ScratchTensors>(scratch_, "exp-avg", shapes);
+    exp_avg_sq_file_ = std::make_shared<ScratchTensors>(scratch_, "exp-avg-sq", shapes);
   }
   for (size_t i = 0; i < order_.size(); ++i) {
     const std::string& name = order_[i];
@@ -124,7 +124,7 @@ ModelCheckpoint Trajectory::snapshot() const {
   if (scratch_) {
     std::vector<std::vector<int64_t>> shapes;
     for (const ParamSpec& spec : expected_parameters(manifest_->model)) shapes.push_back(spec.shape);
-    auto copy = std::make_shared<ScratchTensors>(*scratch_, "snapshot", shapes);
+    auto copy = std::make_shared<ScratchTensors>(scratch_, "snapshot", shapes);
     for (size_t i = 0; i < order_.size(); ++i) copy->write(i, params_file_->read(i));
     return ModelCheckpoint([copy](size_t i) { return copy->read(i); }, order_);
   }
