@@ -345,8 +345,8 @@ bool choose_layer_streaming(const MemoryEstimate& in_memory, const MemoryEstimat
   // The breakdown of the mode asked for (streamed with --stream, else in memory), the other's total.
   const MemoryEstimate& shown = stream ? streamed : in_memory;
   std::ostringstream message;
-  message << "this replay needs an estimated " << format_bytes(shown.total()) << " of memory "
-          << (stream ? "streamed layer by layer" : "in memory") << " (parameters " << format_bytes(shown.parameters)
+  message << "this replay needs an estimated " << format_bytes(shown.total())
+          << (stream ? " streamed layer by layer" : " in memory") << " (parameters " << format_bytes(shown.parameters)
           << ", gradients " << format_bytes(shown.gradients) << ", activations of one micro-batch "
           << format_bytes(shown.activations) << ", probe records " << format_bytes(shown.probes)
           << (shown.rolling > 0 ? ", rolled-forward parameters and AdamW state " + format_bytes(shown.rolling) : "")
