@@ -9,6 +9,7 @@
 #   4. peak RSS of a 10-step / a 1-step bundle                                  (bench_replay)
 #   5. whole `nanreplay run` / whole eager PyTorch replay, 3 and 10 steps       (bench_whole_run)
 #   6. OpenBLAS on OpenMP / on pthreads, replay step and whole run            (bench_blas.sh)
+#   7. layer-streamed run: peak RSS 64 / 4 layers, time in memory / streamed   (bench_stream.py)
 # The first run writes the bundles of a hidden-512, 8-layer llama (~4 GB) and
 # a 1-step bundle of its MoE twin (~1 GB) into the work directory and
 # reuses them afterwards.
@@ -33,3 +34,7 @@ echo "== whole run against a whole eager replay (27M-parameter llama; $threads t
 echo
 echo "== OpenBLAS on OpenMP against OpenBLAS on pthreads"
 NANREPLAY_BENCH_REPS="$reps" NANREPLAY_BENCH_THREADS="$threads" "$root/bench/bench_blas.sh" "$build" "$work"
+echo
+echo "== layer by layer: peak RSS against depth, time against the in-memory replay (hidden 512, seq 128)"
+/usr/bin/python3 "$root/bench/bench_stream.py" --nanreplay "$build/nanreplay" --work "$work/stream" \
+  --reps "$(( reps < 5 ? reps : 5 ))" --threads "$threads"
