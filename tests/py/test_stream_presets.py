@@ -85,8 +85,9 @@ def compare_runs(cli, label, bundle, work):
     scratch.mkdir()
     a = cli_run(cli, "run", bundle, "--out", plain, "--json")
     b = cli_run(cli, "run", bundle, "--out", streamed, "--json", "--stream", "--scratch", scratch)
-    if not check(a.returncode == b.returncode and a.returncode in (0, 1),
-                 f"{label}: run exits {a.returncode}, streamed {b.returncode} {b.stderr.strip()[-300:]}"):
+    same_exit = a.returncode == b.returncode and a.returncode in (0, 1)
+    if not check(same_exit, f"{label}: run exits {a.returncode}, streamed {b.returncode}"
+                            + ("" if same_exit else ": " + b.stderr.strip()[-300:])):
         return
     ra, rb = json.loads(a.stdout), json.loads(b.stdout)
     differ = [k for k in set(ra) | set(rb) if k not in VOLATILE and ra.get(k) != rb.get(k)]
