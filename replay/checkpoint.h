@@ -56,9 +56,9 @@ class ModelCheckpoint {
   // has loaded them, else a tensor made for this call (in place in the
   // mapping where it can be). release() then drops its pages again.
   torch::Tensor param(const std::string& name) const;
-  // Lets the mapped pages behind `name` go (a no-op for upcast copies and
-  // derived parameters): a pass over a checkpoint larger than memory keeps
-  // only what it is using resident.
+  // Lets the mapped pages behind `name` go (derived parameters have none;
+  // loaded leaves used in place keep theirs): a pass over a checkpoint larger
+  // than memory keeps only what it is using resident.
   void release(const std::string& name) const;
   // Copies the parameters to `devices` as new leaves: all on one device, or
   // split by layer over two (layers [0, L/2) and the embeddings on the first,
