@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "loaders/bundle_paths.h"
 #include "loaders/error.h"
 #include "loaders/mapped_file.h"
 #include "nanreplay_version.h"
@@ -35,10 +36,7 @@ std::filesystem::path checked_scratch(const IncidentSettings& settings, const st
   if (!fs::is_directory(parent, error)) {
     throw UsageError("--scratch " + parent.string() + ": not a directory");
   }
-  const fs::path inside = fs::weakly_canonical(parent, error);
-  const fs::path root = fs::weakly_canonical(bundle, error);
-  const auto mismatch = std::mismatch(root.begin(), root.end(), inside.begin(), inside.end());
-  if (mismatch.first == root.end()) {
+  if (lies_inside_directory(parent, bundle)) {
     throw UsageError("--scratch " + parent.string() + ": inside the bundle, which the tool never writes into");
   }
   return parent;

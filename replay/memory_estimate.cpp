@@ -36,6 +36,10 @@ constexpr double kRuntimeBytes = 512.0 * (1 << 20);
 // (allocator overhead included), and the trace writer's columns for it.
 constexpr double kProbeRecordHeapBytes = 160;
 
+bool reduced_precision(const Manifest& m) {
+  return m.precision.compute == Compute::kBf16 || m.precision.compute == Compute::kFp16;
+}
+
 struct Dims {
   double B, T, C, H, G, D, F, V, L, maxT;
 };
@@ -107,7 +111,7 @@ LayerElements layer_elements(const Manifest& m, const Dims& d) {
   }
   e.tokens = norms + qkv + repeated + context + attn_out + mlp;
   e.squares = 4 * square;
-  if (m.precision.compute == Compute::kBf16 || m.precision.compute == Compute::kFp16) {
+  if (reduced_precision(m)) {
     // Every site is rounded (15 per layer), every linear input is rounded,
     // and the scores twice more: fp32 copies of the rounded values.
     const double site_tokens = 6 * N * d.C + N * HD + 2 * N * GD + N * HD + 3 * N * d.F;
@@ -120,7 +124,7 @@ LayerElements layer_elements(const Manifest& m, const Dims& d) {
 double activation_bytes(const Manifest& m, const Dims& d) {
   const double N = d.B * d.T;
   const LayerElements layer = layer_elements(m, d);
-  const bool reduced = m.precision.compute == Compute::kBf16 || m.precision.compute == Compute::kFp16;
+  const bool reduced = reduced_precision(m);
   // fp32 copies plus the transient low-precision tensor each rounding makes.
   const double rounded_bytes = layer.rounded * (kFloatBytes + kLowBytes);
   const double per_layer = (layer.tokens + layer.squares) * kFloatBytes + rounded_bytes;
@@ -203,8 +207,7 @@ MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_wit
                                       bool rolls_forward) {
   const Dims d = dims_of(manifest);
   const ParamCount params = count_parameters(manifest, d);
-  const bool reduced = manifest.precision.compute == Compute::kBf16 ||
-                       manifest.precision.compute == Compute::kFp16;
+  const bool reduced = reduced_precision(manifest);
   MemoryEstimate estimate;
   // fp32 masters, plus the mapped file (at most fp32 per element), plus in
   // bf16/fp16 the rounded fp32 copy of every weight a linear keeps for backward.
@@ -222,14 +225,13 @@ MemoryEstimate estimate_streamed_memory(const Manifest& manifest, size_t steps_w
                                         bool rolls_forward) {
   const Dims d = dims_of(manifest);
   const ParamCount params = count_parameters(manifest, d);
-  const bool reduced = manifest.precision.compute == Compute::kBf16 ||
-                       manifest.precision.compute == Compute::kFp16;
+  const bool reduced = reduced_precision(manifest);
   Dims one_layer = d;
   one_layer.L = 1;
-  const double with_one_layer = count_parameters(manifest, one_layer).elements;
-  one_layer.L = 0;
-  const double outer = count_parameters(manifest, one_layer).elements;  // embeddings, final norm, head
-  const double block = with_one_layer - outer;
+  Dims no_layers = d;
+  no_layers.L = 0;
+  const double outer = count_parameters(manifest, no_layers).elements;  // embeddings, final norm, head
+  const double block = count_parameters(manifest, one_layer).elements - outer;
   const double N = d.B * d.T;
   MemoryEstimate estimate;
   // As in memory (masters, the mapping, rounded copies), for the outer
@@ -240,7 +242,6 @@ MemoryEstimate estimate_streamed_memory(const Manifest& manifest, size_t steps_w
   estimate.gradients = (outer + 3 * block) * kFloatBytes;
   // One block's activations (activation_bytes of a one-layer model), plus the
   // residual stream entering each block.
-  one_layer.L = 1;
   estimate.activations = activation_bytes(manifest, one_layer) + (d.L + 1) * N * d.C * kFloatBytes;
   estimate.probes = probes ? probe_record_bytes(manifest, d, params.tensors, steps_with_probes) : 0;
   // Rolling forward on scratch files: one parameter, its gradient and its two
