@@ -38,3 +38,4 @@ echo
 echo "== layer by layer: peak RSS against depth, time against the in-memory replay (hidden 512, seq 128)"
 /usr/bin/python3 "$root/bench/bench_stream.py" --nanreplay "$build/nanreplay" --work "$work/stream" \
   --reps "$(( reps < 5 ? reps : 5 ))" --threads "$threads"
+echo; echo "== split across 2 local processes against one (hidden 512, 8 layers, seq 128, 3 steps)"; /usr/bin/python3 "$root/bench/bench_distributed.py" --nanreplay "$build/nanreplay" --work "$work/distributed" --reps "$(( reps < 5 ? reps : 5 ))" --threads "$threads"

@@ -2,6 +2,7 @@
 // with fewer replays, plus optional what-if replays. Writes nothing; prints
 // the stages (or one stable JSON object with --json). Exit status as `run`.
 #include "cli/cli_support.h"
+#include "cli/launch.h"
 #include "cli/command_table.h"
 #include "cli/progress_line.h"
 #include "cli/replay_flags.h"
@@ -64,16 +65,21 @@ int bisect_command(const CommandArgs& args, CommandIo& io) {
   if (!parsed.count("bundle")) throw UsageError("bisect: missing BUNDLE (see nanreplay bisect --help)");
   ReplayFlags flags = parse_replay_flags(parsed, true);
   flags.incident.bundle = parsed["bundle"].as<std::string>();
-  const Incident incident(flags.incident, IncidentUse::kBisect);
-  if (incident.layer_streamed() && !flags.quiet) io.err << "nanreplay: " << incident.streaming_note() << "\n";
-  const BisectReport report =
-      bisect_showing_progress(incident, parsed.count("no-samples") == 0, !flags.quiet && !flags.json, io);
-  if (flags.json) {
-    io.out << bisect_to_json(report).dump(2) << "\n";
-  } else if (!flags.quiet) {
-    io.out << render_bisect(report, {io.color});
-  }
-  return bisect_exit_status(report);
+  flags.incident.max_memory = process_memory_limit(flags.incident.max_memory);
+  const double memory = static_cast<double>(flags.incident.max_memory->bytes);
+  return run_launched(flags.launch, args, memory, [&](bool rank_zero) {
+    const bool quiet = flags.quiet || !rank_zero;  // across processes rank 0 alone prints
+    const Incident incident(flags.incident, IncidentUse::kBisect);
+    if (!incident.mode_note().empty() && !quiet) io.err << "nanreplay: " << incident.mode_note() << "\n";
+    const BisectReport report =
+        bisect_showing_progress(incident, parsed.count("no-samples") == 0, !quiet && !flags.json, io);
+    if (flags.json && rank_zero) {
+      io.out << bisect_to_json(report).dump(2) << "\n";
+    } else if (!quiet) {
+      io.out << render_bisect(report, {io.color});
+    }
+    return bisect_exit_status(report);
+  });
 }
 
 }  // namespace nanreplay

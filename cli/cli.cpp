@@ -3,7 +3,7 @@
 
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
-#include "loaders/error.h"
+#include "cli/launch.h"
 
 namespace nanreplay {
 
@@ -12,18 +12,10 @@ int run_cli(const std::vector<std::string>& args, CommandIo& io) {
   install_stop_handlers();
   try {
     return dispatch_command(args, io);
-  } catch (const Interrupted& stop) {
-    io.err << "nanreplay: " << stop.what() << "\n";
-    return static_cast<int>(ExitStatus::kInterrupted);
-  } catch (const InputError& e) {
-    io.err << "nanreplay: error: " << e.what() << "\n";
-    return static_cast<int>(ExitStatus::kBadInput);
-  } catch (const UsageError& e) {
-    io.err << "nanreplay: error: " << e.what() << "\n";
-    return static_cast<int>(ExitStatus::kBadInput);
-  } catch (const std::exception& e) {
-    io.err << "nanreplay: internal error: " << e.what() << "\n";
-    return static_cast<int>(ExitStatus::kInternal);
+  } catch (...) {
+    const CommandFailure failure = describe_failure(std::current_exception());
+    io.err << "nanreplay: " << failure.line << "\n";
+    return failure.exit_status;
   }
 }
 

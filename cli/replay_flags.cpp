@@ -54,6 +54,7 @@ void add_replay_flags(cxxopts::Options& options, const char* json_help, bool cro
       ("h,help", "show this help")
       ("what-if", "replay the first non-finite step with one change (repeatable; see below)",
        cxxopts::value<std::string>(), "SPEC");
+  add_launch_flags(options);
 }
 
 ReplayFlags parse_replay_flags(const cxxopts::ParseResult& args, bool probes) {
@@ -76,6 +77,12 @@ ReplayFlags parse_replay_flags(const cxxopts::ParseResult& args, bool probes) {
   if (args.count("scratch")) incident.scratch = args["scratch"].as<std::string>();
   flags.json = args.count("json") > 0;
   flags.quiet = args.count("quiet") > 0;
+  flags.launch = parse_launch_flags(args);
+  if (args.count("split")) {
+    const std::string split = args["split"].as<std::string>();
+    if (split != "layers" && split != "ranks") throw UsageError("--split " + split + ": layers or ranks");
+    incident.split = split == "layers" ? ProcessSplit::kLayers : ProcessSplit::kRanks;
+  }
   return flags;
 }
 

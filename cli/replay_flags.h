@@ -7,6 +7,7 @@
 
 #include <cxxopts.hpp>
 
+#include "cli/launch.h"
 #include "replay/incident.h"
 
 namespace nanreplay {
@@ -17,6 +18,7 @@ struct ReplayFlags {
   IncidentSettings incident;
   bool json = false;
   bool quiet = false;
+  LaunchFlags launch;  // --nproc and the rest: across processes (cli/launch.h)
 };
 
 // `json_help`: what --json prints; `cross_check`: declare --cross-check (run).

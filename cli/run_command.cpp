@@ -11,6 +11,7 @@
 
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
+#include "cli/launch.h"
 #include "cli/progress_line.h"
 #include "cli/replay_flags.h"
 #include "loaders/error.h"
@@ -52,10 +53,14 @@ std::optional<std::set<int64_t>> parse_step_list(const std::string& text) {
 // this process with SIGSTOP when the replay first reports step N, so a test
 // can change a bundle file while it is mapped, at a known point, and SIGCONT
 // it. It writes nothing and has no effect unless set.
+// Across processes NANREPLAY_TEST_PAUSE_RANK=R pauses only rank R (RANK).
 void pause_for_test_at(const ReplayProgress& p) {
   static const char* const wanted = std::getenv("NANREPLAY_TEST_PAUSE_AT_STEP");
+  static const char* const wanted_rank = std::getenv("NANREPLAY_TEST_PAUSE_RANK");
+  static const char* const rank = std::getenv("RANK");
   static bool paused = false;
   if (wanted == nullptr || paused || std::to_string(p.step) != wanted) return;
+  if (wanted_rank != nullptr && (rank == nullptr || std::string(rank) != wanted_rank)) return;
   paused = true;
   std::raise(SIGSTOP);
 }
@@ -120,7 +125,7 @@ ReplayReport replay_and_write(const RunSettings& settings, CommandIo& io) {
     const PhaseTimer timer(loading, TimedPhase::kLoad);
     incident.emplace(settings.incident, IncidentUse::kReplay);
   }
-  if (incident->layer_streamed() && !settings.quiet) io.err << "nanreplay: " << incident->streaming_note() << "\n";
+  if (!incident->mode_note().empty() && !settings.quiet) io.err << "nanreplay: " << incident->mode_note() << "\n";
   const StopDeferral staged_output;  // destroyed after `outputs`: its cleanup runs first
   RunOutputs outputs(settings.out, incident->bundle().root(), settings.replace_existing);
   ReplayReport report = replay_showing_progress(*incident, settings.quiet, io, outputs);
@@ -130,6 +135,16 @@ ReplayReport replay_and_write(const RunSettings& settings, CommandIo& io) {
   announce_committed(settings.out);
   if (settings.timings) io.err << render_timings(report.timings);
   return report;
+}
+
+// A process of a replay split across processes other than rank 0: the same
+// replay, nothing written or printed (rank 0 does both), the same exit status.
+static int replay_without_outputs(const RunSettings& settings) {
+  const Incident incident(settings.incident, IncidentUse::kReplay);
+  IncidentHooks hooks;
+  hooks.stop_requested = stop_requested;
+  hooks.on_replay_progress = pause_for_test_at;
+  return exit_status_for(incident.replay(hooks));
 }
 
 int run_command(const CommandArgs& args, CommandIo& io) {
@@ -151,19 +166,27 @@ int run_command(const CommandArgs& args, CommandIo& io) {
   settings.incident = flags.incident;
   settings.incident.bundle = parsed["bundle"].as<std::string>();
   settings.incident.only_steps = steps;
-  // A streamed replay's scratch files go beside the results, on the disk the user chose for them.
-  if (!settings.incident.scratch) settings.incident.scratch = fs::absolute(settings.out).parent_path();
+  settings.incident.max_memory = process_memory_limit(settings.incident.max_memory);
   settings.quiet = flags.quiet;
   settings.timings = parsed.count("timings") > 0;
-  const ReplayReport report = replay_and_write(settings, io);
-  if (flags.json) {
-    io.out << report_to_json(report).dump(2) << "\n";
-  } else if (!flags.quiet) {
-    io.out << render_verdict(report, {io.color});
-    io.out << "\nwrote " << (settings.out / "report.json").string() << ", report.md, report.html and "
-           << (settings.out / "trace.h5").string() << "\n";
-  }
-  return exit_status_for(report);
+  return run_launched(flags.launch, args, static_cast<double>(settings.incident.max_memory->bytes), [&](bool rank_zero) {
+    if (!rank_zero) return replay_without_outputs(settings);
+    // A streamed replay's scratch files go beside the results, on the disk the user chose for them.
+    // (lexically_normal: "triage/" names triage, whose parent is wanted, not triage itself.)
+    if (!settings.incident.scratch) {
+      const fs::path out = fs::absolute(settings.out).lexically_normal();
+      settings.incident.scratch = (out.has_filename() ? out : out.parent_path()).parent_path();
+    }
+    const ReplayReport report = replay_and_write(settings, io);
+    if (flags.json) {
+      io.out << report_to_json(report).dump(2) << "\n";
+    } else if (!flags.quiet) {
+      io.out << render_verdict(report, {io.color});
+      io.out << "\nwrote " << (settings.out / "report.json").string() << ", report.md, report.html and "
+             << (settings.out / "trace.h5").string() << "\n";
+    }
+    return exit_status_for(report);
+  });
 }
 
 }  // namespace nanreplay

@@ -8,6 +8,7 @@
 #include "loaders/mapped_file.h"
 #include "nanreplay_version.h"
 #include "replay/bundle_structure.h"
+#include "replay/distributed.h"
 #include "replay/probe_retention.h"
 #include "replay/runtime.h"
 
@@ -65,10 +66,12 @@ Incident::Incident(const IncidentSettings& settings, IncidentUse use)
   const Manifest& m = bundle_.manifest();
   const MemoryEstimate in_memory = estimate_replay_memory(m, held, probes, bundle_.rolls_forward());
   const MemoryLimit limit = settings_.max_memory ? *settings_.max_memory : default_memory_limit();
-  if (choose_layer_streaming(in_memory, estimate_streamed_memory(m, held, probes, bundle_.rolls_forward()), limit,
-                             settings_.stream)) {
+  const MemoryEstimate streamed = estimate_streamed_memory(m, held, probes, bundle_.rolls_forward());
+  if (ProcessWorld* world = default_world()) {
+    share_across_processes(*world, in_memory, streamed, limit);
+  } else if (choose_layer_streaming(in_memory, streamed, limit, settings_.stream)) {
     scratch_parent_ = checked_scratch(settings_, bundle_.root());
-    streaming_note_ = "replaying layer by layer (" +
+    mode_note_ = "replaying layer by layer (" +
                       (settings_.stream ? std::string("--stream")
                                         : "in memory it needs an estimated " + format_bytes(in_memory.total()) +
                                               ", more than the limit of " +
@@ -77,6 +80,52 @@ Incident::Incident(const IncidentSettings& settings, IncidentUse use)
   }
   // Every structural fault `inspect` reports, before any work or output.
   validate_bundle_structure(bundle_);
+}
+
+// Across processes either each replays whole data-parallel ranks of the
+// bundle, in memory or streamed as one process would, or each computes its
+// own layers of every pass, with its gradients on scratch files; then it
+// keeps its blocks in memory between passes when its share of the
+// in-memory estimate fits its limit, else streams them (--stream: always).
+void Incident::share_across_processes(ProcessWorld& world, const MemoryEstimate& in_memory,
+                                      const MemoryEstimate& streamed, const MemoryLimit& limit) {
+  if (settings_.devices.size() > 1) {
+    throw UsageError("--device " + settings_.devices[0] + "," + settings_.devices[1] +
+                     ": a replay split across processes computes on one device in each");
+  }
+  const Manifest& m = bundle_.manifest();
+  const double room = static_cast<double>(limit.bytes);
+  const bool ranks = settings_.split ? *settings_.split == ProcessSplit::kRanks
+                                     : m.data.world_size >= 2 && in_memory.total() <= room;
+  const std::string processes = "replaying across " + std::to_string(world.size()) + " processes";
+  if (ranks) {
+    world.set_split(ProcessSplit::kRanks);
+    mode_note_ = processes + ", the bundle's " + std::to_string(m.data.world_size) +
+                      " data-parallel ranks spread over them (rank r on process r mod " +
+                      std::to_string(world.size()) + ")";
+    if (choose_layer_streaming(in_memory, streamed, limit, settings_.stream)) {
+      scratch_parent_ = checked_scratch(settings_, bundle_.root());
+      mode_note_ += "; each streams layer by layer, scratch files in " + scratch_parent_->string();
+    }
+    return;
+  }
+  world.set_split(ProcessSplit::kLayers);
+  const int layers = static_cast<int>(m.model.num_layers);
+  const std::vector<LayerRange> ranges = world.layer_ranges(layers);
+  const LayerRange& mine = ranges.at(static_cast<size_t>(world.rank()));
+  const double share = in_memory.total() * (mine.end - mine.first) / std::max(layers, 1);
+  world.set_keep_blocks(!settings_.stream && share <= room);
+  scratch_parent_ = checked_scratch(settings_, bundle_.root());
+  mode_note_ = processes + ", layers";
+  for (size_t p = 0; p < ranges.size(); ++p) {
+    const LayerRange& r = ranges[p];
+    mode_note_ += (p == 0 ? " " : ", ") +
+                       (r.first == r.end ? "none" : std::to_string(r.first) + "-" + std::to_string(r.end - 1)) +
+                       " on " + world.who(static_cast<int>(p));
+  }
+  mode_note_ += "; this process " + std::string(world.keep_blocks() ? "keeps its blocks in memory"
+                                                                        : "streams its blocks") +
+                     ", its gradients on scratch files in " + scratch_parent_->string();
 }
 
 std::function<bool()> Incident::poll(const IncidentHooks& hooks) const {

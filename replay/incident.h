@@ -16,11 +16,13 @@
 
 #include "loaders/bundle.h"
 #include "replay/bisect.h"
+#include "replay/distributed.h"
 #include "replay/memory_estimate.h"
 #include "replay/replay_engine.h"
 #include "replay/what_if.h"
 
 namespace nanreplay {
+
 
 struct IncidentSettings {
   std::filesystem::path bundle;
@@ -40,6 +42,10 @@ struct IncidentSettings {
   // Where a streamed replay's scratch directory goes (default: the system's
   // temporary directory; `run` passes the directory beside --out).
   std::optional<std::filesystem::path> scratch;
+  // Across processes (replay/distributed.h): split the layers or the
+  // bundle's data-parallel ranks; unset: the ranks when the bundle has
+  // several and the model fits each process's memory, else the layers.
+  std::optional<ProcessSplit> split;
 };
 
 // What the incident is opened for. A replay keeps every step's probe records
@@ -72,8 +78,9 @@ class Incident {
   size_t steps_to_replay() const { return steps_to_replay_; }
   // Whether the replay streams layer by layer (asked for, or the only mode that fits).
   bool layer_streamed() const { return scratch_parent_.has_value(); }
-  // What the terminal says about it: "replaying layer by layer (...)", or "" in memory.
-  const std::string& streaming_note() const { return streaming_note_; }
+  // What the terminal says about how it replays: "replaying layer by layer
+  // (...)", "replaying across N processes, ...", or "" (in memory, one process).
+  const std::string& mode_note() const { return mode_note_; }
 
   // `run`: every selected step with probes (replay_bundle), the what-ifs at
   // its first non-finite value, then the mapped-file check the checks after
@@ -85,12 +92,14 @@ class Incident {
 
  private:
   std::function<bool()> poll(const IncidentHooks& hooks) const;
+  void share_across_processes(ProcessWorld& world, const MemoryEstimate& in_memory, const MemoryEstimate& streamed,
+                              const MemoryLimit& limit);
 
   IncidentSettings settings_;
   Bundle bundle_;
   size_t steps_to_replay_ = 0;
   std::optional<std::filesystem::path> scratch_parent_;  // set: streamed
-  std::string streaming_note_;
+  std::string mode_note_;
 };
 
 }  // namespace nanreplay

@@ -19,6 +19,7 @@
 #include <torch/torch.h>
 
 #include "loaders/error.h"
+#include "replay/pass_wire.h"
 #include "probes/sites.h"
 
 namespace nanreplay {
@@ -39,6 +40,7 @@ StreamScratch::StreamScratch(const std::filesystem::path& parent) {
     throw scratch_error("cannot create a scratch directory here", parent);
   }
   dir = pattern;
+  exit_cleanup.emplace(dir);
 }
 
 ComputePlacement streamed_if(ComputePlacement placement, const std::optional<std::filesystem::path>& scratch_parent) {
@@ -112,6 +114,13 @@ StreamedModel::StreamedModel(ModelCheckpoint& checkpoint, const ModelConfig& mod
     (layer < 0 ? outer_ : blocks_.at(static_cast<size_t>(layer))).push_back(i);
     shapes_.push_back(specs.at(i).shape);
   }
+  world_ = default_world();
+  if (world_ && world_->split() != ProcessSplit::kLayers) world_ = nullptr;  // each process replays whole ranks
+  if (world_) {
+    ranges_ = world_->layer_ranges(static_cast<int>(model.num_layers));
+    keep_blocks_ = world_->keep_blocks();
+    for (const std::string& name : order_) slot_owner_.push_back(owner(layer_of_parameter(name)));
+  }
   begin_step();
 }
 
@@ -137,6 +146,74 @@ void StreamedModel::release(const std::vector<size_t>& slots) const {
   for (size_t slot : slots) checkpoint_.release(order_[slot]);
 }
 
+void StreamedModel::release_block(const std::vector<size_t>& slots) const {
+  if (!keep_blocks_) release(slots);
+}
+
+int StreamedModel::owner(int layer) const {
+  if (!world_ || layer < 0) return 0;
+  for (size_t p = 0; p < ranges_.size(); ++p) {
+    if (ranges_[p].holds(layer)) return static_cast<int>(p);
+  }
+  return 0;
+}
+
+torch::Tensor StreamedModel::arriving(const torch::Tensor& here, int from) const {
+  if (!world_ || from == world_->rank()) return here;
+  return world_->receive(from).to(device_);
+}
+
+void StreamedModel::leaving(const torch::Tensor& value, int to) const {
+  if (world_ && to != world_->rank()) world_->send(value, to);
+}
+
+RouterOutputs StreamedModel::gather_routers(const RouterOutputs& own, const ModelConfig& model) const {
+  if (!world_ || !model.moe) return own;
+  RouterOutputs all;
+  size_t next_own = 0;
+  for (int layer = 0; layer < static_cast<int>(model.num_layers); ++layer) {
+    const int from = owner(layer);
+    if (from == world_->rank()) {
+      all.logits.push_back(own.logits.at(next_own));
+      all.probs.push_back(own.probs.at(next_own));
+      all.expert_tokens.push_back(own.expert_tokens.at(next_own++));
+      continue;
+    }
+    all.logits.push_back(world_->receive(from).to(device_));
+    all.probs.push_back(world_->receive(from).to(device_));
+    all.expert_tokens.push_back(world_->receive(from).to(device_));
+  }
+  return all;
+}
+
+void StreamedModel::share_pass(ProbeSession& probes, ForwardResult& result) const {
+  WireWriter out;
+  write_harvest(out, probes.take_harvest());
+  if (world_->rank() == 0) {
+    write_tensor(out, result.loss);
+    write_tensor(out, result.sample_loss);
+  }
+  const std::vector<std::string> all = world_->all_gather(out.take());
+  for (size_t r = 0; r < all.size(); ++r) {
+    WireReader in(all[r]);
+    probes.absorb(read_harvest(in));
+    if (r != 0) continue;
+    torch::Tensor loss = read_tensor(in);
+    torch::Tensor sample_loss = read_tensor(in);
+    if (world_->rank() != 0) result = ForwardResult{loss, sample_loss};
+  }
+}
+
+void StreamedModel::share_rank_gradients() {
+  for (size_t slot = 0; slot < order_.size(); ++slot) {
+    const bool mine = slot_owner_[slot] == world_->rank();
+    torch::Tensor grad = mine && rank_grads_->holds(slot) ? rank_grads_->read(slot)
+                                                           : torch::zeros(shapes_[slot], torch::kFloat32);
+    world_->broadcast(grad, slot_owner_[slot]);
+    if (!mine || !rank_grads_->holds(slot)) rank_grads_->write(slot, grad);
+  }
+}
+
 // As AccumulateGrad across passes: the first pass's gradient, then old + new.
 void StreamedModel::accumulate(const std::vector<size_t>& slots, const ParamMap& leaves) {
   for (size_t slot : slots) {
@@ -148,82 +225,127 @@ void StreamedModel::accumulate(const std::vector<size_t>& slots, const ParamMap&
 
 void StreamedModel::clear_gradients() { rank_grads_->forget_all(); }
 
+// Across processes (distributed.h) the same pieces run where their layers
+// are: the residual stream goes to the next layer's process, the last
+// block's output back to rank 0 for the head, and the gradients the reverse
+// way; each value is the one a single process computes.
 ForwardResult StreamedModel::forward_backward(const ModelConfig& model, const Numerics& numerics, ProbeSession& probes,
                                               const torch::Tensor& inputs, const torch::Tensor& targets,
                                               double backward_scale, const std::function<void()>& before_backward,
                                               const BlockHook& on_block) {
   const int layers = static_cast<int>(model.num_layers);
+  const int me = world_ ? world_->rank() : 0;
+  const LayerRange mine = world_ ? ranges_.at(static_cast<size_t>(me)) : LayerRange{0, layers};
+  const bool outer_here = me == 0;  // the embeddings, the head and the loss
   ModelPass pass(model, numerics, probes);
   // The embeddings and the head stay for the whole pass: a tied head and the
   // embedding are one leaf, whose gradient sums both uses as autograd's would.
-  const ParamMap outer = load(outer_, /*leaves=*/true);
+  const ParamMap outer = outer_here ? load(outer_, /*leaves=*/true) : ParamMap{};
   std::vector<torch::Tensor> stream(static_cast<size_t>(layers) + 1);  // what enters each block, then the head
   ForwardResult result;
   RouterOutputs routers;
   {
     torch::NoGradGuard no_grad;  // the forward's values and statistics; its graph is built again per block
-    torch::Tensor x = pass.embed(outer, inputs);
-    for (int layer = 0; layer < layers; ++layer) {
-      if (on_block) on_block(layer, "forward");
-      stream[static_cast<size_t>(layer)] = x;
-      const std::vector<size_t>& slots = blocks_[static_cast<size_t>(layer)];
-      x = pass.block(load(slots, /*leaves=*/false), layer, x);
-      release(slots);
+    torch::Tensor x = outer_here ? pass.embed(outer, inputs) : torch::Tensor();
+    if (mine.first < mine.end) {
+      x = arriving(x, mine.first == 0 ? 0 : owner(mine.first - 1));
+      for (int layer = mine.first; layer < mine.end; ++layer) {
+        if (on_block) on_block(layer, "forward");
+        stream[static_cast<size_t>(layer)] = x;
+        const std::vector<size_t>& slots = blocks_[static_cast<size_t>(layer)];
+        x = pass.block(load(slots, /*leaves=*/false), layer, x);
+        release_block(slots);
+      }
+      leaving(x, mine.end == layers ? 0 : owner(mine.end));
     }
-    stream.back() = x;
-    routers = pass.router();
-    result = pass.head(outer, x, targets);
+    if (outer_here) {
+      stream.back() = x = arriving(x, owner(layers - 1));
+      routers = pass.router() = gather_routers(pass.router(), model);  // the router losses read every layer's
+      result = pass.head(outer, x, targets);
+    } else if (model.moe) {
+      for (size_t i = 0; i < pass.router().logits.size(); ++i) {
+        world_->send(pass.router().logits[i], 0);
+        world_->send(pass.router().probs[i], 0);
+        world_->send(pass.router().expert_tokens[i], 0);
+      }
+    }
   }
   if (before_backward) before_backward();
 
-  // The head again, from the last block's output and the routers' outputs as leaves.
-  probes.begin_recompute();
-  const torch::Tensor head_input = stream.back().detach().requires_grad_(true);
-  RouterOutputs& head_routers = pass.router();
-  head_routers.expert_tokens = routers.expert_tokens;
-  head_routers.logits.clear();
-  head_routers.probs.clear();
-  for (const torch::Tensor& t : routers.logits) head_routers.logits.push_back(t.detach().requires_grad_(true));
-  for (const torch::Tensor& t : routers.probs) head_routers.probs.push_back(t.detach().requires_grad_(true));
-  const RouterOutputs router_leaves = head_routers;
-  (pass.head(outer, head_input, targets).loss * backward_scale).backward();
-  torch::Tensor grad = head_input.grad();
-
-  for (int layer = layers - 1; layer >= 0; --layer) {
-    if (on_block) on_block(layer, "backward");
-    const std::vector<size_t>& slots = blocks_[static_cast<size_t>(layer)];
-    const ParamMap params = load(slots, /*leaves=*/true);
+  torch::Tensor grad;  // the gradient leaving the block being computed
+  std::vector<torch::Tensor> router_logit_grads(static_cast<size_t>(layers));
+  std::vector<torch::Tensor> router_prob_grads(static_cast<size_t>(layers));
+  if (outer_here) {
+    // The head again, from the last block's output and the routers' outputs as leaves.
     probes.begin_recompute();
-    pass.router() = RouterOutputs{};
-    const torch::Tensor input = stream[static_cast<size_t>(layer)].detach().requires_grad_(true);
-    std::vector<torch::Tensor> roots{pass.block(params, layer, input)};
-    std::vector<torch::Tensor> grads{grad};
-    if (model.moe) {  // the router losses' gradients enter at the block's router outputs
-      const size_t l = static_cast<size_t>(layer);
-      for (const auto& [leaf, again] : {std::pair(router_leaves.logits[l], pass.router().logits.at(0)),
-                                        std::pair(router_leaves.probs[l], pass.router().probs.at(0))}) {
-        if (!leaf.grad().defined()) continue;
-        roots.push_back(again);
-        grads.push_back(leaf.grad());
-      }
+    const torch::Tensor head_input = stream.back().detach().requires_grad_(true);
+    RouterOutputs& head_routers = pass.router();
+    head_routers.expert_tokens = routers.expert_tokens;
+    head_routers.logits.clear();
+    head_routers.probs.clear();
+    for (const torch::Tensor& t : routers.logits) head_routers.logits.push_back(t.detach().requires_grad_(true));
+    for (const torch::Tensor& t : routers.probs) head_routers.probs.push_back(t.detach().requires_grad_(true));
+    const RouterOutputs router_leaves = head_routers;
+    (pass.head(outer, head_input, targets).loss * backward_scale).backward();
+    grad = head_input.grad();
+    for (size_t l = 0; l < router_leaves.logits.size(); ++l) {
+      router_logit_grads[l] = router_leaves.logits[l].grad();
+      router_prob_grads[l] = router_leaves.probs[l].grad();
     }
-    torch::autograd::backward(roots, grads);
-    grad = input.grad();
-    stream[static_cast<size_t>(layer)] = torch::Tensor();
-    accumulate(slots, params);
-    release(slots);
+    leaving(grad, owner(layers - 1));
+    for (int layer = layers - 1; world_ && model.moe && layer >= 0; --layer) {  // in the order the owners need them
+      if (owner(layer) == 0) continue;
+      world_->send(router_logit_grads[static_cast<size_t>(layer)], owner(layer));
+      world_->send(router_prob_grads[static_cast<size_t>(layer)], owner(layer));
+    }
   }
 
-  // The embeddings again, from the gradient entering the first block.
-  probes.begin_recompute();
-  torch::autograd::backward({pass.embed(outer, inputs)}, {grad});
-  accumulate(outer_, outer);
-  release(outer_);
-  result.loss = result.loss.detach();
+  if (mine.first < mine.end) {
+    grad = arriving(grad, mine.end == layers ? 0 : owner(mine.end));
+    for (int layer = mine.end - 1; layer >= mine.first; --layer) {
+      if (on_block) on_block(layer, "backward");
+      const size_t l = static_cast<size_t>(layer);
+      if (model.moe && !outer_here) {
+        router_logit_grads[l] = world_->receive(0);
+        router_prob_grads[l] = world_->receive(0);
+      }
+      const std::vector<size_t>& slots = blocks_[l];
+      const ParamMap params = load(slots, /*leaves=*/true);
+      probes.begin_recompute();
+      pass.router() = RouterOutputs{};
+      const torch::Tensor input = stream[l].detach().requires_grad_(true);
+      std::vector<torch::Tensor> roots{pass.block(params, layer, input)};
+      std::vector<torch::Tensor> grads{grad};
+      if (model.moe) {  // the router losses' gradients enter at the block's router outputs
+        for (const auto& [leaf_grad, again] : {std::pair(router_logit_grads[l], pass.router().logits.at(0)),
+                                               std::pair(router_prob_grads[l], pass.router().probs.at(0))}) {
+          if (!leaf_grad.defined()) continue;
+          roots.push_back(again);
+          grads.push_back(leaf_grad.to(again.device()));
+        }
+      }
+      torch::autograd::backward(roots, grads);
+      grad = input.grad();
+      stream[l] = torch::Tensor();
+      accumulate(slots, params);
+      release_block(slots);
+    }
+    leaving(grad, mine.first == 0 ? 0 : owner(mine.first - 1));
+  }
+
+  if (outer_here) {  // the embeddings again, from the gradient entering the first block
+    probes.begin_recompute();
+    torch::autograd::backward({pass.embed(outer, inputs)}, {grad});
+    accumulate(outer_, outer);
+    release(outer_);
+    result.loss = result.loss.detach();
+  }
+  if (world_) share_pass(probes, result);
   return result;
 }
 
 torch::Tensor StreamedModel::add_rank_gradients(double inv_scale, int64_t world_size) {
+  if (world_) share_rank_gradients();
   // One rank: the step's gradients are the rank's, unscaled in their own slots.
   if (world_size == 1) {
     step_grads_ = rank_grads_;

@@ -19,7 +19,9 @@
 
 #include <torch/types.h>
 
+#include "loaders/exit_cleanup.h"
 #include "replay/checkpoint.h"
+#include "replay/distributed.h"
 #include "replay/model.h"
 
 namespace nanreplay {
@@ -33,6 +35,7 @@ struct StreamScratch {
   StreamScratch(const StreamScratch&) = delete;
   StreamScratch& operator=(const StreamScratch&) = delete;
   std::filesystem::path dir;
+  std::optional<ExitCleanup> exit_cleanup;  // removed too on an exit without unwinding
 };
 
 // fp32 tensors of fixed shapes in one scratch file, a slot each, read and
@@ -121,7 +124,15 @@ class StreamedModel {
  private:
   ParamMap load(const std::vector<size_t>& slots, bool leaves) const;
   void release(const std::vector<size_t>& slots) const;
+  void release_block(const std::vector<size_t>& slots) const;  // unless this process keeps its blocks
   void accumulate(const std::vector<size_t>& slots, const ParamMap& leaves);
+  // Across processes (null world_: all of it here, nothing sent).
+  int owner(int layer) const;  // the process computing `layer`
+  torch::Tensor arriving(const torch::Tensor& here, int from) const;  // `here`, or what `from` sends
+  void leaving(const torch::Tensor& value, int to) const;              // sent unless `to` is this process
+  RouterOutputs gather_routers(const RouterOutputs& own, const ModelConfig& model) const;
+  void share_pass(ProbeSession& probes, ForwardResult& result) const;  // every process's probes, rank 0's loss
+  void share_rank_gradients();                                         // each from its owner to every process
 
   ModelCheckpoint& checkpoint_;
   torch::Device device_;
@@ -132,6 +143,10 @@ class StreamedModel {
   std::vector<std::vector<size_t>> blocks_;  // each block's parameters
   std::shared_ptr<ScratchTensors> rank_grads_;  // this rank's, accumulated over its micro-batches
   std::shared_ptr<ScratchTensors> step_grads_;  // the step's: the ranks' reduced (the rank's own with one rank)
+  ProcessWorld* world_ = nullptr;               // set: the layers split across processes
+  std::vector<LayerRange> ranges_;              // each process's layers
+  std::vector<int> slot_owner_;                 // each parameter's process
+  bool keep_blocks_ = false;
 };
 
 }  // namespace nanreplay

@@ -511,4 +511,29 @@ std::vector<ProbeRecord> ProbeSession::take_records() {
   return all;
 }
 
+ProbeHarvest ProbeSession::take_harvest() {
+  State& s = *state_;
+  s.resolve();
+  ProbeHarvest harvest{std::move(s.forward), std::move(s.backward), std::move(s.aliases), std::move(s.norm_checks)};
+  s.forward.clear();
+  s.backward.clear();
+  s.aliases.clear();
+  s.norm_checks.clear();
+  return harvest;
+}
+
+void ProbeSession::absorb(ProbeHarvest harvest) {
+  State& s = *state_;
+  auto append = [](auto& into, auto& from) {
+    into.insert(into.end(), std::make_move_iterator(from.begin()), std::make_move_iterator(from.end()));
+  };
+  append(s.forward, harvest.forward);
+  append(s.backward, harvest.backward);
+  append(s.aliases, harvest.aliases);
+  append(s.norm_checks, harvest.norm_checks);
+  // One process notes its norms in forward order; several, each in its own.
+  std::stable_sort(s.norm_checks.begin(), s.norm_checks.end(),
+                   [&s](const NormCheck& a, const NormCheck& b) { return s.order(a.site) < s.order(b.site); });
+}
+
 }  // namespace nanreplay

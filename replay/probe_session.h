@@ -62,6 +62,16 @@ struct ProbeScope {
   std::optional<int> layer;
 };
 
+// One process's probes of a pass split across processes
+// (replay/distributed.h), before take_records resolves the aliases: a block's
+// `input` aliases the block before it, which another process may have run.
+struct ProbeHarvest {
+  std::vector<ProbeRecord> forward;
+  std::vector<ProbeRecord> backward;
+  std::vector<std::pair<SiteRef, SiteRef>> aliases;
+  std::vector<NormCheck> norm_checks;
+};
+
 class ProbeSession {
  public:
   // `enabled` false: no statistics, no hooks (the fast path for training and
@@ -106,6 +116,12 @@ class ProbeSession {
   // forward order; call after backward has run.
   std::vector<ProbeRecord> take_records();
   std::vector<NormCheck> take_norm_checks();
+
+  // A replay split across processes: each takes its own probes out, then
+  // absorbs every process's (its own included), after which take_records
+  // and take_norm_checks give what one process would have recorded.
+  ProbeHarvest take_harvest();
+  void absorb(ProbeHarvest harvest);
 
  private:
   torch::Tensor produce(const SiteRef& ref, const torch::Tensor& value, std::shared_ptr<const ExpertRouting> routing);

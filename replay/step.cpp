@@ -103,10 +103,10 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
   std::vector<torch::Tensor> rank_norms;
   int settled_at = accum;  // the earliest micro-batch whose flags settle that the step is bad
   const std::optional<PassRef>& only = request.only_pass;
-  model.begin_step();
+  model.begin_step(/*whole_step=*/!only && !settle_early);
   for (int rank = 0; rank < world; ++rank) {
     if (only && rank != only->rank) continue;
-    model.begin_rank();
+    model.begin_rank(rank);
     bool rank_complete = !only;  // one pass has no step gradients
     for (int micro = 0; micro < accum; ++micro) {
       if (only && micro != only->micro_batch) continue;

@@ -3,7 +3,9 @@
 
 #include <torch/torch.h>
 
+#include "replay/distributed.h"
 #include "replay/gradients.h"
+#include "replay/rank_spread.h"
 
 namespace nanreplay {
 
@@ -25,8 +27,8 @@ class InMemoryModel final : public StepModel {
     forward.loss = forward.loss.detach();
     return forward;
   }
-  void begin_step() override { step_grads_.clear(); }
-  void begin_rank() override { clear_gradients(params_, order_); }
+  void begin_step(bool) override { step_grads_.clear(); }
+  void begin_rank(int) override { clear_gradients(params_, order_); }
   torch::Tensor end_rank(double inv_scale, int64_t world_size) override {
     return total_grad_norm_tensor(add_rank_gradients(params_, order_, inv_scale, world_size, step_grads_));
   }
@@ -57,8 +59,8 @@ class LayerStreamedModel final : public StepModel {
     return streamed_.forward_backward(model, numerics, probes, inputs, targets, backward_scale, before_backward,
                                       on_block);
   }
-  void begin_step() override { streamed_.begin_step(); }
-  void begin_rank() override { streamed_.clear_gradients(); }
+  void begin_step(bool) override { streamed_.begin_step(); }
+  void begin_rank(int) override { streamed_.clear_gradients(); }
   torch::Tensor end_rank(double inv_scale, int64_t world_size) override {
     return streamed_.add_rank_gradients(inv_scale, world_size);
   }
@@ -78,9 +80,18 @@ std::unique_ptr<StepModel> in_memory_model(ParamMap& params, const std::vector<s
 
 std::unique_ptr<StepModel> checkpoint_model(ModelCheckpoint& checkpoint, const ModelConfig& model,
                                             const ComputePlacement& placement) {
-  if (placement.stream) return std::make_unique<LayerStreamedModel>(checkpoint, model, placement);
-  checkpoint.place(placement, static_cast<int>(model.num_layers));
-  return std::make_unique<InMemoryModel>(checkpoint.compute_params(), checkpoint.order());
+  std::unique_ptr<StepModel> step_model;
+  if (placement.stream) {
+    step_model = std::make_unique<LayerStreamedModel>(checkpoint, model, placement);
+  } else {
+    checkpoint.place(placement, static_cast<int>(model.num_layers));
+    step_model = std::make_unique<InMemoryModel>(checkpoint.compute_params(), checkpoint.order());
+  }
+  ProcessWorld* world = default_world();
+  if (world == nullptr || world->split() != ProcessSplit::kRanks) return step_model;
+  std::vector<std::vector<int64_t>> shapes;
+  for (const ParamSpec& spec : expected_parameters(model)) shapes.push_back(spec.shape);
+  return spread_ranks(std::move(step_model), *world, std::move(shapes), placement.stream);
 }
 
 }  // namespace nanreplay

@@ -28,10 +28,12 @@ class StepModel {
                                          const torch::Tensor& inputs, const torch::Tensor& targets,
                                          double backward_scale, const std::function<void()>& before_backward,
                                          const StreamedModel::BlockHook& on_block = {}) = 0;
-  // Before a step (or a lone pass): no step gradient yet.
-  virtual void begin_step() = 0;
-  // Before a rank's first micro-batch: no gradient accumulated.
-  virtual void begin_rank() = 0;
+  // Before a step (or a lone pass): no step gradient yet. `whole_step`:
+  // every rank's every micro-batch follows (what lets a replay across
+  // processes spread the ranks, replay/rank_spread.h).
+  virtual void begin_step(bool whole_step) = 0;
+  // Before rank `rank`'s first micro-batch: no gradient accumulated.
+  virtual void begin_rank(int rank) = 0;
   // DDP's reduction of the rank's gradients into the step's (replay/gradients.h);
   // returns the rank's gradient norm as a 0-dim tensor.
   virtual torch::Tensor end_rank(double inv_scale, int64_t world_size) = 0;

@@ -159,8 +159,8 @@ FirstNonfinite locate_first(LoadedStep& step, const StepOverrides& overrides, co
   const PassInput input{{step.step(), flag.micro_batch, flag.rank, scan.first_pass_samples},
                         arithmetic.loss_scale / static_cast<double>(m.data.grad_accum_steps)};
   // Full statistics on the flagged block only; the rest of the pass computes as always.
-  step.model().begin_step();
-  step.model().begin_rank();
+  step.model().begin_step(/*whole_step=*/false);
+  step.model().begin_rank(input.context.rank);
   const PassOutput out = replay_pass(arithmetic.model, step.bundle().tokens(), m.data.seq_len, input, step.model(),
                                      arithmetic.numerics, {ProbeLevel::kFull, flag.layer});
   step.model().end_ranks();
@@ -183,8 +183,8 @@ bool pass_fails(LoadedStep& step, const std::vector<int64_t>& samples, const Pas
   const StepArithmetic arithmetic(m, step.state(), {}, step.native_low_precision());
   StepModel& model = step.model();
   if (before_pass) before_pass();
-  model.begin_step();
-  model.begin_rank();
+  model.begin_step(/*whole_step=*/false);
+  model.begin_rank(0);
   const PassInput input{{step.step(), 0, 0, samples},
                         arithmetic.loss_scale / static_cast<double>(m.data.grad_accum_steps)};
   const PassOutput out = replay_pass(arithmetic.model, step.bundle().tokens(), m.data.seq_len, input, model,

@@ -17,6 +17,7 @@
 
 #include "loaders/bundle_paths.h"
 #include "loaders/error.h"
+#include "loaders/exit_cleanup.h"
 
 namespace nanreplay {
 
@@ -159,6 +160,7 @@ OutputDir::OutputDir(const fs::path& dir, const fs::path& bundle_root, bool repl
     throw UsageError("--out " + dir.string() + " is a symlink to nothing");
   } else {
     created_ = create_missing_directories(root_, dir.string());
+    for (const fs::path& made : created_) exit_cleanups_.push_back(std::make_unique<ExitCleanup>(made, true));
   }
   // Staging under the directory lock: a run cleaning up stale staging must
   // not take ours for one between its creation and its lock.
@@ -191,6 +193,7 @@ OutputDir::OutputDir(const fs::path& dir, const fs::path& bundle_root, bool repl
     throw OutputError(dir.string(), "cannot write into the output directory: " + reason);
   }
   staging_ = pattern;
+  exit_cleanups_.push_back(std::make_unique<ExitCleanup>(staging_));
   DirectoryLock mine(staging_, false);
   staging_lock_ = mine.release();
 }
@@ -270,6 +273,7 @@ void OutputDir::commit() {
   fs::remove_all(staging_, ec);
   if (staging_lock_ >= 0) ::close(staging_lock_);
   staging_lock_ = -1;
+  exit_cleanups_.clear();
   done_ = true;
 }
 
@@ -280,6 +284,7 @@ void OutputDir::abandon() {
   staging_lock_ = -1;
   // rmdir only removes empty directories: another run's files stay.
   for (auto it = created_.rbegin(); it != created_.rend(); ++it) ::rmdir(it->c_str());
+  exit_cleanups_.clear();
   done_ = true;
 }
 

@@ -11,10 +11,13 @@
 #pragma once
 
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace nanreplay {
+
+class ExitCleanup;
 
 class OutputDir {
  public:
@@ -47,6 +50,8 @@ class OutputDir {
   std::filesystem::path root_;  // absolute, for every file operation
   std::vector<std::string> results_;
   std::vector<std::filesystem::path> created_;  // outermost first
+  // For an exit without unwinding: the directories made for --out (if still empty), then the staging one.
+  std::vector<std::unique_ptr<ExitCleanup>> exit_cleanups_;
   std::filesystem::path staging_;
   int staging_lock_ = -1;  // open descriptor holding the staging directory's flock
   bool done_ = false;

@@ -24,7 +24,7 @@ jobs="${NANREPLAY_JOBS:-2}"
 # (docs/performance.md, bench/bench_blas.sh); the pthread one stays the system's default.
 packages=(
   g++ cmake ninja-build pkg-config
-  libtorch-dev libopenblas0-pthread libopenblas0-openmp
+  libtorch-dev libgloo-dev libopenblas0-pthread libopenblas0-openmp
   libhdf5-dev hdf5-tools
   libcxxopts-dev nlohmann-json3-dev catch2 libssl-dev
   python3-torch python3-h5py python3-numpy

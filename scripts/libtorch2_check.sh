@@ -25,7 +25,7 @@ command -v debootstrap > /dev/null || apt-get install -y -q debootstrap > /dev/n
 
 # Everything the build and tests need; as scripts/bootstrap.sh, less Catch2 v3,
 # the fuzzers' clang and the HTML check's chromium (skipped without it).
-packages=(g++ cmake ninja-build pkg-config libtorch-dev libopenblas0-pthread libopenblas0-openmp libhdf5-dev hdf5-tools
+packages=(g++ cmake ninja-build pkg-config libtorch-dev libgloo-dev libopenblas0-pthread libopenblas0-openmp libhdf5-dev hdf5-tools
   libcxxopts-dev nlohmann-json3-dev libssl-dev python3-torch python3-h5py python3-numpy util-linux git)
 
 mkdir -p "$work"

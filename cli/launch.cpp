@@ -1,0 +1,284 @@
+// Launching a replay across processes; see launch.h.
+#include "cli/launch.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "cli/cli_support.h"
+#include "loaders/error.h"
+#include "replay/distributed.h"
+
+extern char** environ;
+
+namespace nanreplay {
+
+namespace {
+
+constexpr const char* kWorkerVariable = "NANREPLAY_WORKER";  // set by the launcher: a worker never launches again
+
+std::optional<std::string> env(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? std::optional<std::string>(value) : std::nullopt;
+}
+
+int env_int(const char* name, int fallback) {
+  const std::optional<std::string> text = env(name);
+  if (!text) return fallback;
+  try {
+    size_t used = 0;
+    const int value = std::stoi(*text, &used);
+    if (used == text->size()) return value;
+  } catch (const std::exception&) {
+  }
+  throw UsageError(std::string(name) + "=" + *text + ": not a whole number");
+}
+
+// A port nothing listens on now (as torchrun's --standalone picks one).
+int free_local_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error("cannot find a free local port for the processes to meet on");
+  }
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+struct Worker {
+  pid_t pid = -1;
+  int rank = 0;
+  bool running = true;
+};
+
+std::string describe_wait_status(int status) {
+  if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
+  return "exit status " + std::to_string(WEXITSTATUS(status));
+}
+
+// Starts the local workers and waits for them. A stop request here is passed
+// on to them; after the first failure the rest get a few seconds to end by
+// themselves (they are told through the rendezvous), then SIGTERM (5 s after
+// the failure), then SIGKILL (10 s after it).
+int launch_local(const LaunchFlags& flags, const CommandArgs& args) {
+  const int world = flags.nproc * flags.nnodes;
+  const std::string addr = flags.master_addr.value_or(env("MASTER_ADDR").value_or("127.0.0.1"));
+  const int port = flags.master_port ? *flags.master_port
+                                     : env("MASTER_PORT") ? env_int("MASTER_PORT", 29500)
+                                                          : flags.nnodes == 1 ? free_local_port() : 29500;
+  std::vector<std::string> argv_text{"nanreplay"};
+  argv_text.insert(argv_text.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (std::string& a : argv_text) argv.push_back(a.data());
+  argv.push_back(nullptr);
+
+  const StopDeferral polled;  // a stop is passed on to the workers, not acted on here
+  std::vector<Worker> workers;
+  for (int local = 0; local < flags.nproc; ++local) {
+    const int rank = flags.node_rank * flags.nproc + local;
+    std::vector<std::string> env_text;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string entry = *e;
+      const std::string name = entry.substr(0, entry.find('='));
+      if (name == "RANK" || name == "WORLD_SIZE" || name == "LOCAL_RANK" || name == "LOCAL_WORLD_SIZE" ||
+          name == "MASTER_ADDR" || name == "MASTER_PORT" || name == kWorkerVariable) {
+        continue;
+      }
+      env_text.push_back(entry);
+    }
+    for (const auto& [name, value] :
+         {std::pair<std::string, std::string>{"RANK", std::to_string(rank)}, {"WORLD_SIZE", std::to_string(world)},
+          {"LOCAL_RANK", std::to_string(local)}, {"LOCAL_WORLD_SIZE", std::to_string(flags.nproc)},
+          {"MASTER_ADDR", addr}, {"MASTER_PORT", std::to_string(port)}, {kWorkerVariable, "1"}}) {
+      env_text.push_back(name + "=" + value);
+    }
+    std::vector<char*> envp;
+    for (std::string& e : env_text) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    pid_t pid = -1;
+    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data()) != 0) {
+      for (const Worker& w : workers) ::kill(w.pid, SIGKILL);
+      throw std::runtime_error("cannot start worker process " + std::to_string(rank));
+    }
+    workers.push_back({pid, rank, true});
+  }
+
+  std::optional<int> first_failure;
+  int rank_zero_status = 0;
+  bool stop_passed_on = false;
+  auto failed_at = std::chrono::steady_clock::time_point::max();
+  int escalation = 0;  // 1: SIGTERM sent, 2: SIGKILL sent
+  for (int running = flags.nproc; running > 0;) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      for (Worker& w : workers) {
+        if (w.pid != pid || !w.running) continue;
+        w.running = false;
+        --running;
+        const int code = WIFEXITED(status) ? WEXITSTATUS(status) : static_cast<int>(ExitStatus::kInternal);
+        if (WIFSIGNALED(status) && escalation == 0) {
+          std::cerr << "nanreplay: error: rank " << w.rank << " died (" << describe_wait_status(status) << ")"
+                    << std::endl;
+        }
+        const bool failed = code != static_cast<int>(ExitStatus::kClean) && code != static_cast<int>(ExitStatus::kFound);
+        if (failed && !first_failure) {
+          first_failure = code;
+          failed_at = std::chrono::steady_clock::now();
+        }
+        if (w.rank == flags.node_rank * flags.nproc) rank_zero_status = code;
+      }
+      continue;
+    }
+    if (stop_requested() && !stop_passed_on) {
+      stop_passed_on = true;
+      for (const Worker& w : workers) {
+        if (w.running) ::kill(w.pid, SIGINT);
+      }
+    }
+    const auto waited = std::chrono::steady_clock::now() - failed_at;
+    if (first_failure && escalation < 2 && waited > std::chrono::seconds(escalation == 0 ? 5 : 10)) {
+      for (const Worker& w : workers) {
+        if (!w.running) continue;
+        ::kill(w.pid, escalation == 0 ? SIGTERM : SIGKILL);
+        if (escalation == 0) ::kill(w.pid, SIGCONT);  // a stopped worker, to take its SIGTERM and clean up
+      }
+      ++escalation;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (stop_passed_on) return static_cast<int>(ExitStatus::kInterrupted);
+  return first_failure.value_or(rank_zero_status);
+}
+
+// One process of the launch: meets the others, runs `body`, and on the way
+// out either waits for the others (all went well) or tells them it failed.
+int run_as_worker(const WorldSpec& spec, const std::function<int(bool)>& body) {
+  // Until every process has arrived a stop ends this one at once; from then on the watcher tells them all.
+  set_default_world(std::make_shared<ProcessWorld>(spec));
+  const StopDeferral polled;
+  default_world()->watch(stop_requested);
+  int status = 0;
+  try {
+    status = body(spec.rank == 0);
+  } catch (...) {
+    const CommandFailure failure = describe_failure(std::current_exception());
+    const std::string who = default_world()->who(spec.rank);
+    const bool interrupted = failure.exit_status == static_cast<int>(ExitStatus::kInterrupted);
+    const std::string what = failure.line.rfind("error: ", 0) == 0 ? failure.line.substr(7) : failure.line;
+    const bool names_itself = what.rfind(who, 0) == 0;  // a PeerError already says whose it is
+    default_world()->announce_end(failure.exit_status, interrupted ? who : names_itself ? what : who + ": " + what);
+    throw;
+  }
+  default_world()->finish();  // every process done: a peer that failed writing its outputs is PeerError here
+  set_default_world(nullptr);
+  return status;
+}
+
+}  // namespace
+
+void add_launch_flags(cxxopts::Options& options) {
+  options.add_options("distributed")
+      ("nproc", "split the replay across N processes on this host (as torchrun --nproc-per-node)",
+       cxxopts::value<int>()->default_value("1"), "N")
+      ("nnodes", "hosts taking part; each runs the same command with its --node-rank",
+       cxxopts::value<int>()->default_value("1"), "M")
+      ("node-rank", "this host's place among them, 0 to M-1", cxxopts::value<int>()->default_value("0"), "R")
+      ("master-addr", "the host rank 0 runs on (default $MASTER_ADDR, else 127.0.0.1)",
+       cxxopts::value<std::string>(), "HOST")
+      ("master-port", "the port the processes meet on (default $MASTER_PORT; one host: a free port, "
+                      "several: 29500)", cxxopts::value<int>(), "PORT")
+      ("dist-timeout", "seconds to wait for a peer before giving up on it (default 1800, as PyTorch)",
+       cxxopts::value<double>()->default_value("1800"), "SECONDS")
+      ("split", "what the processes share out: layers (each computes a range of every pass) or ranks (each "
+                "replays some of the bundle's data-parallel ranks); default: ranks when the bundle has several "
+                "and the model fits each process's memory, else layers", cxxopts::value<std::string>(), "WHAT");
+}
+
+LaunchFlags parse_launch_flags(const cxxopts::ParseResult& args) {
+  LaunchFlags flags;
+  flags.nproc = args["nproc"].as<int>();
+  flags.nnodes = args["nnodes"].as<int>();
+  flags.node_rank = args["node-rank"].as<int>();
+  if (args.count("master-addr")) flags.master_addr = args["master-addr"].as<std::string>();
+  if (args.count("master-port")) flags.master_port = args["master-port"].as<int>();
+  flags.timeout_seconds = args["dist-timeout"].as<double>();
+  if (flags.nproc < 1 || flags.nproc > 64) throw UsageError("--nproc " + std::to_string(flags.nproc) + ": from 1 to 64");
+  if (flags.nnodes < 1) throw UsageError("--nnodes " + std::to_string(flags.nnodes) + ": at least 1");
+  if (flags.node_rank < 0 || flags.node_rank >= flags.nnodes) {
+    throw UsageError("--node-rank " + std::to_string(flags.node_rank) + ": from 0 to --nnodes - 1");
+  }
+  if (flags.master_port && (*flags.master_port < 1 || *flags.master_port > 65535)) {
+    throw UsageError("--master-port " + std::to_string(*flags.master_port) + ": not a port");
+  }
+  if (!(flags.timeout_seconds > 0)) throw UsageError("--dist-timeout: a positive number of seconds");
+  return flags;
+}
+
+int run_launched(const LaunchFlags& flags, const CommandArgs& args, double memory_bytes,
+                 const std::function<int(bool)>& body) {
+  const bool worker = env(kWorkerVariable).has_value();
+  if (!worker && flags.nproc * flags.nnodes > 1) return launch_local(flags, args);
+  const int world_size = env_int("WORLD_SIZE", 1);
+  if (world_size <= 1) return body(true);
+  WorldSpec spec;
+  spec.rank = env_int("RANK", -1);
+  spec.world_size = world_size;
+  if (spec.rank < 0 || spec.rank >= world_size) {
+    throw UsageError("RANK=" + env("RANK").value_or("") + ": WORLD_SIZE=" + std::to_string(world_size) +
+                     " needs a RANK from 0 to " + std::to_string(world_size - 1));
+  }
+  spec.master_addr = flags.master_addr.value_or(env("MASTER_ADDR").value_or("127.0.0.1"));
+  spec.master_port = flags.master_port.value_or(env_int("MASTER_PORT", 29500));
+  // Under torchrun (torchelastic) its agent already serves the store on MASTER_PORT.
+  spec.serve_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") != "True";
+  spec.timeout_seconds = flags.timeout_seconds;
+  spec.memory_bytes = memory_bytes;
+  return run_as_worker(spec, body);
+}
+
+MemoryLimit process_memory_limit(const std::optional<MemoryLimit>& given) {
+  if (given) return *given;
+  MemoryLimit limit = default_memory_limit();
+  const int local = env(kWorkerVariable) || env("LOCAL_WORLD_SIZE") ? env_int("LOCAL_WORLD_SIZE", 1) : 1;
+  if (local > 1) {
+    limit.bytes /= static_cast<uint64_t>(local);
+    limit.source += ", shared by " + std::to_string(local) + " processes on this host";
+  }
+  return limit;
+}
+
+CommandFailure describe_failure(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const Interrupted& stop) {
+    return {static_cast<int>(ExitStatus::kInterrupted), stop.what()};
+  } catch (const InputError& e) {
+    return {static_cast<int>(ExitStatus::kBadInput), std::string("error: ") + e.what()};
+  } catch (const UsageError& e) {
+    return {static_cast<int>(ExitStatus::kBadInput), std::string("error: ") + e.what()};
+  } catch (const PeerError& e) {
+    const bool interrupted = e.exit_status() == static_cast<int>(ExitStatus::kInterrupted);
+    return {e.exit_status(), (interrupted ? "" : "error: ") + std::string(e.what())};
+  } catch (const std::exception& e) {
+    return {static_cast<int>(ExitStatus::kInternal), std::string("internal error: ") + e.what()};
+  }
+}
+
+}  // namespace nanreplay

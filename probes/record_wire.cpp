@@ -1,0 +1,79 @@
+// Probe records as bytes; see record_wire.h.
+#include "probes/record_wire.h"
+
+#include <cstring>
+#include <stdexcept>
+
+namespace nanreplay {
+
+void WireWriter::text(const std::string& value) {
+  pod<uint64_t>(value.size());
+  bytes_ += value;
+}
+
+void WireWriter::ints(const std::vector<int64_t>& values) {
+  pod<uint64_t>(values.size());
+  for (int64_t v : values) pod(v);
+}
+
+void WireWriter::record(const ProbeRecord& r) {
+  pod(r.step), pod(r.micro_batch), pod(r.rank), pod(r.phase), pod(r.order), pod(r.site);
+  text(r.param);
+  pod(r.layer), pod(r.head), pod(r.expert), pod(r.routed_tokens);
+  ints(r.shape);
+  pod(r.stats);
+  ints(r.first_index);
+  pod(r.sample), pod(r.position), pod(r.first_head), pod(r.first_expert), pod(r.headroom_bits);
+}
+
+void WireWriter::norm_check(const NormCheck& c) {
+  pod(c.step), pod(c.micro_batch), pod(c.rank), pod(c.site), pod(c.layer);
+  text(c.moment);
+  pod(c.eps), pod(c.min_moment), pod(c.rows_below_eps), pod(c.zero_denominator), pod(c.sample), pod(c.position);
+}
+
+void WireReader::take(void* out, size_t n) {
+  if (bytes_.size() - at_ < n) throw std::runtime_error("a peer's probe records ended early");
+  std::memcpy(out, bytes_.data() + at_, n);
+  at_ += n;
+}
+
+std::string WireReader::text() {
+  const auto n = pod<uint64_t>();
+  std::string out(n, '\0');
+  take(out.data(), n);
+  return out;
+}
+
+std::vector<int64_t> WireReader::ints() {
+  std::vector<int64_t> out(pod<uint64_t>());
+  for (int64_t& v : out) v = pod<int64_t>();
+  return out;
+}
+
+ProbeRecord WireReader::record() {
+  ProbeRecord r;
+  r.step = pod<int64_t>(), r.micro_batch = pod<int>(), r.rank = pod<int>(), r.phase = pod<Phase>();
+  r.order = pod<int>(), r.site = pod<SiteRef>();
+  r.param = text();
+  r.layer = pod<int>(), r.head = pod<int>(), r.expert = pod<int>(), r.routed_tokens = pod<int64_t>();
+  r.shape = ints();
+  r.stats = pod<TensorStats>();
+  r.first_index = ints();
+  r.sample = pod<int64_t>(), r.position = pod<int64_t>(), r.first_head = pod<int>(), r.first_expert = pod<int>();
+  r.headroom_bits = pod<double>();
+  return r;
+}
+
+NormCheck WireReader::norm_check() {
+  NormCheck c;
+  c.step = pod<int64_t>(), c.micro_batch = pod<int>(), c.rank = pod<int>(), c.site = pod<SiteRef>();
+  c.layer = pod<int>();
+  // The norm's moment names are string literals (replay/model.cpp): the two there are.
+  c.moment = text() == "variance" ? "variance" : "mean square";
+  c.eps = pod<double>(), c.min_moment = pod<double>(), c.rows_below_eps = pod<int64_t>();
+  c.zero_denominator = pod<bool>(), c.sample = pod<int64_t>(), c.position = pod<int64_t>();
+  return c;
+}
+
+}  // namespace nanreplay
