@@ -1,11 +1,14 @@
 """A replay split across two local processes against the same replay in one process, through the CLI.
 
 One clean bundle (scripts/make_llama_bundle.py, default hidden 512, 8 layers, seq 128, micro-batch 1,
-vocab 8192, 3 steps, fp32 storage and compute; made once in --work and reused) is replayed with
-`nanreplay run` in one process and with `nanreplay run --nproc 2` (the launcher starts two workers that
-split the layers and pass the activations forward and their gradients back through c10d Gloo over
-loopback), interleaved (the order alternating by repetition), each run a fresh child. Medians of --reps of
-the wall time of each mode and their ratio one / two. Peak RSS of the largest process of each mode: the
+4 data-parallel ranks, vocab 8192, 3 steps, fp32 storage and compute; made once in --work and reused) is
+replayed with `nanreplay run` in one process, with `--nproc 2 --split layers` (the two workers split the
+layers and pass the activations forward and their gradients back through c10d Gloo over loopback) and
+with `--nproc 2 --split ranks` (each worker replays two of the four data-parallel ranks whole, then they
+exchange probes and gradient shares), interleaved (the order rotating by repetition), each run a fresh
+child. The cores are shared alike: one process computes on all of them, each of N processes on 1/N of
+them (--threads), unless --threads says otherwise. Medians of --reps of the wall time of each mode and its
+ratio to one process. Peak RSS of the largest process of each mode: the
 rusage os.wait4 returns for the child, whose ru_maxrss on Linux is the largest of the child's own and of
 every descendant it has waited for (the launcher waits for its workers), so for --nproc 2 it is the
 largest of launcher, rank 0 and rank 1; each process's VmHWM in /proc/<pid>/status, polled every 50 ms
@@ -13,11 +16,13 @@ while it runs (both modes alike), breaks it down and cross-checks it. Every repo
 "timings" and "elapsed_seconds", must equal the first one-process report: the split promises bit-identical
 results; any difference exits 1.
 
-On a 2-core machine this measures what the split costs (the exchanges, and two processes sharing two
-cores), not a speed-up: the split is for models whose layers do not fit one machine's memory.
+On a 2-core machine the layer split shows what it costs (the exchanges, and two processes taking turns
+on two cores), not a speed-up: it is for models whose layers do not fit one machine's memory. The rank
+split divides the arithmetic; on one 2-core machine each process has one core, so its gain here is what
+a second host would give, less the exchange.
 
 Usage: /usr/bin/python3 bench/bench_distributed.py [--nanreplay build/nanreplay --work bench-work/distributed
-       --layers 8 --hidden 512 --seq 128 --vocab 8192 --steps 3 --nproc 2 --reps 3 --threads N]
+       --layers 8 --hidden 512 --seq 128 --vocab 8192 --world-size 4 --steps 3 --nproc 2 --reps 3 --threads N]
 """
 import argparse
 import json
@@ -35,11 +40,12 @@ IGNORED = ("timings", "elapsed_seconds")  # the only report fields allowed to di
 
 def bundle_for(a):
     """The bundle of this shape in --work, made on first use (the name holds every option that shapes it)."""
-    path = a.work / f"llama-h{a.hidden}-l{a.layers}-s{a.seq}-v{a.vocab}-n{a.steps}"
+    path = a.work / f"llama-h{a.hidden}-l{a.layers}-s{a.seq}-v{a.vocab}-w{a.world_size}-n{a.steps}"
     if not path.exists():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "make_llama_bundle.py"), str(path),
                         "--hidden", str(a.hidden), "--layers", str(a.layers), "--vocab", str(a.vocab),
                         "--seq-len", str(a.seq), "--micro-batch", "1", "--steps", str(a.steps),
+                        "--world-size", str(a.world_size),
                         "--storage", "fp32", "--compute", "fp32"],
                        check=True, stdout=subprocess.DEVNULL)
     for f in path.rglob("*.safetensors"):  # into the page cache, so the first timed run does not pay the disk
@@ -104,15 +110,19 @@ class TreeSampler(threading.Thread):
             self.done.wait(0.05)
 
 
-def replay(a, bundle, nproc):
+def threads_of(a, nproc):
+    """Each process's --threads: as given, else the cores shared evenly among the processes."""
+    return a.threads or max(1, (os.cpu_count() or 1) // nproc)
+
+
+def replay(a, bundle, nproc, split, threads=None):
     """One `nanreplay run` in a fresh child: (wall s, largest process's peak RSS bytes from wait4,
     {label: polled VmHWM bytes}, report.json, stderr text)."""
-    out = a.work / f"out-nproc{nproc}"
-    cmd = [str(a.nanreplay), "run", str(bundle), "--out", str(out), "-q"]
-    if a.threads:
-        cmd += ["--threads", str(a.threads)]
+    threads = threads or threads_of(a, nproc)
+    out = a.work / f"out-nproc{nproc}-{split}-t{threads}"
+    cmd = [str(a.nanreplay), "run", str(bundle), "--out", str(out), "-q", "--threads", str(threads)]
     if nproc > 1:
-        cmd += ["--nproc", str(nproc)]
+        cmd += ["--nproc", str(nproc), "--split", split]
     t0 = time.perf_counter()
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sampler = TreeSampler(child.pid)
@@ -160,11 +170,12 @@ def main():
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--world-size", type=int, default=4, help="the bundle's data-parallel ranks")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2, help="processes of the split mode")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0,
-                    help="nanreplay --threads, of every process (0: its default, all cores each)")
+                    help="nanreplay --threads of every process (0: the cores shared evenly among the processes)")
     a = ap.parse_args()
     a.work = a.work.absolute()
     a.work.mkdir(parents=True, exist_ok=True)
@@ -175,57 +186,70 @@ def main():
     # Untimed: loads the binary and LibTorch into the page cache, so the first timed run does not pay for it.
     subprocess.run([str(a.nanreplay), "inspect", str(bundle)], check=True, stdout=subprocess.DEVNULL)
 
-    modes = [1, a.nproc]
-    runs = {n: [] for n in modes}  # nproc -> [(wall, wait4 rss, polled, report, stderr)]
+    modes = [(1, "-"), (a.nproc, "layers"), (a.nproc, "ranks")]
+    runs = {m: [] for m in modes}  # (nproc, split) -> [(wall, wait4 rss, polled, report, stderr)]
     for rep in range(a.reps):
-        for n in (modes if rep % 2 == 0 else modes[::-1]):  # alternate who goes first
-            runs[n].append(replay(a, bundle, n))
+        for m in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # rotate who goes first
+            runs[m].append(replay(a, bundle, *m))
 
-    def med(n, i):
-        return statistics.median(r[i] for r in runs[n])
+    def med(m, i):
+        return statistics.median(r[i] for r in runs[m])
 
-    threads = a.threads or f"all cores ({os.cpu_count()}) in each process"
-    print(f"hidden {a.hidden}, {a.layers} layers, seq {a.seq}, vocab {a.vocab}, {a.steps} steps, fp32; "
-          f"--threads {threads}; median of {a.reps}, interleaved; {a.nanreplay}")
-    print(f"{'mode':<34} {'wall s':>8} {'(min-max)':>13} {'peak RSS MiB':>13}  polled VmHWM MiB, each process")
-    for n in modes:
-        walls = [r[0] for r in runs[n]]
+    def name(m):
+        return "one process" if m[0] == 1 else f"--nproc {m[0]} --split {m[1]}"
+
+    one = modes[0]
+    print(f"hidden {a.hidden}, {a.layers} layers, seq {a.seq}, vocab {a.vocab}, {a.world_size} data-parallel ranks, "
+          f"{a.steps} steps, fp32; --threads {threads_of(a, 1)} for one process, {threads_of(a, a.nproc)} for each "
+          f"of {a.nproc}; {os.cpu_count()} cores; median of {a.reps}, interleaved; {a.nanreplay}")
+    print(f"{'mode':<26} {'wall s':>8} {'(min-max)':>13} {'one / this':>10} {'steps s':>8} {'one / this':>10} "
+          f"{'peak RSS MiB':>13}  polled VmHWM MiB, each process")
+
+    def steps_s(m):  # the step replays alone (report.json's timings.steps), without start-up and checks
+        return statistics.median(sum(t["seconds"] for t in r[3]["timings"]["steps"]) for r in runs[m])
+
+    for m in modes:
+        walls = [r[0] for r in runs[m]]
         polled = {}
-        for r in runs[n]:
+        for r in runs[m]:
             for label, hwm in r[2].items():
                 polled.setdefault(label, []).append(hwm)
         each = ", ".join(f"{label} {statistics.median(v) / 2**20:.1f}" for label, v in sorted(polled.items()))
-        mode = "one process" if n == 1 else f"--nproc {n} (launcher + {n} workers)"
-        print(f"{mode:<34} {med(n, 0):>8.2f} {f'({min(walls):.2f}-{max(walls):.2f})':>13} "
-              f"{med(n, 1) / 2**20:>13.1f}  {each}")
-    print(f"time one process / {a.nproc} processes: {med(1, 0) / med(a.nproc, 0):.2f}  (> 1: the split is faster)")
-    print(f"peak RSS of the largest process, {a.nproc} processes / one: {med(a.nproc, 1) / med(1, 1):.2f}")
-    print("peak RSS: ru_maxrss from os.wait4 on the child, which on Linux is the largest of the child's own and of "
-          "its reaped descendants' (for --nproc: the largest of launcher and workers, not their sum); the polled "
-          "VmHWM columns (every 50 ms, per process, median over reps) break it down.")
-    print(f"On this {os.cpu_count()}-core machine this shows the cost of the communication and of {a.nproc} processes "
-          f"sharing {os.cpu_count()} cores, not a speed-up: the split is for models that do not fit one machine's "
-          "memory.")
+        print(f"{name(m):<26} {med(m, 0):>8.2f} {f'({min(walls):.2f}-{max(walls):.2f})':>13} "
+              f"{med(one, 0) / med(m, 0):>10.2f} {steps_s(m):>8.2f} {steps_s(one) / steps_s(m):>10.2f} "
+              f"{med(m, 1) / 2**20:>13.1f}  {each}")
+    print("one / this > 1: faster than one process. steps s: the step replays of rank 0's report.json timings, "
+          "without start-up, data checks and the determinism re-run, which every process does whole. peak RSS: ru_maxrss from os.wait4 on the child, which on Linux "
+          "is the largest of the child's own and of its reaped descendants' (for --nproc: the largest of launcher and "
+          "workers, not their sum); the polled VmHWM columns (every 50 ms, per process, median over reps) break it "
+          "down.")
+    print(f"On this {os.cpu_count()}-core machine the layer split shows the cost of the exchanges and of {a.nproc} "
+          "processes taking turns, not a speed-up: it is for models that do not fit one machine's memory. The rank "
+          "split divides the arithmetic among the processes, here on one core each.")
 
     def stripped(report):
         return {k: v for k, v in report.items() if k not in IGNORED}
 
-    reference = stripped(runs[1][0][3])
-    mismatches = [(n, i, differences(reference, stripped(r[3])))
-                  for n in modes for i, r in enumerate(runs[n])]
-    mismatches = [m for m in mismatches if m[2]]
-    for n in modes:
-        for i, r in enumerate(runs[n]):
+    # Bit for bit with one process computing on as many threads: LibTorch's reductions split their work by
+    # thread count, so one process on 2 threads and one on 1 differ in the last bits (docs/distributed.md).
+    reference = {threads_of(a, 1): stripped(runs[one][0][3])}
+    reference.setdefault(threads_of(a, a.nproc), stripped(replay(a, bundle, 1, "-", threads_of(a, a.nproc))[3]))
+    mismatches = [(m, i, differences(reference[threads_of(a, m[0])], stripped(r[3])))
+                  for m in modes for i, r in enumerate(runs[m])]
+    mismatches = [x for x in mismatches if x[2]]
+    for m in modes:
+        for i, r in enumerate(runs[m]):
             if r[4].strip():
-                print(f"stderr of {'one process' if n == 1 else f'--nproc {n}'}, rep {i + 1}: {r[4].strip()}")
-    losses = [s.get("loss") for s in reference.get("steps", [])]
+                print(f"stderr of {name(m)}, rep {i + 1}: {r[4].strip()}")
+    losses = [s.get("loss") for s in reference[threads_of(a, 1)].get("steps", [])]
     if mismatches:
-        for n, i, diff in mismatches:
-            print(f"report.json of {'one process' if n == 1 else f'--nproc {n}'}, rep {i + 1}, differs from the "
-                  f"first one-process report: " + "; ".join(diff))
+        for m, i, diff in mismatches:
+            print(f"report.json of {name(m)}, rep {i + 1}, differs from one process's on {threads_of(a, m[0])} "
+                  "threads: " + "; ".join(diff))
         print("reports: DIFFER (the split must give bit-identical results)")
         sys.exit(1)
-    print(f"reports: identical apart from {' and '.join(IGNORED)} ({len(modes) * a.reps} runs; losses {losses})")
+    print(f"reports: identical apart from {' and '.join(IGNORED)} to one process's on as many threads "
+          f"({len(modes) * a.reps} runs; losses {losses})")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@
 #   5. whole `nanreplay run` / whole eager PyTorch replay, 3 and 10 steps       (bench_whole_run)
 #   6. OpenBLAS on OpenMP / on pthreads, replay step and whole run            (bench_blas.sh)
 #   7. layer-streamed run: peak RSS 64 / 4 layers, time in memory / streamed   (bench_stream.py)
+#   8. run across 2 processes (split by layers, by ranks) / one process         (bench_distributed.py)
 # The first run writes the bundles of a hidden-512, 8-layer llama (~4 GB) and
 # a 1-step bundle of its MoE twin (~1 GB) into the work directory and
 # reuses them afterwards.
@@ -38,4 +39,4 @@ echo
 echo "== layer by layer: peak RSS against depth, time against the in-memory replay (hidden 512, seq 128)"
 /usr/bin/python3 "$root/bench/bench_stream.py" --nanreplay "$build/nanreplay" --work "$work/stream" \
   --reps "$(( reps < 5 ? reps : 5 ))" --threads "$threads"
-echo; echo "== split across 2 local processes against one (hidden 512, 8 layers, seq 128, 3 steps)"; /usr/bin/python3 "$root/bench/bench_distributed.py" --nanreplay "$build/nanreplay" --work "$work/distributed" --reps "$(( reps < 5 ? reps : 5 ))" --threads "$threads"
+echo; echo "== split across 2 local processes, by layers and by data-parallel ranks, against one (hidden 512, 8 layers, 4 ranks, 3 steps; the cores shared evenly)"; /usr/bin/python3 "$root/bench/bench_distributed.py" --nanreplay "$build/nanreplay" --work "$work/distributed" --reps "$(( reps < 5 ? reps : 5 ))"

@@ -16,8 +16,11 @@
 #include <utility>
 #include <thread>
 
-// Debian's LibTorch is built with Gloo; its header declares the group only when told so.
+// Debian's LibTorch is built with Gloo; its header declares the group only
+// when told so (TorchConfig's flags usually do).
+#ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO 1
+#endif
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
@@ -79,7 +82,7 @@ std::string stopping_line(int exit_status, const std::string& line) {
 
 }  // namespace
 
-std::vector<LayerRange> split_layers(int layers, const std::vector<double>& memory) {
+std::vector<IndexRange> split_layers(int layers, const std::vector<double>& memory) {
   const size_t n = memory.size();
   double total = 0;
   for (double m : memory) total += std::max(m, 0.0);
@@ -110,13 +113,18 @@ std::vector<LayerRange> split_layers(int layers, const std::vector<double>& memo
     }
     count[0] = 1;
   }
-  std::vector<LayerRange> ranges;
+  std::vector<IndexRange> ranges;
   int first = 0;
   for (int c : count) {
     ranges.push_back({first, first + c});
     first += c;
   }
   return ranges;
+}
+
+IndexRange rank_block(int data_ranks, int processes, int process) {
+  auto first = [&](int p) { return (p * data_ranks + processes - 1) / processes; };
+  return {first(process), first(process + 1)};
 }
 
 struct ProcessWorld::Impl {

@@ -53,17 +53,20 @@ class PeerError : public std::runtime_error {
 // (replay/rank_spread.h).
 enum class ProcessSplit { kLayers, kRanks };
 
-// The contiguous layer range [first, end) a process computes; rank 0 also
-// holds the embeddings, the final norm and the head.
-struct LayerRange {
+// A contiguous range [first, end) of layers or of data-parallel ranks.
+struct IndexRange {
   int first = 0;
   int end = 0;
   bool holds(int layer) const { return layer >= first && layer < end; }
 };
 
 // `layers` split in proportion to `memory` (one entry per process), in rank
-// order; rank 0 always holds layer 0 and a process may hold none.
-std::vector<LayerRange> split_layers(int layers, const std::vector<double>& memory);
+// order; rank 0 always holds layer 0 (it also holds the embeddings, the
+// final norm and the head) and a process may hold none.
+std::vector<IndexRange> split_layers(int layers, const std::vector<double>& memory);
+// Process `process`'s block of the bundle's `data_ranks` data-parallel ranks
+// among `processes`: contiguous and as even as can be, the larger first.
+IndexRange rank_block(int data_ranks, int processes, int process);
 
 class ProcessWorld {
  public:
@@ -77,13 +80,18 @@ class ProcessWorld {
   int size() const;
   std::string who(int rank) const;  // "rank 1 (host-b)"
   const std::vector<double>& memory() const;  // every process's memory limit, in rank order
-  std::vector<LayerRange> layer_ranges(int layers) const { return split_layers(layers, memory()); }
+  std::vector<IndexRange> layer_ranges(int layers) const { return split_layers(layers, memory()); }
   // Whether this process keeps its blocks in memory between passes (else it
   // streams them from the mapped checkpoint); decided with the memory estimate.
   bool keep_blocks() const { return keep_blocks_; }
   void set_keep_blocks(bool keep) { keep_blocks_ = keep; }
   ProcessSplit split() const { return split_; }
-  void set_split(ProcessSplit split) { split_ = split; }
+  // `data_ranks`: the bundle's data-parallel world size (with kRanks).
+  void set_split(ProcessSplit split, int data_ranks = 0) {
+    split_ = split;
+    data_ranks_ = data_ranks;
+  }
+  int data_ranks() const { return data_ranks_; }
 
   // A tensor of any shape and type, undefined included, to or from one peer.
   void send(const at::Tensor& tensor, int to);
@@ -108,6 +116,7 @@ class ProcessWorld {
   std::unique_ptr<Impl> impl_;
   bool keep_blocks_ = false;
   ProcessSplit split_ = ProcessSplit::kLayers;
+  int data_ranks_ = 0;
 };
 
 // The process-wide world (none: one process).

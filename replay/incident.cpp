@@ -99,10 +99,15 @@ void Incident::share_across_processes(ProcessWorld& world, const MemoryEstimate&
                                      : m.data.world_size >= 2 && in_memory.total() <= room;
   const std::string processes = "replaying across " + std::to_string(world.size()) + " processes";
   if (ranks) {
-    world.set_split(ProcessSplit::kRanks);
-    mode_note_ = processes + ", the bundle's " + std::to_string(m.data.world_size) +
-                      " data-parallel ranks spread over them (rank r on process r mod " +
-                      std::to_string(world.size()) + ")";
+    world.set_split(ProcessSplit::kRanks, static_cast<int>(m.data.world_size));
+    mode_note_ = processes + ", the bundle's data-parallel ranks:";
+    for (int p = 0; p < world.size(); ++p) {
+      const IndexRange r = rank_block(static_cast<int>(m.data.world_size), world.size(), p);
+      mode_note_ += (p == 0 ? " " : ", ") +
+                    (r.first == r.end ? "none" : r.first + 1 == r.end ? std::to_string(r.first)
+                                                                      : std::to_string(r.first) + "-" + std::to_string(r.end - 1)) +
+                    " on " + world.who(p);
+    }
     if (choose_layer_streaming(in_memory, streamed, limit, settings_.stream)) {
       scratch_parent_ = checked_scratch(settings_, bundle_.root());
       mode_note_ += "; each streams layer by layer, scratch files in " + scratch_parent_->string();
@@ -111,14 +116,14 @@ void Incident::share_across_processes(ProcessWorld& world, const MemoryEstimate&
   }
   world.set_split(ProcessSplit::kLayers);
   const int layers = static_cast<int>(m.model.num_layers);
-  const std::vector<LayerRange> ranges = world.layer_ranges(layers);
-  const LayerRange& mine = ranges.at(static_cast<size_t>(world.rank()));
+  const std::vector<IndexRange> ranges = world.layer_ranges(layers);
+  const IndexRange& mine = ranges.at(static_cast<size_t>(world.rank()));
   const double share = in_memory.total() * (mine.end - mine.first) / std::max(layers, 1);
   world.set_keep_blocks(!settings_.stream && share <= room);
   scratch_parent_ = checked_scratch(settings_, bundle_.root());
   mode_note_ = processes + ", layers";
   for (size_t p = 0; p < ranges.size(); ++p) {
-    const LayerRange& r = ranges[p];
+    const IndexRange& r = ranges[p];
     mode_note_ += (p == 0 ? " " : ", ") +
                        (r.first == r.end ? "none" : std::to_string(r.first) + "-" + std::to_string(r.end - 1)) +
                        " on " + world.who(static_cast<int>(p));

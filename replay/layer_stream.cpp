@@ -235,7 +235,7 @@ ForwardResult StreamedModel::forward_backward(const ModelConfig& model, const Nu
                                               const BlockHook& on_block) {
   const int layers = static_cast<int>(model.num_layers);
   const int me = world_ ? world_->rank() : 0;
-  const LayerRange mine = world_ ? ranges_.at(static_cast<size_t>(me)) : LayerRange{0, layers};
+  const IndexRange mine = world_ ? ranges_.at(static_cast<size_t>(me)) : IndexRange{0, layers};
   const bool outer_here = me == 0;  // the embeddings, the head and the loss
   ModelPass pass(model, numerics, probes);
   // The embeddings and the head stay for the whole pass: a tied head and the

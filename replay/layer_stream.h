@@ -144,7 +144,7 @@ class StreamedModel {
   std::shared_ptr<ScratchTensors> rank_grads_;  // this rank's, accumulated over its micro-batches
   std::shared_ptr<ScratchTensors> step_grads_;  // the step's: the ranks' reduced (the rank's own with one rank)
   ProcessWorld* world_ = nullptr;               // set: the layers split across processes
-  std::vector<LayerRange> ranges_;              // each process's layers
+  std::vector<IndexRange> ranges_;              // each process's layers
   std::vector<int> slot_owner_;                 // each parameter's process
   bool keep_blocks_ = false;
 };

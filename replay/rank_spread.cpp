@@ -1,6 +1,7 @@
 // Data-parallel ranks spread over processes; see rank_spread.h.
 #include "replay/rank_spread.h"
 
+#include <algorithm>
 #include <map>
 
 #include <torch/torch.h>
@@ -116,24 +117,44 @@ class RankSpreadModel final : public StepModel {
     bool rank_end;
   };
 
-  int owner(int rank) const { return rank % world_.size(); }
+  int owner(int rank) const {
+    for (int p = 0; p < world_.size(); ++p) {
+      if (rank_block(world_.data_ranks(), world_.size(), p).holds(rank)) return p;
+    }
+    return 0;
+  }
   bool owned(int rank) const { return owner(rank) == world_.rank(); }
 
-  // The step's gradients: each rank's share from the process that replayed
-  // it, added in rank order (replay/gradients.cpp's add_rank_gradients).
+  // The step's gradients: the ranks' shares added in rank order
+  // (replay/gradients.cpp's add_rank_gradients). Each process owns a
+  // contiguous block of ranks, so the running sum visits each process once:
+  // it adds its shares to the sum the process before handed it, hands the
+  // sum on, and the last one broadcasts the whole.
   void sum_shares(const std::vector<std::pair<int, std::vector<c10::ScalarType>>>& ranks) {
+    std::vector<int> holders;  // the processes holding ended ranks, in rank order
+    for (const auto& [rank, types] : ranks) {
+      if (holders.empty() || holders.back() != owner(rank)) holders.push_back(owner(rank));
+    }
+    const auto mine = std::find(holders.begin(), holders.end(), world_.rank());
     std::shared_ptr<ScratchTensors> on_scratch =
         scratch_ ? std::make_shared<ScratchTensors>(scratch_, "step-gradients", shapes_) : nullptr;
     std::vector<torch::Tensor> in_memory;
     std::vector<torch::Tensor> norms;
     for (size_t i = 0; i < shapes_.size(); ++i) {
       torch::Tensor sum;
-      for (const auto& [rank, types] : ranks) {
-        torch::Tensor share =
-            owned(rank) ? shares_.at(rank)[i] : torch::empty(shapes_[i], torch::TensorOptions().dtype(types[i]));
-        world_.broadcast(share, owner(rank));
-        sum = sum.defined() ? sum + share : share;
+      if (mine != holders.end()) {
+        if (mine != holders.begin()) sum = world_.receive(*(mine - 1));
+        for (const auto& [rank, types] : ranks) {
+          if (!owned(rank)) continue;
+          const torch::Tensor share = shares_.at(rank)[i];
+          sum = sum.defined() ? sum + share.to(sum.device()) : share;
+        }
+        if (mine + 1 != holders.end()) world_.send(sum, *(mine + 1));
       }
+      if (mine + 1 != holders.end() || mine == holders.end()) {
+        sum = torch::empty(shapes_[i], torch::TensorOptions().dtype(ranks.back().second[i]));
+      }
+      world_.broadcast(sum, holders.back());
       norms.push_back(sum.norm(2));
       if (on_scratch) {
         on_scratch->write(i, sum);

@@ -1,11 +1,11 @@
 // The bundle's data-parallel ranks spread over processes (replay/distributed.h,
-// --split ranks): within a step each process replays the ranks r with
-// r % processes == its rank, whole, in memory or streamed as one process
-// would; at the end of the step every process gets every pass's probes and
-// loss and each rank's gradients, and sums the ranks' gradients in rank
-// order, as DDP's arithmetic in replay/gradients.h does. The bits are those
-// of one process. A lone pass (bisection's) or a step cut short runs whole
-// on every process.
+// --split ranks): within a step each process replays its contiguous block of
+// the ranks (rank_block), whole, in memory or streamed as one process would;
+// at the end of the step every process gets every pass's probes and loss and
+// every rank's gradient norm, and the ranks' gradient shares are added in
+// rank order, as DDP's arithmetic in replay/gradients.h does. The bits are
+// those of one process. A lone pass (bisection's) or a step cut short runs
+// whole on every process.
 #pragma once
 
 #include <memory>

@@ -141,7 +141,7 @@ def build(a, stage):
     # (explicit rather than randperm, so the bundle does not depend on this torch's randperm).
     data_gen = torch.Generator()
     data_gen.manual_seed(a.seed + 1)
-    per_step = a.micro_batch
+    per_step = a.micro_batch * a.world_size  # each rank's micro-batch, rank after rank
     num_samples = max(64, 2 * per_step * a.steps)
     tokens = torch.randint(0, a.vocab, (num_samples * a.seq_len + 1,), generator=data_gen)
     wide = a.vocab > 65536
@@ -149,7 +149,8 @@ def build(a, stage):
     (stage / "data").mkdir()
     (stage / "data" / "tokens.bin").write_bytes(raw.numpy().tobytes())
     picks = torch.randperm(num_samples, generator=data_gen)[:per_step * a.steps].tolist()
-    samples = {s: picks[k * per_step:(k + 1) * per_step] for k, s in enumerate(steps)}
+    samples = {s: [picks[k * per_step + r * a.micro_batch:k * per_step + (r + 1) * a.micro_batch]
+                   for r in range(a.world_size)] for k, s in enumerate(steps)}
 
     # Checkpoints: one unplanted file shared (hard links) by every step but a planted last one.
     model_bytes = 0
@@ -183,13 +184,13 @@ def build(a, stage):
                              "tokens": len(tokens),
                              "sha256": hashlib.sha256((stage / "data" / "tokens.bin").read_bytes()).hexdigest()}],
                  "seq_len": a.seq_len, "micro_batch_size": a.micro_batch, "grad_accum_steps": 1,
-                 "world_size": 1, "sampler": {"kind": "explicit"}},
-        "steps": [{"step": s, "dir": f"steps/{s}", "samples": [samples[s]]} for s in steps],
+                 "world_size": a.world_size, "sampler": {"kind": "explicit"}},
+        "steps": [{"step": s, "dir": f"steps/{s}", "samples": samples[s]} for s in steps],
         "generator": {"script": "scripts/make_llama_bundle.py", "seed": a.seed, "storage": a.storage},
     }
     if origin:
         manifest["incident"] = {"step": steps[-1], "symptom": "loss=nan"}
-        origin.update(step=steps[-1], sample=samples[steps[-1]][0], micro_batch=0, rank=0)
+        origin.update(step=steps[-1], sample=samples[steps[-1]][0][0], micro_batch=0, rank=0)
     write_json(stage / "manifest.json", manifest)
     return dict(parameters=sum(math.prod(shape) for _, shape in specs), model_bytes=model_bytes, planted=origin)
 
@@ -201,6 +202,7 @@ def parse(argv):
         ap.add_argument("--" + name, type=int)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--world-size", type=int, default=1, help="data-parallel ranks, each its own micro-batch")
     ap.add_argument("--steps", type=int, default=1, help="steps in the window; the last one is planted")
     ap.add_argument("--storage", choices=sorted(STORAGE))
     ap.add_argument("--compute", choices=sorted(LIMIT), default="fp32")
@@ -221,7 +223,8 @@ def parse(argv):
     problems = [what for bad, what in [
         (a.hidden % a.heads or (a.hidden // a.heads) % 2, "--hidden must be a multiple of --heads, head_dim even"),
         (a.heads % a.kv_heads, "--kv-heads must divide --heads"),
-        (min(a.layers, a.vocab, a.intermediate, a.seq_len, a.micro_batch, a.steps) < 1, "sizes must be > 0"),
+        (min(a.layers, a.vocab, a.intermediate, a.seq_len, a.micro_batch, a.steps, a.world_size) < 1,
+         "sizes must be > 0"),
         (a.vocab > 2 ** 32, "--vocab must fit uint32"),
         (a.plant_layer is not None and not 0 <= a.plant_layer < a.layers, "--plant-layer must be in [0, layers)"),
         (not 0 <= a.plant_head < a.heads, "--plant-head must be in [0, heads)")] if bad]
@@ -257,7 +260,8 @@ def main(argv=None):
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and f.name != "model.safetensors")
     print(json.dumps(dict(bundle=str(out), bytes=size + info["model_bytes"], seconds=round(time.perf_counter() - t0, 2),
                           **{k: getattr(a, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate",
-                                                        "vocab", "seq_len", "micro_batch", "steps", "storage",
+                                                        "vocab", "seq_len", "micro_batch", "world_size", "steps",
+                                                        "storage",
                                                         "compute", "seed")}, **info)))
 
 

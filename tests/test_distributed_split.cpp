@@ -13,10 +13,10 @@ using namespace nanreplay;
 
 namespace {
 
-std::vector<int> counts(const std::vector<LayerRange>& ranges) {
+std::vector<int> counts(const std::vector<IndexRange>& ranges) {
   std::vector<int> out;
   int next = 0;
-  for (const LayerRange& r : ranges) {
+  for (const IndexRange& r : ranges) {
     REQUIRE(r.first == next);  // contiguous, in rank order
     out.push_back(r.end - r.first);
     next = r.end;
@@ -37,6 +37,20 @@ TEST_CASE("layers split in proportion to each process's memory", "[distributed]"
   CHECK(counts(split_layers(4, {0.1, 100.0})) == std::vector<int>{1, 3});
   CHECK(counts(split_layers(3, {0.0, 0.0})) == std::vector<int>{2, 1});
   CHECK(split_layers(5, {1.0, 2.0, 3.0}).back().end == 5);
+}
+
+TEST_CASE("data-parallel ranks go to the processes in contiguous blocks, the larger first", "[distributed]") {
+  auto blocks = [](int ranks, int processes) {
+    std::vector<IndexRange> out;
+    for (int p = 0; p < processes; ++p) out.push_back(rank_block(ranks, processes, p));
+    return counts(out);
+  };
+  CHECK(blocks(4, 2) == std::vector<int>{2, 2});
+  CHECK(blocks(4, 3) == std::vector<int>{2, 1, 1});
+  CHECK(blocks(5, 2) == std::vector<int>{3, 2});
+  CHECK(blocks(2, 3) == std::vector<int>{1, 1, 0});
+  CHECK(blocks(1, 2) == std::vector<int>{1, 0});
+  CHECK(blocks(8, 4) == std::vector<int>{2, 2, 2, 2});
 }
 
 TEST_CASE("probe records and norm checks survive bytes exactly", "[distributed]") {
