@@ -3,7 +3,6 @@
 
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
-#include "cli/launch.h"
 
 namespace nanreplay {
 

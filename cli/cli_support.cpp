@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "loaders/error.h"
+#include "replay/distributed.h"
 
 namespace nanreplay {
 
@@ -76,6 +77,23 @@ bool stop_requested() { return g_stop_signal.load() != 0; }
 void set_interrupted_message(const std::string& line) {
   // Read in signal context, so never freed: set once or twice per run.
   g_interrupted_message.store(strdup(("nanreplay: " + line + "\n").c_str()));
+}
+
+CommandFailure describe_failure(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const Interrupted& stop) {
+    return {static_cast<int>(ExitStatus::kInterrupted), stop.what()};
+  } catch (const InputError& e) {
+    return {static_cast<int>(ExitStatus::kBadInput), std::string("error: ") + e.what()};
+  } catch (const UsageError& e) {
+    return {static_cast<int>(ExitStatus::kBadInput), std::string("error: ") + e.what()};
+  } catch (const PeerError& e) {
+    const bool interrupted = e.exit_status() == static_cast<int>(ExitStatus::kInterrupted);
+    return {e.exit_status(), (interrupted ? "" : "error: ") + std::string(e.what())};
+  } catch (const std::exception& e) {
+    return {static_cast<int>(ExitStatus::kInternal), std::string("internal error: ") + e.what()};
+  }
 }
 
 bool color_wanted(int fd) { return std::getenv("NO_COLOR") == nullptr && isatty(fd); }

@@ -3,6 +3,7 @@
 // CLI), colour detection and printf-style text.
 #pragma once
 
+#include <exception>
 #include <string>
 
 #include <cxxopts.hpp>
@@ -34,6 +35,13 @@ class StopDeferral {
   StopDeferral(const StopDeferral&) = delete;
   StopDeferral& operator=(const StopDeferral&) = delete;
 };
+
+// The exit status and the one line an exception ends the command with (cli/cli.cpp's boundary).
+struct CommandFailure {
+  int exit_status;
+  std::string line;  // after "nanreplay: "
+};
+CommandFailure describe_failure(std::exception_ptr error);
 
 // NO_COLOR unset and `fd` a terminal.
 bool color_wanted(int fd);

@@ -137,7 +137,8 @@ int launch_local(const LaunchFlags& flags, const CommandArgs& args) {
           std::cerr << "nanreplay: error: rank " << w.rank << " died (" << describe_wait_status(status) << ")"
                     << std::endl;
         }
-        const bool failed = code != static_cast<int>(ExitStatus::kClean) && code != static_cast<int>(ExitStatus::kFound);
+        const bool failed =
+            code != static_cast<int>(ExitStatus::kClean) && code != static_cast<int>(ExitStatus::kFound);
         if (failed && !first_failure) {
           first_failure = code;
           failed_at = std::chrono::steady_clock::now();
@@ -204,7 +205,7 @@ void add_launch_flags(cxxopts::Options& options) {
        cxxopts::value<std::string>(), "HOST")
       ("master-port", "the port the processes meet on (default $MASTER_PORT; one host: a free port, "
                       "several: 29500)", cxxopts::value<int>(), "PORT")
-      ("dist-timeout", "seconds to wait for a peer before giving up on it (default 1800, as PyTorch)",
+      ("dist-timeout", "seconds to wait for a peer before giving up on it (PyTorch's default)",
        cxxopts::value<double>()->default_value("1800"), "SECONDS")
       ("split", "what the processes share out: layers (each computes a range of every pass) or ranks (each "
                 "replays some of the bundle's data-parallel ranks); default: ranks when the bundle has several "
@@ -219,7 +220,9 @@ LaunchFlags parse_launch_flags(const cxxopts::ParseResult& args) {
   if (args.count("master-addr")) flags.master_addr = args["master-addr"].as<std::string>();
   if (args.count("master-port")) flags.master_port = args["master-port"].as<int>();
   flags.timeout_seconds = args["dist-timeout"].as<double>();
-  if (flags.nproc < 1 || flags.nproc > 64) throw UsageError("--nproc " + std::to_string(flags.nproc) + ": from 1 to 64");
+  if (flags.nproc < 1 || flags.nproc > 64) {
+    throw UsageError("--nproc " + std::to_string(flags.nproc) + ": from 1 to 64");
+  }
   if (flags.nnodes < 1) throw UsageError("--nnodes " + std::to_string(flags.nnodes) + ": at least 1");
   if (flags.node_rank < 0 || flags.node_rank >= flags.nnodes) {
     throw UsageError("--node-rank " + std::to_string(flags.node_rank) + ": from 0 to --nnodes - 1");
@@ -262,23 +265,6 @@ MemoryLimit process_memory_limit(const std::optional<MemoryLimit>& given) {
     limit.source += ", shared by " + std::to_string(local) + " processes on this host";
   }
   return limit;
-}
-
-CommandFailure describe_failure(std::exception_ptr error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const Interrupted& stop) {
-    return {static_cast<int>(ExitStatus::kInterrupted), stop.what()};
-  } catch (const InputError& e) {
-    return {static_cast<int>(ExitStatus::kBadInput), std::string("error: ") + e.what()};
-  } catch (const UsageError& e) {
-    return {static_cast<int>(ExitStatus::kBadInput), std::string("error: ") + e.what()};
-  } catch (const PeerError& e) {
-    const bool interrupted = e.exit_status() == static_cast<int>(ExitStatus::kInterrupted);
-    return {e.exit_status(), (interrupted ? "" : "error: ") + std::string(e.what())};
-  } catch (const std::exception& e) {
-    return {static_cast<int>(ExitStatus::kInternal), std::string("internal error: ") + e.what()};
-  }
 }
 
 }  // namespace nanreplay

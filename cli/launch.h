@@ -41,11 +41,4 @@ int run_launched(const LaunchFlags& flags, const CommandArgs& args, double memor
 // shared among the processes on this host (LOCAL_WORLD_SIZE, as torchrun sets it).
 MemoryLimit process_memory_limit(const std::optional<MemoryLimit>& given);
 
-// The exit status and the one line an exception ends the command with (cli/cli.cpp's boundary).
-struct CommandFailure {
-  int exit_status;
-  std::string line;  // after "nanreplay: "
-};
-CommandFailure describe_failure(std::exception_ptr error);
-
 }  // namespace nanreplay

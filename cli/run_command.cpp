@@ -169,7 +169,8 @@ int run_command(const CommandArgs& args, CommandIo& io) {
   settings.incident.max_memory = process_memory_limit(settings.incident.max_memory);
   settings.quiet = flags.quiet;
   settings.timings = parsed.count("timings") > 0;
-  return run_launched(flags.launch, args, static_cast<double>(settings.incident.max_memory->bytes), [&](bool rank_zero) {
+  const double memory = static_cast<double>(settings.incident.max_memory->bytes);
+  return run_launched(flags.launch, args, memory, [&](bool rank_zero) {
     if (!rank_zero) return replay_without_outputs(settings);
     // A streamed replay's scratch files go beside the results, on the disk the user chose for them.
     // (lexically_normal: "triage/" names triage, whose parent is wanted, not triage itself.)

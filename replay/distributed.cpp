@@ -36,6 +36,7 @@ using Milliseconds = std::chrono::milliseconds;
 constexpr const char* kEndClaims = "nanreplay/end-claims";  // the first process to end claims the end
 constexpr const char* kEnd = "nanreplay/end";               // "<exit status>\t<line>"
 constexpr const char* kEndAcks = "nanreplay/end-acks";      // the others that read it
+constexpr const char* kLeft = "nanreplay/left";             // the others that finished, after the last barrier
 constexpr int kHeaderSize = 8;  // defined, scalar type, dimensions, up to five sizes
 enum Tag : int { kTensorHeader = 1, kTensorData = 2 };
 
@@ -70,7 +71,9 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master
 
 // What a process says when another ended first (`line` names that one).
 std::string stopping_line(int exit_status, const std::string& line) {
-  if (exit_status == static_cast<int>(ExitStatus::kInterrupted)) return "interrupted on " + line + "; nothing was written";
+  if (exit_status == static_cast<int>(ExitStatus::kInterrupted)) {
+    return "interrupted on " + line + "; nothing was written";
+  }
   return "stopping: " + line;
 }
 
@@ -301,6 +304,20 @@ void ProcessWorld::finish() {
   w.wait_for([&] { return w.group->barrier(); }, -1, "the last barrier");
   w.closing = true;
   if (w.watcher.joinable()) w.watcher.join();
+  // Rank 0 serves the store: it leaves last, so no watcher sees the store go and takes it for a failure.
+  try {
+    const std::lock_guard<std::mutex> lock(w.store_mutex);
+    if (w.spec.rank != 0) {
+      w.store->add(kLeft, 1);
+      return;
+    }
+    const auto deadline =
+        std::chrono::steady_clock::now() + Milliseconds(static_cast<int64_t>(w.spec.timeout_seconds * 1000));
+    while (w.store->add(kLeft, 0) < w.spec.world_size - 1 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(Milliseconds(5));
+    }
+  } catch (const std::exception&) {
+  }
 }
 
 int ProcessWorld::rank() const { return impl_->spec.rank; }
@@ -331,7 +348,8 @@ torch::Tensor ProcessWorld::receive(int from) {
   const auto* h = header[0].data_ptr<int64_t>();
   if (h[0] == 0) return torch::Tensor();
   const std::vector<int64_t> sizes(h + 3, h + 3 + h[2]);
-  std::vector<torch::Tensor> data{torch::empty(sizes, torch::TensorOptions().dtype(static_cast<c10::ScalarType>(h[1])))};
+  const auto type = static_cast<c10::ScalarType>(h[1]);
+  std::vector<torch::Tensor> data{torch::empty(sizes, torch::TensorOptions().dtype(type))};
   if (data[0].numel() == 0) return data[0];
   impl_->wait_for([&] { return impl_->group->recv(data, from, kTensorData); }, from, "receiving");
   return data[0];

@@ -43,6 +43,12 @@ std::filesystem::path checked_scratch(const IncidentSettings& settings, const st
   return parent;
 }
 
+// "none", "3" or "0-15", as the terminal shows a process's layers or ranks.
+std::string range_text(const IndexRange& r) {
+  if (r.first == r.end) return "none";
+  return r.first + 1 == r.end ? std::to_string(r.first) : std::to_string(r.first) + "-" + std::to_string(r.end - 1);
+}
+
 size_t count_selected_steps(const Bundle& bundle, const std::optional<std::set<int64_t>>& only_steps) {
   size_t count = 0;
   for (const StepFiles& files : bundle.steps()) {
@@ -82,31 +88,24 @@ Incident::Incident(const IncidentSettings& settings, IncidentUse use)
   validate_bundle_structure(bundle_);
 }
 
-// Across processes either each replays whole data-parallel ranks of the
-// bundle, in memory or streamed as one process would, or each computes its
-// own layers of every pass, with its gradients on scratch files; then it
-// keeps its blocks in memory between passes when its share of the
-// in-memory estimate fits its limit, else streams them (--stream: always).
+// Across processes each replays whole data-parallel ranks of the bundle (in
+// memory or streamed, as one process would), or computes its own layers of
+// every pass (replay/distributed.h).
 void Incident::share_across_processes(ProcessWorld& world, const MemoryEstimate& in_memory,
                                       const MemoryEstimate& streamed, const MemoryLimit& limit) {
   if (settings_.devices.size() > 1) {
     throw UsageError("--device " + settings_.devices[0] + "," + settings_.devices[1] +
                      ": a replay split across processes computes on one device in each");
   }
-  const Manifest& m = bundle_.manifest();
-  const double room = static_cast<double>(limit.bytes);
-  const bool ranks = settings_.split ? *settings_.split == ProcessSplit::kRanks
-                                     : m.data.world_size >= 2 && in_memory.total() <= room;
-  const std::string processes = "replaying across " + std::to_string(world.size()) + " processes";
-  if (ranks) {
-    world.set_split(ProcessSplit::kRanks, static_cast<int>(m.data.world_size));
-    mode_note_ = processes + ", the bundle's data-parallel ranks:";
+  const int data_ranks = static_cast<int>(bundle_.manifest().data.world_size);
+  const bool fits = in_memory.total() <= static_cast<double>(limit.bytes);
+  const bool by_ranks = settings_.split ? *settings_.split == ProcessSplit::kRanks : data_ranks >= 2 && fits;
+  mode_note_ = "replaying across " + std::to_string(world.size()) + " processes, ";
+  if (by_ranks) {
+    world.set_split(ProcessSplit::kRanks, data_ranks);
+    mode_note_ += "the bundle's data-parallel ranks:";
     for (int p = 0; p < world.size(); ++p) {
-      const IndexRange r = rank_block(static_cast<int>(m.data.world_size), world.size(), p);
-      mode_note_ += (p == 0 ? " " : ", ") +
-                    (r.first == r.end ? "none" : r.first + 1 == r.end ? std::to_string(r.first)
-                                                                      : std::to_string(r.first) + "-" + std::to_string(r.end - 1)) +
-                    " on " + world.who(p);
+      mode_note_ += (p == 0 ? " " : ", ") + range_text(rank_block(data_ranks, world.size(), p)) + " on " + world.who(p);
     }
     if (choose_layer_streaming(in_memory, streamed, limit, settings_.stream)) {
       scratch_parent_ = checked_scratch(settings_, bundle_.root());
@@ -114,23 +113,23 @@ void Incident::share_across_processes(ProcessWorld& world, const MemoryEstimate&
     }
     return;
   }
+  // By layers: a process keeps its blocks in memory between passes when its
+  // share of the in-memory estimate fits its limit, else streams them
+  // (--stream: always); its gradients go to scratch files.
   world.set_split(ProcessSplit::kLayers);
-  const int layers = static_cast<int>(m.model.num_layers);
+  const int layers = static_cast<int>(bundle_.manifest().model.num_layers);
   const std::vector<IndexRange> ranges = world.layer_ranges(layers);
   const IndexRange& mine = ranges.at(static_cast<size_t>(world.rank()));
   const double share = in_memory.total() * (mine.end - mine.first) / std::max(layers, 1);
-  world.set_keep_blocks(!settings_.stream && share <= room);
+  world.set_keep_blocks(!settings_.stream && share <= static_cast<double>(limit.bytes));
   scratch_parent_ = checked_scratch(settings_, bundle_.root());
-  mode_note_ = processes + ", layers";
+  mode_note_ += "layers";
   for (size_t p = 0; p < ranges.size(); ++p) {
-    const IndexRange& r = ranges[p];
-    mode_note_ += (p == 0 ? " " : ", ") +
-                       (r.first == r.end ? "none" : std::to_string(r.first) + "-" + std::to_string(r.end - 1)) +
-                       " on " + world.who(static_cast<int>(p));
+    mode_note_ += (p == 0 ? " " : ", ") + range_text(ranges[p]) + " on " + world.who(static_cast<int>(p));
   }
-  mode_note_ += "; this process " + std::string(world.keep_blocks() ? "keeps its blocks in memory"
-                                                                        : "streams its blocks") +
-                     ", its gradients on scratch files in " + scratch_parent_->string();
+  const char* blocks = world.keep_blocks() ? "keeps its blocks in memory" : "streams its blocks";
+  mode_note_ += "; this process " + std::string(blocks) + ", its gradients on scratch files in " +
+                scratch_parent_->string();
 }
 
 std::function<bool()> Incident::poll(const IncidentHooks& hooks) const {

@@ -19,67 +19,14 @@ import sys
 import time
 from pathlib import Path
 
-import h5py
-import numpy as np
+from replay_compare import check, cli_run, failures, listed_presets, report_difference, trace_difference
 
-VOLATILE = ("timings", "elapsed_seconds")
 # Besides the incidents: a mixture of experts (router losses across processes), data-parallel ranks, a tied head.
 CLEAN_ALSO = ["clean-moe", "clean-dp", "clean-gpt2"]
 # Both ways to share out a bundle with data-parallel ranks (by default its ranks), and the ranks streamed.
 SPLITS = [("clean-dp", ("--split", "layers"), 3, "layers"), ("rank-mismatch", ("--split", "layers"), 2, "layers"),
           ("clean-dp", ("--split", "ranks", "--stream"), 3, "ranks"), ("clean-moe", ("--split", "ranks"), 2, "ranks")]
 BISECTED = ["head-overflow", "router-overflow"]
-
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
-    return ok
-
-
-def cli_run(cli, *args, env=None, timeout=600):
-    return subprocess.run([cli, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
-
-
-def listed_presets(cli):
-    text = cli_run(cli, "synth", "--help").stdout
-    lines = text.split("presets:", 1)[1].splitlines() if "presets:" in text else []
-    return [line.split()[0] for line in lines if line.strip()]
-
-
-def trace_items(path):
-    """Every dataset and attribute of a trace, but the file's creation time."""
-    items = {}
-    with h5py.File(path, "r") as f:
-        def visit(name, obj):
-            if isinstance(obj, h5py.Dataset):
-                items[name] = obj[()]
-            for key, value in obj.attrs.items():
-                items[name + "@" + key] = value
-        f.visititems(visit)
-        for key, value in f.attrs.items():
-            if key != "created_utc":
-                items["@" + key] = value
-    return items
-
-
-def same_value(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
-
-
-def trace_difference(a, b):
-    x, y = trace_items(a), trace_items(b)
-    return sorted(k for k in set(x) | set(y) if k not in x or k not in y or not same_value(x[k], y[k]))
-
-
-def report_difference(a, b):
-    return sorted(k for k in set(a) | set(b) if k not in VOLATILE and a.get(k) != b.get(k))
 
 
 def free_port():

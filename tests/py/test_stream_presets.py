@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-import h5py
-import numpy as np
+from replay_compare import (check, cli_run, failures, listed_presets, report_difference, stable,
+                            trace_difference)
 
 # Compared streamed by test_crosscheck_pytorch.py (report.json, with PyTorch's numbers beside): not again here.
 CROSS_CHECKED = {"clean-fp32", "clean-dp", "clean-gqa", "clean-gpt2", "clean-bf16", "clean-qwen2", "clean-qwen3",
@@ -27,61 +27,6 @@ CROSS_CHECKED = {"clean-fp32", "clean-dp", "clean-gqa", "clean-gpt2", "clean-bf1
 ROLLED = ["head-overflow", "cascade", "bit-flip"]
 # bisect's answer, streamed and not, on these (an origin in a layer, in the head, in an expert, none).
 BISECTED = ["head-overflow", "router-overflow", "zero-embedding", "clean-gpt2", "glitch-token"]
-VOLATILE = ("timings", "elapsed_seconds")
-
-failures = []
-
-
-def check(ok, what):
-    print(("ok   " if ok else "FAIL ") + what, flush=True)
-    if not ok:
-        failures.append(what)
-    return ok
-
-
-def cli_run(cli, *args, env=None):
-    return subprocess.run([cli, *map(str, args)], capture_output=True, text=True, env=env)
-
-
-def listed_presets(cli):
-    text = cli_run(cli, "synth", "--help").stdout
-    lines = text.split("presets:", 1)[1].splitlines() if "presets:" in text else []
-    return [line.split()[0] for line in lines if line.strip()]
-
-
-def trace_items(path):
-    """Every dataset and attribute of a trace, but the file's creation time."""
-    items = {}
-    with h5py.File(path, "r") as f:
-        def visit(name, obj):
-            if isinstance(obj, h5py.Dataset):
-                items[name] = obj[()]
-            for key, value in obj.attrs.items():
-                items[name + "@" + key] = value
-        f.visititems(visit)
-        for key, value in f.attrs.items():
-            if key != "created_utc":
-                items["@" + key] = value
-    return items
-
-
-def same_value(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype.kind == "f":
-        return np.array_equal(a, b, equal_nan=True)
-    return np.array_equal(a, b)
-
-
-def trace_difference(a, b):
-    x, y = trace_items(a), trace_items(b)
-    differ = sorted(k for k in set(x) | set(y) if k not in x or k not in y or not same_value(x[k], y[k]))
-    return differ
-
-
-def stable(report):
-    return {k: v for k, v in report.items() if k not in VOLATILE}
 
 
 def compare_runs(cli, label, bundle, work):
@@ -93,8 +38,7 @@ def compare_runs(cli, label, bundle, work):
     if not check(same_exit, f"{label}: run exits {a.returncode}, streamed {b.returncode}"
                             + ("" if same_exit else ": " + b.stderr.strip()[-300:])):
         return
-    ra, rb = json.loads(a.stdout), json.loads(b.stdout)
-    differ = [k for k in set(ra) | set(rb) if k not in VOLATILE and ra.get(k) != rb.get(k)]
+    differ = report_difference(json.loads(a.stdout), json.loads(b.stdout))
     check(not differ, f"{label}: report.json the same streamed{' but ' + str(differ) if differ else ''}")
     differ = trace_difference(plain / "trace.h5", streamed / "trace.h5")
     check(not differ, f"{label}: trace.h5 the same streamed{' but ' + str(differ[:5]) if differ else ''}")
@@ -106,8 +50,7 @@ def compare_bisects(cli, label, bundle):
     b = cli_run(cli, "bisect", bundle, "--json", "--stream")
     if not check(a.returncode == b.returncode, f"{label}: bisect exits {a.returncode}, streamed {b.returncode}"):
         return
-    ra, rb = json.loads(a.stdout), json.loads(b.stdout)
-    differ = [k for k in set(ra) | set(rb) if k not in VOLATILE and ra.get(k) != rb.get(k)]
+    differ = report_difference(json.loads(a.stdout), json.loads(b.stdout))
     check(not differ, f"{label}: bisect --json the same streamed{' but ' + str(differ) if differ else ''}")
 
 

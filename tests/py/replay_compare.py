@@ -1,0 +1,66 @@
+"""What the CLI tests that compare two replays share: a checklist, the CLI run, the presets `synth --help`
+lists, and report.json and trace.h5 compared bit for bit (test_stream_presets.py, test_distributed.py).
+Debian's python3 (h5py for the trace)."""
+import subprocess
+
+import h5py
+import numpy as np
+
+VOLATILE = ("timings", "elapsed_seconds")  # the report keys two replays of one bundle may differ in
+
+failures = []
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+    return ok
+
+
+def cli_run(cli, *args, env=None, timeout=600):
+    return subprocess.run([cli, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def listed_presets(cli):
+    text = cli_run(cli, "synth", "--help").stdout
+    lines = text.split("presets:", 1)[1].splitlines() if "presets:" in text else []
+    return [line.split()[0] for line in lines if line.strip()]
+
+
+def trace_items(path):
+    """Every dataset and attribute of a trace, but the file's creation time."""
+    items = {}
+    with h5py.File(path, "r") as f:
+        def visit(name, obj):
+            if isinstance(obj, h5py.Dataset):
+                items[name] = obj[()]
+            for key, value in obj.attrs.items():
+                items[name + "@" + key] = value
+        f.visititems(visit)
+        for key, value in f.attrs.items():
+            if key != "created_utc":
+                items["@" + key] = value
+    return items
+
+
+def same_value(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return np.array_equal(a, b, equal_nan=a.dtype.kind == "f")
+
+
+def trace_difference(a, b):
+    """The trace items (datasets, attributes) that differ between two traces, sorted."""
+    x, y = trace_items(a), trace_items(b)
+    return sorted(k for k in set(x) | set(y) if k not in x or k not in y or not same_value(x[k], y[k]))
+
+
+def report_difference(a, b):
+    """The top-level report.json keys that differ, but the volatile ones, sorted."""
+    return sorted(k for k in set(a) | set(b) if k not in VOLATILE and a.get(k) != b.get(k))
+
+
+def stable(report):
+    return {k: v for k, v in report.items() if k not in VOLATILE}
