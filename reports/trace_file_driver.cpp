@@ -172,6 +172,12 @@ herr_t truncate_file(H5FD_t* handle, hid_t /*transfer*/, hbool_t /*closing*/) {
 
 H5FD_class_t driver_class() {
   H5FD_class_t driver{};
+#if H5_VERSION_GE(1, 14, 0)
+  // HDF5 1.14 checks the struct's version, and wants a driver value of its
+  // own: 256 to 511 are left to drivers that are not registered with the HDF Group.
+  driver.version = H5FD_CLASS_VERSION;
+  driver.value = 400;
+#endif
   driver.name = "nanreplay-latching";
   driver.maxaddr = (static_cast<haddr_t>(1) << (8 * sizeof(off_t) - 1)) - 1;
   driver.fc_degree = H5F_CLOSE_STRONG;

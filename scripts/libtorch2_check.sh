@@ -12,7 +12,8 @@
 # minutes on 2 cores, a third of it the first time only.
 #
 # Environment: NANREPLAY_LIBTORCH2_DIR (default build-libtorch2/),
-# NANREPLAY_JOBS (default 2), DEBIAN_MIRROR (default http://deb.debian.org/debian).
+# NANREPLAY_JOBS (default 2), DEBIAN_MIRROR (default http://deb.debian.org/debian),
+# NANREPLAY_LIBTORCH2_CTEST_ARGS (more ctest arguments, e.g. "-R distributed": a part of the suite).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,6 +21,7 @@ work="${NANREPLAY_LIBTORCH2_DIR:-$root/build-libtorch2}"
 rootfs="$work/rootfs"
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 jobs="${NANREPLAY_JOBS:-2}"
+ctest_args="${NANREPLAY_LIBTORCH2_CTEST_ARGS:-}"
 [[ $(id -u) == 0 ]] || { echo "libtorch2_check: needs root (debootstrap, chroot, mount)" >&2; exit 2; }
 command -v debootstrap > /dev/null || apt-get install -y -q debootstrap > /dev/null
 
@@ -64,7 +66,7 @@ mkdir -p "$rootfs/root/nanreplay"
 in_root bash -c "cd /root/nanreplay && cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null &&
   ninja -C build -j $jobs > build.log || { tail -n 40 build.log; exit 1; }"
 status=0
-in_root bash -c "cd /root/nanreplay/build && ctest -j $jobs -E '^gpu\\.' --output-on-failure" > "$work/ctest.log" 2>&1 ||
+in_root bash -c "cd /root/nanreplay/build && ctest -j $jobs -E '^gpu\\.' --output-on-failure $ctest_args" > "$work/ctest.log" 2>&1 ||
   status=$?
 tail -n 8 "$work/ctest.log"
 versions=$(in_root dpkg-query -W -f '${Package} ${Version}\n' libtorch-dev python3-torch g++ | tr '\n' ',' | sed 's/,$//; s/,/, /g')
