@@ -77,6 +77,26 @@ std::string stopping_line(int exit_status, const std::string& line) {
   return "stopping: " + line;
 }
 
+// LibTorch 2.4 and later default the TCPStore to libuv, which Debian's build
+// lacks ("use_libuv was requested but PyTorch was build without libuv
+// support"); the plain-socket store is in every build, 1.13's included, and
+// ample for a few dozen processes. Set where the option exists.
+template <typename Options>
+auto without_libuv(Options& options, int) -> decltype(options.useLibUV = false, void()) {
+  options.useLibUV = false;
+}
+template <typename Options>
+void without_libuv(Options&, long) {}
+
+c10d::TCPStoreOptions store_options(const WorldSpec& spec, bool server) {
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(spec.master_port);
+  options.isServer = server;
+  options.timeout = Milliseconds(static_cast<int64_t>(spec.timeout_seconds * 1000));
+  without_libuv(options, 0);
+  return options;
+}
+
 [[noreturn]] void end_now(int exit_status, const std::string& line) {
   std::cerr << "nanreplay: " << line << std::endl;
   remove_for_exit();
@@ -222,11 +242,8 @@ bool ProcessWorld::Impl::claim_end(int exit_status, const std::string& line) {
 // Polls the store: a peer's announced end ends this process with the same
 // status; a local stop request ends every process; a store gone ends this one.
 void ProcessWorld::Impl::watch(const std::function<bool()>& stop_requested) {
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<uint16_t>(spec.master_port);
-  options.isServer = false;
+  c10d::TCPStoreOptions options = store_options(spec, /*server=*/false);
   options.waitWorkers = false;
-  options.timeout = Milliseconds(static_cast<int64_t>(spec.timeout_seconds * 1000));
   c10::intrusive_ptr<c10d::TCPStore> own;  // a connection of its own: the main thread's may be busy
   try {
     own = c10::make_intrusive<c10d::TCPStore>(spec.master_addr, options);
@@ -271,12 +288,9 @@ ProcessWorld::ProcessWorld(const WorldSpec& spec) : impl_(std::make_unique<Impl>
   const auto timeout = Milliseconds(static_cast<int64_t>(spec.timeout_seconds * 1000));
   const std::string master = spec.master_addr + ":" + std::to_string(spec.master_port);
   try {
-    c10d::TCPStoreOptions options;
-    options.port = static_cast<uint16_t>(spec.master_port);
-    options.isServer = spec.rank == 0 && spec.serve_store;
+    c10d::TCPStoreOptions options = store_options(spec, /*server=*/spec.rank == 0 && spec.serve_store);
     options.numWorkers = static_cast<size_t>(spec.world_size);
     options.waitWorkers = true;
-    options.timeout = timeout;
     w.store = c10::make_intrusive<c10d::TCPStore>(spec.master_addr, options);
     w.store->set(key("host", spec.rank), as_bytes(this_host()));
     w.store->set(key("memory", spec.rank), as_bytes(std::to_string(spec.memory_bytes)));
