@@ -88,11 +88,15 @@ auto without_libuv(Options& options, int) -> decltype(options.useLibUV = false, 
 template <typename Options>
 void without_libuv(Options&, long) {}
 
+Milliseconds timeout_of(const WorldSpec& spec) {
+  return Milliseconds(static_cast<int64_t>(spec.timeout_seconds * 1000));
+}
+
 c10d::TCPStoreOptions store_options(const WorldSpec& spec, bool server) {
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(spec.master_port);
   options.isServer = server;
-  options.timeout = Milliseconds(static_cast<int64_t>(spec.timeout_seconds * 1000));
+  options.timeout = timeout_of(spec);
   without_libuv(options, 0);
   return options;
 }
@@ -285,7 +289,7 @@ void ProcessWorld::Impl::watch(const std::function<bool()>& stop_requested) {
 ProcessWorld::ProcessWorld(const WorldSpec& spec) : impl_(std::make_unique<Impl>()) {
   Impl& w = *impl_;
   w.spec = spec;
-  const auto timeout = Milliseconds(static_cast<int64_t>(spec.timeout_seconds * 1000));
+  const Milliseconds timeout = timeout_of(spec);
   const std::string master = spec.master_addr + ":" + std::to_string(spec.master_port);
   try {
     c10d::TCPStoreOptions options = store_options(spec, /*server=*/spec.rank == 0 && spec.serve_store);
@@ -325,8 +329,7 @@ void ProcessWorld::finish() {
       w.store->add(kLeft, 1);
       return;
     }
-    const auto deadline =
-        std::chrono::steady_clock::now() + Milliseconds(static_cast<int64_t>(w.spec.timeout_seconds * 1000));
+    const auto deadline = std::chrono::steady_clock::now() + timeout_of(w.spec);
     while (w.store->add(kLeft, 0) < w.spec.world_size - 1 && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(Milliseconds(5));
     }

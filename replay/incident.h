@@ -76,8 +76,6 @@ class Incident {
   const Bundle& bundle() const { return bundle_; }
   // The bundle's steps the replay selects (all, or only_steps).
   size_t steps_to_replay() const { return steps_to_replay_; }
-  // Whether the replay streams layer by layer (asked for, or the only mode that fits).
-  bool layer_streamed() const { return scratch_parent_.has_value(); }
   // What the terminal says about how it replays: "replaying layer by layer
   // (...)", "replaying across N processes, ...", or "" (in memory, one process).
   const std::string& mode_note() const { return mode_note_; }
