@@ -34,25 +34,15 @@ import threading
 import time
 from pathlib import Path
 
+from llama_bundles import cached_llama_bundle
+
 ROOT = Path(__file__).resolve().parents[1]
 IGNORED = ("timings", "elapsed_seconds")  # the only report fields allowed to differ between runs
 
 
 def bundle_for(a):
-    """The bundle of this shape in --work, made on first use (the name holds every option that shapes it)."""
-    path = a.work / f"llama-h{a.hidden}-l{a.layers}-s{a.seq}-v{a.vocab}-w{a.world_size}-n{a.steps}"
-    if not path.exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_llama_bundle.py"), str(path),
-                        "--hidden", str(a.hidden), "--layers", str(a.layers), "--vocab", str(a.vocab),
-                        "--seq-len", str(a.seq), "--micro-batch", "1", "--steps", str(a.steps),
-                        "--world-size", str(a.world_size),
-                        "--storage", "fp32", "--compute", "fp32"],
-                       check=True, stdout=subprocess.DEVNULL)
-    for f in path.rglob("*.safetensors"):  # into the page cache, so the first timed run does not pay the disk
-        with open(f, "rb") as fh:
-            while fh.read(1 << 24):
-                pass
-    return path
+    return cached_llama_bundle(a.work, hidden=a.hidden, layers=a.layers, seq_len=a.seq, vocab=a.vocab,
+                               steps=a.steps, world_size=a.world_size)
 
 
 class TreeSampler(threading.Thread):
