@@ -40,13 +40,22 @@ void ModelCheckpoint::place(const std::vector<torch::Device>& devices, int num_l
                            name.find(".wte.") != std::string::npos || name.find(".wpe.") != std::string::npos;
     const bool on_first = devices.size() == 1 || embedding || (layer >= 0 && layer < first_half);
     const torch::Device& device = on_first ? devices.front() : devices.back();
-    torch::Tensor leaf = params().at(name).detach().to(device, /*non_blocking=*/false, /*copy=*/true);
+    // As stored (bf16 is half the bytes to copy), widened to fp32 on the device:
+    // the same values, since widening is exact.
+    const torch::Tensor stored = file_ && !loaded_ ? stored_tensor(file_->at(name), file_->label())
+                                                   : params().at(name).detach();
+    torch::Tensor leaf = stored.to(device, /*non_blocking=*/false, /*copy=*/true).to(torch::kFloat32);
     leaf.requires_grad_(true);
     placed_.emplace(name, leaf);
   }
 }
 
 torch::Tensor tensor_from_safetensors(const TensorInfo& info, const std::string& label) {
+  const torch::Tensor stored = stored_tensor(info, label);
+  return stored.scalar_type() == torch::kFloat32 ? stored : stored.to(torch::kFloat32);
+}
+
+torch::Tensor stored_tensor(const TensorInfo& info, const std::string& label) {
   torch::ScalarType type;
   switch (info.dtype) {
     case DType::kF32: type = torch::kFloat32; break;
@@ -59,14 +68,13 @@ torch::Tensor tensor_from_safetensors(const TensorInfo& info, const std::string&
   }
   void* data = const_cast<uint8_t*>(info.data);  // never written: the replay only reads leaves
   const bool aligned = reinterpret_cast<uintptr_t>(data) % dtype_size(info.dtype) == 0;
-  if (info.numel() == 0) return torch::zeros(info.shape, torch::kFloat32);
+  if (info.numel() == 0) return torch::zeros(info.shape, torch::TensorOptions().dtype(type));
   if (!aligned) {
     torch::Tensor copy = torch::empty(info.shape, torch::TensorOptions().dtype(type));
     std::memcpy(copy.data_ptr(), data, info.nbytes());
-    return copy.to(torch::kFloat32);
+    return copy;
   }
-  torch::Tensor view = torch::from_blob(data, info.shape, torch::TensorOptions().dtype(type));
-  return type == torch::kFloat32 ? view : view.to(torch::kFloat32);
+  return torch::from_blob(data, info.shape, torch::TensorOptions().dtype(type));
 }
 
 ModelCheckpoint::ModelCheckpoint(const StepFiles& files, const ModelConfig& model)

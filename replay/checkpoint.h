@@ -62,8 +62,9 @@ class ModelCheckpoint {
   void release(const std::string& name) const;
   // Copies the parameters to `devices` as new leaves: all on one device, or
   // split by layer over two (layers [0, L/2) and the embeddings on the first,
-  // the rest, the final norm and the head on the second). The host tensors
-  // stay for the system checks.
+  // the rest, the final norm and the head on the second), each copied as
+  // stored and widened to fp32 there. The host tensors are loaded only if
+  // the system checks ask for them.
   void place(const std::vector<torch::Device>& devices, int num_layers);
   void place(const ComputePlacement& placement, int num_layers) { place(placement.devices, num_layers); }
   // What the replay computes with: the placed leaves, else the host ones.
@@ -82,5 +83,7 @@ class ModelCheckpoint {
 
 // fp32 view (or upcast copy) of one safetensors tensor.
 torch::Tensor tensor_from_safetensors(const TensorInfo& info, const std::string& label);
+// The tensor as stored (F32, BF16 or F16): a view of the mapping, or a copy where it is unaligned.
+torch::Tensor stored_tensor(const TensorInfo& info, const std::string& label);
 
 }  // namespace nanreplay

@@ -4,6 +4,7 @@
 // their order differs, so sums may differ from it in the last bits.
 #include "replay/device_stats.h"
 
+#include <atomic>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -11,6 +12,29 @@
 #include <torch/torch.h>
 
 namespace nanreplay {
+
+namespace {
+std::atomic<int64_t> readbacks{0};
+}  // namespace
+
+std::vector<double> read_back(const std::vector<torch::Tensor>& parts) {
+  if (parts.empty()) return {};
+  std::vector<torch::Tensor> host;
+  size_t begin = 0;
+  while (begin < parts.size()) {
+    size_t end = begin;
+    while (end < parts.size() && parts[end].device() == parts[begin].device()) ++end;
+    std::vector<torch::Tensor> run;
+    for (size_t i = begin; i < end; ++i) run.push_back(parts[i].detach().reshape({-1}).to(torch::kFloat64));
+    host.push_back(torch::cat(run).to(torch::kCPU));
+    readbacks.fetch_add(1, std::memory_order_relaxed);
+    begin = end;
+  }
+  const torch::Tensor all = torch::cat(host).contiguous();
+  return std::vector<double>(all.data_ptr<double>(), all.data_ptr<double>() + all.numel());
+}
+
+int64_t readback_count() { return readbacks.load(std::memory_order_relaxed); }
 
 ElemType elem_type_of(const torch::Tensor& t) {
   switch (t.scalar_type()) {

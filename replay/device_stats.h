@@ -31,6 +31,15 @@ torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool caus
 // (std::logic_error for any other dtype: probes never see one).
 ElemType elem_type_of(const torch::Tensor& t);
 
+// Small tensors (any shape, dtype and devices) read back to the host as one
+// float64 vector, in order: one copy per run of tensors on one device. Every
+// readback of a step's values (losses, norms, probe statistics) goes through
+// here, so a step reads back once however many sites it probes.
+std::vector<double> read_back(const std::vector<torch::Tensor>& parts);
+// The copies read_back has made in this process (the tests count them per
+// step on the CPU, through the path device tensors take).
+int64_t readback_count();
+
 // One row read back to the host.
 TensorStats stats_from_row(const double* row);
 std::vector<TensorStats> stats_from_rows(const torch::Tensor& host_rows);

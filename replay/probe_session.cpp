@@ -48,21 +48,6 @@ void decode_first(ProbeRecord& record, const SiteDef* def, const std::vector<int
   }
 }
 
-// Concatenates small float64 tensors that may sit on different devices and
-// copies them to the host: one transfer per device.
-torch::Tensor gather_to_host(const std::vector<torch::Tensor>& parts) {
-  std::vector<torch::Tensor> host_parts;
-  size_t begin = 0;
-  while (begin < parts.size()) {
-    size_t end = begin;
-    while (end < parts.size() && parts[end].device() == parts[begin].device()) ++end;
-    std::vector<torch::Tensor> run(parts.begin() + static_cast<long>(begin), parts.begin() + static_cast<long>(end));
-    host_parts.push_back(torch::cat(run, 0).to(torch::kCPU));
-    begin = end;
-  }
-  return torch::cat(host_parts, 0).contiguous();
-}
-
 // values: min moment, its flat index over (batch rows x cols), rows below eps,
 // any zero denominator.
 void finish_norm_check(NormCheck& check, const double* values, int64_t cols,
@@ -200,24 +185,37 @@ torch::Tensor expert_rows(const torch::Tensor& t, const ExpertRouting& routing, 
   return t.narrow(0, routing.offsets[e], routing.offsets[e + 1] - routing.offsets[e]);
 }
 
-std::vector<ProbeRecord> describe_experts(const torch::Tensor& tensor, const ExpertRouting& routing,
-                                          const std::vector<int64_t>& sample_ids) {
+// Off the host: one reduction row per expert where the tensor lives, read back with the step's other values.
+torch::Tensor device_expert_rows(const torch::Tensor& tensor, const ExpertRouting& routing) {
+  std::vector<torch::Tensor> rows;
+  for (size_t e = 0; e + 1 < routing.offsets.size(); ++e) {
+    rows.push_back(device_stats_rows(expert_rows(tensor, routing, e), false, false, 0));
+  }
+  return torch::cat(rows, 0);
+}
+
+std::vector<ProbeRecord> describe_host_experts(const torch::Tensor& tensor, const ExpertRouting& routing,
+                                               const std::vector<int64_t>& sample_ids) {
   const int64_t features = tensor.size(1);
   const size_t experts = routing.offsets.size() - 1;
   std::vector<TensorStats> stats;
-  if (!tensor.device().is_cpu()) {  // off the host: one reduction row per expert where it lives
-    std::vector<torch::Tensor> rows;
-    for (size_t e = 0; e < experts; ++e) rows.push_back(device_stats_rows(expert_rows(tensor, routing, e), false, false, 0));
-    stats = stats_from_rows(torch::cat(rows, 0).cpu());
-  } else {
-    const torch::Tensor t = tensor.detach().contiguous();
-    const size_t bytes = t.element_size() * static_cast<size_t>(features);
-    for (size_t e = 0; e < experts; ++e) {
-      const auto* base = static_cast<const char*>(t.data_ptr()) + bytes * static_cast<size_t>(routing.offsets[e]);
-      stats.push_back(compute_stats(base, elem_type_of(t), (routing.offsets[e + 1] - routing.offsets[e]) * features));
-    }
+  const torch::Tensor t = tensor.detach().contiguous();
+  const size_t bytes = t.element_size() * static_cast<size_t>(features);
+  for (size_t e = 0; e < experts; ++e) {
+    const auto* base = static_cast<const char*>(t.data_ptr()) + bytes * static_cast<size_t>(routing.offsets[e]);
+    stats.push_back(compute_stats(base, elem_type_of(t), (routing.offsets[e + 1] - routing.offsets[e]) * features));
   }
   return records_from_expert_stats(stats, features, elem_type_of(tensor), routing, sample_ids);
+}
+
+// Statistics rows read back: `count` rows of kDeviceStatsColumns from values[next], next moved past them.
+std::vector<TensorStats> take_rows(const std::vector<double>& values, size_t& next, int64_t count) {
+  std::vector<TensorStats> stats;
+  for (int64_t r = 0; r < count; ++r) {
+    stats.push_back(stats_from_row(values.data() + next));
+    next += kDeviceStatsColumns;
+  }
+  return stats;
 }
 
 }  // namespace
@@ -228,7 +226,9 @@ std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const Site
   if (!per_head || !def->causal) window = 0;
   if (!tensor.device().is_cpu()) {  // off the host: reductions where it lives
     const torch::Tensor rows = device_stats_rows(tensor, per_head, per_head && def->causal, window);
-    return records_from_stats(stats_from_rows(rows.cpu()), per_head, tensor.sizes().vec(),
+    const std::vector<double> values = read_back({rows});
+    size_t next = 0;
+    return records_from_stats(take_rows(values, next, rows.size(0)), per_head, tensor.sizes().vec(),
                               elem_type_of(tensor), def, sample_ids);
   }
   const torch::Tensor t = tensor.detach().contiguous();
@@ -246,13 +246,14 @@ struct ProbeSession::State {
   // A probe of a tensor that lives on an accelerator: its statistics rows
   // stay there until resolve() reads every pending row back at once.
   struct PendingProbe {
-    torch::Tensor rows;  // (1 or heads, kDeviceStatsColumns) float64 on the device,
+    torch::Tensor rows;  // (1, heads or experts, kDeviceStatsColumns) float64 on the device,
     std::optional<CudaProbeStats::Ticket> ticket;  // or the CUDA kernel's results
     std::vector<int64_t> shape;
     ElemType type;
     bool per_head;
     SiteRef ref;
     Phase phase;
+    std::shared_ptr<const ExpertRouting> routing;  // a per-expert site: one row per expert
   };
   struct PendingNorm {
     torch::Tensor values;  // [min moment, its flat index, rows below eps, any zero denominator]
@@ -282,7 +283,9 @@ struct ProbeSession::State {
   std::vector<ProbeRecord> backward;
   std::vector<PendingProbe> pending;
   std::vector<PendingNorm> pending_norms;
-  std::unique_ptr<CudaProbeStats> cuda_stats;  // made for the first CUDA tensor the kernel takes
+  // Made for the first CUDA tensor the kernel takes, or shared by a step's
+  // sessions (share_kernel) so that it is read back once for all of them.
+  std::shared_ptr<CudaProbeStats> cuda_stats;
   std::vector<std::pair<SiteRef, SiteRef>> aliases;
   std::vector<NormCheck> norm_checks;
 
@@ -291,21 +294,24 @@ struct ProbeSession::State {
   void probe(const torch::Tensor& tensor, const SiteRef& ref, Phase phase,
              const std::shared_ptr<const ExpertRouting>& routing = nullptr) {
     const SiteDef& def = site_def(ref.id);
-    if (routing && scope.level == ProbeLevel::kFull) {  // per expert: read back at once (the routing is on the host)
-      add(describe_experts(tensor, *routing, context.sample_ids), ref, phase);
+    const bool deferred = scope.level == ProbeLevel::kFull && (!tensor.device().is_cpu() || defer_host);
+    if (routing && !deferred && scope.level == ProbeLevel::kFull) {
+      add(describe_host_experts(tensor, *routing, context.sample_ids), ref, phase);
       return;
     }
-    if (scope.level != ProbeLevel::kFull || (tensor.device().is_cpu() && !defer_host)) {
+    if (!deferred) {
       add(describe(tensor, def), ref, phase);
       return;
     }
-    const bool per_head = probed_per_head(tensor, &def);
+    const bool per_head = !routing && probed_per_head(tensor, &def);
     const bool causal = per_head && def.causal;
     const int64_t window = causal ? attention_window : 0;
-    PendingProbe p{{}, std::nullopt, tensor.sizes().vec(), elem_type_of(tensor), per_head, ref, phase};
+    PendingProbe p{{}, std::nullopt, tensor.sizes().vec(), elem_type_of(tensor), per_head, ref, phase, routing};
     // The CUDA kernel knows full causal rows only: a sliding window takes LibTorch's reductions.
-    if (window == 0 && CudaProbeStats::accepts(tensor) && CudaProbeStats::available()) {
-      if (!cuda_stats) cuda_stats = std::make_unique<CudaProbeStats>();
+    if (routing) {
+      p.rows = device_expert_rows(tensor, *routing);
+    } else if (window == 0 && CudaProbeStats::accepts(tensor) && CudaProbeStats::available()) {
+      if (!cuda_stats) cuda_stats = std::make_shared<CudaProbeStats>();
       p.ticket = cuda_stats->add(tensor, per_head, causal);
     } else {
       p.rows = device_stats_rows(tensor, per_head, causal, window);
@@ -313,43 +319,50 @@ struct ProbeSession::State {
     pending.push_back(std::move(p));
   }
 
-  // Reads every pending row back (one copy per device) and decodes it.
-  void resolve() {
-    if (!pending.empty()) {
-      const std::vector<TensorStats> kernel_results = cuda_stats ? cuda_stats->collect() : std::vector<TensorStats>{};
-      std::vector<torch::Tensor> parts;
-      for (const PendingProbe& p : pending) {
-        if (!p.ticket) parts.push_back(p.rows);
+  // What resolve_from() decodes, in its order: each pending probe's rows
+  // (the CUDA kernel's results come apart), then each norm's four values.
+  void add_readback(std::vector<torch::Tensor>& parts) const {
+    for (const PendingProbe& p : pending) {
+      if (!p.ticket) parts.push_back(p.rows);
+    }
+    for (const PendingNorm& n : pending_norms) parts.push_back(n.values);
+  }
+
+  void resolve_from(const std::vector<double>& values, size_t& next, const std::vector<TensorStats>& kernel_results) {
+    for (PendingProbe& p : pending) {
+      std::vector<TensorStats> stats;
+      if (p.ticket) {
+        const auto first = kernel_results.begin() + p.ticket->first;
+        stats.assign(first, first + p.ticket->count);
+      } else {
+        stats = take_rows(values, next, p.rows.size(0));
       }
-      const torch::Tensor host = parts.empty() ? torch::Tensor() : gather_to_host(parts);
-      int64_t row = 0;
-      for (PendingProbe& p : pending) {
-        std::vector<TensorStats> stats;
-        if (p.ticket) {
-          const auto first = kernel_results.begin() + p.ticket->first;
-          stats.assign(first, first + p.ticket->count);
-        } else {
-          const int64_t n = p.rows.size(0);
-          stats = stats_from_rows(host.narrow(0, row, n));
-          row += n;
-        }
-        add(records_from_stats(stats, p.per_head, std::move(p.shape), p.type, &site_def(p.ref.id),
-                               context.sample_ids),
+      if (p.routing) {
+        add(records_from_expert_stats(stats, p.shape.at(1), p.type, *p.routing, context.sample_ids), p.ref, p.phase);
+      } else {
+        add(records_from_stats(stats, p.per_head, std::move(p.shape), p.type, &site_def(p.ref.id), context.sample_ids),
             p.ref, p.phase);
       }
-      pending.clear();
     }
-    if (!pending_norms.empty()) {
-      std::vector<torch::Tensor> parts;
-      for (const PendingNorm& n : pending_norms) parts.push_back(n.values.unsqueeze(0));
-      const torch::Tensor host = gather_to_host(parts);
-      for (size_t i = 0; i < pending_norms.size(); ++i) {
-        finish_norm_check(pending_norms[i].check, host[static_cast<int64_t>(i)].data_ptr<double>(),
-                          pending_norms[i].cols, context.sample_ids);
-        norm_checks.push_back(pending_norms[i].check);
-      }
-      pending_norms.clear();
+    pending.clear();
+    for (PendingNorm& n : pending_norms) {
+      finish_norm_check(n.check, values.data() + next, n.cols, context.sample_ids);
+      next += 4;
+      norm_checks.push_back(n.check);
     }
+    pending_norms.clear();
+  }
+
+  // Reads this session's pending values back on its own (one copy per
+  // device) and decodes them: valid while no other session holds results in
+  // a kernel it shares.
+  void resolve() {
+    if (pending.empty() && pending_norms.empty()) return;
+    const std::vector<TensorStats> kernel_results = cuda_stats ? cuda_stats->collect() : std::vector<TensorStats>{};
+    std::vector<torch::Tensor> parts;
+    add_readback(parts);
+    size_t next = 0;
+    resolve_from(read_back(parts), next, kernel_results);
   }
 
   int order(const SiteRef& ref) const {
@@ -475,6 +488,15 @@ void ProbeSession::check_norm(const SiteRef& ref, const torch::Tensor& moment, d
     state_->pending_norms.push_back(std::move(pending));
   }
 }
+
+void ProbeSession::add_readback(std::vector<torch::Tensor>& parts) const { state_->add_readback(parts); }
+
+void ProbeSession::resolve_from(const std::vector<double>& values, size_t& next,
+                                const std::vector<TensorStats>& kernel_results) {
+  state_->resolve_from(values, next, kernel_results);
+}
+
+void ProbeSession::share_kernel(std::shared_ptr<CudaProbeStats> kernel) { state_->cuda_stats = std::move(kernel); }
 
 std::vector<NormCheck> ProbeSession::take_norm_checks() {
   state_->resolve();

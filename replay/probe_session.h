@@ -20,6 +20,8 @@
 
 namespace nanreplay {
 
+class CudaProbeStats;
+
 struct BatchContext {
   int64_t step = 0;
   int micro_batch = 0;
@@ -116,6 +118,15 @@ class ProbeSession {
   // forward order; call after backward has run.
   std::vector<ProbeRecord> take_records();
   std::vector<NormCheck> take_norm_checks();
+
+  // A step reads back all of its passes' values at once: each session adds
+  // what it still holds where it was computed to `parts`; after one
+  // read_back (device_stats.h) of them and one collect() of the CUDA kernel
+  // the sessions share (share_kernel), each decodes its share, from `next`
+  // on, in the order the sessions added theirs.
+  void add_readback(std::vector<torch::Tensor>& parts) const;
+  void resolve_from(const std::vector<double>& values, size_t& next, const std::vector<TensorStats>& kernel_results);
+  void share_kernel(std::shared_ptr<CudaProbeStats> kernel);
 
   // A replay split across processes: each takes its own probes out, then
   // absorbs every process's (its own included), after which take_records

@@ -7,9 +7,13 @@
 // each starts from its own checkpoint.
 #include "replay/replay_engine.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <future>
 #include <optional>
 #include <set>
 
@@ -27,7 +31,9 @@
 #include "replay/system_checks.h"
 #include "replay/trajectory.h"
 #include "reports/expert_load.h"
+#include "loaders/provenance.h"
 #include "reports/number_text.h"
+#include "reports/provenance_note.h"
 #include "reports/verdict.h"
 
 namespace nanreplay {
@@ -35,6 +41,15 @@ namespace nanreplay {
 using K = EvidenceKey;
 
 namespace {
+
+// Asks the kernel to read `file` into the page cache in the background
+// (the next step's checkpoint, while this step computes); best effort.
+void read_ahead(const std::filesystem::path& file) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
+  ::close(fd);
+}
 
 const char* low_precision_name(Compute compute, const ComputePlacement& placement) {
   if (compute == Compute::kFp32) return "fp32";
@@ -62,6 +77,7 @@ class BundleReplay {
     report_.precision = m_.precision.compute;
     report_.incident = m_.incident;
     report_.minimized = m_.minimized;
+    report_.defaulted = defaulted_values(m_.provenance);
     report_.devices = options.devices;
     report_.low_precision = low_precision_name(m_.precision.compute, placement_);
     for (const StepFiles& files : bundle.steps()) {
@@ -84,6 +100,7 @@ class BundleReplay {
 
   void replay_steps() {
     for (size_t index = 0; index < todo_.size(); ++index) replay_one(*todo_[index], index);
+    next_host_step_ = {};  // an interrupted replay's next step, still being prepared
     retention_.finish();
   }
 
@@ -141,6 +158,7 @@ class BundleReplay {
 
   ReplayReport finish(std::chrono::steady_clock::time_point started) {
     settle_verdict(report_, thresholds_);
+    note_defaulted_values(report_);
     annotate_original_samples(report_, m_);
     report_.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     return std::move(report_);
@@ -158,9 +176,50 @@ class BundleReplay {
     report_.timings.step_seconds.emplace_back(files.step, report_.timings.of(TimedPhase::kReplay) - replay_before);
   }
 
-  void replay_timed(const StepFiles& files, size_t index) {
+  // The host's share of a step that no earlier step decides: its logged
+  // state, batch and data findings. A replay on a GPU prepares the next
+  // step's on a worker thread while the device computes this one, and has
+  // the next checkpoint read into the page cache meanwhile.
+  struct HostStep {
+    StepState logged;
+    std::vector<Finding> sampler;
+    StepBatch batch;
+    std::vector<Finding> bad_tokens;
+    std::vector<Finding> profile;  // when the batch's tokens are all in range
+  };
+
+  HostStep prepare_host_step(const StepFiles& files) const {
     const StepEntry& entry = step_entry(m_, files.step);
-    const StepState logged = bundle_.load_state(files);
+    HostStep host{bundle_.load_state(files), sampler_findings(bundle_, entry), {}, {}, {}};
+    host.batch = StepBatch{bundle_.sampler().samples_for(entry)};
+    host.bad_tokens = batch_token_findings(bundle_, files.step, host.batch);
+    if (host.bad_tokens.empty()) {
+      host.profile = batch_profile_findings(bundle_, files.step, host.batch, baseline_, thresholds_.data);
+    }
+    if (files.has_model && prepares_ahead()) read_ahead(files.model);
+    return host;
+  }
+
+  bool prepares_ahead() const {
+    if (options_.prepare_ahead) return *options_.prepare_ahead;
+    return std::any_of(placement_.devices.begin(), placement_.devices.end(),
+                       [](const torch::Device& d) { return !d.is_cpu(); });
+  }
+
+  // Step `index`'s host share (prepared ahead, or now), and the next one's started.
+  HostStep take_host_step(size_t index) {
+    HostStep host = next_host_step_.valid() ? next_host_step_.get() : prepare_host_step(*todo_[index]);
+    if (prepares_ahead() && index + 1 < todo_.size()) {
+      const StepFiles* next = todo_[index + 1];
+      next_host_step_ = std::async(std::launch::async, [this, next] { return prepare_host_step(*next); });
+    }
+    return host;
+  }
+
+  void replay_timed(const StepFiles& files, size_t index) {
+    std::optional<PhaseTimer> data_timer(std::in_place, report_.timings, TimedPhase::kDataChecks);
+    HostStep host = take_host_step(index);
+    const StepState& logged = host.logged;
     const StepState state = with_loss_scale(logged, loss_scales_.of(logged));
     states_.push_back(state);
     StepOutcome outcome;
@@ -169,11 +228,10 @@ class BundleReplay {
     outcome.logged_loss = state.logged.loss;
     outcome.logged_grad_norm = state.logged.grad_norm;
     outcome.loss_scale = m_.precision.compute == Compute::kFp16 ? state.loss_scale : 1.0;
-    std::optional<PhaseTimer> data_timer(std::in_place, report_.timings, TimedPhase::kDataChecks);
-    add(sampler_findings(bundle_, entry));
-    const StepBatch batch{bundle_.sampler().samples_for(entry)};
+    add(host.sampler);
+    const StepBatch& batch = host.batch;
     for (const auto& rank_samples : batch.samples) batch_samples_.insert(rank_samples.begin(), rank_samples.end());
-    const std::vector<Finding> bad_tokens = batch_token_findings(bundle_, files.step, batch);
+    const std::vector<Finding>& bad_tokens = host.bad_tokens;
     if (!bad_tokens.empty() || (outcome.derived && !trajectory_ok_)) {
       outcome.finite = false;
       outcome.not_replayed_reason = !bad_tokens.empty() ? "token id out of range in the batch"
@@ -184,7 +242,7 @@ class BundleReplay {
       loss_scales_.step_done(false);
       return;
     }
-    add(batch_profile_findings(bundle_, files.step, batch, baseline_, thresholds_.data));
+    add(host.profile);
     data_timer.reset();
 
     ModelCheckpoint checkpoint = files.has_model ? ModelCheckpoint(files, m_.model) : trajectory_.checkpoint();
@@ -249,6 +307,7 @@ class BundleReplay {
     outcome.loss = step.loss;
     outcome.grad_norm = step.grad_norm;
     outcome.rank_losses = step.rank_losses;
+    outcome.micro_batch_losses = step.micro_batch_losses;
     outcome.rank_grad_norms = step.rank_grad_norms;
     const bool probes_finite = std::all_of(step.probes.begin(), step.probes.end(),
                                            [](const ProbeRecord& r) { return r.stats.all_finite(); });
@@ -370,6 +429,7 @@ class BundleReplay {
   LossScales loss_scales_{bundle_.rolls_forward()};
   std::optional<ModelCheckpoint> recheck_params_;
   ProbeRetention retention_{report_.probes};  // with on_step_probes
+  std::future<HostStep> next_host_step_;  // prepare_ahead: the next step's host share
 };
 
 }  // namespace

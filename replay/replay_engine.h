@@ -51,6 +51,10 @@ struct ReplayOptions {
   // Set: replay layer by layer (replay/layer_stream.h), the scratch files in
   // a directory made inside this one and removed at the end.
   std::optional<std::filesystem::path> stream_scratch;
+  // Prepare each next step's logged state, batch and data findings on a
+  // worker thread while this one computes. Default: on a GPU only (on a CPU
+  // the worker would take cores from the step).
+  std::optional<bool> prepare_ahead;
 };
 
 // What the Interrupted (loaders/error.h) thrown when should_stop() returned

@@ -10,6 +10,8 @@
 
 #include <torch/torch.h>
 
+#include "replay/cuda_probe_stats.h"
+#include "replay/device_stats.h"
 #include "replay/step_model.h"
 
 namespace nanreplay {
@@ -17,23 +19,6 @@ namespace nanreplay {
 namespace {
 
 bool is_fp16(const Manifest& m) { return m.precision.compute == Compute::kFp16; }
-
-// Small tensors (any devices) to one float64 host vector, one copy per device.
-std::vector<double> read_back(const std::vector<torch::Tensor>& parts) {
-  if (parts.empty()) return {};
-  std::vector<torch::Tensor> host;
-  size_t begin = 0;
-  while (begin < parts.size()) {
-    size_t end = begin;
-    while (end < parts.size() && parts[end].device() == parts[begin].device()) ++end;
-    std::vector<torch::Tensor> run;
-    for (size_t i = begin; i < end; ++i) run.push_back(parts[i].detach().reshape({-1}).to(torch::kFloat64));
-    host.push_back(torch::cat(run).to(torch::kCPU));
-    begin = end;
-  }
-  const torch::Tensor all = torch::cat(host).contiguous();
-  return std::vector<double>(all.data_ptr<double>(), all.data_ptr<double>() + all.numel());
-}
 
 // One pass whose values are still where they were computed.
 struct PendingPass {
@@ -103,6 +88,8 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
   std::vector<torch::Tensor> rank_norms;
   int settled_at = accum;  // the earliest micro-batch whose flags settle that the step is bad
   const std::optional<PassRef>& only = request.only_pass;
+  // The CUDA statistics kernel's results of every pass, read back once at the end.
+  const auto kernel = std::make_shared<CudaProbeStats>();
   model.begin_step(/*whole_step=*/!only && !settle_early);
   for (int rank = 0; rank < world; ++rank) {
     if (only && rank != only->rank) continue;
@@ -120,7 +107,9 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
       if (request.before_pass) request.before_pass(rank, micro, "forward");
       const torch::Tensor window = sample_windows(in.tokens, pass.rows, data.seq_len);
       pass.probes = std::make_unique<ProbeSession>(BatchContext{in.step, micro, rank, pass.rows},
-                                                   arithmetic.numerics, scope, arithmetic.model);
+                                                   arithmetic.numerics, scope, arithmetic.model,
+                                                   request.defer_host_probes);
+      pass.probes->share_kernel(kernel);
       // The rank's micro-batch loss / grad_accum_steps, times the loss scale.
       const ForwardResult forward = model.forward_backward(
           arithmetic.model, arithmetic.numerics, *pass.probes, window.narrow(1, 0, data.seq_len),
@@ -151,7 +140,8 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
   }
   model.end_ranks();
 
-  // The one synchronisation: losses, norms, per-sample losses.
+  // The one synchronisation: losses, norms, per-sample losses, then every
+  // pass's probe statistics (the CUDA kernel's come in its own copy).
   std::vector<torch::Tensor> scalars;
   for (const PendingPass& p : passes) scalars.push_back(p.loss);
   scalars.insert(scalars.end(), rank_norms.begin(), rank_norms.end());
@@ -160,11 +150,15 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
   for (const PendingPass& p : passes) {
     if (p.sample_loss.defined()) scalars.push_back(p.sample_loss);
   }
+  for (const PendingPass& p : passes) p.probes->add_readback(scalars);
   const std::vector<double> values = read_back(scalars);
+  const std::vector<TensorStats> kernel_results = kernel->collect();
   size_t next = 0;
   std::vector<double> rank_sum(static_cast<size_t>(world), 0.0);
   std::vector<int> rank_passes(static_cast<size_t>(world), 0);
+  result.micro_batch_losses.resize(static_cast<size_t>(world));
   for (const PendingPass& p : passes) {
+    result.micro_batch_losses[static_cast<size_t>(p.rank)].push_back(values[next]);
     rank_sum[static_cast<size_t>(p.rank)] += values[next++];
     ++rank_passes[static_cast<size_t>(p.rank)];
   }
@@ -183,6 +177,7 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
     if (!p.sample_loss.defined()) continue;
     for (int64_t sample : p.rows) result.sample_losses.push_back({sample, p.rank, p.micro, values[next++]});
   }
+  for (PendingPass& p : passes) p.probes->resolve_from(values, next, kernel_results);
   for (PendingPass& p : passes) {
     std::vector<NormCheck> norms = p.probes->take_norm_checks();
     result.norm_checks.insert(result.norm_checks.end(), norms.begin(), norms.end());

@@ -57,6 +57,9 @@ struct StepRequest {
   bool stop_at_first_bad = false;
   // bf16/fp16 matmuls in the low type on a GPU instead of emulated by rounding fp32.
   bool native_low_precision = false;
+  // Probe host tensors as device ones are (statistics left where they are,
+  // read back once at the step's end): the tests' way to that path on a CPU.
+  bool defer_host_probes = false;
   PassProgress before_pass;
   // A layer-streamed replay: called before each block of each pass,
   // (rank, micro-batch, layer, "forward" | "backward"). May throw to stop.
@@ -66,6 +69,9 @@ struct StepRequest {
 struct StepResult {
   double loss = 0.0;                 // mean over ranks of the mean over micro-batches
   std::vector<double> rank_losses;
+  // [rank][micro-batch]: each pass's own loss, in pass order (what a job that
+  // prints its last micro-batch's loss logs, nanoGPT and llama2.c among them).
+  std::vector<std::vector<double>> micro_batch_losses;
   std::vector<double> rank_grad_norms;
   double grad_norm = 0.0;            // global norm before clipping (clip_grad_norm_'s)
   // Per parameter in the checkpoint's order: on the host (in memory or on

@@ -19,7 +19,8 @@ set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 deps="$root/.gpu-deps"
-packages=(libhdf5-dev libhdf5-103-1 libhdf5-hl-100 libhdf5-cpp-103-1 libsz2 libaec0
+# libgloo-dev: Gloo's headers only (a PyTorch wheel ships none; its Gloo code is inside libtorch_cpu).
+packages=(libgloo-dev libhdf5-dev libhdf5-103-1 libhdf5-hl-100 libhdf5-cpp-103-1 libsz2 libaec0
   libcxxopts-dev nlohmann-json3-dev catch2 libssl-dev libssl3
   libcurl4 libnghttp2-14 librtmp1 libssh2-1 libpsl5 libbrotli1 libldap-2.5-0 libsasl2-2
   libidn2-0 libunistring2)
@@ -94,8 +95,13 @@ PY
   echo "OpenMP runtimes the replay tests load:"
   ldd "$build/tests/nanreplay_gpu_replay_tests" | grep -Ei 'gomp|libomp' || echo "  (none found by ldd)"
 
-  echo "== tests tagged gpu"
   local failed=0
+  echo "== the C++ runtime comes before LibTorch in every executable"
+  local executables=("$build/nanreplay" "$build/tests/nanreplay_gpu_replay_tests")
+  [[ -x "$build/tests/nanreplay_gpu_tests" ]] && executables+=("$build/tests/nanreplay_gpu_tests")
+  "$root/scripts/check_cxx_runtime_first.sh" "${executables[@]}" || failed=1
+
+  echo "== tests tagged gpu"
   (cd "$build" && ctest -L gpu --output-on-failure --timeout 300) || failed=1
   if ((failed)); then
     # Each test case on its own, so one crash hides no other result; no gdb on
@@ -117,6 +123,10 @@ PY
 
   echo "== the CLI on the GPU, end to end"
   NANREPLAY_CLI="$build/nanreplay" NANREPLAY_GPU_LOGS="$logs" "$root/scripts/gpu_cli_check.sh" || failed=1
+
+  echo "== the GPU benchmark (bench/bench_gpu.py): is the replay GPU-bound?"
+  "$python" "$root/bench/bench_gpu.py" --cli "$build/nanreplay" --work "$build/bench-gpu" \
+    --json "$logs/bench_gpu.json" || failed=1
   if ((failed)); then
     echo "gpu_check: FAILED (see above)"
     return 1

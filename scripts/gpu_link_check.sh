@@ -65,6 +65,8 @@ if grep -q 'built without the CUDA statistics kernel' "$work/nanreplay.strings";
   echo "gpu_link_check: $cli carries the CPU-only probe stub" >&2
   exit 1
 fi
+# No C++ runtime symbol may bind into LibTorch (CMakeLists.txt says why).
+"$root/scripts/check_cxx_runtime_first.sh" "$cli" "$build"/tests/nanreplay_tests "$build"/tests/nanreplay_gpu_replay_tests
 version=$(sed -n 's/^set(PACKAGE_VERSION "\(.*\)")$/\1/p' "$work"/root/usr/lib/*/cmake/Torch/TorchConfigVersion.cmake)
 echo "gpu_link_check: every target compiled and linked against LibTorch $version with CUDA" \
   "(GPU replay enabled, CUDA statistics kernel ON); the CLI's probes go through the kernel"

@@ -60,6 +60,8 @@ class Bundle:
     def samples(self, step):
         d = self.manifest["data"]
         s = d["sampler"]
+        if s.get("kind") == "explicit":  # the step's own lists, one per rank
+            return next(e["samples"] for e in self.manifest["steps"] if e["step"] == step)
         world = d.get("world_size", 1)
         B = d["micro_batch_size"] * d.get("grad_accum_steps", 1)
         g = torch.Generator()
