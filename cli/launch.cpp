@@ -19,6 +19,7 @@
 #include "cli/cli_support.h"
 #include "loaders/error.h"
 #include "replay/distributed.h"
+#include "replay/run_secret.h"
 
 extern char** environ;
 
@@ -72,12 +73,41 @@ std::string describe_wait_status(int status) {
   return "exit status " + std::to_string(WEXITSTATUS(status));
 }
 
+// The secret a launcher hands its processes: the file's when given (and
+// needed across hosts, which must all hold the same), else a fresh one.
+std::string launch_secret(const LaunchFlags& flags) {
+  if (flags.secret_file) return read_secret_file(*flags.secret_file);
+  if (const std::optional<std::string> file = env(kSecretFileVariable)) return read_secret_file(*file);
+  if (flags.nnodes > 1) {
+    throw UsageError("--nnodes " + std::to_string(flags.nnodes) + ": every host must prove it belongs to this run: "
+                     "give each the same --secret-file (or " + kSecretFileVariable + ")");
+  }
+  return new_run_secret();
+}
+
+// A worker's secret: its launcher's; else (torchrun, srun, by hand) the
+// file every process reads.
+std::string worker_secret(const LaunchFlags& flags) {
+  if (env(kWorkerVariable)) {
+    const std::string secret = from_hex(env(kSecretVariable).value_or(""));
+    if (secret.empty()) throw UsageError(std::string(kSecretVariable) + ": not the secret its launcher makes");
+    return secret;
+  }
+  if (flags.secret_file) return read_secret_file(*flags.secret_file);
+  if (const std::optional<std::string> file = env(kSecretFileVariable)) return read_secret_file(*file);
+  throw UsageError("WORLD_SIZE=" + env("WORLD_SIZE").value_or("") + ": a process started by another launcher "
+                   "proves it belongs to the run with --secret-file FILE (or " + kSecretFileVariable +
+                   "), the same file for every process");
+}
+
 // Starts the local workers and waits for them. A stop request here is passed
 // on to them; after the first failure the rest get a few seconds to end by
 // themselves (they are told through the rendezvous), then SIGTERM (5 s after
 // the failure), then SIGKILL (10 s after it).
 int launch_local(const LaunchFlags& flags, const CommandArgs& args) {
   const int world = flags.nproc * flags.nnodes;
+  choose_backend(flags.backend, flags.device);  // a backend not built: exit 2 before any process starts
+  const std::string secret = launch_secret(flags);
   const std::string addr = flags.master_addr.value_or(env("MASTER_ADDR").value_or("127.0.0.1"));
   const int port = flags.master_port ? *flags.master_port
                                      : env("MASTER_PORT") ? env_int("MASTER_PORT", 29500)
@@ -97,7 +127,7 @@ int launch_local(const LaunchFlags& flags, const CommandArgs& args) {
       const std::string entry = *e;
       const std::string name = entry.substr(0, entry.find('='));
       if (name == "RANK" || name == "WORLD_SIZE" || name == "LOCAL_RANK" || name == "LOCAL_WORLD_SIZE" ||
-          name == "MASTER_ADDR" || name == "MASTER_PORT" || name == kWorkerVariable) {
+          name == "MASTER_ADDR" || name == "MASTER_PORT" || name == kWorkerVariable || name == kSecretVariable) {
         continue;
       }
       env_text.push_back(entry);
@@ -105,7 +135,8 @@ int launch_local(const LaunchFlags& flags, const CommandArgs& args) {
     for (const auto& [name, value] :
          {std::pair<std::string, std::string>{"RANK", std::to_string(rank)}, {"WORLD_SIZE", std::to_string(world)},
           {"LOCAL_RANK", std::to_string(local)}, {"LOCAL_WORLD_SIZE", std::to_string(flags.nproc)},
-          {"MASTER_ADDR", addr}, {"MASTER_PORT", std::to_string(port)}, {kWorkerVariable, "1"}}) {
+          {"MASTER_ADDR", addr}, {"MASTER_PORT", std::to_string(port)}, {kWorkerVariable, "1"},
+          {kSecretVariable, to_hex(secret)}}) {
       env_text.push_back(name + "=" + value);
     }
     std::vector<char*> envp;
@@ -207,6 +238,13 @@ void add_launch_flags(cxxopts::Options& options) {
                       "several: 29500)", cxxopts::value<int>(), "PORT")
       ("dist-timeout", "seconds to wait for a peer before giving up on it (PyTorch's default)",
        cxxopts::value<double>()->default_value("1800"), "SECONDS")
+      ("secret-file", "a file (mode 0600) holding the secret every process of the run proves it has; needed "
+                      "across hosts and under other launchers (default with --nproc: a fresh one per run; "
+                      "or $NANREPLAY_DIST_SECRET_FILE)", cxxopts::value<std::string>(), "FILE")
+      ("dist-backend", "how tensors travel between processes: auto (NCCL for CUDA devices where built, else "
+                       "Gloo), gloo or nccl", cxxopts::value<std::string>()->default_value("auto"), "NAME")
+      ("dist-interface", "across hosts: the network interface Gloo listens on (default $GLOO_SOCKET_IFNAME, "
+                         "else the host name's address; one host: loopback)", cxxopts::value<std::string>(), "IF")
       ("split", "what the processes share out: layers (each computes a range of every pass) or ranks (each "
                 "replays some of the bundle's data-parallel ranks); default: ranks when the bundle has several "
                 "and the model fits each process's memory, else layers", cxxopts::value<std::string>(), "WHAT");
@@ -220,6 +258,12 @@ LaunchFlags parse_launch_flags(const cxxopts::ParseResult& args) {
   if (args.count("master-addr")) flags.master_addr = args["master-addr"].as<std::string>();
   if (args.count("master-port")) flags.master_port = args["master-port"].as<int>();
   flags.timeout_seconds = args["dist-timeout"].as<double>();
+  if (args.count("secret-file")) flags.secret_file = args["secret-file"].as<std::string>();
+  flags.backend = args["dist-backend"].as<std::string>();
+  if (flags.backend != "auto" && flags.backend != "gloo" && flags.backend != "nccl") {
+    throw UsageError("--dist-backend " + flags.backend + ": auto, gloo or nccl");
+  }
+  if (args.count("dist-interface")) flags.interface = args["dist-interface"].as<std::string>();
   if (flags.nproc < 1 || flags.nproc > 64) {
     throw UsageError("--nproc " + std::to_string(flags.nproc) + ": from 1 to 64");
   }
@@ -253,7 +297,20 @@ int run_launched(const LaunchFlags& flags, const CommandArgs& args, double memor
   spec.serve_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") != "True";
   spec.timeout_seconds = flags.timeout_seconds;
   spec.memory_bytes = memory_bytes;
+  spec.secret = worker_secret(flags);
+  spec.device = flags.device;
+  spec.backend = flags.backend;
+  spec.interface = flags.interface;
   return run_as_worker(spec, body);
+}
+
+std::vector<std::string> process_devices(const std::vector<std::string>& given) {
+  if (env_int("WORLD_SIZE", 1) <= 1 || given.size() != 1 || given[0].rfind("cuda", 0) != 0) return given;
+  if (given[0] != "cuda" && given[0] != "cuda:0") {
+    throw UsageError("--device " + given[0] + ": with several processes each computes on cuda:$LOCAL_RANK; "
+                     "give --device cuda (CUDA_VISIBLE_DEVICES picks the GPUs)");
+  }
+  return {"cuda:" + std::to_string(env_int("LOCAL_RANK", 0))};
 }
 
 MemoryLimit process_memory_limit(const std::optional<MemoryLimit>& given) {

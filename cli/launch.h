@@ -9,6 +9,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <cxxopts.hpp>
 
@@ -24,6 +25,10 @@ struct LaunchFlags {
   std::optional<std::string> master_addr;
   std::optional<int> master_port;
   double timeout_seconds = 1800;  // PyTorch's default process-group timeout
+  std::optional<std::string> secret_file;  // --secret-file: the secret every host reads (replay/run_secret.h)
+  std::string backend = "auto";            // --dist-backend
+  std::string interface;                   // --dist-interface
+  std::string device = "cpu";              // this process's device (set with --device)
 };
 
 void add_launch_flags(cxxopts::Options& options);
@@ -36,6 +41,11 @@ LaunchFlags parse_launch_flags(const cxxopts::ParseResult& args);
 // `memory_bytes`: this process's memory limit, which sets its share of the layers.
 int run_launched(const LaunchFlags& flags, const CommandArgs& args, double memory_bytes,
                  const std::function<int(bool rank_zero)>& body);
+
+// The devices this process computes on: with several processes (WORLD_SIZE
+// above 1), a CUDA --device becomes cuda:$LOCAL_RANK, as torchrun's
+// convention; an index other than 0 is a UsageError, as it would be ignored.
+std::vector<std::string> process_devices(const std::vector<std::string>& given);
 
 // This process's memory limit: --max-memory as given, else the default
 // shared among the processes on this host (LOCAL_WORLD_SIZE, as torchrun sets it).

@@ -61,7 +61,7 @@ ReplayFlags parse_replay_flags(const cxxopts::ParseResult& args, bool probes) {
   ReplayFlags flags;
   IncidentSettings& incident = flags.incident;
   incident.threads = args["threads"].as<int>();
-  incident.devices = split_devices(args["device"].as<std::string>());
+  incident.devices = process_devices(split_devices(args["device"].as<std::string>()));  // cuda:$LOCAL_RANK
   incident.cross_check = args.count("cross-check") > 0;
   incident.native_low_precision = args.count("emulate-low-precision") == 0;
   incident.probes = probes;
@@ -78,6 +78,7 @@ ReplayFlags parse_replay_flags(const cxxopts::ParseResult& args, bool probes) {
   flags.json = args.count("json") > 0;
   flags.quiet = args.count("quiet") > 0;
   flags.launch = parse_launch_flags(args);
+  if (!incident.devices.empty()) flags.launch.device = incident.devices.front();
   if (args.count("split")) {
     const std::string split = args["split"].as<std::string>();
     if (split != "layers" && split != "ranks") throw UsageError("--split " + split + ": layers or ranks");

@@ -1,6 +1,8 @@
 // A replay split across processes, on one host or several, through
 // PyTorch's c10d: a TCPStore on rank 0 for the rendezvous and a Gloo process
-// group for the tensors (docs/distributed.md). Every process runs the same
+// group (NCCL for CUDA devices, where built) for the tensors
+// (docs/distributed.md). Only processes that hold the run's secret are
+// admitted (replay/dist_admission.h). Every process runs the same
 // command and the same replay; inside each forward and backward pass the
 // processes split the layers into contiguous ranges (replay/layer_stream.h),
 // the residual stream sent forward and its gradient backward at the
@@ -32,7 +34,19 @@ struct WorldSpec {
   double timeout_seconds = 1800;  // PyTorch's default process-group timeout
   double memory_bytes = 0;        // this process's memory limit: its share of the layers
   bool serve_store = true;        // rank 0 serves the rendezvous store (not under torchrun's agent, which does)
+  std::string secret;             // every process of the run holds it (replay/run_secret.h)
+  std::string device = "cpu";     // where this process computes: cpu or cuda:N
+  std::string backend = "auto";   // --dist-backend: auto, gloo or nccl
+  std::string interface;          // --dist-interface: the network interface Gloo binds across hosts
 };
+
+// The c10d backends this nanreplay was built with, as --dist-backend names
+// them ("gloo", "nccl"); none: replays run in one process only.
+std::vector<std::string> built_backends();
+// The backend for processes computing on `device`: `asked` ("auto", "gloo"
+// or "nccl") against what was built. UsageError (exit 2) naming a backend
+// this build lacks, or NCCL for a CPU device.
+std::string choose_backend(const std::string& asked, const std::string& device);
 
 // A peer that failed, vanished or did not answer in time: exit 3, the line
 // naming the rank and host.
@@ -93,10 +107,11 @@ class ProcessWorld {
   }
   int data_ranks() const { return data_ranks_; }
 
-  // A tensor of any shape and type, undefined included, to or from one peer.
+  // A tensor of any shape and type, undefined included, to or from one peer
+  // (received in host memory over Gloo, on this process's device over NCCL).
   void send(const at::Tensor& tensor, int to);
   at::Tensor receive(int from);
-  // `tensor` (the same shape and type everywhere) replaced by root's.
+  // `tensor` (the same shape and type everywhere) replaced by root's, in host memory.
   void broadcast(at::Tensor& tensor, int root);
   // Every process's bytes, in rank order.
   std::vector<std::string> all_gather(const std::string& mine);

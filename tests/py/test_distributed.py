@@ -4,7 +4,7 @@ Every incident preset `nanreplay synth --help` lists, with --nproc 2 and --nproc
 (all but the timings) and trace.h5 must be the single-process replay's, bit for bit, with the same exit
 status; a mixture of experts, data-parallel ranks and a tied head with --nproc 2; --split layers and
 --split ranks (streamed too) on bundles with data-parallel ranks; a rolled-forward window with --nproc 3; bisect --nproc 2. Two processes started by hand with RANK/WORLD_SIZE/MASTER_PORT (as
-torchrun or srun would) give the same report. Faults: a worker killed (exit 3, naming it), a worker that
+torchrun or srun would, reading one secret file) give the same report. Faults: a worker killed (exit 3, naming it), a worker that
 stops answering (exit 3 after --dist-timeout), SIGINT on one worker (every process exits 130), bad input on
 one process only (both exit 2); nothing written in --out in each case, no scratch left by the processes that
 end by themselves. Debian's python3 (h5py for the trace).
@@ -75,12 +75,22 @@ def compare_bisect(cli, label, bundle):
     check(not differ, f"{label}: bisect --json the same with --nproc 2{' but ' + str(differ) if differ else ''}")
 
 
+def shared_secret(work):
+    """The file every process started by hand reads (docs/distributed.md, "Who may join")."""
+    path = work / "run-secret"
+    if not path.exists():
+        path.write_bytes(os.urandom(32).hex().encode())
+        path.chmod(0o600)
+    return str(path)
+
+
 def launched_by_hand(cli, bundle, reference, work):
     """As torchrun or srun start them: two processes, each told its RANK, WORLD_SIZE and MASTER_PORT."""
     port = str(free_port())
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   NANREPLAY_DIST_SECRET_FILE=shared_secret(work))
         procs.append(subprocess.Popen([cli, "run", str(bundle), "--out", str(work / f"by-hand-{rank}"), "--json"],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     outs = [p.communicate(timeout=600) for p in procs]
@@ -168,7 +178,8 @@ def check_bad_input_on_one(cli, bundle, work):
     port = str(free_port())
     procs = []
     for rank, path in ((0, bundle), (1, broken)):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   NANREPLAY_DIST_SECRET_FILE=shared_secret(work))
         procs.append(subprocess.Popen([cli, "run", str(path), "--out", str(work / f"bad-{rank}")],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     errs = [p.communicate(timeout=300)[1] for p in procs]
