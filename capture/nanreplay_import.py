@@ -7,14 +7,16 @@ order and what the training log says.
         --data SHARD... [--token-dtype uint16|uint32] --seq-len N --micro-batch-size N [--grad-accum N]
         [--world-size N] (--sampler-seed N [--epoch N] [--epoch-start-step N] | --samples FILE)
         --log FILE --steps FIRST:LAST [--precision fp32|bf16|fp16|fp8] [--grad-clip X]
-        [--betas B1,B2] [--eps X] [--weight-decay X] --out DIR
+        [--betas B1,B2] [--eps X] [--weight-decay X] [--trust-pickle] --out DIR
 
 `nanreplay import` (the C++ command) runs this script with the same flags into a fresh staging
 directory, validates the result as `inspect` does and renames it into place. Run directly, the
 script writes DIR itself (created; refused when it exists and is not empty). Bad input: exit 2 with
 one line `nanreplay import: <file>: <key>: <what is wrong>` on stderr. Needs torch (1.13 or later)
-and the standard library only; torch.distributed.checkpoint directories are read with PyTorch's own
-reader where this torch has one, and parsed from the file format otherwise.
+and the standard library only. Every pickle (torch.save files, torch.distributed.checkpoint
+directories, whose format is parsed here) is read by a restricted unpickler that refuses anything but
+tensors, plain data and a named list of framework classes; --trust-pickle lifts that for a file the
+user trusts. --data may be repeated (shards in order); --token-dtype once, or once per shard.
 
 Reference: docs/import.md in the nanreplay repository.
 """
@@ -28,6 +30,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import sys
 from pathlib import Path
 
@@ -62,6 +65,79 @@ class BadInput(Exception):
         return f"nanreplay import: {self.file}: {self.key}: {self.what}"
 
 
+def _check_regular(path, key):
+    """A FIFO, device or socket given as a file would block or never end: refused before it is opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise BadInput(path, key, f"cannot be read ({e.strerror})") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise BadInput(path, key, f"is {kind}, not a file")
+
+
+# Bounds on the text inputs, far above any real one, so a hostile file is refused by its size before
+# it is parsed (json.loads holds the whole text and its objects in memory).
+_MAX_JSON_BYTES = 64 * 2**20      # config.json, params.json, model.safetensors.index.json, trainer_state.json
+_MAX_SAMPLES_BYTES = 512 * 2**20  # --samples: per-step, per-rank sample lists
+_MAX_LOG_BYTES = 2**30            # --log: read line by line, each line bounded too
+_MAX_LOG_LINE = 2**20
+_MAX_JSON_DEPTH = 32              # real configs nest 3 or 4 levels
+_MAX_DCP_METADATA_BYTES = 2**30   # a DCP .metadata: one entry per tensor chunk per rank
+
+
+def _parse_json(text, path, key="json"):
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise BadInput(path, key, f"nested deeper than {_MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
+        raise BadInput(path, key, f"not valid JSON ({e})") from None
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > _MAX_JSON_DEPTH:
+            raise BadInput(path, key, f"nested deeper than {_MAX_JSON_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return obj
+
+
+def _read_json(path, limit=_MAX_JSON_BYTES):
+    _check_regular(path, "file")
+    size = os.stat(path).st_size
+    if size > limit:
+        raise BadInput(path, "file", f"{size} bytes, more than the {limit >> 20} MiB any real one needs; "
+                                     "refused before reading")
+    try:
+        with open(path, "rb") as f:
+            return _parse_json(f.read(limit + 1).decode("utf-8"), path)
+    except OSError as e:
+        raise BadInput(path, "file", f"cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise BadInput(path, "json", f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _log_lines(path):
+    """(line number, text) of a JSON-lines log, streamed: the file's size and each line bounded."""
+    _check_regular(path, "--log")
+    size = os.stat(path).st_size
+    if size > _MAX_LOG_BYTES:
+        raise BadInput(path, "file", f"{size} bytes, more than the {_MAX_LOG_BYTES >> 30} GiB a log of the steps "
+                                     "to import needs (cut it to the steps around them); refused before reading")
+    try:
+        with open(path, "rb") as f:
+            for n, raw in enumerate(iter(lambda: f.readline(_MAX_LOG_LINE + 1), b""), 1):
+                if len(raw) > _MAX_LOG_LINE:
+                    raise BadInput(path, f"line {n}", f"longer than {_MAX_LOG_LINE >> 20} MiB: not a log line")
+                try:
+                    yield n, raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise BadInput(path, f"line {n}", f"not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise BadInput(path, "file", f"cannot be read ({e.strerror})") from None
+
+
 def say(*parts):
     print(*parts, flush=True)
 
@@ -69,9 +145,18 @@ def say(*parts):
 # ---------------------------------------------------------------------------
 # Reading checkpoints: safetensors, torch.save, torch.distributed.checkpoint.
 
+def _check_shape(path, name, shape):
+    """A shape torch can hold: at most 8 dimensions, none negative, and (zeros aside) fewer than 2^40
+    elements, so a zero-size tensor cannot name dimensions whose strides overflow."""
+    if len(shape) > 8 or any(s < 0 for s in shape) or math.prod(s for s in shape if s) >= 2**40:
+        raise BadInput(path, name, f"shape {shape[:9]} is not a tensor's (at most 8 dimensions, each >= 0, "
+                                   "fewer than 2^40 elements)")
+
+
 def read_safetensors(path):
     """{name: tensor} of a safetensors file (8-byte LE header length, JSON header, raw LE data)."""
     path = Path(path)
+    _check_regular(path, "file")
     size = path.stat().st_size
     out = {}
     with open(path, "rb") as f:
@@ -82,9 +167,9 @@ def read_safetensors(path):
         if n > min(100 * 2**20, size - 8):
             raise BadInput(path, "header", f"header length {n} does not fit the {size}-byte file")
         try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise BadInput(path, "header", f"not JSON ({e})")
+            header = _parse_json(f.read(n).decode("utf-8"), path, "header")
+        except UnicodeDecodeError as e:
+            raise BadInput(path, "header", f"not UTF-8 JSON ({e.reason})") from None
         if not isinstance(header, dict):
             raise BadInput(path, "header", "not a JSON object")
         base = 8 + n
@@ -95,8 +180,9 @@ def read_safetensors(path):
                 dtype = _ST_DTYPES[info["dtype"]]
                 shape = [int(s) for s in info["shape"]]
                 begin, end = (int(x) for x in info["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise BadInput(path, name, "needs dtype (F32, F16, BF16, ...), shape and data_offsets")
+            except (KeyError, TypeError, ValueError, OverflowError):
+                raise BadInput(path, name, "needs dtype (F32, F16, BF16, ...), shape and data_offsets") from None
+            _check_shape(path, name, shape)
             numel = math.prod(shape)
             width = torch.empty((), dtype=dtype).element_size()
             if end - begin != numel * width or begin < 0 or base + end > size:
@@ -108,25 +194,24 @@ def read_safetensors(path):
     return out
 
 
-def _torch_load(source, where):
-    try:
-        try:
-            return torch.load(source, map_location="cpu", weights_only=True)
-        except TypeError:  # torch < 1.13 has no weights_only
-            return torch.load(source, map_location="cpu")
-        except Exception:  # weights_only refuses this pickle's classes: a user's own checkpoint, load it fully
-            if isinstance(source, io.BytesIO):
-                source.seek(0)
-            return torch.load(source, map_location="cpu", weights_only=False)
-    except BadInput:
-        raise
-    except Exception as e:
-        raise BadInput(where, "torch.load", f"cannot be read ({type(e).__name__}: {e})")
+# ---------------------------------------------------------------------------
+# Reading pickles without running them. A pickle names callables and classes that the reader calls
+# while loading; a crafted checkpoint names os.system. Every pickle here (torch.save zip and legacy,
+# DCP .metadata and items) goes through _SafeUnpickler, whose table holds only what checkpoints
+# legitimately store. --trust-pickle is the user's explicit opt-out, said and recorded.
+
+class PickleRefused(pickle.UnpicklingError):
+    """A global outside the table: names it, so the one line can."""
+
+    def __init__(self, module, name):
+        super().__init__(f"refusing global {module}.{name}")
+        self.global_name = f"{module}.{name}"
 
 
 class _Stub:
-    """Stand-in for a class of torch.distributed.checkpoint's metadata (dataclasses pickled by
-    copyreg.__newobj__ and BUILD; TensorProperties pickles a tuple)."""
+    """Inert stand-in for a class of a framework namespace (DCP's metadata dataclasses, Megatron's
+    enums, ...), pickled by copyreg.__newobj__ and BUILD; TensorProperties pickles a tuple. Calling
+    it only records its arguments: no framework code is imported or run."""
 
     def __init__(self, *args, **kwargs):
         self._args = args
@@ -143,11 +228,6 @@ class _Stub:
             self._state = state
 
 
-_STUBS = {}
-_TORCH_GLOBALS = {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), (torch.dtype, torch.layout,
-                                                                                           torch.memory_format))}
-
-
 def _layout_by_name(name):
     layout = getattr(torch, str(name).rsplit(".", 1)[-1], None)
     if not isinstance(layout, torch.layout):
@@ -155,28 +235,208 @@ def _layout_by_name(name):
     return layout
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only what a DCP .metadata holds: torch.Size, dtypes, layouts, plain containers, and the
-    checkpoint's own dataclasses (as stubs). Anything else is refused."""
+def _from_data(kind):
+    """bytes / bytearray of given data only: bytes(N) from a pickle would allocate N bytes."""
+    def make(*args):
+        if args and not isinstance(args[0], (bytes, bytearray, str)):
+            raise pickle.UnpicklingError(f"{kind.__name__} of a {type(args[0]).__name__}")
+        return kind(*args)
+    return make
 
+
+def _safe_table():
+    """(module, name) -> object: tensors and their storages, dtypes and friends, plain containers,
+    and the few framework classes real checkpoints hold (argparse.Namespace: Megatron's args;
+    io.BytesIO: TransformerEngine's and torchtitan's extra state; numpy arrays: Megatron's RNG state)."""
+    import _codecs
+    import argparse as _argparse
+    import builtins
+    import collections
+    import copyreg
+    table = {("torch", n): getattr(torch, n) for n in dir(torch)
+             if isinstance(getattr(torch, n, None), (torch.dtype, torch.layout, torch.memory_format))
+             or (n.endswith("Storage") and isinstance(getattr(torch, n, None), type))}
+    table.update({("torch", "Size"): torch.Size, ("torch", "device"): torch.device,
+                  ("torch.serialization", "_get_layout"): _layout_by_name})
+    for module, owner in (("torch.storage", torch.storage), ("torch._utils", torch._utils)):
+        for n in ("TypedStorage", "UntypedStorage", "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3",
+                  "_rebuild_parameter", "_rebuild_parameter_with_state", "_rebuild_meta_tensor_no_storage"):
+            if hasattr(owner, n):
+                table[(module, n)] = getattr(owner, n)
+    table.update({("builtins", n): getattr(builtins, n) for n in ("set", "frozenset", "tuple", "list", "dict",
+                                                                   "slice", "complex", "int", "float", "str", "bool",
+                                                                   "object")})
+    table[("builtins", "bytes")], table[("builtins", "bytearray")] = _from_data(bytes), _from_data(bytearray)
+    table.update({("collections", "OrderedDict"): collections.OrderedDict, ("_codecs", "encode"): _codecs.encode,
+                  ("copyreg", "_reconstructor"): copyreg._reconstructor, ("argparse", "Namespace"): _argparse.Namespace,
+                  ("_io", "BytesIO"): io.BytesIO, ("io", "BytesIO"): io.BytesIO})
+    try:
+        import numpy
+        core = getattr(numpy, "_core", None) or numpy.core
+        for name in ("numpy.core.multiarray", "numpy._core.multiarray"):
+            table[(name, "_reconstruct")] = core.multiarray._reconstruct
+            table[(name, "scalar")] = core.multiarray.scalar
+        table[("numpy", "ndarray")], table[("numpy", "dtype")] = numpy.ndarray, numpy.dtype
+        dtypes = getattr(numpy, "dtypes", None)  # numpy >= 1.25 pickles some dtypes by their class
+        table.update({("numpy.dtypes", n): getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")})
+    except (ImportError, AttributeError):
+        pass
+    return table
+
+
+_SAFE_TABLE = _safe_table()
+# Whole namespaces whose classes load as inert _Stub records (never imported): DCP's metadata, and the
+# training frameworks whose checkpoints hold their own small classes (enums, config records).
+_STUB_NAMESPACES = ("torch.distributed.checkpoint.", "torch.distributed._shard.", "megatron.", "olmo_core.",
+                    "torchtitan.", "pathlib.")
+_STUBS = {}
+
+
+def _safe_global(module, name):
+    import _compat_pickle  # protocol 2 writes Python 2's names (__builtin__.set): what find_class would map
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+    found = _SAFE_TABLE.get((module, name))
+    if found is not None:
+        return found
+    if (module + ".").startswith(_STUB_NAMESPACES) and name.isidentifier() and not name.startswith("__"):
+        key = (module, name)
+        if key not in _STUBS:
+            _STUBS[key] = type(name, (_Stub,), {"_module": module})
+        return _STUBS[key]
+    raise PickleRefused(module, name)
+
+
+class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if module == "torch" and name in _TORCH_GLOBALS:
-            return getattr(torch, name)
-        if module == "torch.serialization" and name == "_get_layout":  # how torch 2.x pickles a layout
-            return _layout_by_name
-        if module == "collections" and name == "OrderedDict":
-            import collections
-            return collections.OrderedDict
-        if module == "builtins" and name in ("set", "frozenset", "tuple", "list", "dict", "slice", "complex"):
-            import builtins
-            return getattr(builtins, name)
-        if module.startswith(("torch.distributed.checkpoint", "torch.distributed._shard", "megatron.", "olmo_core.",
-                              "torchtitan.", "pathlib")):  # pathlib: StorageMeta.checkpoint_id
-            key = (module, name)
-            if key not in _STUBS:
-                _STUBS[key] = type(name, (_Stub,), {"_module": module})
-            return _STUBS[key]
-        raise pickle.UnpicklingError(f"refusing global {module}.{name}")
+        return _safe_global(module, name)
+
+
+class _SafePickleModule:
+    """What torch.load's pickle_module= needs (zip and legacy formats both unpickle through it)."""
+    __name__ = "nanreplay_safe_pickle"
+    Unpickler = _SafeUnpickler
+    UnpicklingError = pickle.UnpicklingError
+
+    @staticmethod
+    def load(f, **kwargs):
+        return _SafeUnpickler(f, **kwargs).load()
+
+
+_trust_pickle = False  # set once from --trust-pickle by build(); read by every loader below
+
+
+def _refusal(where, e):
+    return BadInput(where, "pickle", f"refused: it loads {e.global_name}, which a checkpoint does not need and "
+                                     "could run code (--trust-pickle loads it anyway, for a file you trust)")
+
+
+def _is_torchscript(source):
+    """torch.load hands a TorchScript archive to torch.jit.load, which runs its code: asked the way
+    torch.load asks (its own zip reader), so the two cannot disagree."""
+    ser = torch.serialization
+    f = source if isinstance(source, io.BytesIO) else open(source, "rb")
+    start = f.tell()
+    try:
+        if not ser._is_zipfile(f):
+            return False
+        f.seek(start)
+        with ser._open_zipfile_reader(f) as z:
+            return ser._is_torchscript_zip(z)
+    except RuntimeError:
+        return False  # not a zip torch can read: torch.load says so
+    except AttributeError:  # a torch without these helpers: the archive's marker file, read with zipfile
+        import zipfile
+        f.seek(start)
+        try:
+            return any(n.rsplit("/", 1)[-1] == "constants.pkl" for n in zipfile.ZipFile(f).namelist())
+        except (zipfile.BadZipFile, OSError, ValueError):
+            return False
+    finally:
+        if f is source:
+            f.seek(start)
+        else:
+            f.close()
+
+
+def _load_public(source):
+    return torch.load(source, map_location="cpu", weights_only=False, pickle_module=_SafePickleModule)
+
+
+def _load_internal(source):
+    """torch.load's own two readers, called with the safe unpickler: torch 1.13's torch.load drops
+    pickle_module= unless weights_only is set, and its weights_only table cannot be extended."""
+    ser = torch.serialization
+    f = source if isinstance(source, io.BytesIO) else open(source, "rb")
+    try:
+        if ser._is_zipfile(f):
+            with ser._open_zipfile_reader(f) as z:
+                return ser._load(z, "cpu", _SafePickleModule, encoding="utf-8")
+        return ser._legacy_load(f, "cpu", _SafePickleModule, encoding="utf-8")
+    finally:
+        if f is not source:
+            f.close()
+
+
+_safe_loader = None  # the first of the two that this torch proves to honour the safe unpickler
+
+
+def _proven_safe_loader():
+    """Which way of loading really goes through _SafeUnpickler here, proven on a harmless pickle the
+    table refuses (collections.Counter), in both the zip and the legacy format; None: neither does."""
+    global _safe_loader
+    if _safe_loader is None:
+        import collections
+        probes = []
+        for zipped in (True, False):
+            buf = io.BytesIO()
+            try:
+                torch.save({"probe": collections.Counter()}, buf, _use_new_zipfile_serialization=zipped)
+            except Exception:  # noqa: BLE001  (a torch that no longer writes the legacy format)
+                continue
+            probes.append(buf)
+        _safe_loader = False
+        for candidate in (_load_public, _load_internal):
+            refused = 0
+            for buf in probes:
+                buf.seek(0)
+                try:
+                    candidate(buf)
+                except PickleRefused:
+                    refused += 1
+                except Exception as e:
+                    refused += isinstance(e.__cause__ or e.__context__, PickleRefused)
+            if probes and refused == len(probes):
+                _safe_loader = candidate
+                break
+    return _safe_loader or None
+
+
+def _torch_load(source, where):
+    if not isinstance(source, io.BytesIO):
+        _check_regular(source, "file")
+    try:
+        if _trust_pickle:
+            return torch.load(source, map_location="cpu", weights_only=False)
+        if _is_torchscript(source):
+            raise BadInput(where, "torch.load", "a TorchScript archive (torch.jit.save), not a checkpoint")
+        loader = _proven_safe_loader()
+        if loader is None:
+            raise BadInput(where, "pickle", f"torch {torch.__version__} cannot load it through a restricted unpickler; "
+                                            "only --trust-pickle loads it (for a file you trust)")
+        return loader(source)
+    except BadInput:
+        raise
+    except PickleRefused as e:
+        raise _refusal(where, e) from None
+    except RecursionError:
+        raise BadInput(where, "torch.load", "nested deeper than the unpickler allows") from None
+    except Exception as e:
+        refused = e.__cause__ or e.__context__
+        if isinstance(refused, PickleRefused):
+            raise _refusal(where, refused) from None
+        raise BadInput(where, "torch.load", f"cannot be read ({type(e).__name__}: {e})") from None
 
 
 def _dcp_reader_available():
@@ -202,9 +462,18 @@ def read_dcp_with_torch(path):
 
 def read_dcp_metadata(path):
     meta_path = Path(path) / ".metadata"
+    _check_regular(meta_path, ".metadata")
+    size = os.stat(meta_path).st_size
+    if size > _MAX_DCP_METADATA_BYTES:
+        raise BadInput(meta_path, "file", f"{size} bytes, more than the {_MAX_DCP_METADATA_BYTES >> 30} GiB any real "
+                                          "DCP metadata needs; refused before unpickling")
     try:
         with open(meta_path, "rb") as f:
-            md = _MetadataUnpickler(f).load()
+            md = _SafeUnpickler(f).load()
+    except PickleRefused as e:
+        raise _refusal(meta_path, e) from None
+    except RecursionError:
+        raise BadInput(meta_path, "pickle", "nested deeper than the unpickler allows") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as e:
         raise BadInput(meta_path, "pickle", f"not a torch.distributed.checkpoint metadata file ({e})")
     for attr in ("state_dict_metadata", "storage_data"):
@@ -253,42 +522,63 @@ def read_dcp_from_format(path):
     flat = {}
     for fqn, item in md.state_dict_metadata.items():
         pieces = by_fqn.get(fqn, [])
-        if type(item).__name__ == "BytesStorageMetadata":
-            if len(pieces) != 1:
-                raise BadInput(meta_path, fqn, f"{len(pieces)} stored items for a bytes entry")
-            flat[fqn] = _torch_load(io.BytesIO(blob(fqn, pieces[0][1])), root / pieces[0][1].relative_path)
-            continue
-        props = getattr(item, "properties", None)
-        state = getattr(props, "_state", None)
-        dtype = state[0] if isinstance(state, tuple) and state else getattr(props, "dtype", None)
-        if not isinstance(dtype, torch.dtype):
-            raise BadInput(meta_path, fqn, "tensor entry without a dtype")
-        size = tuple(int(s) for s in item.size)
-        full = torch.empty(size, dtype=dtype)
-        covered = 0
-        for index, info in pieces:
-            chunk = _torch_load(io.BytesIO(blob(fqn, info)), root / info.relative_path)
-            if not isinstance(chunk, torch.Tensor):
-                raise BadInput(root / info.relative_path, fqn, "stored item is not a tensor")
-            offsets = tuple(int(o) for o in (index.offset or [0] * len(size)))
-            if len(offsets) != len(size) or len(chunk.shape) != len(size) or any(
-                    o < 0 or o + s > n for o, s, n in zip(offsets, chunk.shape, size)):
-                raise BadInput(root / info.relative_path, fqn,
-                               f"chunk {list(chunk.shape)} at {list(offsets)} does not fit the tensor's {list(size)}")
-            view = full
-            for dim, (o, s) in enumerate(zip(offsets, chunk.shape)):
-                view = view.narrow(dim, o, s)
-            view.copy_(chunk)
-            covered += chunk.numel()
-        if covered != full.numel():
-            raise BadInput(meta_path, fqn, f"stored chunks cover {covered} of {full.numel()} elements")
-        flat[fqn] = full
+        try:
+            if type(item).__name__ == "BytesStorageMetadata":
+                if len(pieces) != 1:
+                    raise BadInput(meta_path, fqn, f"{len(pieces)} stored items for a bytes entry")
+                flat[fqn] = _torch_load(io.BytesIO(blob(fqn, pieces[0][1])), root / pieces[0][1].relative_path)
+            else:
+                flat[fqn] = _assemble_tensor(root, meta_path, fqn, item, pieces, blob)
+        except (AttributeError, TypeError, ValueError, OverflowError) as e:  # a hostile .metadata's odd fields
+            raise BadInput(meta_path, fqn, f"not a DCP entry ({type(e).__name__}: {e})") from None
     for f, _ in files.values():
         f.close()
-    return _unflatten(flat, getattr(md, "planner_data", None))
+    try:
+        return _unflatten(flat, getattr(md, "planner_data", None), meta_path)
+    except (AttributeError, TypeError, IndexError) as e:  # paths that mix a list and a dict at one place
+        raise BadInput(meta_path, "planner_data", f"not a nested state dict's paths ({type(e).__name__}: {e})") from None
 
 
-def _unflatten(flat, planner_data):
+def _assemble_tensor(root, meta_path, fqn, item, pieces, blob):
+    """One tensor from its stored chunks, which must tile it exactly (no overlap, no gap: a gap would
+    be uninitialised memory in the bundle). Its size is checked against the bytes stored for it
+    before the tensor is allocated."""
+    props = getattr(item, "properties", None)
+    state = getattr(props, "_state", None)
+    dtype = state[0] if isinstance(state, tuple) and state else getattr(props, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise BadInput(meta_path, fqn, "tensor entry without a dtype")
+    size = [int(s) for s in item.size]
+    _check_shape(meta_path, fqn, size)
+    stored = sum(int(info.length) for _, info in pieces)
+    if math.prod(size) * torch.empty((), dtype=dtype).element_size() > stored:
+        raise BadInput(meta_path, fqn, f"size {size} of {dtype} needs more bytes than the {stored} stored for it")
+    full = torch.empty(size, dtype=dtype)
+    boxes = []
+    for index, info in pieces:
+        chunk = _torch_load(io.BytesIO(blob(fqn, info)), root / info.relative_path)
+        if not isinstance(chunk, torch.Tensor):
+            raise BadInput(root / info.relative_path, fqn, "stored item is not a tensor")
+        offsets = [int(o) for o in (index.offset or [0] * len(size))]
+        box = [(o, o + s) for o, s in zip(offsets, chunk.shape)]
+        if len(offsets) != len(size) or len(chunk.shape) != len(size) or any(
+                o < 0 or end > n for (o, end), n in zip(box, size)):
+            raise BadInput(root / info.relative_path, fqn,
+                           f"chunk {list(chunk.shape)} at {offsets} does not fit the tensor's {size}")
+        if any(all(lo < e and o < hi for (o, e), (lo, hi) in zip(box, other)) for other in boxes if box):
+            raise BadInput(root / info.relative_path, fqn, f"chunk {list(chunk.shape)} at {offsets} overlaps another")
+        boxes.append(box)
+        view = full
+        for dim, (o, s) in enumerate(zip(offsets, chunk.shape)):
+            view = view.narrow(dim, o, s)
+        view.copy_(chunk)
+    covered = sum(math.prod(e - o for o, e in box) for box in boxes)
+    if covered != full.numel():
+        raise BadInput(meta_path, fqn, f"stored chunks cover {covered} of {full.numel()} elements")
+    return full
+
+
+def _unflatten(flat, planner_data, where=".metadata"):
     """The nested state dict DCP flattened (planner_data: flat key -> path of keys and list indices)."""
     if not isinstance(planner_data, dict) or not planner_data:
         return flat
@@ -298,6 +588,10 @@ def _unflatten(flat, planner_data):
         if not isinstance(path, (tuple, list)) or not path:
             out[key] = value
             continue
+        if not all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= len(flat))
+                   for p in path) or not (isinstance(path[0], str) and len(path) <= _MAX_JSON_DEPTH):
+            # a list index past the number of entries would only pad with holes (or exhaust memory)
+            raise BadInput(where, f"planner_data.{key}", f"path {list(path)[:_MAX_JSON_DEPTH]} is not a nested state dict's")
         node = out
         for part, nxt in zip(path[:-1], path[1:]):
             container = [] if isinstance(nxt, int) else {}
@@ -320,12 +614,14 @@ def _unflatten(flat, planner_data):
 
 
 def read_dcp(path):
-    if _dcp_reader_available():
+    """PyTorch's own reader unpickles .metadata and bytes items with the full unpickler, so it is
+    used only under --trust-pickle; otherwise the format is parsed here, every pickle restricted."""
+    if _trust_pickle and _dcp_reader_available():
         try:
-            return read_dcp_with_torch(path), "PyTorch's torch.distributed.checkpoint reader"
+            return read_dcp_with_torch(path), "PyTorch's torch.distributed.checkpoint reader (--trust-pickle)"
         except Exception:
             pass  # fall back to the format itself (e.g. a planner this torch does not know)
-    return read_dcp_from_format(path), "parsed from the DCP file format (this torch has no torch.distributed.checkpoint)"
+    return read_dcp_from_format(path), "parsed from the DCP file format"
 
 
 def detect_format(path):
@@ -362,11 +658,12 @@ def read_hf(path):
     index = p / "model.safetensors.index.json"
     sd, files = {}, []
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        index_json = _read_json(index)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise BadInput(index, "weight_map", "missing or empty")
-        for name in sorted(set(weight_map.values()), key=lambda n: list(weight_map.values()).index(n)):
-            if "/" in name or name in ("", ".", ".."):
+        for name in dict.fromkeys(weight_map.values()):  # each shard once, in first-mention order
+            if not isinstance(name, str) or "/" in name or name in ("", ".", ".."):
                 raise BadInput(index, "weight_map", f"{name!r} is not a file name in the directory")
             if not (p / name).is_file():
                 raise BadInput(index, "weight_map", f"shard {name} does not exist")
@@ -391,15 +688,6 @@ def read_hf(path):
             sd.update(read_safetensors(s))
         files = [s.name for s in shards]
     return sd, config, files
-
-
-def _read_json(path):
-    try:
-        return json.loads(Path(path).read_text())
-    except OSError as e:
-        raise BadInput(path, "file", f"cannot be read ({e.strerror})")
-    except ValueError as e:
-        raise BadInput(path, "json", f"not valid JSON ({e})")
 
 
 # ---------------------------------------------------------------------------
@@ -469,7 +757,11 @@ def _meta_config(obj):
 # ---------------------------------------------------------------------------
 # Naming presets: the user's framework's parameter names onto bundle v1's (HF llama, nanoGPT gpt2).
 
-_IGNORED = re.compile(r"(.*\._extra_state|.*rotary_emb\.inv_freq|.*\.inv_freq|freqs_cis|freqs_cos|freqs_sin|"
+# Known non-parameter buffers, skipped by name: rotary caches (inv_freq, freqs_cis, HF's cos/sin caches),
+# attention masks (llama2.c's attention.mask, nanoGPT's attn.bias, HF's causal_mask) and TE's _extra_state.
+_IGNORED = re.compile(r"(.*\._extra_state|.*rotary_emb\.inv_freq|.*\.inv_freq|(?:.*\.)?freqs_cis|(?:.*\.)?freqs_cos|"
+                      r"(?:.*\.)?freqs_sin|.*rotary_emb\.(?:cos|sin)_cached|(?:.*\.)?causal_mask|"
+                      r".*\.attention\.mask|.*\.attn\.mask|"
                       r"rope\.freqs|.*\.attn\.bias|.*\.attn\.masked_bias|"
                       # a flat DCP state dict's other entries (no planner_data to nest them)
                       r"(?:optimizer|optim|rng_state|rerun_state_machine_state|lr_scheduler|train_state|dataloader)\..*)$")
@@ -504,6 +796,30 @@ _MEGATRON = [  # Megatron-core (GPTModel with TransformerEngine's fused LayerNor
 ]
 
 _HF_MOE = re.compile(r"model\.layers\.\d+\.mlp\.(gate\.weight|experts\.\d+\.(gate|up|down)_proj\.weight)")
+
+
+def group_names(names, limit=12):
+    """Names in one short line: layer indices folded ("layers.{0-31}.attention.wq.weight"), in first-seen
+    order, at most `limit` groups then how many more. So an error can list every name it means."""
+    groups = {}
+    for name in names:
+        m = re.search(r"(?:^|\.)(\d+)(?=\.)", name)
+        if m is None:
+            groups.setdefault(name, [])
+            continue
+        template = name[:m.start(1)] + "{}" + name[m.end(1):]
+        groups.setdefault(template, []).append(int(m.group(1)))
+    shown = []
+    for template, idx in groups.items():
+        if not idx:
+            shown.append(template)
+            continue
+        idx = sorted(set(idx))
+        contiguous = len(idx) > 1 and idx == list(range(idx[0], idx[-1] + 1))
+        span = f"{idx[0]}-{idx[-1]}" if contiguous else ",".join(map(str, idx))
+        shown.append(template.replace("{}", "{" + span + "}" if len(idx) > 1 else str(idx[0])))
+    more = len(shown) - limit
+    return ", ".join(shown[:limit]) + (f" and {more} more" if more > 0 else "")
 
 
 def detect_naming(keys):
@@ -598,8 +914,11 @@ class Mapper:
                     raise BadInput(where, key, f"maps onto {target}, which another key also maps onto")
                 out[target] = t
         if unknown and strict:
-            raise BadInput(where, unknown[0], f"not a parameter of the {self.naming} naming's llama "
-                                              "(bundle v1 has no place for it)")
+            unknown_set = set(unknown)
+            known = [k for k in tensors if k not in unknown_set and self.target(k) is not None]
+            raise BadInput(where, unknown[0], f"not a parameter of the {self.naming} naming's llama (bundle v1 has no "
+                                              f"place for it); the checkpoint's names the preset does not know: "
+                                              f"{group_names(unknown)}; those it maps: {group_names(known, 6)}")
         return out
 
     def split_qkv(self, t, key, where):
@@ -670,81 +989,123 @@ def normalize_config(raw, where):
     return cfg
 
 
-def _moe_config(raw, where, num_layers):
+_MOE_BOUNDS = {"num_experts": 2**16, "num_local_experts": 2**16, "num_experts_per_tok": 2**16,
+               "moe_intermediate_size": 2**24}
+
+
+def _moe_config(raw, where, num_layers, tensor_count=None):
     """model.moe from a Hugging Face MoE config (Qwen3-MoE / Qwen2-MoE / Mixtral names); None when dense.
-    The capture helper's reading (nanreplay_capture.moe_from_config), its refusals as bad input."""
+    The capture helper's reading (nanreplay_capture.moe_from_config), its refusals as bad input. Sizes
+    are checked by name first: the parameter list is built per expert, so an absurd expert count would
+    take gigabytes before any tensor is compared."""
+    for name, bound in _MOE_BOUNDS.items():
+        value = raw.get(name) if isinstance(raw, dict) else None
+        if value is not None and value is not False and value != 0 and not (
+                isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= bound):
+            raise BadInput(where, name, f"must be an integer in [1, {bound}], got {value!r}")
     try:
-        return _capture.moe_from_config(raw)
+        moe = _capture.moe_from_config(raw)
     except _capture.MoeConfigRefusal as e:
         raise BadInput(where, e.key, e.what) from None
+    if moe and tensor_count is not None and moe["num_experts"] * num_layers > tensor_count:
+        name = "num_experts" if isinstance(raw, dict) and raw.get("num_experts") else "num_local_experts"
+        raise BadInput(where, name, f"{moe['num_experts']} experts in each of {num_layers} layers need at least "
+                                    f"{moe['num_experts'] * num_layers} expert tensors; the checkpoint holds "
+                                    f"{tensor_count} tensors in all")
+    return moe
+
+
+FLAG_OF = {"num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "norm_eps": "--norm-eps",
+           "rope_theta": "--rope-theta", "tie_embeddings": "--tie-embeddings"}
+FLAGS_WHERE = "command line"
+
+
+def flag_config(args):
+    """The model values given as flags, spelled as --config's manifest keys: the first config source."""
+    raw = {k: getattr(args, k, None) for k in FLAG_OF}
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+def _kind_of(where, args):
+    """Provenance kind of a config source: a flag, the user's --config, or what the run saved."""
+    if where == FLAGS_WHERE:
+        return "flag"
+    return "config" if args.config and where == args.config else "checkpoint"
+
+
+def framework_defaults(configs, naming):
+    """{key: (value, why)} a recognised framework fixes in its code but does not save: llama2.c's
+    ModelArgs (norm_eps 1e-5, rotary theta 10000) and nanoGPT's LayerNorm (eps 1e-5). Only where its
+    model_args are recognised by their own keys; these are recorded as defaulted, never silently."""
+    for raw, where in configs:
+        if not str(where).endswith(": model_args"):
+            continue
+        keys = set(raw)
+        if naming == "meta" and {"dim", "n_layers", "n_heads", "multiple_of"} <= keys:
+            why = "llama2.c's ModelArgs default, which its model_args do not save"
+            return {"norm_eps": (1e-5, why), "rope_theta": (10000.0, why)}
+        if naming == "nanogpt" and {"n_layer", "n_head", "n_embd", "block_size"} <= keys:
+            return {"norm_eps": (1e-5, "nanoGPT's LayerNorm hard-codes eps 1e-5, which its model_args do not save")}
+    return {}
+
+
+def required_values(arch, configs, naming, where):
+    """Every value that changes the math and cannot be read off the tensors, checked at once: the one
+    line names all that no config, flag or known framework default gives, and what the configs hold."""
+    have = set()
+    for raw, w in configs:
+        have |= set(normalize_config(raw, w))
+    have |= set(framework_defaults(configs, naming))
+    needed = ["num_heads", "norm_eps"] + (["rope_theta"] if arch == "llama" else [])
+    missing = [k for k in needed if k not in have]
+    if not missing:
+        return
+    read = "; ".join(f"{w} ({', '.join(sorted(map(str, raw))[:12]) or 'empty'})" for raw, w in configs
+                     if w != FLAGS_WHERE) or "none (no --config, and the checkpoint carries none)"
+    raise BadInput(where, ", ".join(missing),
+                   "missing: they change the math, the tensors cannot say them and no config gives them; pass "
+                   + " ".join(f"{FLAG_OF[k]} X" for k in missing) + " (or give them in --config); configs read: "
+                   + read)
 
 
 def settle_model(arch, sd, naming, sources, args):
-    """The manifest's model section: shapes read off the tensors, the rest from the configs
-    (the first source that gives a key wins; a contradiction with the tensors is bad input), spec
-    defaults for norm_eps and rope_theta. Returns (model, notes on where each key came from)."""
-    cfg, origin = {}, {}
+    """The manifest's model section: shapes read off the tensors, the rest from flags and configs
+    (the first source that gives a key wins; a contradiction with the tensors is bad input), or a
+    recognised framework's own default. Returns (model, provenance {key: (kind, detail)})."""
+    cfg, origin, overridden = {}, {}, {}
     for raw, where in sources:
         for key, (value, name) in normalize_config(raw, where).items():
             if key not in cfg:
                 cfg[key], origin[key] = value, (where, name)
-    notes = {k: f"{w}: {n}" for k, (w, n) in origin.items()}
+            elif origin[key][0] == FLAGS_WHERE and value != cfg[key] and key not in overridden:
+                overridden[key] = f" (overrides {where}: {name} {value!r})"  # the flag wins, and says so
+    prov = {k: (_kind_of(w, args), FLAG_OF[k] + overridden.get(k, "") if w == FLAGS_WHERE else f"{w}: {n}")
+            for k, (w, n) in origin.items()}
+    for key, (value, why) in framework_defaults(sources, naming).items():
+        if key not in cfg:
+            cfg[key] = value
+            prov[key] = ("default", why)
     model = {"arch": arch}
     src = "--checkpoint"
 
     def need(key):
         if key not in cfg:
             raise BadInput(sources[0][1] if sources else "--config", key,
-                           "missing: it cannot be read off the tensors; give it in --config")
+                           f"missing: it cannot be read off the tensors; pass {FLAG_OF.get(key, 'it in --config')}"
+                           + (" (or give it in --config)" if key in FLAG_OF else ""))
         return cfg[key]
 
     def settle(key, value, why):
         if key in cfg and cfg[key] != value:
-            raise BadInput(origin[key][0], origin[key][1],
+            where, name = origin.get(key, ("--config", key))
+            raise BadInput(FLAG_OF[key] if where == FLAGS_WHERE and key in FLAG_OF else where, name,
                            f"is {cfg[key]!r} but the checkpoint's tensors say {value!r} ({why})")
         model[key] = value
-        notes.setdefault(key, f"tensors: {why}")
+        prov.setdefault(key, ("tensors", why))
 
     H = need("num_heads")
     if arch == "llama":
-        embed = sd.get("model.embed_tokens.weight")
-        if embed is None:
-            raise BadInput(src, "model.embed_tokens.weight", "missing (after the naming preset)")
-        V, C = embed.shape
-        L = 0
-        while f"model.layers.{L}.input_layernorm.weight" in sd:
-            L += 1
-        if L == 0:
-            raise BadInput(src, "model.layers.0.input_layernorm.weight", "missing (after the naming preset)")
-        settle("vocab_size", int(V), "embedding rows")
-        settle("hidden_size", int(C), "embedding width")
-        settle("num_layers", L, "layers")
-        model["num_heads"] = H
-        if C % H:
-            raise BadInput(origin["num_heads"][0], origin["num_heads"][1], f"{H} does not divide hidden_size {C}")
-        k = sd.get("model.layers.0.self_attn.k_proj.weight")
-        if k is None:
-            raise BadInput(src, "model.layers.0.self_attn.k_proj.weight", "missing (after the naming preset)")
-        settle("num_kv_heads", int(k.shape[0]) // (C // H), "k_proj rows / head_dim")
-        gate = sd.get("model.layers.0.mlp.gate_proj.weight")
-        if gate is not None:
-            settle("intermediate_size", int(gate.shape[0]), "gate_proj rows")
-        else:
-            model["intermediate_size"] = need("intermediate_size")
-        model["max_seq_len"] = cfg.get("max_seq_len", args.seq_len)  # llama's math does not depend on it
-        notes.setdefault("max_seq_len", "--seq-len")
-        model["norm_eps"] = cfg.get("norm_eps", 1e-5)
-        model["rope_theta"] = cfg.get("rope_theta", 10000.0)
-        for key in ("norm_eps", "rope_theta"):
-            notes.setdefault(key, "bundle v1's default (no config gives it)")
-        head = sd.get("lm_head.weight")
-        tied = head is None or (head.shape == embed.shape and (head.data_ptr() == embed.data_ptr()
-                                                                or torch.equal(head, embed)))
-        if cfg.get("tie_embeddings") is False and head is None:
-            raise BadInput(origin["tie_embeddings"][0], origin["tie_embeddings"][1],
-                           "says the head is separate, but the checkpoint has no output head")
-        model["tie_embeddings"] = bool(tied)
-        notes["tie_embeddings"] = "the checkpoint's head " + ("is the embedding" if tied else "is separate")
+        _settle_llama(sd, cfg, origin, prov, model, settle, need, H, args)
     else:
         wte, wpe = sd.get("transformer.wte.weight"), sd.get("transformer.wpe.weight")
         if wte is None or wpe is None:
@@ -758,29 +1119,119 @@ def settle_model(arch, sd, naming, sources, args):
         model["num_heads"] = H
         settle("max_seq_len", int(wpe.shape[0]), "wpe rows")
         model["num_kv_heads"] = H
-        model["norm_eps"] = cfg.get("norm_eps", 1e-5)
-        notes.setdefault("norm_eps", "bundle v1's default (no config gives it)")
+        prov.setdefault("num_kv_heads", ("naming", "gpt2 has one key/value head per query head"))
+        model["norm_eps"] = need("norm_eps")
         model["tie_embeddings"] = True
+        prov["tie_embeddings"] = ("naming", "bundle v1's gpt2 ties the head to wte")
         head = sd.get("lm_head.weight")
         if head is not None and not (head.data_ptr() == wte.data_ptr() or torch.equal(head, wte)):
             raise BadInput(src, "lm_head.weight", "differs from transformer.wte.weight: bundle v1's gpt2 ties them")
+        if cfg.get("tie_embeddings") is False:
+            raise BadInput(*origin["tie_embeddings"], "false: bundle v1's gpt2 ties the head to wte")
     if model["max_seq_len"] < args.seq_len:
         raise BadInput("command line", "--seq-len", f"{args.seq_len} exceeds the model's max_seq_len {model['max_seq_len']}"
-                       + (f" ({notes['max_seq_len']})" if "max_seq_len" in notes else ""))
-    return model, notes
+                       + (f" ({prov['max_seq_len'][1]})" if "max_seq_len" in prov else ""))
+    return model, prov
 
 
-def model_options(naming, configs, model):
-    """llama's model options: the naming's rotary convention, and what a Hugging Face style config says
-    (through the capture helper's own reading of transformers configs)."""
+def _settle_llama(sd, cfg, origin, prov, model, settle, need, H, args):
+    src = "--checkpoint"
+    embed = sd.get("model.embed_tokens.weight")
+    if embed is None:
+        raise BadInput(src, "model.embed_tokens.weight", "missing (after the naming preset)")
+    V, C = embed.shape
+    L = 0
+    while f"model.layers.{L}.input_layernorm.weight" in sd:
+        L += 1
+    if L == 0:
+        raise BadInput(src, "model.layers.0.input_layernorm.weight", "missing (after the naming preset)")
+    settle("vocab_size", int(V), "embedding rows")
+    settle("hidden_size", int(C), "embedding width")
+    settle("num_layers", L, "layers")
+    model["num_heads"] = H
+    if C % H:
+        where, name = origin["num_heads"]
+        raise BadInput(FLAG_OF["num_heads"] if where == FLAGS_WHERE else where, name, f"{H} does not divide hidden_size {C}")
+    k = sd.get("model.layers.0.self_attn.k_proj.weight")
+    if k is None:
+        raise BadInput(src, "model.layers.0.self_attn.k_proj.weight", "missing (after the naming preset)")
+    settle("num_kv_heads", int(k.shape[0]) // (C // H), "k_proj rows / head_dim")
+    gate = sd.get("model.layers.0.mlp.gate_proj.weight")
+    if gate is not None:
+        settle("intermediate_size", int(gate.shape[0]), "gate_proj rows")
+    else:
+        model["intermediate_size"] = need("intermediate_size")
+    model["max_seq_len"] = cfg.get("max_seq_len", args.seq_len)  # llama's math does not depend on it
+    prov.setdefault("max_seq_len", ("flag", "--seq-len (llama's math does not depend on it)"))
+    model["norm_eps"] = need("norm_eps")
+    model["rope_theta"] = need("rope_theta")
+    head = sd.get("lm_head.weight")
+    aliased = head is None or (head.shape == embed.shape and head.data_ptr() == embed.data_ptr())
+    equal = head is not None and head.shape == embed.shape and torch.equal(head, embed)
+    said = cfg.get("tie_embeddings")
+    if said is False and head is None:
+        raise BadInput(*origin["tie_embeddings"], "says the head is separate, but the checkpoint has no output head")
+    if said is True and not (aliased or equal):
+        raise BadInput(*origin["tie_embeddings"], "says the head is the embedding, but the checkpoint's output head "
+                                                  "differs from it")
+    if said is None and equal and not aliased:
+        raise BadInput(src, "tie_embeddings", "the output head equals the embedding but is a separate tensor, so the "
+                                              "checkpoint cannot say whether they are one parameter (tied) or two that "
+                                              "AdamW updates apart; pass --tie-embeddings true or false")
+    model["tie_embeddings"] = bool(said if said is not None else aliased)
+    if said is None:
+        prov["tie_embeddings"] = ("tensors", "the checkpoint's head " + ("is the embedding" if head is not None else
+                                                                         "is absent: the embedding serves") if aliased
+                                  else "the checkpoint's head is a separate tensor")
+
+
+_ACTIVATION_KEYS = ("hidden_act", "hidden_activation", "activation", "activation_function", "act_fn")
+_LLAMA_ACTIVATIONS = ("silu", "swish", "swiglu")
+_GPT2_ACTIVATIONS = ("gelu_tanh", "gelu_new", "gelu_pytorch_tanh")
+
+
+def settle_activation(arch, naming, configs, args):
+    """(the activation bundle v1 computes, provenance): llama's SwiGLU (silu) and gpt2's tanh-GELU are
+    its only ones, so a flag or config naming another is bad input, and where none says, the naming's
+    convention is recorded (for nanoGPT as a default: its nn.GELU() is the erf form)."""
+    ok = _LLAMA_ACTIVATIONS if arch == "llama" else _GPT2_ACTIVATIONS
+    value = "silu" if arch == "llama" else "gelu_tanh"
+    if args.activation is not None:
+        if args.activation not in ok:
+            raise BadInput("command line", "--activation", f"{args.activation!r}: bundle v1's {arch} computes {value} only")
+        return value, ("flag", "--activation")
+    for raw, where in configs:
+        for key in _ACTIVATION_KEYS:
+            said = raw.get(key)
+            if isinstance(said, str):
+                if said.lower() not in ok:
+                    raise BadInput(where, key, f"{said!r}: bundle v1's {arch} computes {value} only")
+                return value, (_kind_of(where, args), f"{where}: {key}")
+    if arch == "llama":
+        return value, ("naming", f"{naming} naming: a llama's SwiGLU MLP (silu)")
+    return value, ("default", "bundle v1's gpt2 computes GELU's tanh form; nanoGPT's nn.GELU() is the erf form, so "
+                              "the replay differs a little (pass --activation gelu_tanh if the run used the tanh form)")
+
+
+def model_options(naming, configs, model, args):
+    """llama's model options: the rotary convention (--rope-style, else the config, else the naming's),
+    and what a Hugging Face style config says (through the capture helper's own reading of transformers
+    configs). Returns (options, provenance {key: (kind, detail)})."""
     if model["arch"] != "llama":
         return {}, {}
     opts, notes = {}, {}
     if naming in ("meta", "torchtitan"):
-        opts["rope_style"], notes["rope_style"] = "interleaved", f"{naming} naming: rotary over adjacent pairs, weights as stored"
+        opts["rope_style"], notes["rope_style"] = "interleaved", ("naming", f"{naming} naming: rotary over adjacent "
+                                                                            "pairs, weights as stored")
+    else:
+        notes["rope_style"] = ("naming", f"{naming} naming: rotary over halves (rotate_half)")
     for raw, where in configs:
-        if raw.get("rotary_interleaved") is True:
-            opts["rope_style"], notes["rope_style"] = "interleaved", f"{where}: rotary_interleaved"
+        kind = _kind_of(where, args)
+        if isinstance(raw.get("rotary_interleaved"), bool) and naming not in ("meta", "torchtitan"):
+            style = "interleaved" if raw["rotary_interleaved"] else "rotate_half"
+            if style == "interleaved":
+                opts["rope_style"] = style
+            notes["rope_style"] = (kind, f"{where}: rotary_interleaved")
         for key, ok in (("normalization", "RMSNorm"), ("position_embedding_type", "rope")):
             if key in raw and raw[key] != ok:
                 raise BadInput(where, key, f"{raw[key]!r}: bundle v1's llama needs {ok!r}")
@@ -791,7 +1242,7 @@ def model_options(naming, configs, model):
         if raw.get("add_qkv_bias") is True or raw.get("add_bias_linear") is True:
             if raw.get("add_bias_linear") is True:
                 raise BadInput(where, "add_bias_linear", "biases on every linear are not bundle v1's llama")
-            opts["attention_bias"], notes["attention_bias"] = True, f"{where}: add_qkv_bias"
+            opts["attention_bias"], notes["attention_bias"] = True, (kind, f"{where}: add_qkv_bias")
         for key in _capture.LLAMA_OPTION_DEFAULTS if "model_type" not in raw else ():  # manifest-style --config
             if key in raw and raw[key] is not None and key not in opts:
                 try:
@@ -799,7 +1250,7 @@ def model_options(naming, configs, model):
                 except _capture.CaptureError as e:
                     raise BadInput(where, key, str(e))
                 if value != _capture.LLAMA_OPTION_DEFAULTS[key]:
-                    opts[key], notes[key] = value, f"{where}: {key}"
+                    opts[key], notes[key] = value, (kind, f"{where}: {key}")
         if "model_type" in raw:
             try:
                 said = _capture._options_from_config(raw, model["num_layers"])
@@ -809,11 +1260,18 @@ def model_options(naming, configs, model):
                 if key == "rope_style" and naming in ("meta", "torchtitan"):
                     continue  # a Meta-layout checkpoint next to an HF config: the weights decide
                 if value != _capture.LLAMA_OPTION_DEFAULTS[key] and key not in opts:
-                    opts[key], notes[key] = value, f"{where}: {why.replace('model.config', 'config')}"
+                    opts[key], notes[key] = value, (kind, f"{where}: {why.replace('model.config', 'config')}")
             head_dim = raw.get("head_dim")
             if isinstance(head_dim, int) and head_dim != model["hidden_size"] // model["num_heads"]:
                 raise BadInput(where, "head_dim", f"{head_dim}, but bundle v1's head_dim is hidden_size / num_heads = "
                                                   f"{model['hidden_size'] // model['num_heads']}")
+    if args.rope_style is not None:
+        if args.rope_style == "interleaved":
+            opts["rope_style"] = "interleaved"
+        else:
+            opts.pop("rope_style", None)
+        notes["rope_style"] = ("flag", "--rope-style" + (f" (overrides {notes['rope_style'][1]})"
+                                                         if notes.get("rope_style") else ""))
     return opts, notes
 
 
@@ -834,8 +1292,11 @@ def check_parameters(sd, model, where):
         elif tuple(t.shape) != tuple(shape):
             wrong.append(f"{key} is {list(t.shape)}, bundle v1 needs {list(shape)}")
     if missing:
-        raise BadInput(where, missing[0], f"missing (bundle v1's {model['arch']} needs it{_why(missing[0])})"
-                                          + (f"; {len(missing) - 1} more missing" if len(missing) > 1 else ""))
+        unused = [k for k in sd if k not in names and not (k == "lm_head.weight" and model.get("tie_embeddings"))]
+        raise BadInput(where, missing[0], f"missing (bundle v1's {model['arch']} needs it{_why(missing[0])}); "
+                                          f"all {len(missing)} missing: {group_names(missing)}; the checkpoint's own "
+                                          f"names left over (after the naming preset): "
+                                          + (group_names(unused) if unused else "none"))
     if wrong:
         raise BadInput(where, wrong[0].split(" ")[0], wrong[0].split(" ", 1)[1])
     extra = sorted(k for k in sd if k not in names and not (k == "lm_head.weight" and model.get("tie_embeddings")))
@@ -1083,11 +1544,7 @@ def _number(value, where, key):
 def read_log(path, first, last):
     """{step: {lr, loss, grad_norm?, loss_scale?, skipped?}} for FIRST..LAST from JSON lines."""
     entries = {}
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as e:
-        raise BadInput(path, "file", f"cannot be read ({e.strerror})")
-    for n, line in enumerate(lines, 1):
+    for n, line in _log_lines(path):
         if not line.strip():
             continue
         try:
@@ -1128,7 +1585,7 @@ def read_samples(path, first, last, world, per_rank):
     """({step: per-rank rows}, "samples" or "offsets"): sample indices, or (a step's value
     {"offsets": [...]}) each row's first token in the concatenated shards, for loaders that read at
     arbitrary offsets (nanoGPT's get_batch: its ix)."""
-    obj = _read_json(path)
+    obj = _read_json(path, _MAX_SAMPLES_BYTES)
     if not isinstance(obj, dict):
         raise BadInput(path, "samples", "must be a JSON object from step to per-rank sample lists")
     out, kinds = {}, set()
@@ -1160,7 +1617,8 @@ def copy_windows(args, offsets, out_dir):
     from types import SimpleNamespace
     L = args.seq_len
     try:
-        source = _capture._TokenSource({"shards": [str(p) for p in args.data], "token_dtype": args.token_dtype})
+        source = _capture._TokenSource({"shards": [{"path": str(p), "dtype": d}
+                                                   for p, d in zip(args.data, args.token_dtypes)]})
     except (_capture.CaptureError, OSError) as e:
         raise BadInput(args.data[0], "--data", str(e))
     for step, rows in offsets.items():
@@ -1176,17 +1634,19 @@ def copy_windows(args, offsets, out_dir):
     return [shard], shard["tokens"], samples, {s: offsets[s] for s in offsets}
 
 
-def copy_shards(paths, dtype, out_dir):
-    width = _TOKEN_WIDTH[dtype]
+def copy_shards(paths, dtypes, out_dir):
+    """The shards into data/, in the order given, each with its own token width: hard-linked when the
+    filesystem allows (a symlink resolved first: linking the link itself would dangle), else copied."""
     shards, used, total = [], set(), 0
-    for i, src in enumerate(paths):
-        src = Path(src)
+    for i, (given, dtype) in enumerate(zip(paths, dtypes)):
+        width = _TOKEN_WIDTH[dtype]
+        given, src = Path(given), Path(given).resolve()
         if not src.is_file():
-            raise BadInput(src, "--data", "does not exist or is not a file")
+            raise BadInput(given, "--data", "does not exist or is not a file")
         size = src.stat().st_size
         if size == 0 or size % width:
-            raise BadInput(src, "--data", f"{size} bytes is not a whole number of {dtype} tokens")
-        name = src.name if src.name not in used else f"{i:03d}_{src.name}"
+            raise BadInput(given, "--data", f"{size} bytes is not a whole number of {dtype} tokens")
+        name = given.name if given.name not in used else f"{i:03d}_{given.name}"
         used.add(name)
         rel = f"data/{name}"
         dst = out_dir / rel
@@ -1206,21 +1666,163 @@ def copy_shards(paths, dtype, out_dir):
     return shards, total
 
 
+
+# ---------------------------------------------------------------------------
+# Where values came from, HF Trainer's files, the checkpoint's step counters and FIRST.
+
+PROVENANCE_KINDS = ("tensors", "checkpoint", "config", "flag", "naming", "default")
+
+
+def _provenance_entry(kind, detail, value):
+    """One entry of the manifest's provenance block (docs/bundle-format.md, "Provenance")."""
+    assert kind in PROVENANCE_KINDS, kind
+    entry = {"from": kind, "detail": detail}
+    if isinstance(value, (bool, int, float, str)) or (isinstance(value, list) and
+                                                      all(isinstance(v, (int, float)) for v in value)):
+        entry["value"] = _capture._json_number(value) if isinstance(value, float) else value
+    return entry
+
+
+def _hyper_provenance(opt_notes, hyper):
+    """optimizer.betas / eps / weight_decay: the param groups, a flag, or PyTorch's default."""
+    out = {}
+    for key in ("betas", "eps", "weight_decay"):
+        note = next((n for n in opt_notes if n.startswith(key + " ")), None)
+        if note is None:
+            continue
+        kind = "checkpoint" if "(param_groups)" in note else ("flag" if "(flag)" in note else "default")
+        detail = {"checkpoint": "the optimizer's param_groups", "flag": "--" + key.replace("_", "-"),
+                  "default": "PyTorch's AdamW default (the param_groups do not say it)"}[kind]
+        out[f"optimizer.{key}"] = _provenance_entry(kind, detail, hyper.get(key))
+    return out
+
+
+def hf_trainer_file(checkpoint, fmt, name):
+    """HF Trainer's `name` (optimizer.pt, trainer_state.json) beside the weights of a checkpoint-N
+    directory, or None."""
+    p = Path(checkpoint)
+    if fmt != "hf" or not p.is_dir() or not (p / name).is_file():
+        return None
+    return str(p / name)
+
+
+def _counter_value(value):
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def checkpoint_counters(obj, checkpoint, fmt):
+    """[(name, updates applied, the log numbering its framework uses)]: the checkpoint's own step
+    counters. torchtitan's train_state.step and HF Trainer's global_step count the updates done (saved
+    after step N's update, logged from 1); Megatron's iteration too; nanoGPT's and llama2.c's iter_num
+    is the iteration about to run (saved before its update, logged from 0)."""
+    out = []
+    state_path = hf_trainer_file(checkpoint, fmt, "trainer_state.json")
+    if state_path:
+        state = _read_json(state_path)
+        n = _counter_value(state.get("global_step")) if isinstance(state, dict) else None
+        if n is None:
+            raise BadInput(state_path, "global_step", "missing or not an integer >= 0")
+        out.append(("trainer_state.json: global_step", n, "one"))
+    if isinstance(obj, dict):
+        train_state = obj.get("train_state")
+        if isinstance(train_state, io.BytesIO):  # torchtitan pickles its TrainState into the DCP checkpoint
+            train_state.seek(0)
+            train_state = _torch_load(train_state, f"{checkpoint}: train_state")
+        step = train_state.get("step") if isinstance(train_state, dict) else obj.get("train_state.step")
+        if step is not None:
+            n = _counter_value(step)
+            if n is None:
+                raise BadInput(checkpoint, "train_state.step", f"not an integer >= 0 ({step!r})")
+            out.append(("train_state.step", n, "one"))
+        for key, numbering in (("iter_num", "zero"), ("iteration", "one")):
+            if key in obj and _counter_value(obj[key]) is not None:
+                out.append((key, _counter_value(obj[key]), numbering))
+    return out
+
+
+def check_first(args, counters, adam_step):
+    """FIRST against the checkpoint's counters and the optimizer's step count: each says how many
+    updates the parameters have seen, so FIRST is that count (log numbered from 0) or one more (from 1).
+    Returns the numbering used; a conflict is bad input naming both sides."""
+    numbering = args.log_numbering or (counters[0][2] if counters else "zero")
+    base = 1 if numbering == "one" else 0
+    how = (f"--log-numbering {numbering}" if args.log_numbering else
+           f"{counters[0][0]}'s convention" if counters else "the docs' convention, steps counted from 0")
+    for name, n, _ in counters:
+        if args.first != n + base:
+            raise BadInput("command line", "--steps", f"FIRST is {args.first}, but the checkpoint's {name} is {n}: it "
+                           f"holds the parameters after {n} updates, so with the log numbered from {base} ({how}) "
+                           f"FIRST is {n + base}" + ("" if args.log_numbering else
+                                                     "; pass --log-numbering if your log counts otherwise"))
+    if adam_step is not None:
+        fp16 = args.precision == "fp16"  # the scaler's skipped steps do not count in AdamW's step
+        updates = counters[0][1] if counters else args.first - base
+        if adam_step != updates and not (fp16 and adam_step < updates):
+            raise BadInput("command line", "--steps", f"FIRST is {args.first}, but the optimizer's step count is "
+                           f"{adam_step}: with the log numbered from {base} ({how}) FIRST is {adam_step + base}"
+                           + (f", and {counters[0][0]} says {counters[0][1]} updates" if counters else "")
+                           + ("" if args.log_numbering or counters else
+                              "; pass --log-numbering one if your log numbers a step after its update"))
+    return numbering
+
+
+def check_incident_window(args, first, last, has_optimizer):
+    """A non-finite logged loss (not a step the fp16 scaler skipped) outside FIRST..LAST: the bundle
+    would lose the incident, so it is bad input naming the step."""
+    for _, line in _log_lines(args.log):
+        try:
+            obj = json.loads(line) if line.strip() else None
+        except ValueError:
+            continue  # read_log names a bad line inside the window
+        if not isinstance(obj, dict) or not isinstance(obj.get("step"), int) or first <= obj["step"] <= last:
+            continue
+        loss = obj.get("loss")
+        try:
+            value = _number(loss, args.log, "loss") if loss is not None else 0.0
+        except BadInput:
+            continue
+        if not math.isfinite(value) and obj.get("skipped") is not True:
+            where = "before the checkpoint" if obj["step"] < first else "after the last imported step"
+            fix = ("import a checkpoint from before it" if obj["step"] < first else
+                   f"extend --steps to {first}:{obj['step']}" if has_optimizer else
+                   "give the optimizer state (--optimizer) so that the replay can roll forward to it, and extend --steps")
+            raise BadInput(args.log, f"step {obj['step']}.loss", f"{loss} is the logged incident, {where} (--steps "
+                                                                  f"{first}:{last}): the bundle would lose it; {fix}")
+
+
 # ---------------------------------------------------------------------------
 # The command.
 
-def _parser():
-    ap = argparse.ArgumentParser(prog="nanreplay import", description=__doc__.split("\n\n")[0])
+def _parser(kind=argparse.ArgumentParser):
+    ap = kind(prog="nanreplay import", description=__doc__.split("\n\n")[0],
+              add_help=kind is argparse.ArgumentParser)
     ap.add_argument("--checkpoint", required=True, help="the checkpoint: HF directory or safetensors file, "
                                                         "torch.save file, or torch.distributed.checkpoint directory")
     ap.add_argument("--optimizer", help="AdamW state: a torch.save file or DCP directory (default: the checkpoint's own, "
-                                        "when it holds one)")
+                                        "when it holds one, or HF Trainer's optimizer.pt beside the weights)")
     ap.add_argument("--format", default="auto", choices=FORMATS)
     ap.add_argument("--naming", default="auto", choices=NAMINGS)
     ap.add_argument("--config", help="model config JSON (HF config.json, Meta params.json, nanoGPT/llama2.c model_args, "
                                      "Megatron args, or manifest model keys)")
-    ap.add_argument("--data", nargs="+", required=True, metavar="SHARD")
-    ap.add_argument("--token-dtype", default="uint16", choices=tuple(_TOKEN_WIDTH))
+    ap.add_argument("--num-heads", type=int, help="attention heads (before any config)")
+    ap.add_argument("--num-kv-heads", type=int, help="key/value heads (checked against the k projection's rows)")
+    ap.add_argument("--norm-eps", type=float, help="the norms' epsilon (before any config)")
+    ap.add_argument("--rope-theta", type=float, help="the rotary base (before any config)")
+    ap.add_argument("--rope-style", choices=("rotate_half", "interleaved"), help="the rotary convention (default: the "
+                                                                                 "naming's, or the config's)")
+    ap.add_argument("--tie-embeddings", choices=("true", "false"), help="whether the output head is the embedding")
+    ap.add_argument("--activation", help="the MLP's activation, checked: silu (llama's SwiGLU) or gelu_tanh (gpt2)")
+    ap.add_argument("--log-numbering", choices=("zero", "one"), help="zero: the log's step s is the update applied "
+                    "after s updates (nanoGPT, llama2.c, a range() loop); one: the s-th update (torchtitan, HF Trainer); "
+                    "default: the checkpoint's own counter's convention, else zero")
+    ap.add_argument("--data", nargs="+", action="extend", required=True, metavar="SHARD",
+                    help="token shards, in order; repeating the flag appends")
+    ap.add_argument("--token-dtype", action="append", choices=tuple(_TOKEN_WIDTH),
+                    help="uint16 (default) or uint32: once for every shard, or once per --data shard, in order")
     ap.add_argument("--seq-len", type=int, required=True)
     ap.add_argument("--micro-batch-size", type=int, required=True)
     ap.add_argument("--grad-accum", type=int, default=1)
@@ -1236,6 +1838,9 @@ def _parser():
     ap.add_argument("--betas", help="B1,B2 when the optimizer state does not say (default 0.9,0.999)")
     ap.add_argument("--eps", type=float, help="when the optimizer state does not say (default 1e-8)")
     ap.add_argument("--weight-decay", type=float, help="when the optimizer state does not say (default 0.01)")
+    ap.add_argument("--trust-pickle", action="store_true",
+                    help="load pickles (torch.save files, DCP) with Python's full unpickler: only for files you trust, "
+                         "since a crafted pickle runs code (recorded in the manifest)")
     ap.add_argument("--out", required=True)
     return ap
 
@@ -1250,16 +1855,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    base = _parser()
-    ap = _Parser(prog=base.prog, description=base.description)
-    for action in base._actions:
-        if action.dest == "help":
-            continue
-        kwargs = {k: getattr(action, k) for k in ("default", "choices", "required", "help", "metavar", "type")
-                  if getattr(action, k, None) is not None}
-        if action.nargs is not None:
-            kwargs["nargs"] = action.nargs
-        ap.add_argument(*action.option_strings, dest=action.dest, **kwargs)
+    ap = _parser(_Parser)
     try:
         args = ap.parse_args(argv)
     except _ArgError as e:
@@ -1269,6 +1865,15 @@ def parse_args(argv):
     if not m or int(m.group(1)) > int(m.group(2)):
         raise BadInput("command line", "--steps", f"{args.steps!r} is not FIRST:LAST with FIRST <= LAST")
     args.first, args.last = int(m.group(1)), int(m.group(2))
+    dtypes = args.token_dtype or ["uint16"]
+    if len(dtypes) not in (1, len(args.data)):
+        raise BadInput("command line", "--token-dtype", f"given {len(dtypes)} times for {len(args.data)} --data shards: "
+                                                        "give it once for all of them, or once per shard")
+    args.token_dtypes = dtypes * len(args.data) if len(dtypes) == 1 else dtypes
+    for flag, value in (("--checkpoint", args.checkpoint), ("--optimizer", args.optimizer), ("--config", args.config),
+                        ("--log", args.log), ("--samples", args.samples), *(("--data", d) for d in args.data)):
+        if value is not None and os.path.exists(value):  # missing ones are named where they are read
+            _check_regular(value, flag)
     for flag, value, low in (("--seq-len", args.seq_len, 1), ("--micro-batch-size", args.micro_batch_size, 1),
                              ("--grad-accum", args.grad_accum, 1), ("--world-size", args.world_size, 1),
                              ("--epoch", args.epoch, 0), ("--epoch-start-step", args.epoch_start_step, 0)):
@@ -1291,6 +1896,15 @@ def parse_args(argv):
         raise BadInput("command line", "--eps", "must be a finite number > 0")
     if args.weight_decay is not None and not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         raise BadInput("command line", "--weight-decay", "must be a finite number >= 0")
+    for flag, value, low in (("--num-heads", args.num_heads, 1), ("--num-kv-heads", args.num_kv_heads, 1)):
+        if value is not None and value < low:
+            raise BadInput("command line", flag, f"must be >= {low}, got {value}")
+    if args.norm_eps is not None and not (math.isfinite(args.norm_eps) and args.norm_eps >= 0):
+        raise BadInput("command line", "--norm-eps", "must be a finite number >= 0")
+    if args.rope_theta is not None and not (math.isfinite(args.rope_theta) and args.rope_theta > 0):
+        raise BadInput("command line", "--rope-theta", "must be a finite number > 0")
+    if args.tie_embeddings is not None:
+        args.tie_embeddings = args.tie_embeddings == "true"
     return args
 
 
@@ -1331,23 +1945,15 @@ def load_checkpoint(args):
     return sd, obj, fmt, why, configs, reader
 
 
-def build(args):
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise BadInput(out, "--out", "exists and is not an empty directory")
-
-    source_sd, obj, fmt, why, configs, reader = load_checkpoint(args)
-    say(f"format: {fmt} ({why}; {reader})")
-    naming = args.naming
-    if naming == "auto":
-        naming, key = detect_naming(list(source_sd))
-        say(f"naming: {naming} (detected: {key})")
-    else:
-        say(f"naming: {naming} (--naming)")
-    arch = "gpt2" if naming == "nanogpt" else "llama"
-    sd = strip_prefix(source_sd, naming)
-
-    # num_heads etc. come from the configs; the tensors settle every shape.
+def settle_model_section(args, arch, naming, sd, configs):
+    """The manifest's model section from the renamed tensors, flags and configs, each value with its
+    source, printed (defaults loudly). Returns (mapper, model, parameters, provenance entries)."""
+    # num_heads etc. come from flags and configs; the tensors settle every shape.
+    flags = flag_config(args)
+    if flags:
+        configs.insert(0, (flags, FLAGS_WHERE))
+    required_values(arch, configs, naming, args.config or next((w for _, w in configs if w != FLAGS_WHERE),
+                                                                str(args.checkpoint)))
     heads_cfg = {}
     for raw, where in configs:
         for k, (v, _) in normalize_config(raw, where).items():
@@ -1364,35 +1970,65 @@ def build(args):
                 G = (qkv.shape[0] // (C // H) - H) // 2  # rows = (H + 2G) * D
             heads_cfg["num_kv_heads"] = G
             heads_cfg["hidden_size"] = C
-    if "num_heads" not in heads_cfg:
-        raise BadInput(args.config or (configs[0][1] if configs else "--config"), "num_heads",
-                       "missing: the number of attention heads cannot be read off the tensors; give it in --config")
     mapper = Mapper(naming, {"num_heads": heads_cfg["num_heads"], "num_kv_heads": heads_cfg.get("num_kv_heads", heads_cfg["num_heads"]),
                              "hidden_size": heads_cfg.get("hidden_size", 0) or 1})
     mapped = mapper.map(sd, args.checkpoint)
     model, notes = settle_model(arch, mapped, naming, configs, args)
-    opts, opt_notes = model_options(naming, configs, model)
+    opts, opt_notes = model_options(naming, configs, model, args)
     model.update(opts)
     notes.update(opt_notes)
+    activation, notes["activation"] = settle_activation(arch, naming, configs, args)
     for raw, where in configs:
-        moe = _moe_config(raw, where, model["num_layers"]) if arch == "llama" else None
+        moe = _moe_config(raw, where, model["num_layers"], len(mapped)) if arch == "llama" else None
         if moe:
             model["moe"] = moe
-            notes["moe"] = f"{where}: num_experts"
+            notes["moe"] = (_kind_of(where, args), f"{where}: num_experts")
             break
     if model["tie_embeddings"]:
         mapped.pop("lm_head.weight", None)
     params = check_parameters(mapped, model, args.checkpoint)
 
     say("model: " + ", ".join(f"{k} {v}" for k, v in model.items() if k != "arch") + f" ({model['arch']})")
-    for key in ("norm_eps", "rope_theta", "tie_embeddings", "moe", *_capture.LLAMA_OPTION_DEFAULTS):
-        if key in notes and key in model:
-            say(f"  {key}: {notes[key]}")
+    for key in dict.fromkeys(("num_heads", "num_kv_heads", "norm_eps", "rope_theta", "rope_style", "tie_embeddings",
+                              "activation", "moe", *_capture.LLAMA_OPTION_DEFAULTS)):
+        if key in notes and (key in model or key in ("rope_style", "activation")):
+            kind, detail = notes[key]
+            say(f"  {key}: " + ("DEFAULTED, " if kind == "default" else "") + detail)
+    provenance = {f"model.{k}": _provenance_entry(kind, detail, activation if k == "activation" else
+                                                  model.get(k, "rotate_half" if k == "rope_style" else None))
+                  for k, (kind, detail) in notes.items()}
+    return mapper, model, params, provenance
 
-    # The optimizer state: --optimizer, else the checkpoint's own when it has one.
+
+def build(args):
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BadInput(out, "--out", "exists and is not an empty directory")
+
+    global _trust_pickle
+    _trust_pickle = args.trust_pickle
+    if _trust_pickle:
+        print("nanreplay import: --trust-pickle: pickles are loaded with Python's full unpickler, which runs any "
+              "code a crafted file names; recorded in the manifest", file=sys.stderr, flush=True)
+    source_sd, obj, fmt, why, configs, reader = load_checkpoint(args)
+    say(f"format: {fmt} ({why}; {reader})")
+    naming = args.naming
+    if naming == "auto":
+        naming, key = detect_naming(list(source_sd))
+        say(f"naming: {naming} (detected: {key})")
+    else:
+        say(f"naming: {naming} (--naming)")
+    arch = "gpt2" if naming == "nanogpt" else "llama"
+    sd = strip_prefix(source_sd, naming)
+
+    mapper, model, params, provenance = settle_model_section(args, arch, naming, sd, configs)
+
+    # The optimizer state: --optimizer, else HF Trainer's optimizer.pt beside the weights, else the
+    # checkpoint's own when it has one.
     opt, opt_where = None, None
-    if args.optimizer:
-        p = Path(args.optimizer)
+    optimizer_path = args.optimizer or hf_trainer_file(args.checkpoint, fmt, "optimizer.pt")
+    if optimizer_path:
+        p = Path(optimizer_path)
         if not p.exists():
             raise BadInput(p, "--optimizer", "does not exist")
         if p.is_dir():
@@ -1411,10 +2047,11 @@ def build(args):
             opt_where = f"{args.checkpoint} ({key or 'top level'})"
     first, last = args.first, args.last
     if opt is not None:
-        moments, adam_step, hyper, opt_notes = read_optimizer(opt, args.optimizer or args.checkpoint, source_sd,
+        moments, adam_step, hyper, opt_notes = read_optimizer(opt, optimizer_path or args.checkpoint, source_sd,
                                                               mapper, model, args)
         say(f"optimizer: AdamW state of {len(moments or params)} parameters from {opt_where}, {opt_notes[0]}; "
             f"step count {adam_step}; " + "; ".join(opt_notes[1:]))
+        provenance.update(_hyper_provenance(opt_notes, hyper))
     else:
         moments, adam_step = None, None
         hyper = {"betas": args.betas or [0.9, 0.999], "eps": args.eps or 1e-8,
@@ -1423,8 +2060,14 @@ def build(args):
             say(f"optimizer: none given (--optimizer) and none in the checkpoint: only step {first} is replayed "
                 f"(steps {first + 1}..{last} need AdamW state to roll forward)")
             last = first
+    counters = checkpoint_counters(obj, args.checkpoint, fmt)
+    numbering = check_first(args, counters, adam_step)
+    say(f"first step: {first} (" + ("; ".join(f"{name} {n}" for name, n, _ in counters) or "no step counter in the "
+        "checkpoint") + (f"; AdamW step count {adam_step}" if adam_step is not None else "")
+        + f"; log numbered from {0 if numbering == 'zero' else 1})")
 
     log = read_log(args.log, first, last)
+    check_incident_window(args, first, last, opt is not None)
     world, per_rank = args.world_size, args.micro_batch_size * args.grad_accum
     samples, sample_kind = read_samples(args.samples, first, last, world, per_rank) if args.samples else (None, None)
 
@@ -1434,7 +2077,7 @@ def build(args):
     if sample_kind == "offsets":
         shards, total, samples, extra = copy_windows(args, samples, out)
     else:
-        shards, total = copy_shards(args.data, args.token_dtype, out)
+        shards, total = copy_shards(args.data, args.token_dtypes, out)
     num_samples = (total - 1) // args.seq_len
     if num_samples < 1:
         raise BadInput(args.data[0], "--data", f"{total} tokens hold no sample of seq_len {args.seq_len} + 1")
@@ -1469,11 +2112,11 @@ def build(args):
                     m, v = moments[key] if moments is not None else (torch.zeros_like(p), torch.zeros_like(p))
                     for which, t in (("exp_avg", m), ("exp_avg_sq", v)):
                         if tuple(t.shape) != tuple(p.shape):
-                            raise BadInput(args.optimizer or args.checkpoint, f"state.{key}.{which}",
+                            raise BadInput(optimizer_path or args.checkpoint, f"state.{key}.{which}",
                                            f"shape {list(t.shape)} differs from the parameter's {list(p.shape)}")
                         t = t.float() if t.dtype == torch.float64 else t
                         if t.dtype not in _FLOAT_TYPES:
-                            raise BadInput(args.optimizer or args.checkpoint, f"state.{key}.{which}", f"is {t.dtype}")
+                            raise BadInput(optimizer_path or args.checkpoint, f"state.{key}.{which}", f"is {t.dtype}")
                         tensors.append((f"{key}.{which}", t.contiguous()))
                 tensors.append(("step", torch.tensor(adam_step, dtype=torch.int64)))
                 _capture.write_safetensors(d / "optimizer.safetensors", tensors)
@@ -1512,7 +2155,11 @@ def build(args):
         manifest["incident"] = {"step": bad, "symptom": f"loss={_capture._json_number(log[bad]['loss'])}"}
     manifest["import"] = {"writer": "nanreplay_import", "version": IMPORT_VERSION, "torch": torch.__version__,
                           "checkpoint": str(args.checkpoint), "format": fmt, "naming": naming,
-                          "optimizer": opt_where, "config_sources": {k: v for k, v in notes.items()}}
+                          "optimizer": opt_where, "config_sources": {k[len("model."):]: e["detail"] for k, e in provenance.items()
+                                                                 if k.startswith("model.")}}
+    manifest["provenance"] = provenance
+    if args.trust_pickle:
+        manifest["import"]["trust_pickle"] = True
     _capture._write_json(out / "manifest.json", manifest)
     derived = last - first
     say(f"steps: {first} to {last} (checkpoint at {first}" + (f", {derived} derived by the replay's own update)" if derived else ")"))

@@ -42,18 +42,40 @@ constexpr const char* kHelp =
     "         [--grad-accum N] [--world-size N]\n"
     "         (--sampler-seed N [--epoch N] [--epoch-start-step N] | --samples FILE)\n"
     "         --log FILE --steps FIRST:LAST [--precision fp32|bf16|fp16|fp8] [--grad-clip X]\n"
-    "         --out BUNDLE\n\n"
+    "         [--trust-pickle] [--num-heads N] [--num-kv-heads N] [--norm-eps X] [--rope-theta X]\n"
+    "         [--rope-style rotate_half|interleaved] [--tie-embeddings true|false] [--activation NAME]\n"
+    "         [--log-numbering zero|one] --out BUNDLE\n\n"
     "FIRST is the step the checkpoint was taken at (its parameters before that step's update), LAST the\n"
     "last step to replay. Without --optimizer only step FIRST replays. --log is JSON lines, one object\n"
     "per step: step, lr, loss, and optionally grad_norm, loss_scale, skipped.\n"
+    "FIRST is checked against the checkpoint's own step counters (the optimizer's step count, HF\n"
+    "Trainer's global_step, torchtitan's train_state.step, iter_num): --log-numbering one when the log\n"
+    "numbers a step after its update, as torchtitan and HF Trainer do (their default there).\n"
+    "A value that changes the math and that no checkpoint or config gives is never guessed: give it\n"
+    "as a flag (--num-heads, --norm-eps, --rope-theta, ...) or in --config, or the import names every\n"
+    "missing one. The manifest's provenance block records where each value came from.\n"
+    "--data may be repeated: the shards are used in the order given. --token-dtype is given once for\n"
+    "all shards or once per shard, in the same order.\n"
+    "Pickles (torch.save files, DCP checkpoints) are read by an unpickler that loads only tensors, plain\n"
+    "data and a short list of framework classes; anything else is refused, since a crafted pickle runs\n"
+    "code. --trust-pickle loads them with Python's full unpickler, for files you trust (said on stderr\n"
+    "and recorded in the manifest).\n"
     "Example: nanreplay import --checkpoint ckpt/ --data train.bin --seq-len 2048 --micro-batch-size 4 \\\n"
     "           --sampler-seed 1234 --log train.jsonl --steps 5000:5010 --out incident-5000/\n\n"
     "Runs capture/nanreplay_import.py with Python 3 and PyTorch: NANREPLAY_PYTHON, else /usr/bin/python3,\n"
     "else python3 on PATH (NANREPLAY_IMPORT_HELPER names another helper script).\n"
     "\nexit status: 0 written and valid, 2 bad input (nothing written), 3 internal error, 130 interrupted\n";
 
+// NANREPLAY_IMPORT_HELPER; else the installed copy beside the executable
+// (PREFIX/bin/nanreplay -> PREFIX/share/nanreplay/capture/); else the source tree's.
 fs::path helper_script() {
   if (const char* given = std::getenv("NANREPLAY_IMPORT_HELPER")) return given;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const fs::path installed = exe.parent_path().parent_path() / "share" / "nanreplay" / "capture" / "nanreplay_import.py";
+    if (fs::is_regular_file(installed, ec)) return installed;
+  }
   return fs::path(NANREPLAY_SOURCE_DIR) / "capture" / "nanreplay_import.py";
 }
 

@@ -14,6 +14,7 @@
 #include "loaders/bundle_paths.h"
 #include "loaders/error.h"
 #include "loaders/json_util.h"
+#include "loaders/provenance.h"
 
 namespace nanreplay {
 namespace {
@@ -41,6 +42,26 @@ int64_t positive_integer(const JsonReader& reader, const std::string& key) {
 int64_t optional_positive_integer(const JsonReader& reader, const std::string& key,
                                   int64_t fallback) {
   return reader.has(key) ? positive_integer(reader, key) : fallback;
+}
+
+// A model dimension (a width, a count of layers, heads or experts, a length):
+// no real model comes near 2^30, and up to it the element count of any
+// parameter tensor (two dimensions, gpt2's 4 * hidden_size included) fits 64 bits.
+constexpr int64_t kLargestDimension = int64_t{1} << 30;
+
+int64_t dimension(const JsonReader& reader, const std::string& key) {
+  const int64_t value = positive_integer(reader, key);
+  if (value > kLargestDimension) {
+    throw InputError(reader.file(), reader.key_path(key),
+                     "expected at most " + std::to_string(kLargestDimension) +
+                         " (larger than any model's; tensor sizes built from it would overflow), got " +
+                         std::to_string(value));
+  }
+  return value;
+}
+
+int64_t optional_dimension(const JsonReader& reader, const std::string& key, int64_t fallback) {
+  return reader.has(key) ? dimension(reader, key) : fallback;
 }
 
 int64_t require_non_negative(int64_t value, const std::string& file,
@@ -218,14 +239,14 @@ RopeScaling parse_rope_scaling(const JsonReader& scaling) {
 
 MoeConfig parse_moe(const JsonReader& moe, int64_t model_width) {
   MoeConfig config;
-  config.num_experts = positive_integer(moe, "num_experts");
-  config.top_k = positive_integer(moe, "top_k");
+  config.num_experts = dimension(moe, "num_experts");
+  config.top_k = dimension(moe, "top_k");
   if (config.top_k > config.num_experts) {
     throw InputError(moe.file(), moe.key_path("top_k"),
                      "expected at most num_experts (" + std::to_string(config.num_experts) + "), got " +
                          std::to_string(config.top_k));
   }
-  config.intermediate_size = optional_positive_integer(moe, "intermediate_size", model_width);
+  config.intermediate_size = optional_dimension(moe, "intermediate_size", model_width);
   config.norm_topk_prob = moe.optional_boolean("norm_topk_prob").value_or(false);
   if (moe.has("router_aux_loss_coef")) {
     config.router_aux_loss_coef = finite_number_above(moe, "router_aux_loss_coef", 0, true);
@@ -253,7 +274,7 @@ void parse_llama_options(const JsonReader& model, ModelConfig& config) {
   if (model.has("final_logit_softcap")) {
     config.final_logit_softcap = finite_number_above(model, "final_logit_softcap", 0, false);
   }
-  if (model.has("sliding_window")) config.sliding_window = positive_integer(model, "sliding_window");
+  if (model.has("sliding_window")) config.sliding_window = dimension(model, "sliding_window");
   if (model.has("moe")) config.moe = parse_moe(model.object("moe"), config.intermediate_size);
 }
 
@@ -274,19 +295,19 @@ ModelConfig parse_model(const JsonReader& model) {
   ModelConfig config;
   config.arch = parse_arch(model);
   refuse_unsupported_options(model, config.arch);
-  config.vocab_size = positive_integer(model, "vocab_size");
-  config.hidden_size = positive_integer(model, "hidden_size");
-  config.num_layers = positive_integer(model, "num_layers");
-  config.num_heads = positive_integer(model, "num_heads");
-  config.num_kv_heads = optional_positive_integer(model, "num_kv_heads", config.num_heads);
-  config.max_seq_len = positive_integer(model, "max_seq_len");
+  config.vocab_size = dimension(model, "vocab_size");
+  config.hidden_size = dimension(model, "hidden_size");
+  config.num_layers = dimension(model, "num_layers");
+  config.num_heads = dimension(model, "num_heads");
+  config.num_kv_heads = optional_dimension(model, "num_kv_heads", config.num_heads);
+  config.max_seq_len = dimension(model, "max_seq_len");
   if (model.has("norm_eps")) config.norm_eps = finite_number_above(model, "norm_eps", 0, true);
   if (model.has("rope_theta")) {
     config.rope_theta = finite_number_above(model, "rope_theta", 0, false);
   }
   check_head_layout(model, config);
   if (config.arch == Arch::kLlama) {
-    config.intermediate_size = positive_integer(model, "intermediate_size");
+    config.intermediate_size = dimension(model, "intermediate_size");
     config.tie_embeddings = model.optional_boolean("tie_embeddings").value_or(false);
     parse_llama_options(model, config);
   } else {
@@ -616,6 +637,7 @@ Manifest parse_manifest(const std::string& json_text, const std::string& file_la
     manifest.minimized = MinimizedFrom{minimized->string("from"),
                                        minimized->optional_string("manifest_sha256").value_or("")};
   }
+  if (auto provenance = root.optional_object("provenance")) manifest.provenance = parse_provenance(*provenance);
   return manifest;
 }
 

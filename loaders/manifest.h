@@ -143,6 +143,17 @@ struct MinimizedFrom {
   std::string manifest_sha256;  // of the original manifest.json
 };
 
+// Where a value the bundle's writer settled came from: one entry of the
+// optional "provenance" block (docs/bundle-format.md, "Provenance"). The replay
+// does not use it; the report names the defaulted values beside a verdict that
+// the bundle does not reproduce the run.
+struct ValueSource {
+  std::string key;     // the manifest key it describes: "model.norm_eps"
+  std::string from;    // tensors, checkpoint, config, flag, naming, default
+  std::string detail;  // where exactly, in words
+  std::string value;   // the value as compact JSON text; empty when not recorded
+};
+
 struct Manifest {
   int64_t version = 1;
   ModelConfig model;
@@ -152,6 +163,7 @@ struct Manifest {
   std::vector<StepEntry> steps;  // sorted by step, no duplicates
   std::optional<IncidentInfo> incident;
   std::optional<MinimizedFrom> minimized;
+  std::vector<ValueSource> provenance;  // sorted by key
 };
 
 // The run's own index of bundle sample `sample` (or the token offset it

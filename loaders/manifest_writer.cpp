@@ -101,6 +101,11 @@ nlohmann::json manifest_json(const Manifest& m) {
   if (m.minimized) {
     out["minimized"] = {{"from", m.minimized->bundle}, {"manifest_sha256", m.minimized->manifest_sha256}};
   }
+  for (const ValueSource& v : m.provenance) {  // a cut bundle keeps what its values rest on
+    nlohmann::json entry = {{"from", v.from}, {"detail", v.detail}};
+    if (!v.value.empty()) entry["value"] = nlohmann::json::parse(v.value);
+    out["provenance"][v.key] = entry;
+  }
   return out;
 }
 

@@ -7,8 +7,10 @@
 #include <cstdio>
 #include <map>
 #include <sstream>
+#include <vector>
 
 #include "loaders/error.h"
+#include "loaders/provenance.h"
 #include "loaders/safetensors.h"
 #include "replay/memory_estimate.h"
 #include "replay/probe_retention.h"
@@ -93,7 +95,7 @@ nlohmann::json summarize_bundle(const Bundle& bundle) {
     incident = {{"step", m.incident->step ? nlohmann::json(*m.incident->step) : nlohmann::json(nullptr)},
                 {"symptom", printable(m.incident->symptom)}};
   }
-  return {{"bundle", bundle.root().string()},
+  nlohmann::json summary = {{"bundle", bundle.root().string()},
           {"valid", mismatches.empty()},
           {"validated", "structure"},
           {"faithfulness", kFaithfulnessNote},
@@ -124,6 +126,10 @@ nlohmann::json summarize_bundle(const Bundle& bundle) {
             {"epoch_start_step", randperm_only(sampler.epoch_start_step)}}},
           {"incident", incident},
           {"memory", memory_summary(bundle)}};
+  // Values the writer assumed (manifest provenance "from": "default"): the first suspects of a gap.
+  const std::vector<ValueSource> defaulted = defaulted_values(m.provenance);
+  if (!defaulted.empty()) summary["defaulted"] = describe_defaulted(defaulted);
+  return summary;
 }
 
 std::string render_bundle_summary(const nlohmann::json& s) {
@@ -151,6 +157,7 @@ std::string render_bundle_summary(const nlohmann::json& s) {
   } else {
     out << "sampler    explicit (each step lists its samples)\n";
   }
+  if (s.contains("defaulted")) out << "defaulted  " << s["defaulted"].get<std::string>() << "\n";
   if (!s["incident"].is_null()) {
     out << "incident   step " << (s["incident"]["step"].is_null() ? "?" : s["incident"]["step"].dump()) << ": "
         << s["incident"]["symptom"].get<std::string>() << "\n";

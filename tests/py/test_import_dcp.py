@@ -48,7 +48,8 @@ def main():
     flags = ["--checkpoint", ckpt, "--config", work / "params.json", "--data", FIXTURE / "tokens.bin",
              "--seq-len", expected["seq_len"], "--micro-batch-size", expected["micro_batch_size"],
              "--grad-accum", expected["grad_accum"], "--sampler-seed", expected["sampler_seed"],
-             "--log", FIXTURE / "log.jsonl", "--steps", f"{first}:{last}", "--grad-clip", expected["grad_clip"]]
+             "--log", FIXTURE / "log.jsonl", "--steps", f"{first}:{last}", "--grad-clip", expected["grad_clip"],
+             "--log-numbering", "zero"]  # the fixture's log counts from 0; torchtitan's own would call FIRST 4
     proc = s.run_import(args.cli, flags, work / "bundle")
     s.check(proc.returncode == 0, f"import exits 0 {proc.stderr.strip()}")
     s.check("format: dcp (detected: .metadata" in proc.stdout, "auto-detected a DCP directory")

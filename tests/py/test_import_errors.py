@@ -89,7 +89,8 @@ def main():
 
     no_args = work / "noargs.pt"
     torch.save({"model": model.state_dict()}, no_args)
-    bad(cli, "no num_heads anywhere", ["--checkpoint", no_args] + base[2:], work / "o6", "--config", "num_heads")
+    bad(cli, "no num_heads anywhere: every missing value in one line", ["--checkpoint", no_args] + base[2:],
+        work / "o6", "noargs.pt", "num_heads, norm_eps, rope_theta")
     cfg = work / "wrong.json"
     cfg.write_text(json.dumps({"n_heads": 4, "dim": 48}))
     bad(cli, "a config contradicting the tensors", base + ["--config", cfg], work / "o7", "wrong.json", "dim")
@@ -112,7 +113,9 @@ def main():
     bad(cli, "integer ids in an order that cannot be recovered", ["--checkpoint", mixed] + base[2:], work / "o9",
         "mixed.pt", "param_groups")
 
-    bad(cli, "steps past the epoch", base[:-1] + ["10:12"], work / "o10", "", "step 10")
+    no_opt = work / "noopt.pt"  # no optimizer state, no step counter: nothing to check FIRST against
+    torch.save({"model": model.state_dict(), "model_args": l2c.ARGS}, no_opt)
+    bad(cli, "steps past the log", ["--checkpoint", no_opt] + base[2:-1] + ["10:12"], work / "o10", "", "step 10")
 
     # A Hugging Face index naming a shard that is not there.
     hf = work / "hf"

@@ -201,7 +201,9 @@ def main():
         torch.save(s.name_keyed(model, opt), work / "optimizer.pt")
 
     proc, manifest = s.incident_case("megatron", args.cli, work, model, opt, data, SITES, save, FIRST, LAST,
-                                     ["--checkpoint", work / "model_optim_rng.pt", "--optimizer", work / "optimizer.pt"])
+                                     ["--checkpoint", work / "model_optim_rng.pt", "--optimizer", work / "optimizer.pt",
+                                      # the loop logs from 0; Megatron's own log says "iteration 4" for this step
+                                      "--log-numbering", "zero"])
     s.check("naming: megatron (detected: decoder.layers.0.self_attention.linear_qkv.weight)" in proc.stdout,
             "auto-detected Megatron naming")
     if manifest:
