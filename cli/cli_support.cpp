@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cli/terminal_guard.h"
 #include "loaders/error.h"
 #include "replay/distributed.h"
 
@@ -76,7 +77,8 @@ bool stop_requested() { return g_stop_signal.load() != 0; }
 
 void set_interrupted_message(const std::string& line) {
   // Read in signal context, so never freed: set once or twice per run.
-  g_interrupted_message.store(strdup(("nanreplay: " + line + "\n").c_str()));
+  // Written by the signal handler itself, past the terminal guard: escaped here.
+  g_interrupted_message.store(strdup(("nanreplay: " + terminal_safe(line) + "\n").c_str()));
 }
 
 CommandFailure describe_failure(std::exception_ptr error) {

@@ -83,6 +83,57 @@ size_t find_excess_nesting(const std::string& text, int max_depth) {
   return kNotFound;
 }
 
+// What the DOM costs per token of the text (nlohmann::json on libstdc++,
+// malloc's per-block overhead included; measured: "[{},{},...]" 82 bytes an
+// element, "[\"\",...]" 63, "[1,2,...]" 17): a value is a 16-byte slot in its
+// container, a container adds its heap vector or map, an object member a map
+// node, a string its heap std::string, with the characters past 15 on the heap.
+constexpr size_t kElementBytes = 24;    // per ',': one more slot, some spare capacity
+constexpr size_t kContainerBytes = 64;  // per '[' or '{': the container and its first slot
+constexpr size_t kMemberBytes = 48;     // per ':': a map node (its key counted as a string)
+constexpr size_t kStringBytes = 48;     // per string: a heap std::string
+constexpr size_t kShortString = 15;     // libstdc++ keeps up to 15 characters inline
+
+// Offset at which the DOM of `text` would pass `budget` bytes, by the costs
+// above, found by a flat scan: text made of empty containers, empty strings
+// or one-character members costs 20-30x its size, a real manifest (long
+// arrays of integers, a few objects) a few times its size.
+size_t find_costly_structure(const std::string& text, size_t budget) {
+  size_t cost = 0;
+  size_t string_start = 0;
+  bool in_string = false;
+  bool escaped = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+        const size_t length = i - string_start;
+        cost += kStringBytes + (length > kShortString ? length + 1 : 0);
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+      string_start = i + 1;
+    } else if (c == '[' || c == '{') {
+      cost += kContainerBytes;
+    } else if (c == ',') {
+      cost += kElementBytes;
+    } else if (c == ':') {
+      cost += kMemberBytes;
+    } else {
+      continue;
+    }
+    if (cost > budget) return i;
+  }
+  return kNotFound;
+}
+
 // nlohmann prefixes "[json.exception.parse_error.101] "; users need the rest.
 std::string strip_nlohmann_prefix(const std::string& message) {
   if (!message.empty() && message[0] == '[') {
@@ -155,6 +206,12 @@ nlohmann::json parse_json_guarded(const std::string& text, const std::string& fi
     throw InputError(file_label, byte_key(byte_base + too_deep),
                      "expected JSON nested at most " + std::to_string(max_depth) +
                          " levels deep, found deeper nesting");
+  }
+  const size_t costly = find_costly_structure(text, kMaxJsonDomBytes);
+  if (costly != kNotFound) {
+    throw InputError(file_label, byte_key(byte_base + costly),
+                     "expected JSON whose parsed form fits " + std::to_string(kMaxJsonDomBytes >> 20) +
+                         " MiB; by here it would need more (text dense with empty or tiny values)");
   }
   try {
     return nlohmann::json::parse(text);

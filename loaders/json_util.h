@@ -13,9 +13,16 @@ namespace nanreplay {
 
 // Larger JSON texts are refused before parsing (their DOM would be ~10x larger).
 constexpr size_t kMaxJsonBytes = size_t{256} << 20;
+// The most a parsed JSON document may take in memory, estimated from its text
+// before parsing: text dense with tiny values ("[{},{},...]") costs 20-30
+// times its size in nlohmann's DOM, so a size cap alone does not bound memory.
+// A real manifest is mostly arrays of sample indices, 24 bytes each by the
+// estimate: 16 million of them fit.
+constexpr size_t kMaxJsonDomBytes = size_t{384} << 20;
 
 // Parses `text`, rejecting text over kMaxJsonBytes, invalid UTF-8, nesting
-// deeper than `max_depth` and anything that is not valid JSON, with
+// deeper than `max_depth`, a DOM estimated over kMaxJsonDomBytes and anything
+// that is not valid JSON, with
 // InputError(file_label, "byte N", ...).
 // The depth is checked by an iterative scan before parsing, so hostile input
 // cannot exhaust the stack. `byte_base` is added to reported offsets (a JSON

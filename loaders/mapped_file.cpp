@@ -25,7 +25,8 @@ namespace nanreplay {
 // What the file was when it was mapped, to tell later whether it still is.
 // Checked by path (no descriptor kept open, so a bundle of many shards needs
 // no more than the usual file limit): a removed, replaced, truncated or
-// rewritten file all show in stat().
+// rewritten file all show in stat(), a rewrite whose writer restored the
+// size and modification time in st_ctim. Cost: one stat per mapping per poll.
 struct MappedFileWatch {
   std::string path;
   std::string label;
@@ -73,6 +74,14 @@ std::string change_of(const MappedFileWatch& watch) {
            " when opened";
   }
   if (!same_time(now.st_mtim, was.st_mtim)) return "it was rewritten (its modification time changed)";
+  // A writer can set the modification time back (touch -r, rsync --inplace -t,
+  // os.utime); the change time follows every write and every utime, and only
+  // the kernel sets it. It also moves on chmod or a new hard link: refused
+  // too, since what was read can no longer be told apart from a rewrite.
+  if (!same_time(now.st_ctim, was.st_ctim)) {
+    return "it was rewritten or its status changed (its change time moved; its modification time, if unchanged, "
+           "was set back)";
+  }
   return "";
 }
 

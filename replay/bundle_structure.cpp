@@ -8,6 +8,7 @@
 
 #include "loaders/error.h"
 #include "probes/sites.h"
+#include "replay/memory_estimate.h"
 
 namespace nanreplay {
 
@@ -18,6 +19,14 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   out << "[";
   for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
   out << "]";
+  return out.str();
+}
+
+// A count held in a double (it may exceed 64 bits), written whole.
+std::string format_text_count(double count) {
+  std::ostringstream out;
+  out.precision(0);
+  out << std::fixed << count;
   return out.str();
 }
 
@@ -33,6 +42,17 @@ std::vector<ParamSpec> parameters_backed_by(const SafetensorsFile& file, const M
     throw InputError(file.label(), "",
                      "does not match the manifest's " + std::string(arch_name(model.arch)) + " model: it has " +
                          std::to_string(model.num_layers) + " layers, the file holds only " +
+                         std::to_string(file.tensors().size()) + " tensors");
+  }
+  // Likewise a billion experts in a few layers: counted first. Up to a million
+  // tensors (~100 MB of list) the list is built and the mismatch named tensor
+  // by tensor; beyond that only a file holding that many tensors gets a list.
+  constexpr double kListedCheaply = 1 << 20;
+  const double described = count_model_parameters(model).tensors;
+  if (described > kListedCheaply && described > static_cast<double>(file.tensors().size())) {
+    throw InputError(file.label(), "",
+                     "does not match the manifest's " + std::string(arch_name(model.arch)) + " model: it has " +
+                         format_text_count(described) + " parameter tensors, the file holds only " +
                          std::to_string(file.tensors().size()) + " tensors");
   }
   return expected_parameters(model);

@@ -57,12 +57,39 @@ size_t count_selected_steps(const Bundle& bundle, const std::optional<std::set<i
   return count;
 }
 
+// "0-3, 7, 9-10" for sorted steps; the first eight runs and "..." for more.
+std::string step_ranges_text(const std::vector<int64_t>& steps) {
+  std::string text;
+  size_t runs = 0;
+  for (size_t i = 0; i < steps.size();) {
+    size_t last = i;
+    while (last + 1 < steps.size() && steps[last + 1] == steps[last] + 1) ++last;
+    if (++runs > 8) return text + ", ...";
+    text += (text.empty() ? "" : ", ") + std::to_string(steps[i]) +
+            (last > i ? "-" + std::to_string(steps[last]) : "");
+    i = last + 1;
+  }
+  return text;
+}
+
+// A --steps selection that names no step of the bundle would replay nothing
+// and report "not reproduced": refused, naming what the bundle has.
+void refuse_empty_selection(const Bundle& bundle, const std::optional<std::set<int64_t>>& only_steps) {
+  if (!only_steps || count_selected_steps(bundle, only_steps) > 0) return;
+  std::vector<int64_t> present;
+  for (const StepFiles& files : bundle.steps()) present.push_back(files.step);
+  const std::vector<int64_t> asked(only_steps->begin(), only_steps->end());
+  throw UsageError("--steps " + step_ranges_text(asked) + ": selects no step of the bundle, which has step(s) " +
+                   step_ranges_text(present));
+}
+
 }  // namespace
 
 Incident::Incident(const IncidentSettings& settings, IncidentUse use)
     : settings_(prepare_process(settings, use)),
       bundle_(settings_.bundle),
       steps_to_replay_(count_selected_steps(bundle_, settings_.only_steps)) {
+  refuse_empty_selection(bundle_, settings_.only_steps);
   for (const WhatIf& w : settings_.what_ifs) check_what_if(w, bundle_.manifest());
   // Refused before any checkpoint is opened or any output directory created.
   // `run` streams each step's probe records to the trace and keeps only the steps that matter.

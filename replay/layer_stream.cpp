@@ -32,14 +32,37 @@ OutputError scratch_error(const std::string& what, const std::filesystem::path& 
   return OutputError(path.string(), what + ": " + std::strerror(errno));
 }
 
+constexpr const char* kScratchPrefix = "nanreplay-scratch-";
+
+// Scratch directories in `parent` whose run is gone hold no lock: removed.
+// Never throws (other runs add and remove theirs meanwhile).
+void remove_abandoned_scratch(const std::filesystem::path& parent) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> found;
+  std::error_code ec;
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().filename().string().rfind(kScratchPrefix, 0) != 0) continue;
+    if (it->is_directory(ec) && !it->is_symlink(ec)) found.push_back(it->path());
+  }
+  for (const fs::path& scratch : found) {
+    const DirectoryLock abandoned(scratch, false);
+    if (abandoned.held()) fs::remove_all(scratch, ec);
+  }
+}
+
 }  // namespace
 
 StreamScratch::StreamScratch(const std::filesystem::path& parent) {
-  std::string pattern = (parent / "nanreplay-scratch-XXXXXX").string();
+  // Under the parent's lock, so that a run clearing abandoned scratch cannot
+  // take ours for one between its creation and its lock.
+  const DirectoryLock parent_lock(parent, true);
+  remove_abandoned_scratch(parent);
+  std::string pattern = (parent / (std::string(kScratchPrefix) + "XXXXXX")).string();
   if (mkdtemp(pattern.data()) == nullptr) {
     throw scratch_error("cannot create a scratch directory here", parent);
   }
   dir = pattern;
+  lock.emplace(dir, false);
   exit_cleanup.emplace(dir);
 }
 

@@ -19,6 +19,7 @@
 
 #include <torch/types.h>
 
+#include "loaders/directory_lock.h"
 #include "loaders/exit_cleanup.h"
 #include "replay/checkpoint.h"
 #include "replay/distributed.h"
@@ -28,13 +29,17 @@ namespace nanreplay {
 
 // A directory of scratch files, made inside `parent` as
 // nanreplay-scratch-XXXXXX and removed with everything in it when the last
-// owner lets go (at the end, on an error or an interrupt: unwinding).
+// owner lets go (at the end, on an error or an interrupt: unwinding). A run
+// killed outright (SIGKILL, the OOM killer) cannot remove it; its lock goes
+// with the process, so the next streamed run into the same parent finds the
+// directory unlocked and removes it.
 struct StreamScratch {
   explicit StreamScratch(const std::filesystem::path& parent);
   ~StreamScratch();
   StreamScratch(const StreamScratch&) = delete;
   StreamScratch& operator=(const StreamScratch&) = delete;
   std::filesystem::path dir;
+  std::optional<DirectoryLock> lock;        // held while this process lives: "not abandoned"
   std::optional<ExitCleanup> exit_cleanup;  // removed too on an exit without unwinding
 };
 

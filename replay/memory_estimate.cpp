@@ -44,14 +44,15 @@ struct Dims {
   double B, T, C, H, G, D, F, V, L, maxT;
 };
 
-Dims dims_of(const Manifest& m) {
-  const ModelConfig& c = m.model;
+Dims dims_of(const Manifest& m, const ModelConfig& c) {
   return Dims{static_cast<double>(m.data.micro_batch_size), static_cast<double>(m.data.seq_len),
               static_cast<double>(c.hidden_size),         static_cast<double>(c.num_heads),
               static_cast<double>(c.num_kv_heads),        static_cast<double>(c.head_dim()),
               static_cast<double>(c.intermediate_size),   static_cast<double>(c.vocab_size),
               static_cast<double>(c.num_layers),          static_cast<double>(c.max_seq_len)};
 }
+
+Dims dims_of(const Manifest& m) { return dims_of(m, m.model); }
 
 // Parameter elements and tensors, as probes/sites.cpp's expected_parameters
 // lists them (recomputed here so no per-layer list is built for a manifest
@@ -67,13 +68,13 @@ ParamCount moe_parameters(const MoeConfig& moe, const Dims& d) {
   return {E * d.C + E * 3 * static_cast<double>(moe.intermediate_size) * d.C, 1 + 3 * E};
 }
 
-ParamCount count_parameters(const Manifest& m, const Dims& d) {
-  if (m.model.arch == Arch::kLlama) {
+ParamCount count_parameters(const ModelConfig& model, const Dims& d) {
+  if (model.arch == Arch::kLlama) {
     const double kv = d.G * d.D;
-    const ParamCount mlp = m.model.moe ? moe_parameters(*m.model.moe, d) : ParamCount{3 * d.F * d.C, 3};
+    const ParamCount mlp = model.moe ? moe_parameters(*model.moe, d) : ParamCount{3 * d.F * d.C, 3};
     const double per_layer = 2 * d.C + 2 * d.C * d.C + 2 * kv * d.C + mlp.elements;
-    const double head = m.model.tie_embeddings ? 0 : d.V * d.C;
-    return {d.V * d.C + d.L * per_layer + d.C + head, 2 + (6 + mlp.tensors) * d.L + (m.model.tie_embeddings ? 0 : 1)};
+    const double head = model.tie_embeddings ? 0 : d.V * d.C;
+    return {d.V * d.C + d.L * per_layer + d.C + head, 2 + (6 + mlp.tensors) * d.L + (model.tie_embeddings ? 0 : 1)};
   }
   const double per_layer = 4 * d.C + (3 * d.C * d.C + 3 * d.C) + (d.C * d.C + d.C) +
                            (d.F * d.C + d.F) + (d.F * d.C + d.C);
@@ -203,10 +204,16 @@ std::string lower(std::string text) {
 
 }  // namespace
 
+ParameterCount count_model_parameters(const ModelConfig& model) {
+  const Manifest none;  // no batch: only the model's dimensions are read
+  const ParamCount count = count_parameters(model, dims_of(none, model));
+  return {count.tensors, count.elements};
+}
+
 MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_with_probes, bool probes,
                                       bool rolls_forward) {
   const Dims d = dims_of(manifest);
-  const ParamCount params = count_parameters(manifest, d);
+  const ParamCount params = count_parameters(manifest.model, d);
   const bool reduced = reduced_precision(manifest);
   MemoryEstimate estimate;
   // fp32 masters, plus the mapped file (at most fp32 per element), plus in
@@ -224,14 +231,14 @@ MemoryEstimate estimate_replay_memory(const Manifest& manifest, size_t steps_wit
 MemoryEstimate estimate_streamed_memory(const Manifest& manifest, size_t steps_with_probes, bool probes,
                                         bool rolls_forward) {
   const Dims d = dims_of(manifest);
-  const ParamCount params = count_parameters(manifest, d);
+  const ParamCount params = count_parameters(manifest.model, d);
   const bool reduced = reduced_precision(manifest);
   Dims one_layer = d;
   one_layer.L = 1;
   Dims no_layers = d;
   no_layers.L = 0;
-  const double outer = count_parameters(manifest, no_layers).elements;  // embeddings, final norm, head
-  const double block = count_parameters(manifest, one_layer).elements - outer;
+  const double outer = count_parameters(manifest.model, no_layers).elements;  // embeddings, final norm, head
+  const double block = count_parameters(manifest.model, one_layer).elements - outer;
   const double N = d.B * d.T;
   MemoryEstimate estimate;
   // As in memory (masters, the mapping, rounded copies), for the outer

@@ -25,6 +25,16 @@ struct MemoryEstimate {
   double total() const { return parameters + gradients + activations + probes + rolling + runtime; }
 };
 
+// The parameter tensors and elements of the manifest's model, as
+// probes/sites.h's expected_parameters lists them, counted without building
+// the list: a manifest claiming a billion experts is refused by this count
+// (replay/bundle_structure.cpp) before a list of that length exists.
+struct ParameterCount {
+  double tensors = 0;
+  double elements = 0;
+};
+ParameterCount count_model_parameters(const ModelConfig& model);
+
 // `steps_with_probes`: how many steps' probe records are held at once (a
 // `run` streams them to the trace: replay/probe_retention.h bounds it);
 // `probes`: whether probes are on; `rolls_forward`: some step is derived.

@@ -17,18 +17,25 @@ namespace {
 
 constexpr size_t kPropagationShown = 10;
 
-// One line of text safe inside a table cell or a paragraph.
+// One line of text safe inside a table cell or a paragraph: control bytes as
+// \xNN, and every character that could open Markdown or HTML syntax
+// (emphasis, links, images, tags, entities, headings, table pipes) behind a
+// backslash, which CommonMark and GitHub render as the character itself.
 std::string escape_markdown(const std::string& text) {
   std::string out;
   for (char c : printable(text)) {
-    if (std::string("\\`*_[]<>|#").find(c) != std::string::npos) out += '\\';
+    if (std::string("\\`*_[]<>|#&~!").find(c) != std::string::npos) out += '\\';
     out += c;
   }
   return out;
 }
 
-// A code span for identifiers (site names, codes); backticks cannot occur in it.
+// A code span for identifiers (site names, codes); backticks cannot occur in
+// it. Text that could read as HTML ('<', '>', '&': a bundle path or a
+// checkpoint key) is written as escaped plain text instead: a code span
+// keeps it literal only in renderers that follow CommonMark.
 std::string code(const std::string& text) {
+  if (text.find_first_of("<>&") != std::string::npos) return escape_markdown(text);
   std::string clean = printable(text);
   std::replace(clean.begin(), clean.end(), '`', '\'');
   std::replace(clean.begin(), clean.end(), '|', '/');

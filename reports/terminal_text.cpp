@@ -105,7 +105,7 @@ std::string token_lines(const ReplayReport& report) {
 
 std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
   std::ostringstream out;
-  out << "bundle  " << report.bundle << "  (" << arch_name(report.arch) << ", "
+  out << "bundle  " << printable(report.bundle) << "  (" << arch_name(report.arch) << ", "
       << compute_name(report.precision) << ", " << report.steps.size() << " steps)\n";
   out << reproduction_line(report, style);
   if (report.first_nonfinite) {
@@ -183,7 +183,7 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
   if (report.what_if) out << "\n" << render_what_ifs(*report.what_if, style);
   if (report.root_cause) {
     out << "\n" << paint(style, "1", "most likely root cause") << " (" << triage_layer_name(report.root_cause->layer)
-        << "): " << report.root_cause->summary << "\n";
+        << "): " << printable(report.root_cause->summary) << "\n";
   }
   return out.str();
 }

@@ -55,6 +55,7 @@ using nanreplay_test::Spawned;
 using nanreplay_test::wait_cli;
 using nanreplay_test::ScratchDir;
 using nanreplay_test::slurp;
+using nanreplay_test::read_json;
 using nlohmann::json;
 
 // ---- the good bundle and ways to break a copy of it --------------------------
@@ -318,6 +319,12 @@ TEST_CASE("bad bundles: broken manifests are refused with the key or byte at fau
     {"negative", [](const fs::path& b) {
        edit_json(b / "manifest.json", [](json& m) { m["model"]["num_layers"] = -2; });
      }, "manifest.json", "model.num_layers"},
+    {"max_seq_len_2_62", [](const fs::path& b) {
+       edit_json(b / "manifest.json", [](json& m) { m["model"]["max_seq_len"] = int64_t{1} << 62; });
+     }, "manifest.json", "model.max_seq_len"},
+    {"num_experts_2_40", [](const fs::path& b) {
+       edit_json(b / "manifest.json", [](json& m) { m["model"]["moe"] = {{"num_experts", int64_t{1} << 40}, {"top_k", 1}}; });
+     }, "manifest.json", "model.moe.num_experts"},
     {"nan_string", [](const fs::path& b) {
        edit_json(b / "manifest.json", [](json& m) { m["model"]["norm_eps"] = "nan"; });
      }, "manifest.json", "model.norm_eps"},
@@ -470,9 +477,9 @@ TEST_CASE("run refuses a replay that would not fit --max-memory, before loading 
   const CliResult roomy = run_cli({"run", bundle.string(), "--out", out.string(), "--max-memory", "64GiB"});
   check_refused(roomy, out, kModel100, "byte 0");
 
-  // A manifest claiming a model of petabytes is refused under the machine's default limit,
-  // naming the keys that drive the estimate.
-  edit_json(bundle / "manifest.json", [](json& m) { m["model"]["vocab_size"] = int64_t{1} << 40; });
+  // A manifest claiming a model of terabytes (a vocabulary of 2^30, the largest dimension the
+  // manifest allows) is refused under the machine's default limit, naming the keys that drive the estimate.
+  edit_json(bundle / "manifest.json", [](json& m) { m["model"]["vocab_size"] = int64_t{1} << 30; });
   const CliResult huge = run_cli({"run", bundle.string(), "--out", out.string()});
   check_refused(huge, out, "manifest.json", "model.vocab_size");
   CHECK(huge.err.find("80% of") != std::string::npos);
@@ -582,4 +589,55 @@ TEST_CASE("a re-run that fails leaves the previous results whole", "[cli][output
   for (const auto& entry : fs::directory_iterator(out)) left.push_back(entry.path().filename().string());
   std::sort(left.begin(), left.end());
   CHECK(left == std::vector<std::string>{"report.html", "report.json", "report.md", "trace.h5"});
+}
+
+TEST_CASE("inspect refuses absurd sizes quickly and in bounded memory as run does", "[cli][bad-input][manifest]") {
+  ScratchDir scratch("absurd-sizes");
+  // Under 2 GiB of address space a list of a billion experts' parameters (~200 GB) dies
+  // with bad_alloc (exit 3); the dense manifest below would parse (~1.1 GB) and pass as valid.
+  SpawnOptions capped;
+  capped.address_space_limit = NANREPLAY_TEST_UNDER_ASAN ? 0 : rlim_t{2} << 30;
+  const auto refused_in_time = [&](const fs::path& bundle, const std::string& file, const std::string& key) {
+    const auto started = std::chrono::steady_clock::now();
+    const Finished done = wait_cli(spawn_cli(scratch, {"inspect", bundle.string()}, capped));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    check_refused(done.result, scratch / "no-out", file, key);
+    CHECK(seconds < 20);
+  };
+
+  SECTION("a billion experts: counted against the checkpoint's tensors before any list is built") {
+    const fs::path bundle = copy_of_good(scratch, "experts");
+    edit_json(bundle / "manifest.json", [](json& m) { m["model"]["moe"] = {{"num_experts", 1000000000}, {"top_k", 2}}; });
+    refused_in_time(bundle, kModel100, "parameter tensors");
+    const CliResult run = run_cli({"run", bundle.string(), "--out", (scratch / "out").string()});
+    check_refused(run, scratch / "out", "estimated", "");
+  }
+  SECTION("max_seq_len 2^62") {
+    const fs::path bundle = copy_of_good(scratch, "seq");
+    edit_json(bundle / "manifest.json", [](json& m) { m["model"]["max_seq_len"] = int64_t{1} << 62; });
+    refused_in_time(bundle, "manifest.json", "model.max_seq_len");
+  }
+  SECTION("a manifest under the size cap whose DOM would take gigabytes") {
+    const fs::path bundle = copy_of_good(scratch, "dense");
+    std::string text = read_bytes(bundle / "manifest.json");
+    std::string pad = "\"pad\": [{}";
+    pad.reserve(40u << 20);
+    while (pad.size() < (40u << 20)) pad += ",{}";
+    text.insert(1, pad + "],\n");
+    write_bytes(bundle / "manifest.json", text);
+    refused_in_time(bundle, "manifest.json", "parsed form fits 384 MiB");
+  }
+}
+
+TEST_CASE("a --steps selection that names no step of the bundle is exit 2 naming the steps it has",
+          "[cli][bad-input][steps]") {
+  ScratchDir scratch("steps-outside");
+  const fs::path out = scratch / "out";
+  const CliResult outside = run_cli({"run", good_bundle().string(), "--out", out.string(), "--steps", "3,7-9"});
+  check_refused(outside, out, "--steps 3, 7-9", "has step(s) 100-103");
+  // One step inside the bundle is enough to replay.
+  const CliResult inside = run_cli({"run", good_bundle().string(), "--out", out.string(), "--steps", "3,103", "--quiet"});
+  INFO(inside.err);
+  CHECK(inside.status == 0);
+  CHECK(read_json(out / "report.json")["steps"].size() == 1);
 }

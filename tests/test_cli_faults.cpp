@@ -9,6 +9,7 @@
 // Cases that need root (mounts, namespaces) warn and skip without it.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -23,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "loaders/directory_lock.h"
 #include "reports/trace_writer.h"
 #include "tests/cli_harness.h"
 
@@ -349,4 +351,55 @@ TEST_CASE("two runs in two PID namespaces (both PID 1) into one --out: both fini
   // One set: the report and the trace come from the same run.
   const std::string report_bundle = read_json(out / "report.json")["bundle"];
   CHECK(nanreplay::read_trace((out / "trace.h5").string()).header.bundle == report_bundle);
+}
+
+TEST_CASE("a checkpoint rewritten in place during a replay with its size and modification time restored: exit 2",
+          "[cli][faults][mapped]") {
+  ScratchDir scratch("faults-rewritten");
+  const fs::path bundle = copy_bundle(scratch, "bundle");
+  const fs::path out = scratch / "out";
+  const std::string file = "steps/101/model.safetensors";
+  const Spawned child = spawn_cli(scratch, {"run", bundle.string(), "--out", out.string(), "--threads", "1"},
+                                  with_env({"NANREPLAY_TEST_PAUSE_AT_STEP=101"}));
+  REQUIRE(wait_until_stopped(child.pid));  // step 101's checkpoint is mapped, its replay about to start
+  struct stat was {};
+  REQUIRE(::stat((bundle / file).c_str(), &was) == 0);
+  std::string bytes = slurp(bundle / file);
+  bytes[bytes.size() - 2] = static_cast<char>(bytes[bytes.size() - 2] ^ 0x01);  // one float of the last tensor
+  {
+    std::ofstream rewrite(bundle / file, std::ios::binary | std::ios::trunc);  // truncated, same inode
+    rewrite.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  const timespec times[2] = {was.st_atim, was.st_mtim};
+  REQUIRE(::utimensat(AT_FDCWD, (bundle / file).c_str(), times, 0) == 0);
+  struct stat now {};
+  REQUIRE(::stat((bundle / file).c_str(), &now) == 0);
+  REQUIRE(now.st_ino == was.st_ino);
+  REQUIRE(now.st_size == was.st_size);
+  REQUIRE(now.st_mtim.tv_nsec == was.st_mtim.tv_nsec);
+  REQUIRE(::kill(child.pid, SIGCONT) == 0);
+  const Finished done = wait_cli(child);
+  check_one_error_line(done.result, {file + ": changed while being read", "change time moved"});
+  CHECK_FALSE(fs::exists(out));
+}
+
+TEST_CASE("scratch left by a streamed run killed outright is removed by the next streamed run; live scratch is kept",
+          "[cli][faults][stream]") {
+  ScratchDir scratch("faults-stale-scratch");
+  const fs::path parent = scratch / "scratch";
+  fs::create_directories(parent / "nanreplay-scratch-live");
+  const nanreplay::DirectoryLock live(parent / "nanreplay-scratch-live", false);  // another run, alive
+  REQUIRE(live.held());
+  const std::vector<std::string> args{"run", clean_bundle().string(), "--out", (scratch / "out").string(),
+                                      "--stream", "--scratch", parent.string(), "--no-probes", "--quiet"};
+  const Spawned killed = spawn_cli(scratch, args, with_env({"NANREPLAY_TEST_PAUSE_AT_STEP=101"}));
+  REQUIRE(wait_until_stopped(killed.pid));
+  REQUIRE(::kill(killed.pid, SIGKILL) == 0);
+  CHECK(wait_cli(killed).result.status == 128 + SIGKILL);
+  const std::vector<std::string> left = names_in(parent);
+  REQUIRE(left.size() == 2);  // SIGKILL leaves the killed run's scratch behind
+  const CliResult next = run_cli(args);
+  INFO(next.err);
+  CHECK(next.status == 0);
+  CHECK(names_in(parent) == std::vector<std::string>{"nanreplay-scratch-live"});
 }

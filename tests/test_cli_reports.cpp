@@ -5,6 +5,7 @@
 
 #include <regex>
 
+#include "cli/terminal_guard.h"
 #include "tests/cli_harness.h"
 
 using nanreplay_test::read_json;
@@ -216,4 +217,90 @@ TEST_CASE("run --timings: where the time went, on stderr and in report.json", "[
   for (const auto& s : t["steps"]) steps += s["seconds"].get<double>();
   CHECK(steps == Approx(t["seconds"]["replay"].get<double>()).epsilon(1e-9));
   CHECK(sum <= t["total_seconds"].get<double>() * (1 + 1e-9));
+}
+
+namespace {
+
+// Bytes a terminal acts on: every control character but '\n' and '\t', DEL, and the C1 controls.
+std::string terminal_controls_in(const std::string& text) {
+  std::string found;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const auto byte = static_cast<unsigned char>(text[i]);
+    const auto next = i + 1 < text.size() ? static_cast<unsigned char>(text[i + 1]) : 0;
+    const bool c1 = byte == 0xC2 && next >= 0x80 && next <= 0x9F;
+    if ((byte < 0x20 && byte != '\n' && byte != '\t') || byte == 0x7F || c1) found += std::to_string(byte) + " ";
+  }
+  return found;
+}
+
+// No '/': it names one directory.
+const std::string kHostileText = "evil<script>alert(1)\x1b]0;pwned\x07\x1b[32m\xc2\x9b" "2J";
+
+}  // namespace
+
+TEST_CASE("bundle text reaches no terminal and no Markdown raw: run inspect bisect and error lines",
+          "[cli][reports][escaping]") {
+  ScratchDir dir("hostile-text");
+  const std::filesystem::path bundle = dir / kHostileText;
+  REQUIRE(run_cli({"synth", "head-overflow", bundle.string()}).status == 0);
+  {  // a symptom from the bundle, quoted by report.md
+    nlohmann::json manifest = read_json(bundle / "manifest.json");
+    manifest["incident"]["symptom"] = kHostileText;
+    std::ofstream(bundle / "manifest.json") << manifest.dump(2);
+  }
+  const auto run = run_cli({"run", bundle.string(), "--out", (dir / "out").string()});
+  INFO(run.err);
+  REQUIRE(run.status == 1);
+  CHECK(contains(run.out, "evil<script>alert(1)\\x1b]0;pwned\\x07\\x1b[32m\\u009b2J"));
+  CHECK(terminal_controls_in(run.out + run.err).empty());
+
+  const std::string md = slurp(dir / "out" / "report.md");
+  CHECK(terminal_controls_in(md).empty());
+  CHECK_FALSE(contains(md, "<script>"));
+  CHECK(contains(md, "evil\\<script\\>alert(1)"));  // shown, behind backslashes
+  CHECK_FALSE(contains(slurp(dir / "out" / "report.html"), "<script>alert"));
+
+  const auto inspect = run_cli({"inspect", bundle.string()});
+  CHECK(inspect.status == 0);
+  CHECK(terminal_controls_in(inspect.out + inspect.err).empty());
+  const auto bisect = run_cli({"bisect", bundle.string(), "--no-samples"});
+  CHECK(bisect.status == 1);
+  CHECK(terminal_controls_in(bisect.out + bisect.err).empty());
+  // Error lines: a missing bundle and a broken manifest, both named by a hostile path.
+  const auto missing = run_cli({"inspect", (dir / (kHostileText + "-missing")).string()});
+  CHECK(missing.status == 2);
+  CHECK(lines_of(missing.err).size() == 1);
+  CHECK(terminal_controls_in(missing.err).empty());
+  std::ofstream(bundle / "manifest.json") << "{ \"x\": \"" << kHostileText << "\" ";
+  const auto broken = run_cli({"run", bundle.string(), "--out", (dir / "out2").string()});
+  CHECK(broken.status == 2);
+  CHECK(lines_of(broken.err).size() == 1);
+  CHECK(terminal_controls_in(broken.err).empty());
+}
+
+TEST_CASE("the terminal guard passes the tool's own colour and progress codes and escapes the rest",
+          "[reports][escaping]") {
+  std::ostringstream colour;
+  {
+    nanreplay::TerminalSafeStream out(colour, true);
+    out << "\r\x1b[K" << "\x1b[1;31mNO\x1b[0m" << kHostileText << "\tend\n\x1b[1";
+  }
+  CHECK(colour.str() == "\r\x1b[K\x1b[1;31mNO\x1b[0mevil<script>alert(1)\\u001b]0;pwned\\u0007\x1b[32m\\u009b2J"
+                        "\tend\n\\u001b[1");
+  std::ostringstream plain;
+  {
+    nanreplay::TerminalSafeStream out(plain, false);
+    out << "\r\x1b[K" << kHostileText.substr(0, 30) << "\xc3\xa9";  // é passes
+    out.flush();
+    out << "\x7f";
+  }
+  CHECK(plain.str() == "\\u000d\\u001b[Kevil<script>alert(1)\\u001b]0;pwned\\u0007\xc3\xa9\\u007f");
+  CHECK(nanreplay::terminal_safe("a\x1b[31mb\x1b") == "a\\u001b[31mb\\u001b");
+  // In --json output an escaped byte is a JSON escape of the same character.
+  std::ostringstream json_text;
+  {
+    nanreplay::TerminalSafeStream out(json_text, false);
+    out << nlohmann::json{{"path", "a\x7f\xc2\x9b" "b"}}.dump();
+  }
+  CHECK(nlohmann::json::parse(json_text.str())["path"] == "a\x7f\xc2\x9b" "b");
 }

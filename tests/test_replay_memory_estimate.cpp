@@ -257,3 +257,39 @@ TEST_CASE("memory_estimate: streamed, memory hardly grows with the number of lay
   CHECK(streamed_64 / streamed_4 < 1.3);
   CHECK(in_memory_64 / in_memory_4 > 5);
 }
+
+// The count refuses a checkpoint with fewer tensors than it says the model
+// has (replay/bundle_structure.cpp): it must never count more than the list holds.
+TEST_CASE("count_model_parameters counts no more tensors than expected_parameters lists", "[replay][memory]") {
+  std::vector<std::pair<std::string, nanreplay::ModelConfig>> models;
+  models.push_back({"llama", example_manifest().model});
+  nanreplay::ModelConfig untied = example_manifest().model;
+  untied.tie_embeddings = false;
+  models.push_back({"llama untied", untied});
+  nanreplay::ModelConfig moe = example_manifest().model;
+  moe.moe = nanreplay::MoeConfig{};
+  moe.moe->num_experts = 8;
+  moe.moe->top_k = 2;
+  moe.moe->intermediate_size = 64;
+  models.push_back({"llama moe", moe});
+  nanreplay::ModelConfig extras = example_manifest().model;
+  extras.attention_bias = true;
+  extras.qk_norm = nanreplay::QkNorm::kHead;
+  models.push_back({"llama with biases and qk-norm", extras});
+  nanreplay::ModelConfig gpt2 = example_manifest().model;
+  gpt2.arch = Arch::kGpt2;
+  gpt2.intermediate_size = 4 * gpt2.hidden_size;
+  gpt2.tie_embeddings = true;
+  models.push_back({"gpt2", gpt2});
+  for (const auto& [name, model] : models) {
+    INFO(name);
+    const double listed = static_cast<double>(nanreplay::expected_parameters(model).size());
+    const nanreplay::ParameterCount counted = nanreplay::count_model_parameters(model);
+    CHECK(counted.tensors <= listed);
+    // Only the optional biases and QK-norm weights go uncounted.
+    if (!model.attention_bias && model.qk_norm == nanreplay::QkNorm::kNone) CHECK(counted.tensors == listed);
+  }
+  nanreplay::ModelConfig billion = moe;
+  billion.moe->num_experts = 1000000000;
+  CHECK(nanreplay::count_model_parameters(billion).tensors == Approx(2 + (6 + 1 + 3e9) * 4));
+}
