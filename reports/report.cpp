@@ -246,6 +246,14 @@ nlohmann::json report_to_json(const ReplayReport& report) {
                                                       : nlohmann::json(nullptr)},
                        {"symptom", report.incident->symptom}};
   }
+  if (!report.defaulted.empty()) {
+    nlohmann::json defaulted = nlohmann::json::array();
+    for (const ValueSource& v : report.defaulted) {
+      defaulted.push_back({{"key", v.key}, {"detail", v.detail},
+                           {"value", v.value.empty() ? nlohmann::json(nullptr) : nlohmann::json::parse(v.value)}});
+    }
+    out["defaulted_values"] = defaulted;
+  }
   if (report.what_if) out["what_if"] = what_if_json(*report.what_if);
   out["elapsed_seconds"] = report.elapsed_seconds;
   out["timings"] = timings_json(report.timings);

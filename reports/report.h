@@ -181,6 +181,7 @@ struct StepOutcome {
   bool handled_overflow = false;
   double loss_scale = 1.0;
   std::vector<double> rank_losses;
+  std::vector<std::vector<double>> micro_batch_losses;  // [rank][micro-batch], replayed; not in report.json
   std::vector<double> rank_grad_norms;
   // The job logged the global norm (what clip_grad_norm_ returns on every
   // rank) as each rank's: its rank_grad_norms say nothing about the ranks.
@@ -199,6 +200,7 @@ struct ReplayReport {
   Compute precision = Compute::kFp32;
   std::optional<IncidentInfo> incident;
   std::optional<MinimizedFrom> minimized;  // the bundle was written by `nanreplay minimize` from this one
+  std::vector<ValueSource> defaulted;      // manifest provenance entries "from": "default"
   bool reproduced = false;
   std::optional<FirstNonfinite> first_nonfinite;
   std::vector<StepOutcome> steps;

@@ -7,6 +7,7 @@
 #include <set>
 #include <sstream>
 
+#include "reports/logged_value.h"
 #include "reports/number_text.h"
 
 namespace nanreplay {
@@ -14,15 +15,6 @@ namespace nanreplay {
 using K = EvidenceKey;
 
 namespace {
-
-double relative_difference(double a, double b) {
-  return std::fabs(a - b) / std::max(std::fabs(b), 1e-12);
-}
-
-// Two finite values within the relative tolerance.
-bool within(double a, double b, double tolerance) {
-  return std::isfinite(a) && std::isfinite(b) && relative_difference(a, b) <= tolerance;
-}
 
 double dtype_limit(Compute compute) {
   return compute == Compute::kFp16 ? 65504.0
@@ -187,11 +179,12 @@ std::vector<Finding> fp8_scale_jump_findings(const std::vector<StepState>& state
 bool rank_norms_logged_global(const StepOutcome& s, const StepState& state, const TriageThresholds& t) {
   const std::vector<double>& logged = state.logged.rank_grad_norms;
   if (!s.replayed || s.rank_grad_norms.size() < 2 || logged.size() != s.rank_grad_norms.size()) return false;
-  const auto near = [&](double a, double b) { return within(a, b, t.loss_rel_tol); };
+  // By kind too: at the step that went NaN the all-reduce spreads one rank's
+  // NaN into every rank's clip_grad_norm_, and that is still the convention.
   bool own_differs = false;
   for (size_t r = 0; r < logged.size(); ++r) {
-    if (!near(logged[r], s.grad_norm)) return false;
-    own_differs = own_differs || !near(logged[r], s.rank_grad_norms[r]);
+    if (!logged_agrees(logged[r], s.grad_norm, t.loss_rel_tol)) return false;
+    own_differs = own_differs || !logged_agrees(logged[r], s.rank_grad_norms[r], t.loss_rel_tol);
   }
   return own_differs;
 }
@@ -205,9 +198,7 @@ std::vector<Finding> rank_mismatch_findings(const StepOutcome& s, const StepStat
     if (logged.size() != replayed.size()) return;
     for (size_t r = 0; r < logged.size(); ++r) {
       const double ours = replayed[r], theirs = logged[r];
-      const bool agree =
-          (std::isnan(ours) && std::isnan(theirs)) || ours == theirs || within(ours, theirs, t.loss_rel_tol);
-      if (agree) continue;
+      if (logged_agrees(theirs, ours, t.loss_rel_tol)) continue;
       findings.push_back(make_finding(FindingCode::kSystemRankMismatch, Severity::kError,
           "step " + std::to_string(s.step) + ": rank " + std::to_string(r) + " logged " + what + " " +
               format_number(theirs) + " but replaying its share gives " + format_number(ours),

@@ -8,6 +8,8 @@
 #include <set>
 #include <sstream>
 
+#include "reports/log_conventions.h"
+#include "reports/logged_value.h"
 #include "reports/number_text.h"
 
 namespace nanreplay {
@@ -16,36 +18,51 @@ using K = EvidenceKey;
 
 namespace {
 
-double relative_gap(double replayed, double logged) {
-  return std::fabs(replayed - logged) / std::max(std::fabs(logged), 1e-12);
-}
-
 std::string step_range(int64_t first, int64_t last) {
   return first == last ? "step " + std::to_string(first) : "steps " + std::to_string(first) + "-" + std::to_string(last);
 }
 
 int64_t evidence_step(const Finding& f) { return f.evidence.integer(K::kStep).value_or(-1); }
 
-// A logged value the replay contradicts outright: NaN logged where the replay
-// is finite (an error: suspect the machine), or the other way round.
-std::vector<Finding> logged_nonfinite_findings(const StepOutcome& s) {
-  if (!s.replayed || !s.logged_loss) return {};
-  const double logged = *s.logged_loss;
-  const Evidence evidence = {{K::kStep, s.step}, {K::kTensor, "loss"}, {K::kExpected, s.loss}, {K::kAfter, logged}};
-  if (!std::isfinite(logged) && std::isfinite(s.loss)) {
-    return {make_finding(FindingCode::kSystemNotReproducible, Severity::kError,
-                         "step " + std::to_string(s.step) + ": the job logged loss " + format_number(logged) +
-                             " but the deterministic replay computes " + format_number(s.loss) +
-                             " with every value finite: suspect the machine, not the model",
-                         evidence)};
+// A logged value the replay contradicts in kind (compared as the log's
+// convention says): NaN logged where the replay is finite (an error: suspect
+// the machine), finite where the replay is not, or two non-finite kinds.
+std::optional<Finding> contradicted(const StepOutcome& s, const char* tensor, double logged, double replayed) {
+  if (value_kind(logged) == value_kind(replayed)) return std::nullopt;
+  const Evidence evidence = {{K::kStep, s.step}, {K::kTensor, tensor}, {K::kExpected, replayed}, {K::kAfter, logged}};
+  const std::string at = "step " + std::to_string(s.step) + ": ";
+  const std::string what = std::string(tensor) == "loss" ? "loss " : "gradient norm ";
+  if (!std::isfinite(logged) && std::isfinite(replayed)) {
+    // A logged norm follows from every rank's gradients; a loss from its own forward alone.
+    const bool certain = std::string(tensor) == "loss" || s.finite;
+    return make_finding(FindingCode::kSystemNotReproducible, certain ? Severity::kError : Severity::kWarning,
+                        at + "the job logged " + what + format_number(logged) + " but the deterministic replay "
+                            "computes " + format_number(replayed) + (s.finite ? " with every value finite" : "") +
+                            ": suspect the machine, not the model",
+                        evidence);
   }
-  if (std::isfinite(logged) && !std::isfinite(s.loss)) {
-    return {make_finding(FindingCode::kSystemNotReproducible, Severity::kWarning,
-                         "step " + std::to_string(s.step) + ": the replay goes non-finite where the job logged loss " +
-                             format_number(logged),
-                         evidence)};
+  if (std::isfinite(logged)) {
+    return make_finding(FindingCode::kSystemNotReproducible, Severity::kWarning,
+                        at + "the replay goes non-finite where the job logged " + what + format_number(logged),
+                        evidence);
   }
-  return {};
+  return make_finding(FindingCode::kSystemNotReproducible, Severity::kWarning,
+                      at + "the job logged " + what + format_number(logged) + " where the replay computes " +
+                          format_number(replayed) + ": both non-finite, of different kinds",
+                      evidence);
+}
+
+std::vector<Finding> logged_nonfinite_findings(const StepOutcome& s, const LossConvention& convention) {
+  std::vector<Finding> found;
+  if (!s.replayed) return found;
+  if (s.logged_loss) {
+    if (auto f = contradicted(s, "loss", *s.logged_loss, replayed_as_logged(s, convention))) found.push_back(*f);
+  }
+  // A step the loss scaler skips is judged by its `skipped` flag, not its norm's kind.
+  if (s.logged_grad_norm && !s.scaler_skipped) {
+    if (auto f = contradicted(s, "grad_norm", *s.logged_grad_norm, s.grad_norm)) found.push_back(*f);
+  }
+  return found;
 }
 
 struct Gap {
@@ -223,96 +240,30 @@ const char* implicated_by(const ReplayReport& report, const Finding& f) {
   return nullptr;
 }
 
-// ---- logging conventions ----------------------------------------------------
-
-// A step's logged loss is held to the trajectory tolerance when the step is derived.
-double loss_tolerance(const StepOutcome& s, const TriageThresholds& t) {
-  return s.derived ? t.trajectory_rel_tol : t.loss_rel_tol;
-}
-
-bool loggable(const StepOutcome& s) {
-  return s.replayed && s.logged_loss && std::isfinite(*s.logged_loss) && std::isfinite(s.loss);
-}
-
-// The rank whose own loss the job logged as the step's, where it logged one
-// rank's (rank 0 printing its local loss) instead of the mean over ranks: the
-// lowest rank whose replayed loss matches every step the mean misses, if at
-// least one step misses; none otherwise.
-std::optional<int> rank_whose_loss_was_logged(const ReplayReport& report, const TriageThresholds& t) {
-  std::vector<const StepOutcome*> missed;
-  size_t ranks = 0;
-  for (const StepOutcome& s : report.steps) {
-    if (!loggable(s) || s.rank_losses.size() < 2) continue;
-    if (relative_gap(s.loss, *s.logged_loss) > loss_tolerance(s, t)) missed.push_back(&s);
-    ranks = std::max(ranks, s.rank_losses.size());
-  }
-  if (missed.empty()) return std::nullopt;
-  for (size_t r = 0; r < ranks; ++r) {
-    const bool explains = std::all_of(missed.begin(), missed.end(), [&](const StepOutcome* s) {
-      return r < s->rank_losses.size() && relative_gap(s->rank_losses[r], *s->logged_loss) <= loss_tolerance(*s, t);
-    });
-    if (explains) return static_cast<int>(r);
-  }
-  return std::nullopt;
-}
-
-// What the logged loss is compared with: the mean over ranks, or the rank's own loss the job logged.
-double loss_as_logged(const StepOutcome& s, std::optional<int> rank) {
-  if (rank && static_cast<size_t>(*rank) < s.rank_losses.size()) return s.rank_losses[static_cast<size_t>(*rank)];
-  return s.loss;
-}
-
-// One info finding per convention the log follows, naming the steps.
-void log_convention_findings(ReplayReport& report, std::optional<int> loss_rank) {
-  std::vector<int64_t> global_norm_steps;
-  for (const StepOutcome& s : report.steps) {
-    if (s.rank_norms_logged_global) global_norm_steps.push_back(s.step);
-  }
-  if (!global_norm_steps.empty()) {
-    report.findings.push_back(make_finding(
-        FindingCode::kSystemLogConvention, Severity::kInfo,
-        "the job logged the global gradient norm (what clip_grad_norm_ returns on every rank) as each rank's "
-        "rank_grad_norms at " + std::to_string(global_norm_steps.size()) + " step(s): they were compared as the "
-        "global norm, so they say nothing about single ranks; log each rank's norm before the all-reduce to "
-        "check the ranks (docs/capture.md)",
-        {{K::kTensor, "rank_grad_norms"}, {K::kSteps, global_norm_steps}, {K::kLength, global_norm_steps.size()}}));
-  }
-  if (loss_rank) {
-    std::vector<int64_t> steps;
-    for (const StepOutcome& s : report.steps) {
-      if (loggable(s) && s.rank_losses.size() >= 2) steps.push_back(s.step);
-    }
-    report.findings.push_back(make_finding(
-        FindingCode::kSystemLogConvention, Severity::kInfo,
-        "the job logged rank " + std::to_string(*loss_rank) + "'s own loss as the step's loss, not the mean over "
-        "the ranks: the logged losses were compared with that rank's replayed loss; log the all-reduced loss so "
-        "that a failure on another rank shows in the log (docs/capture.md)",
-        {{K::kTensor, "loss"}, {K::kRank, *loss_rank}, {K::kSteps, steps}, {K::kLength, steps.size()}}));
-  }
-}
-
 }  // namespace
 
 void judge_reproduction(ReplayReport& report, const TriageThresholds& t) {
   ReproductionCheck& check = report.reproduction;
   check = ReproductionCheck{};
   check.tolerance = t.loss_rel_tol;
-  const std::optional<int> loss_rank = rank_whose_loss_was_logged(report, t);
-  log_convention_findings(report, loss_rank);
+  const LossConvention convention = logged_loss_convention(report, t);
+  const std::vector<Finding> conventions = log_convention_findings(report, convention);
+  report.findings.insert(report.findings.end(), conventions.begin(), conventions.end());
   std::vector<Finding> found;
   std::vector<Gap> gaps;  // of the steps that miss
   for (const StepOutcome& s : report.steps) {
-    for (Finding& f : logged_nonfinite_findings(s)) found.push_back(std::move(f));
+    for (Finding& f : logged_nonfinite_findings(s, convention)) found.push_back(std::move(f));
     if (!s.replayed || !s.logged_loss || !std::isfinite(*s.logged_loss) || !std::isfinite(s.loss)) continue;
     if (s.derived) continue;  // judge_trajectory's
+    const double replayed_loss = replayed_as_logged(s, convention);
+    if (!std::isfinite(replayed_loss)) continue;  // contradicted() said it
     ++check.checked_steps;
     std::vector<Gap> step_gaps;
-    const double replayed_loss = loss_as_logged(s, loss_rank);
-    const double loss_gap = relative_gap(replayed_loss, *s.logged_loss);
+    const double loss_gap = logged_gap(*s.logged_loss, replayed_loss);
     check.max_gap = std::max(check.max_gap, loss_gap);
     if (loss_gap > t.loss_rel_tol) step_gaps.push_back({s.step, "loss", *s.logged_loss, replayed_loss, loss_gap});
     if (s.logged_grad_norm && std::isfinite(*s.logged_grad_norm) && std::isfinite(s.grad_norm)) {
-      const double norm_gap = relative_gap(s.grad_norm, *s.logged_grad_norm);
+      const double norm_gap = logged_gap(*s.logged_grad_norm, s.grad_norm);
       check.max_gap = std::max(check.max_gap, norm_gap);
       if (norm_gap > t.loss_rel_tol) {
         step_gaps.push_back({s.step, "grad_norm", *s.logged_grad_norm, s.grad_norm, norm_gap});
@@ -332,10 +283,10 @@ void judge_reproduction(ReplayReport& report, const TriageThresholds& t) {
     for (const Gap& g : gaps) found.push_back(odd_step(g));
   }
   report.findings.insert(report.findings.end(), found.begin(), found.end());
-  judge_trajectory(report, t, loss_rank);
+  judge_trajectory(report, t, convention);
 }
 
-void judge_trajectory(ReplayReport& report, const TriageThresholds& t, std::optional<int> loss_rank) {
+void judge_trajectory(ReplayReport& report, const TriageThresholds& t, const LossConvention& convention) {
   std::optional<ReproductionCheck::Trajectory>& trajectory = report.reproduction.trajectory;
   trajectory.reset();
   const StepOutcome* diverged = nullptr;
@@ -343,24 +294,27 @@ void judge_trajectory(ReplayReport& report, const TriageThresholds& t, std::opti
     if (!s.derived) continue;
     if (!trajectory) trajectory = ReproductionCheck::Trajectory{0, t.trajectory_rel_tol, 0.0, std::nullopt};
     if (!s.replayed || !s.logged_loss || !std::isfinite(*s.logged_loss) || !std::isfinite(s.loss)) continue;
+    const double replayed = replayed_as_logged(s, convention);
+    if (!std::isfinite(replayed)) continue;
     ++trajectory->checked_steps;
-    const double gap = relative_gap(loss_as_logged(s, loss_rank), *s.logged_loss);
+    const double gap = logged_gap(*s.logged_loss, replayed);
     trajectory->max_gap = std::max(trajectory->max_gap, gap);
     if (gap > t.trajectory_rel_tol && diverged == nullptr) diverged = &s;
   }
   if (diverged == nullptr) return;
   const StepOutcome& s = *diverged;
+  const double replayed = replayed_as_logged(s, convention);
   trajectory->diverged_at = s.step;
   report.findings.push_back(make_finding(
       FindingCode::kSystemTrajectoryDiverged, Severity::kWarning,
       "step " + std::to_string(s.step) + " (rolled forward from an earlier checkpoint) replays to loss " +
-          format_number(s.loss) + " where the job logged " + format_number(*s.logged_loss) + " (relative " +
-          format_number(relative_gap(s.loss, *s.logged_loss)) + ", tolerance " + format_number(t.trajectory_rel_tol) +
+          format_number(replayed) + " where the job logged " + format_number(*s.logged_loss) + " (relative " +
+          format_number(logged_gap(*s.logged_loss, replayed)) + ", tolerance " + format_number(t.trajectory_rel_tol) +
           "): from here on the replay follows its own trajectory, not the run's. Causes: a fault in the run "
           "between the checkpoints (a flipped bit, a nondeterministic step), optimizer settings other than the "
           "manifest's, or rounding compounded over many steps; replay from a checkpoint nearer the failure",
-      {{K::kStep, s.step}, {K::kExpected, *s.logged_loss}, {K::kAfter, s.loss},
-       {K::kRelative, relative_gap(s.loss, *s.logged_loss)}, {K::kTolerance, t.trajectory_rel_tol}}));
+      {{K::kStep, s.step}, {K::kExpected, *s.logged_loss}, {K::kAfter, replayed},
+       {K::kRelative, logged_gap(*s.logged_loss, replayed)}, {K::kTolerance, t.trajectory_rel_tol}}));
 }
 
 void fold_consequences(ReplayReport& report) {

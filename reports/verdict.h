@@ -5,6 +5,7 @@
 // most likely root cause. Plain data in and out (no tensors, no rendering).
 #pragma once
 
+#include "reports/log_conventions.h"
 #include "reports/report.h"
 #include "reports/triage_rules.h"
 
@@ -15,19 +16,19 @@ void settle_verdict(ReplayReport& report, const TriageThresholds& thresholds);
 
 // The healthy steps against what the job logged: one odd step is a
 // SYSTEM_NOT_REPRODUCIBLE warning; most or all of them off is
-// BUNDLE_DOES_NOT_REPRODUCE (error). Also the logged-NaN checks of each step.
-// A log that holds one rank's own loss instead of the mean over ranks, or
-// the global gradient norm as every rank's, is said once
-// (SYSTEM_LOG_CONVENTION, info) and compared as what it is.
+// BUNDLE_DOES_NOT_REPRODUCE (error). Also each step's logged loss and norm
+// against the replay's by kind (NaN, inf, finite: logged_value.h). A log
+// that follows another convention (log_conventions.h) is said once each
+// (SYSTEM_LOG_CONVENTION, info) and compared as what it is on every step.
 // Fills report.reproduction.
 void judge_reproduction(ReplayReport& report, const TriageThresholds& thresholds);
 
 // Rolling forward (called by judge_reproduction): the derived steps against
-// the logged losses (`loss_rank`: the rank whose own loss the job logged)
-// with the trajectory tolerance; the first beyond it is
-// SYSTEM_TRAJECTORY_DIVERGED. Fills report.reproduction.trajectory.
+// the logged losses (as `convention` says they were logged) with the
+// trajectory tolerance; the first beyond it is SYSTEM_TRAJECTORY_DIVERGED.
+// Fills report.reproduction.trajectory.
 void judge_trajectory(ReplayReport& report, const TriageThresholds& thresholds,
-                      std::optional<int> loss_rank = std::nullopt);
+                      const LossConvention& convention = {});
 
 // Findings that follow from the first non-finite value (later non-finite
 // checkpoints, later non-finite steps, non-finite per-sample losses) become

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <set>
 
+#include "reports/logged_value.h"
 #include "reports/triage_rules.h"
 #include "reports/verdict.h"
 
@@ -317,4 +318,170 @@ TEST_CASE("triage: a near miss in a per-expert site names the expert holding the
   CHECK(evidence_json(found[0].evidence)["expert"] == 2);
   CHECK(evidence_json(found[0].evidence)["head"].is_null());
   CHECK(found[0].message.find("(expert 2) came within") != std::string::npos);
+}
+
+TEST_CASE("logged values: finite ones agree within the tolerance, non-finite ones by kind", "[verdict][logged_value]") {
+  CHECK(logged_agrees(3.0, 3.0 * (1 + 5e-5), 1e-4));
+  CHECK_FALSE(logged_agrees(3.0, 3.0 * (1 + 5e-4), 1e-4));
+  CHECK(logged_agrees(NAN, NAN, 1e-4));
+  CHECK(logged_agrees(INFINITY, INFINITY, 1e-4));
+  CHECK(logged_agrees(-INFINITY, -INFINITY, 1e-4));
+  CHECK_FALSE(logged_agrees(INFINITY, -INFINITY, 1e-4));
+  CHECK_FALSE(logged_agrees(NAN, INFINITY, 1e-4));
+  CHECK_FALSE(logged_agrees(NAN, 0.988857, 1e-4));
+  CHECK_FALSE(logged_agrees(0.988857, NAN, 1e-4));
+  CHECK(logged_gap(NAN, NAN) == 0.0);
+  CHECK(std::isinf(logged_gap(2.0, NAN)));
+  CHECK(logged_gap(2.0, 2.5) == Approx(0.25));
+  CHECK(value_kind(-INFINITY) == ValueKind::kNegativeInf);
+  CHECK(value_kind(0.0) == ValueKind::kFinite);
+}
+
+namespace {
+
+// A DDP step of two ranks with two micro-batches each, rank 1's second
+// micro-batch `poisoned` (NaN) or not; norms as every rank's own before the
+// all-reduce and the global one after it.
+struct DdpStep {
+  StepOutcome outcome;
+  StepState state;
+};
+
+DdpStep ddp_step(int64_t number, bool poisoned) {
+  DdpStep d;
+  StepOutcome& s = d.outcome;
+  const double shift = 0.01 * static_cast<double>(number);
+  s.step = number;
+  s.replayed = true;
+  s.micro_batch_losses = {{3.0 - shift, 3.2 - shift}, {3.4 - shift, poisoned ? NAN : 3.6 - shift}};
+  s.rank_losses = {(s.micro_batch_losses[0][0] + s.micro_batch_losses[0][1]) / 2,
+                   (s.micro_batch_losses[1][0] + s.micro_batch_losses[1][1]) / 2};
+  s.loss = (s.rank_losses[0] + s.rank_losses[1]) / 2;
+  s.rank_grad_norms = {0.988857, poisoned ? NAN : 1.2};
+  s.grad_norm = poisoned ? NAN : 1.05;
+  s.finite = !poisoned;
+  s.logged_grad_norm = s.grad_norm;  // clip_grad_norm_'s, the same on every rank
+  d.state.step = number;
+  d.state.logged.rank_losses = s.rank_losses;
+  return d;
+}
+
+// The window of the issue: steps 5-14, NaN on rank 1 at step 14, the loss and
+// the per-rank norms logged by the conventions named; triaged as run does.
+ReplayReport ddp_window(const std::string& loss_logged, bool norms_from_clip) {
+  const TriageThresholds t = default_thresholds(Compute::kFp32);
+  ReplayReport report;
+  for (int64_t n = 5; n <= 14; ++n) {
+    DdpStep d = ddp_step(n, n == 14);
+    StepOutcome& s = d.outcome;
+    s.logged_loss = loss_logged == "global" ? s.loss : loss_logged == "rank 0" ? s.rank_losses[0]
+                                                                               : s.micro_batch_losses[0][1];
+    d.state.logged.rank_grad_norms =
+        norms_from_clip ? std::vector<double>{s.grad_norm, s.grad_norm} : s.rank_grad_norms;
+    s.rank_norms_logged_global = rank_norms_logged_global(s, d.state, t);
+    const std::vector<Finding> mismatches = rank_mismatch_findings(s, d.state, t);
+    report.findings.insert(report.findings.end(), mismatches.begin(), mismatches.end());
+    report.steps.push_back(s);
+  }
+  report.first_nonfinite = origin_at(14);
+  settle_verdict(report, t);
+  return report;
+}
+
+}  // namespace
+
+TEST_CASE("verdict: a DDP job's logging conventions hold at the step that went NaN", "[verdict]") {
+  for (const std::string loss : {"global", "rank 0", "last micro-batch"}) {
+    for (const bool norms_from_clip : {false, true}) {
+      INFO("loss logged: " << loss << ", per-rank norms from " << (norms_from_clip ? "clip_grad_norm_" : "a comm hook"));
+      const ReplayReport report = ddp_window(loss, norms_from_clip);
+      for (const Finding& f : report.findings) {
+        INFO(f.name() << ": " << f.message);
+        CHECK(f.code == FindingCode::kSystemLogConvention);
+        CHECK(f.severity == Severity::kInfo);
+      }
+      std::vector<std::string> said;
+      for (const Finding* f : with_code(report, "SYSTEM_LOG_CONVENTION")) {
+        said.push_back(*f->evidence.text(K::kTensor));
+        // Named on every step of the window, the NaN step included.
+        CHECK(f->evidence.integers(K::kSteps)->back() == 14);
+        CHECK(f->evidence.integers(K::kSteps)->size() == 10);
+      }
+      std::vector<std::string> expected;
+      if (norms_from_clip) expected.push_back("rank_grad_norms");
+      if (loss != "global") expected.push_back("loss");
+      CHECK(said == expected);
+      if (loss == "last micro-batch") {
+        const auto named = with_code(report, "SYSTEM_LOG_CONVENTION").back();
+        CHECK(named->evidence.integer(K::kRank) == 0);
+        CHECK(named->evidence.integer(K::kMicroBatch) == 1);
+        CHECK(named->message.find("nanoGPT") != std::string::npos);
+      }
+      CHECK(report.reproduction.reproduces == true);
+      CHECK(report.reproduction.matching_steps == 9);
+      REQUIRE(report.root_cause);  // the origin's, named by no system finding
+      CHECK_FALSE(report.root_cause->code.has_value());
+      CHECK(report.root_cause->summary.find("first produced at") != std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("verdict: the global norm logged on every rank is recognised at a NaN step, by kind", "[verdict]") {
+  const TriageThresholds t = default_thresholds(Compute::kFp32);
+  DdpStep d = ddp_step(14, /*poisoned=*/true);
+  d.state.logged.rank_grad_norms = {NAN, NAN};  // the all-reduce spread rank 1's NaN
+  CHECK(rank_norms_logged_global(d.outcome, d.state, t));
+  d.outcome.rank_norms_logged_global = true;
+  CHECK(rank_mismatch_findings(d.outcome, d.state, t).empty());
+
+  // Another kind than the replayed global norm is no convention: rank 0's mismatch stands.
+  d.state.logged.rank_grad_norms = {INFINITY, INFINITY};
+  d.outcome.rank_norms_logged_global = rank_norms_logged_global(d.outcome, d.state, t);
+  CHECK_FALSE(d.outcome.rank_norms_logged_global);
+  const std::vector<Finding> found = rank_mismatch_findings(d.outcome, d.state, t);
+  REQUIRE(found.size() == 2);
+  CHECK(found[0].evidence.integer(K::kRank) == 0);
+  CHECK(found[0].severity == Severity::kError);
+}
+
+TEST_CASE("verdict: one micro-batch's loss logged as the step's is said once; other kinds contradict", "[verdict]") {
+  const TriageThresholds t = default_thresholds(Compute::kFp32);
+  ReplayReport one_rank;  // llama2.c: one process, the last micro-batch's loss printed
+  for (int64_t n = 1; n <= 3; ++n) {
+    StepOutcome s = step(n, 0, 0);
+    s.micro_batch_losses = {{3.0, 2.0 + 0.1 * static_cast<double>(n)}};
+    s.rank_losses = {(s.micro_batch_losses[0][0] + s.micro_batch_losses[0][1]) / 2};
+    s.loss = s.rank_losses[0];
+    s.logged_loss = s.micro_batch_losses[0][1];
+    one_rank.steps.push_back(s);
+  }
+  judge_reproduction(one_rank, t);
+  const auto said = with_code(one_rank, "SYSTEM_LOG_CONVENTION");
+  REQUIRE(said.size() == 1);
+  CHECK(said[0]->evidence.integer(K::kMicroBatch) == 1);
+  CHECK(said[0]->message.find("micro-batch 1)") != std::string::npos);  // one rank: no rank named
+  CHECK(with_code(one_rank, "BUNDLE_DOES_NOT_REPRODUCE").empty());
+  CHECK(one_rank.reproduction.matching_steps == 3);
+
+  ReplayReport first_micro = one_rank;  // only the last micro-batch is a convention
+  first_micro.findings.clear();
+  for (StepOutcome& s : first_micro.steps) s.logged_loss = s.micro_batch_losses[0][0];
+  judge_reproduction(first_micro, t);
+  CHECK(with_code(first_micro, "SYSTEM_LOG_CONVENTION").empty());
+  CHECK(with_code(first_micro, "BUNDLE_DOES_NOT_REPRODUCE").size() == 1);
+
+  ReplayReport kinds;  // both non-finite but of different kinds: a warning, never agreement
+  kinds.steps = {step(1, 3.0, 3.0), step(2, NAN, INFINITY, NAN)};
+  judge_reproduction(kinds, t);
+  const auto contradicted = with_code(kinds, "SYSTEM_NOT_REPRODUCIBLE");
+  REQUIRE(contradicted.size() == 1);
+  CHECK(contradicted[0]->severity == Severity::kWarning);
+  CHECK(contradicted[0]->message.find("different kinds") != std::string::npos);
+
+  ReplayReport norm;  // a NaN norm logged where the whole replay is finite: suspect the machine
+  norm.steps = {step(1, 3.0, 3.0), step(2, 2.9, 2.9)};
+  norm.steps[1].logged_grad_norm = NAN;
+  judge_reproduction(norm, t);
+  REQUIRE(with_code(norm, "SYSTEM_NOT_REPRODUCIBLE").size() == 1);
+  CHECK(with_code(norm, "SYSTEM_NOT_REPRODUCIBLE")[0]->severity == Severity::kError);
 }

@@ -207,19 +207,20 @@ def train(rank, args, shard):
         t0 = time.perf_counter()
         recorder.begin_step(step, samples=[int(i) for ids, _ in micro_batches for i in ids])  # this rank's
         t1 = time.perf_counter()
-        local = 0.0
+        local, micro_losses = 0.0, []
         for m, (_, window) in enumerate(micro_batches):
             # All-reduce once per step, on the last micro-batch: no_sync() on the others.
             sync = m == args.accum - 1 or args.sync_every_micro_batch
             with (ddp.no_sync() if not sync else _nothing()):
                 loss = ddp(window[:, :-1], window[:, 1:])
                 (loss / args.accum).backward()
-            local += loss.item() / args.accum
+            micro_losses.append(loss.item())
+            local += micro_losses[-1] / args.accum
         norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         t2 = time.perf_counter()
         bundle = recorder.end_step(local_loss=local, grad_norm=norm)   # this rank's own loss
         t3 = time.perf_counter()
-        logged[step] = {"local_loss": local, "grad_norm": float(norm),
+        logged[step] = {"local_loss": local, "last_micro_loss": micro_losses[-1], "grad_norm": float(norm),
                         "recorder_s": (t1 - t0) + (t3 - t2), "step_s": t3 - t0}
         if bundle is not None:                                   # on every rank: stop together
             bundles["incident"] = str(bundle)
@@ -238,6 +239,9 @@ def train(rank, args, shard):
                 for r, g in enumerate(gathered)} if healthy else {}
         result = {"median_cost": cost, "bundles": bundles, "logged": {str(s): {"loss": sum(g[s]["local_loss"] for g in gathered) / args.world,
                                                          "rank_losses": [g[s]["local_loss"] for g in gathered],
+                                                         # what nanoGPT prints: the last micro-batch's
+                                                         "rank_last_micro_losses": [g[s]["last_micro_loss"]
+                                                                                    for g in gathered],
                                                          "grad_norm": gathered[0][s]["grad_norm"]}
                                                  for s in logged}}
         (args.work / "result.json").write_text(json.dumps(dict(json.loads((args.work / "planted.json").read_text()),
