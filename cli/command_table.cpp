@@ -17,9 +17,9 @@ std::string usage_text() {
   std::ostringstream out;
   out << "nanreplay " << NANREPLAY_VERSION
       << ": replay the steps around a training run's NaN and name where it began\n\n"
-      << "usage: nanreplay <command> [options]   (nanreplay <command> --help for details)\n\ncommands:\n";
+      << "usage: nanreplay <command> [options]   (nanreplay help <command> for details)\n\ncommands:\n";
   for (const Command& c : command_table()) {
-    out << "  " << c.name << std::string(10 - std::string(c.name).size(), ' ') << c.summary << "\n";
+    out << "  " << c.name << std::string(12 - std::string(c.name).size(), ' ') << c.summary << "\n";
   }
   out << "\nexample:\n  " << command_table().front().example << "\n"
       << "\nexit status: 0 nothing non-finite and no error finding, 1 a non-finite origin or an\n"
@@ -79,11 +79,14 @@ const std::vector<Command>& command_table() {
       {"trace", "query a trace.h5 in the terminal: filter by step, phase, site, head; sort; first NaN/Inf",
        "nanreplay trace triage/trace.h5 --first-nonfinite", trace_command},
       {"version", "print the version", "nanreplay version", version_command},
+      {"completion", "print a shell completion script: bash, zsh or fish",
+       "source <(nanreplay completion bash)", completion_command},
   };
   return table;
 }
 
 int dispatch_command(const CommandArgs& args, CommandIo& io) {
+  if (args.size() >= 2 && args[0] == "help") return dispatch_command({args[1], "--help"}, io);  // help CMD
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     io.out << usage_text();
     return args.empty() ? static_cast<int>(ExitStatus::kBadInput) : 0;

@@ -38,5 +38,6 @@ int inspect_command(const CommandArgs& args, CommandIo& io);    // cli/inspect_c
 int import_command(const CommandArgs& args, CommandIo& io);     // cli/import_command.cpp
 int trace_command(const CommandArgs& args, CommandIo& io);      // cli/trace_command.cpp
 int version_command(const CommandArgs& args, CommandIo& io);    // here
+int completion_command(const CommandArgs& args, CommandIo& io); // cli/completion_command.cpp
 
 }  // namespace nanreplay

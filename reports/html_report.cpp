@@ -1,4 +1,5 @@
 // HTML rendering of a ReplayReport (report.html). Pure: returns the page.
+// The charts are in reports/html_charts.cpp; this file lays out the page.
 // Heatmap cells aggregate the whole-tensor probes (head == -1) of one step and
 // phase by max over micro-batches and ranks; colours are computed here and
 // written as inline styles, so the page needs no script to draw.
@@ -15,6 +16,7 @@
 
 #include "loaders/error.h"
 #include "reports/expert_load.h"
+#include "reports/html_charts.h"
 #include "reports/terminal_text.h"
 
 namespace nanreplay {
@@ -22,24 +24,7 @@ namespace nanreplay {
 namespace {
 
 constexpr size_t kPropagationShown = 10;
-// Long windows: the step strip has at most this many cells.
-constexpr size_t kStripCells = 400;
 constexpr int64_t kTokenWindowRadius = 12;
-
-std::string escape_html(const std::string& text) {
-  std::string out;
-  for (char c : printable(text)) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
 
 // Multi-line text for a title attribute: each line escaped, joined by &#10;.
 std::string escape_lines(const std::string& text) {
@@ -75,7 +60,14 @@ code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font
 .finding{margin:8px 0;padding-top:6px;border-top:1px solid #eef0f3}
 .sev{display:inline-block;font-size:11px;font-weight:700;text-transform:uppercase;border-radius:3px;padding:0 6px;color:#fff;margin-right:6px}
 .sev.error{background:#c92a2a}.sev.warning{background:#f08c00}.sev.info{background:#1c7ed6}
-.evidence{color:#5c6373;font-size:12px;margin-top:3px;word-break:break-all}
+table.evidence{border-collapse:collapse;font-size:12px;margin-top:4px}
+table.evidence th{font-weight:500;color:#5c6373;text-align:left;padding:1px 12px 1px 0;white-space:nowrap;vertical-align:top}
+table.evidence td{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;word-break:normal;overflow-wrap:normal}
+details.consequences{margin-top:8px;color:#5c6373}details.consequences summary{cursor:pointer;font-size:12px}
+.next{background:#fff;border-left:4px solid #1c7ed6;padding:10px 14px;margin-top:12px;border-radius:4px}
+.chart{display:block;width:100%;height:auto;max-width:760px}.panel{overflow-x:auto}.chart-title{font-weight:600;font-size:13px;margin:6px 0 0}.chart-title span{font-weight:400;margin-left:10px;font-size:12px}
+.scroll{overflow-x:auto;max-width:100%}.maps>div{overflow-x:auto;max-width:100%}
+.meta code{overflow-wrap:anywhere}
 table.grid{border-collapse:collapse;background:#fff}
 table.grid th,table.grid td{border:1px solid #e3e6eb;padding:4px 8px;text-align:right}
 table.grid th{background:#eef0f4;font-weight:600}table.grid td.l,table.grid th.l{text-align:left}
@@ -89,10 +81,6 @@ details.step summary{cursor:pointer;font-weight:600}
 .heat th.col div{transform:rotate(-60deg);transform-origin:left bottom;width:18px;margin-left:12px;white-space:nowrap}
 .heat td{width:30px;height:24px;text-align:center;border:1px solid #fff;font-size:10px;color:#fff}
 .heat td.empty{background:#f1f3f5}
-.strip{display:flex;flex-wrap:wrap;gap:1px;background:#fff;padding:6px;border-radius:8px}
-.strip span{width:6px;height:18px;background:#dee2e6}
-.strip span.nf{background:#e03131}
-.strip span.shown{outline:2px solid #000}
 .heat td.nonfinite{background:#e03131;font-weight:700}
 .heat td.origin{outline:3px solid #000;outline-offset:-2px;position:relative}
 .legend{display:flex;align-items:center;gap:8px;font-size:12px;color:#5c6373;margin:6px 0}
@@ -112,6 +100,9 @@ table.load td{min-width:64px}table.load .bar{height:4px;background:#1c7ed6;margi
 table.load td.odd{background:#fff0ec;font-weight:600}
 footer{margin-top:30px;color:#5c6373}
 a{color:#1c63c7}
+@media (max-width:900px){.triage,.two{grid-template-columns:minmax(0,1fr)}}
+@media (max-width:600px){main{padding:12px 10px 32px}.verdict{padding:12px 14px}.chart text{font-size:17px}}
+.key{display:inline-block;width:11px;height:11px;border-radius:2px;vertical-align:-1px;margin:0 3px 0 8px}
 )css";
 
 // A viridis-like ramp: t in [0, 1] to "rgb(r,g,b)".
@@ -244,6 +235,27 @@ std::string render_legend(const Scale& forward, const Scale& backward) {
   return out.str();
 }
 
+// What to do next, one line under the verdict. The verdict's wording lives in
+// reports/verdict.cpp; until the report carries a next step this has nothing
+// to show, and the page renders whatever next_step_text returns.
+std::string next_step_text(const ReplayReport& /*report*/) { return ""; }
+
+std::string render_next_step(const ReplayReport& report) {
+  const std::string next = next_step_text(report);
+  if (next.empty()) return "";
+  return "<p class=\"next\" id=\"next\"><b>Next:</b> " + escape_html(next) + "</p>";
+}
+
+// How close the origin site came to the limit of its type over the window.
+std::string render_origin_chart(const ReplayReport& report) {
+  const std::string chart = svg_origin_max_abs(report);
+  if (chart.empty()) return "";
+  return "<h2>The origin site against its limit</h2><div class=\"panel\">" + chart +
+         "</div><p class=\"meta\">Whole-tensor max|x| over the finite values, at the steps whose probes the report kept "
+         "(trace.h5 holds them all); the dashed line is the largest value the type it is held in can hold, and a red "
+         "marker on the top edge is a step where it went non-finite.</p>";
+}
+
 std::string render_verdict(const ReplayReport& report) {
   std::ostringstream out;
   const ReproductionCheck& r = report.reproduction;
@@ -295,35 +307,60 @@ std::string render_verdict(const ReplayReport& report) {
   return out.str();
 }
 
+// An evidence value as text: arrays as "1, 2, 3" so they wrap between items.
+std::string evidence_text(const nlohmann::json& value) {
+  if (value.is_string()) return value.get<std::string>();
+  if (!value.is_array()) return value.dump();
+  std::string out;
+  for (const nlohmann::json& item : value) out += (out.empty() ? "" : ", ") + evidence_text(item);
+  return out;
+}
+
+std::string render_finding(const Finding& f) {
+  std::ostringstream out;
+  out << "<div class=\"finding\"><span class=\"sev " << severity_name(f.severity) << "\">" << severity_name(f.severity)
+      << "</span><code>" << escape_html(f.name()) << "</code><div>" << escape_html(f.message) << "</div>";
+  const nlohmann::json evidence = evidence_json(f.evidence);
+  if (!evidence.empty()) {
+    out << "<table class=\"evidence\">";
+    for (const auto& [key, value] : evidence.items()) {
+      out << "<tr><th>" << escape_html(key) << "</th><td>" << escape_html(evidence_text(value)) << "</td></tr>";
+    }
+    out << "</table>";
+  }
+  out << "</div>";
+  return out.str();
+}
+
+// An info entry standing for the origin's consequences (evidence
+// "consequence": true) says nothing about a cause: folded away by default.
+bool is_consequence(const Finding& f) { return f.evidence.flag(EvidenceKey::kConsequence).value_or(false); }
+
 std::string render_triage(const ReplayReport& report) {
   std::ostringstream out;
   out << "<h2>Triage: data, numeric, system</h2><div class=\"triage\">";
   for (TriageLayer layer : {TriageLayer::kData, TriageLayer::kNumeric, TriageLayer::kSystem}) {
-    std::ostringstream body;
-    std::string worst = "clean";
+    std::string worst = "clean", shown, folded;
+    int folded_count = 0;
     for (const Finding& f : report.findings) {
       if (f.layer() != layer) continue;
+      if (is_consequence(f)) {
+        folded += render_finding(f);
+        ++folded_count;
+        continue;
+      }
       if (f.severity == Severity::kError) worst = "error";
       if (f.severity == Severity::kWarning && worst != "error") worst = "warning";
       if (f.severity == Severity::kInfo && worst == "clean") worst = "info";
-      body << "<div class=\"finding\"><span class=\"sev " << severity_name(f.severity) << "\">"
-           << severity_name(f.severity) << "</span><code>" << escape_html(f.name()) << "</code><div>"
-           << escape_html(f.message) << "</div>";
-      const nlohmann::json evidence = evidence_json(f.evidence);
-      if (!evidence.empty()) {
-        body << "<div class=\"evidence mono\">";
-        bool first = true;
-        for (const auto& [key, value] : evidence.items()) {
-          body << (first ? "" : " &middot; ") << escape_html(key) << "="
-               << escape_html(value.is_string() ? value.get<std::string>() : value.dump());
-          first = false;
-        }
-        body << "</div>";
-      }
-      body << "</div>";
+      shown += render_finding(f);
     }
     out << "<div class=\"layer " << worst << "\"><b>" << triage_layer_name(layer) << "</b> &mdash; "
-        << (worst == "clean" ? "nothing found" : "findings") << body.str() << "</div>";
+        << (worst == "clean" ? "nothing found" : "findings") << shown;
+    if (folded_count > 0) {
+      out << "<details class=\"consequences\"><summary>" << folded_count << " consequence"
+          << (folded_count == 1 ? "" : "s") << " of the first non-finite value</summary>" << folded << "</details>";
+    }
+    out << "</div>";
   }
   out << "</div>";
   if (report.determinism.checked) {
@@ -343,47 +380,18 @@ std::set<int64_t> steps_with_records(const ReplayReport& report) {
   return steps;
 }
 
-// One cell per step (or per group of steps in a long window): the step's
-// largest forward |x|, red where a site went non-finite. The heatmaps below
-// cover the steps that matter; trace.h5 holds every record.
+// The strip of every step; the heatmaps below cover the steps that matter,
+// trace.h5 holds every record.
 std::string render_step_strip(const ReplayReport& report, const std::set<int64_t>& detailed) {
-  const size_t n = report.steps.size();
-  if (n < 2) return "";
-  const size_t per_cell = (n + kStripCells - 1) / kStripCells;
-  double low = std::numeric_limits<double>::infinity(), high = -low;
-  for (const StepOutcome& s : report.steps) {
-    if (s.probe_summary.probed && s.probe_summary.forward_max_abs > 0) {
-      low = std::min(low, std::log10(s.probe_summary.forward_max_abs));
-      high = std::max(high, std::log10(s.probe_summary.forward_max_abs));
-    }
-  }
-  if (!std::isfinite(low)) return "";
-  if (high - low < 1e-9) high = low + 1.0;
-  std::ostringstream out;
-  out << "<h2>Every step: largest forward max|x|</h2><div class=\"strip\">";
-  for (size_t begin = 0; begin < n; begin += per_cell) {
-    const size_t end = std::min(n, begin + per_cell);
-    double largest = 0;
-    int64_t nonfinite = 0;
-    bool shown_below = false;
-    for (size_t i = begin; i < end; ++i) {
-      const StepOutcome& s = report.steps[i];
-      largest = std::max(largest, s.probe_summary.forward_max_abs);
-      nonfinite += s.probe_summary.nonfinite_records + (s.replayed && !s.finite ? 1 : 0);
-      shown_below = shown_below || detailed.count(s.step);
-    }
-    const std::string steps = begin + 1 == end ? "step " + std::to_string(report.steps[begin].step)
-                                               : "steps " + std::to_string(report.steps[begin].step) + "-" +
-                                                     std::to_string(report.steps[end - 1].step);
-    const double t = largest > 0 ? (std::log10(largest) - low) / (high - low) : 0.0;
-    out << "<span title=\"" << steps << ": max|x| " << escape_html(format_number(largest))
-        << (nonfinite ? ", non-finite" : "") << (shown_below ? " (heatmap below)" : "") << "\" class=\""
-        << (nonfinite ? "nf" : "") << (shown_below ? " shown" : "") << "\""
-        << (nonfinite ? "" : " style=\"background:" + ramp_colour(t) + "\"") << "></span>";
-  }
-  out << "</div><p class=\"meta\">" << n << " steps" << (per_cell > 1 ? ", " + std::to_string(per_cell) + " per cell" : "")
-      << "; outlined: heatmaps below. trace.h5 holds every probe of every step.</p>";
-  return out.str();
+  const std::string strip = svg_step_strip(report, detailed);
+  if (strip.empty()) return "";
+  const auto [low, high] = step_strip_range(report);
+  return "<h2>Every step: largest forward max|x|</h2><div class=\"panel\">" + strip + "<p class=\"meta\">" +
+         "<span class=\"key\" style=\"background:" + step_strip_colour(0) + "\"></span>" + escape_html(format_number(low)) +
+         " to <span class=\"key\" style=\"background:" + step_strip_colour(1) + "\"></span>" +
+         escape_html(format_number(high)) + "<span class=\"key\" style=\"background:#e03131\"></span>non-finite"
+         "<span class=\"key\" style=\"border:2px solid #000\"></span>heatmaps below</p></div><p class=\"meta\">" +
+         std::to_string(report.steps.size()) + " steps; hover a cell for its value. trace.h5 holds every probe of every step.</p>";
 }
 
 std::string render_heatmaps(const ReplayReport& report) {
@@ -426,61 +434,10 @@ std::string render_propagation(const ReplayReport& report) {
   return out.str();
 }
 
-// Replayed and logged loss per step as an inline SVG; non-finite points sit on the top edge in red.
-std::string render_loss_chart(const ReplayReport& report) {
-  const double width = 560, height = 210, left = 56, right = 20, top = 34, bottom = 30;
-  double low = std::numeric_limits<double>::infinity(), high = -low;
-  for (const StepOutcome& s : report.steps) {
-    for (double v : {s.replayed ? s.loss : std::nan(""), s.logged_loss ? *s.logged_loss : std::nan("")}) {
-      if (std::isfinite(v)) low = std::min(low, v), high = std::max(high, v);
-    }
-  }
-  if (!std::isfinite(low)) low = 0, high = 1;
-  if (high - low < 1e-9) low -= 0.5, high += 0.5;
-  const size_t n = report.steps.size();
-  auto x_of = [&](size_t i) { return left + (n <= 1 ? 0.5 : static_cast<double>(i) / static_cast<double>(n - 1)) * (width - left - right); };
-  auto y_of = [&](double v) { return top + (1.0 - (v - low) / (high - low)) * (height - top - bottom); };
-  std::ostringstream out;
-  out << "<svg width=\"" << width << "\" height=\"" << height << "\" viewBox=\"0 0 " << width << " " << height
-      << "\" role=\"img\" aria-label=\"loss per step\" style=\"background:#fff\">"
-      << "<line x1=\"" << left << "\" y1=\"" << height - bottom << "\" x2=\"" << width - right << "\" y2=\""
-      << height - bottom << "\" stroke=\"#adb5bd\"/><text x=\"4\" y=\"" << y_of(high) + 4 << "\" font-size=\"11\" fill=\"#5c6373\">"
-      << escape_html(format_number(high)) << "</text><text x=\"4\" y=\"" << y_of(low) + 4
-      << "\" font-size=\"11\" fill=\"#5c6373\">" << escape_html(format_number(low)) << "</text>";
-  const struct { bool logged; const char* colour; const char* dash; } series[] = {{false, "#1c7ed6", ""}, {true, "#f08c00", "5,4"}};
-  for (const auto& line : series) {
-    std::string points;
-    for (size_t i = 0; i < n; ++i) {
-      const StepOutcome& s = report.steps[i];
-      const double v = line.logged ? (s.logged_loss ? *s.logged_loss : std::nan("")) : (s.replayed ? s.loss : std::nan(""));
-      if (line.logged ? !s.logged_loss : !s.replayed) continue;
-      if (std::isfinite(v)) {
-        points += fixed(x_of(i), 1) + "," + fixed(y_of(v), 1) + " ";
-        if (n > kListedSteps) continue;  // a line only: thousands of dots say nothing more
-        out << "<circle cx=\"" << fixed(x_of(i), 1) << "\" cy=\"" << fixed(y_of(v), 1) << "\" r=\"3\" fill=\"" << line.colour << "\"/>";
-      } else {
-        out << "<text x=\"" << fixed(x_of(i) - 4, 1) << "\" y=\"" << top - 4 + (line.logged ? 12 : 0) << "\" font-size=\"13\" "
-            << "font-weight=\"700\" fill=\"#e03131\">&#215;</text>";
-      }
-    }
-    out << "<polyline fill=\"none\" stroke=\"" << line.colour << "\" stroke-width=\"" << (line.logged ? 1.5 : 3) << "\" stroke-dasharray=\"" << line.dash
-        << "\" points=\"" << points << "\"/>";
-  }
-  const size_t label_every = std::max<size_t>(1, (n + 11) / 12);
-  for (size_t i = 0; i < n; i += label_every) {
-    out << "<text x=\"" << fixed(x_of(i), 1) << "\" y=\"" << height - 10 << "\" font-size=\"11\" text-anchor=\"middle\" "
-        << "fill=\"#5c6373\">" << report.steps[i].step << "</text>";
-  }
-  out << "<text x=\"" << left << "\" y=\"12\" font-size=\"11\" fill=\"#1c7ed6\">&#9632; replayed</text>"
-      << "<text x=\"" << left + 70 << "\" y=\"12\" font-size=\"11\" fill=\"#f08c00\">&#9632; logged (dashed)</text>"
-      << "<text x=\"" << left + 180 << "\" y=\"12\" font-size=\"11\" fill=\"#e03131\">&#215; non-finite (top edge)</text></svg>";
-  return out.str();
-}
-
 std::string render_steps(const ReplayReport& report) {
   std::ostringstream out;
-  out << "<h2>Replayed against logged loss</h2><div class=\"two\"><div class=\"panel\">" << render_loss_chart(report)
-      << "</div><table class=\"grid\"><tr><th>step</th><th>replayed loss</th><th>logged loss</th><th>grad norm</th>"
+  out << "<h2>Loss and gradient norm, replayed against logged</h2><div class=\"two\"><div class=\"panel\">"
+      << svg_loss_and_grad_norm(report) << "</div><div class=\"scroll\"><table class=\"grid\"><tr><th>step</th><th>replayed loss</th><th>logged loss</th><th>grad norm</th>"
       << "<th class=\"l\">finite</th></tr>";
   const std::vector<size_t> rows = steps_worth_listing(report);
   for (size_t k = 0; k < rows.size(); ++k) {
@@ -498,7 +455,7 @@ std::string render_steps(const ReplayReport& report) {
         << (s.replayed ? escape_html(format_number(s.grad_norm)) : "-") << "</td><td class=\"l\">" << escape_html(finite)
         << (first ? " &larr; first non-finite" : "") << "</td></tr>";
   }
-  out << "</table></div>";
+  out << "</table></div></div>";
   return out.str();
 }
 
@@ -511,7 +468,7 @@ std::string render_what_ifs(const ReplayReport& report) {
                : std::string("Nothing went non-finite: no step to replay."))
       << "</p>";
   if (!step) return out.str();
-  out << "<table class=\"grid\"><tr><th class=\"l\">what-if</th><th class=\"l\">first non-finite value</th>"
+  out << "<div class=\"scroll\"><table class=\"grid\"><tr><th class=\"l\">what-if</th><th class=\"l\">first non-finite value</th>"
       << "<th>loss after</th><th class=\"l\">change</th></tr>";
   for (const WhatIfOutcome& w : *report.what_if) {
     std::string after = "gone";
@@ -525,7 +482,7 @@ std::string render_what_ifs(const ReplayReport& report) {
         << (w.loss_after ? escape_html(format_number(*w.loss_after)) : "-") << "</td><td class=\"l\">"
         << escape_html(w.change) << "</td></tr>";
   }
-  out << "</table>";
+  out << "</table></div>";
   return out.str();
 }
 
@@ -539,7 +496,7 @@ std::string render_expert_load(const ReplayReport& report) {
   out << "<h2>Expert load</h2><p class=\"meta\">Tokens routed to each expert at step " << step->step
       << " (every rank and micro-batch); the bar is the expert's share of the layer's tokens, balanced "
       << escape_html(format_number(100.0 * static_cast<double>(report.moe_top_k) / static_cast<double>(experts)))
-      << "%.</p><table class=\"grid load\"><tr><th class=\"l\">layer</th>";
+      << "%.</p><div class=\"scroll\"><table class=\"grid load\"><tr><th class=\"l\">layer</th>";
   for (size_t e = 0; e < experts; ++e) out << "<th>expert " << e << "</th>";
   out << "</tr>";
   for (size_t layer = 0; layer < step->expert_tokens.size(); ++layer) {
@@ -557,7 +514,7 @@ std::string render_expert_load(const ReplayReport& report) {
     }
     out << "</tr>";
   }
-  out << "</table>";
+  out << "</table></div>";
   return out.str();
 }
 
@@ -592,7 +549,8 @@ std::string render_html(const ReplayReport& report) {
   if (report.incident && report.incident->step) out << " &middot; incident at step " << *report.incident->step;
   if (report.incident && !report.incident->symptom.empty()) out << ": " << escape_html(report.incident->symptom);
   out << " &middot; nanreplay " << escape_html(report.tool_version) << "</p>" << render_verdict(report)
-      << render_triage(report) << render_heatmaps(report) << render_propagation(report) << render_steps(report)
+      << render_next_step(report) << render_origin_chart(report) << render_triage(report) << render_heatmaps(report)
+      << render_propagation(report) << render_steps(report)
       << render_expert_load(report) << render_token_window(report) << render_what_ifs(report)
       << "<footer>Files: <a href=\"report.json\">report.json</a> &middot; <a href=\"report.md\">report.md</a> &middot; "
       << "<a href=\"trace.h5\">trace.h5</a> (query it with <code>nanreplay trace trace.h5</code>)</footer></main>"

@@ -1,6 +1,7 @@
 // `nanreplay trace`: select probe rows of a trace.h5 in the terminal by step,
 // phase, site glob, head and expert; sort by max|x| or keep only non-finite rows in
-// execution order. Pure: filtering and rendering, no file access.
+// execution order, or name the origins: the first non-finite sites, each as its
+// own head's or expert's row. Pure: filtering and rendering, no file access.
 #pragma once
 
 #include <cstddef>
@@ -22,13 +23,23 @@ struct TraceQuery {
   std::optional<int> expert;  // -1: rows not of one expert
   bool sort_by_max_abs = false;  // descending
   bool only_nonfinite = false;   // NaN/Inf rows in execution order
+  // With only_nonfinite: one row per non-finite site in execution order, the
+  // row of the head or expert holding the site's first non-finite element
+  // when the trace has it (what the report names), else the whole row.
+  bool origin_rows = false;
   size_t limit = 50;
 };
 
 struct TraceSelection {
   std::vector<ProbeRecord> rows;  // at most limit
   size_t matched = 0;             // before the limit
+  std::vector<int64_t> trace_steps;  // every step the trace holds, ascending: for "no row matched"
 };
+
+// "100-103, 105": steps as ranges, for messages.
+std::string describe_steps(const std::vector<int64_t>& ascending_steps);
+// The steps a trace's probes cover, ascending and distinct.
+std::vector<int64_t> steps_in(const std::vector<ProbeRecord>& probes);
 
 // "forward", "backward" or "grad"; nullopt otherwise.
 std::optional<Phase> parse_phase(const std::string& name);

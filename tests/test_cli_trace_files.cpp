@@ -5,7 +5,8 @@
 // one-line message and HDF5 must print nothing; through the CLI, `trace` must
 // exit 2 with one line. Resealed corruptions (a valid block over damaged HDF5,
 // as a deliberate edit would make) reach HDF5 and must still end in contents
-// or an InputError.
+// or an InputError. Last, on the good copy: --first-nonfinite names the
+// origin head's own row and a --step the trace lacks is refused.
 #include <catch2/catch.hpp>
 
 #include <fcntl.h>
@@ -19,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "loaders/error.h"
 #include "reports/trace_integrity.h"
 #include "reports/trace_writer.h"
@@ -29,6 +32,7 @@ namespace {
 namespace fs = std::filesystem;
 using nanreplay::InputError;
 using nanreplay_test::check_one_error_line;
+using nanreplay_test::CliResult;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
 using Bytes = std::vector<uint8_t>;
@@ -192,4 +196,56 @@ TEST_CASE("trace refuses damaged files and files that are not regular, with exit
   check_one_error_line(run_cli({"trace", (scratch / "plain.h5").string()}),
                        {"plain.h5", "without nanreplay's integrity block", "regenerate it"});
   WARN(copies.size() << " corrupted copies and 5 special files refused through the CLI");
+}
+
+namespace {
+
+int64_t nonfinite_values(const nlohmann::json& row) {
+  return row["nan_count"].get<int64_t>() + row["inf_count"].get<int64_t>();
+}
+
+}  // namespace
+
+TEST_CASE("trace --first-nonfinite names the origin's own head row, and a step it lacks is refused",
+          "[cli][trace]") {
+  ScratchDir scratch("trace-origin");
+  const std::string path = (scratch / "trace.h5").string();
+  write_file(path, real_trace());
+
+  // The planted overflow is one element of one head: the whole-tensor row
+  // comes first in execution order, but the origin is that head's row.
+  const CliResult first = run_cli({"trace", path, "--first-nonfinite", "--json"});
+  REQUIRE(first.status == 0);
+  const nlohmann::json rows = nlohmann::json::parse(first.out)["rows"];
+  REQUIRE(rows.size() == 1);
+  const CliResult whole = run_cli({"trace", path, "--first-nonfinite", "--head", "-1", "--json"});
+  REQUIRE(whole.status == 0);
+  const nlohmann::json whole_row = nlohmann::json::parse(whole.out)["rows"].at(0);
+  CHECK(whole_row["head"] == -1);
+  CHECK(rows[0]["head"].get<int>() >= 0);
+  CHECK(rows[0]["site"] == whole_row["site"]);
+  CHECK(rows[0]["sample"] == whole_row["sample"]);
+  CHECK(rows[0]["position"] == whole_row["position"]);
+  CHECK(rows[0]["sample"].get<int64_t>() >= 0);
+  CHECK(nonfinite_values(rows[0]) > 0);
+  CHECK(nonfinite_values(rows[0]) <= nonfinite_values(whole_row));
+
+  // The table counts the non-finite values of the rows it shows.
+  const CliResult table = run_cli({"trace", path, "--first-nonfinite", "--limit", "3"});
+  REQUIRE(table.status == 0);
+  const nlohmann::json three = nlohmann::json::parse(
+      run_cli({"trace", path, "--first-nonfinite", "--limit", "3", "--json"}).out)["rows"];
+  int64_t nan = 0, inf = 0;
+  for (const auto& row : three) nan += row["nan_count"].get<int64_t>(), inf += row["inf_count"].get<int64_t>();
+  CHECK(table.out.find("the rows shown hold " + std::to_string(nan) + " nan and " + std::to_string(inf) +
+                       " inf values") != std::string::npos);
+  CHECK(table.out.find(" sample ") != std::string::npos);
+
+  // A step the trace does not hold is a usage mistake that lists the steps it does hold.
+  check_one_error_line(run_cli({"trace", path, "--step", "99"}), {path, "no step 99", "holds steps 10"});
+  const CliResult none = run_cli({"trace", path, "--site", "no.such.site"});
+  CHECK(none.status == 0);
+  CHECK(none.out.find("no row matches; the trace holds steps 10") != std::string::npos);
+  const CliResult help = run_cli({"trace", "--help"});
+  CHECK(help.out.find("headroom is log2") != std::string::npos);
 }

@@ -1,0 +1,87 @@
+// Help as a newcomer reaches it: `nanreplay help CMD`, shell completion
+// generated from the command table, the man page that lists every command,
+// and `cmake --install` putting a working nanreplay on PATH.
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <fstream>
+
+#include "cli/command_table.h"
+#include "tests/cli_harness.h"
+
+using namespace nanreplay_test;
+
+namespace {
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("help CMD prints that command's help, and names the nearest command when mistyped", "[cli][help]") {
+  const CliResult help = run_cli({"help", "run"});
+  CHECK(help.status == 0);
+  CHECK(help.out == run_cli({"run", "--help"}).out);
+  const CliResult wrong = run_cli({"help", "bisekt"});
+  CHECK(wrong.status == 2);
+  CHECK(contains(wrong.err, "did you mean 'bisect'"));
+  CHECK(run_cli({"help"}).status == 0);
+}
+
+TEST_CASE("completion scripts name every command and parse in their shell", "[cli][help]") {
+  ScratchDir dir("completion");
+  const CliResult bash = run_cli({"completion", "bash"});
+  REQUIRE(bash.status == 0);
+  const size_t list = bash.out.find("compgen -W \"");
+  REQUIRE(list != std::string::npos);
+  const size_t begin = list + 12;
+  const std::string words = " " + bash.out.substr(begin, bash.out.find('"', begin) - begin) + " ";
+  for (const nanreplay::Command& c : nanreplay::command_table()) {
+    INFO(c.name);
+    CHECK(contains(words, std::string(" ") + c.name + " "));
+    CHECK(contains(run_cli({"completion", "fish"}).out, std::string("-a ") + c.name + " "));
+  }
+  std::ofstream(dir / "completion.bash") << bash.out;
+  // bash -n parses without running; the script then defines the function and registers it.
+  CHECK(std::system(("bash -n " + shell_quote((dir / "completion.bash").string())).c_str()) == 0);
+  const std::string registered = "bash -c " + shell_quote("source " + (dir / "completion.bash").string() +
+                                                          " && complete -p nanreplay | grep -q _nanreplay");
+  CHECK(std::system(registered.c_str()) == 0);
+  CHECK(contains(run_cli({"completion", "zsh"}).out, "#compdef nanreplay"));
+  const CliResult none = run_cli({"completion", "tcsh"});
+  CHECK(none.status == 2);
+  CHECK(line_count(none.err) == 1);
+}
+
+TEST_CASE("the man page lists every command of the table", "[cli][help]") {
+  const std::string page = slurp(std::filesystem::path(NANREPLAY_SOURCE_DIR) / "docs" / "nanreplay.1");
+  REQUIRE_FALSE(page.empty());
+  for (const nanreplay::Command& c : nanreplay::command_table()) {
+    const std::string name = c.name;
+    INFO(name);
+    std::string escaped;  // roff writes a hyphen as \-
+    for (char ch : name) escaped += ch == '-' ? std::string("\\-") : std::string(1, ch);
+    CHECK(contains(page, ".B " + escaped));
+  }
+}
+
+TEST_CASE("cmake --install puts a nanreplay that runs, its helpers and its man page under the prefix",
+          "[cli][help]") {
+  ScratchDir dir("install");
+  const std::filesystem::path build = std::filesystem::path(NANREPLAY_CLI_PATH).parent_path();
+  const std::string install = "cmake --install " + shell_quote(build.string()) + " --prefix " +
+                              shell_quote(dir.path().string()) + " >/dev/null";
+  REQUIRE(std::system(install.c_str()) == 0);
+  const std::filesystem::path cli = dir / "bin" / "nanreplay";
+  CHECK(std::filesystem::exists(dir / "share" / "man" / "man1" / "nanreplay.1"));
+  CHECK(std::filesystem::exists(dir / "share" / "nanreplay" / "capture" / "nanreplay_capture.py"));
+  const std::filesystem::path helper = dir / "share" / "nanreplay" / "capture" / "nanreplay_import.py";
+  REQUIRE(std::filesystem::exists(helper));
+  CHECK(std::system((shell_quote(cli.string()) + " version >/dev/null").c_str()) == 0);
+  // `import` runs the installed helper, not the source tree's: a stand-in that says so.
+  std::ofstream(helper, std::ios::trunc) << "import sys\nprint('the installed helper ran', file=sys.stderr)\nsys.exit(2)\n";
+  const std::string out = (dir / "import.err").string();
+  const std::string imported = "env -u NANREPLAY_IMPORT_HELPER " + shell_quote(cli.string()) + " import --out " +
+                               shell_quote((dir / "bundle").string()) + " 2>" + shell_quote(out);
+  std::system(imported.c_str());
+  CHECK(contains(slurp(out), "the installed helper ran"));
+}
