@@ -1861,7 +1861,7 @@ def parse_args(argv):
     except _ArgError as e:
         m = re.search(r"(--[a-z-]+)", str(e))
         raise BadInput("command line", m.group(1) if m else "arguments", str(e))
-    m = re.fullmatch(r"(\d+):(\d+)", args.steps)
+    m = re.fullmatch(r"(\d+)[:-](\d+)", args.steps)  # FIRST:LAST, or FIRST-LAST as run takes it
     if not m or int(m.group(1)) > int(m.group(2)):
         raise BadInput("command line", "--steps", f"{args.steps!r} is not FIRST:LAST with FIRST <= LAST")
     args.first, args.last = int(m.group(1)), int(m.group(2))

@@ -40,7 +40,8 @@ cxxopts::Options minimize_options() {
   options.add_options()
       ("bundle", "incident bundle directory (only read)", cxxopts::value<std::string>())
       ("out", "the minimized bundle's directory (must not exist, or be empty)", cxxopts::value<std::string>());
-  add_replay_flags(options, "print one JSON object (minimize_version 1) instead of the text", false);
+  add_replay_flags(options, "print one JSON object (minimize_version 1) instead of the text", false,
+                   /*what_if=*/false);
   options.parse_positional({"bundle"});
   options.positional_help("BUNDLE --out MIN");
   return options;
@@ -73,7 +74,6 @@ int minimize_command(const CommandArgs& args, CommandIo& io) {
   if (!parsed.count("bundle")) throw UsageError("minimize: missing BUNDLE (see nanreplay minimize --help)");
   if (!parsed.count("out")) throw UsageError("minimize: missing --out MIN (see nanreplay minimize --help)");
   ReplayFlags flags = parse_replay_flags(parsed, true);
-  if (!flags.incident.what_ifs.empty()) throw UsageError("minimize: --what-if is bisect's and run's, not minimize's");
   flags.incident.bundle = parsed["bundle"].as<std::string>();
   const fs::path out = checked_out(parsed["out"].as<std::string>(), flags.incident.bundle);
   const Incident incident(flags.incident, IncidentUse::kBisect);

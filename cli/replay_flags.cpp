@@ -31,7 +31,7 @@ std::vector<WhatIf> parse_what_ifs(const cxxopts::ParseResult& args) {
 
 }  // namespace
 
-void add_replay_flags(cxxopts::Options& options, const char* json_help, bool cross_check) {
+void add_replay_flags(cxxopts::Options& options, const char* json_help, bool cross_check, bool what_if) {
   options.add_options()
       ("threads", "compute threads, LibTorch's and OpenBLAS's (0: all cores)", cxxopts::value<int>()->default_value("0"))
       ("device", "cpu, cuda:N, or two devices (cuda:0,cuda:1) to split the layers across",
@@ -51,9 +51,11 @@ void add_replay_flags(cxxopts::Options& options, const char* json_help, bool cro
        cxxopts::value<std::string>(), "DIR")
       ("json", json_help)
       ("q,quiet", "print nothing but errors")
-      ("h,help", "show this help")
-      ("what-if", "replay the first non-finite step with one change (repeatable; see below)",
-       cxxopts::value<std::string>(), "SPEC");
+      ("h,help", "show this help");
+  if (what_if) {
+    options.add_options()("what-if", "replay the first non-finite step with one change (repeatable; see below)",
+                          cxxopts::value<std::string>(), "SPEC");
+  }
   add_launch_flags(options);
 }
 

@@ -21,8 +21,9 @@ struct ReplayFlags {
   LaunchFlags launch;  // --nproc and the rest: across processes (cli/launch.h)
 };
 
-// `json_help`: what --json prints; `cross_check`: declare --cross-check (run).
-void add_replay_flags(cxxopts::Options& options, const char* json_help, bool cross_check);
+// `json_help`: what --json prints; `cross_check`: declare --cross-check (run);
+// `what_if`: declare --what-if (run and bisect; minimize takes none, so its help lists none).
+void add_replay_flags(cxxopts::Options& options, const char* json_help, bool cross_check, bool what_if = true);
 
 // UsageError on a malformed --what-if or --max-memory, and on a what-if
 // without probes (`probes` false: run --no-probes), which could not find the

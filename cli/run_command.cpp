@@ -31,7 +31,7 @@ std::optional<std::set<int64_t>> parse_step_list(const std::string& text) {
   std::string item;
   while (std::getline(items, item, ',')) {
     try {
-      const size_t dash = item.find('-', 1);
+      const size_t dash = item.find_first_of("-:", 1);  // 100-105 or 100:105, as import takes it
       size_t used = 0;
       if (dash == std::string::npos) {
         steps.insert(std::stoll(item, &used));
@@ -43,7 +43,7 @@ std::optional<std::set<int64_t>> parse_step_list(const std::string& text) {
         for (int64_t s = from; s <= to; ++s) steps.insert(s);
       }
     } catch (const std::exception&) {
-      throw UsageError("--steps: '" + item + "' is not a step or a range like 100-105");
+      throw UsageError("--steps: '" + item + "' is not a step or a range like 100-105 or 100:105");
     }
   }
   return steps;
@@ -94,7 +94,7 @@ cxxopts::Options run_options() {
       ("no-clobber", "refuse an --out that already holds results (by default a run replaces them, "
                      "each file whole, and a run that fails leaves them as they were)")
       ("force", "replace results already in --out (the default; kept for older scripts)")
-      ("steps", "only these steps, e.g. 104,105 or 100-105", cxxopts::value<std::string>()->default_value(""))
+      ("steps", "only these steps, e.g. 104,105 or 100-105 (or 100:105)", cxxopts::value<std::string>()->default_value(""))
       ("no-probes", "loss and gradient norm only (faster, no trace detail)")
       ("timings", "print where the time went (load, data checks, each step, self-checks, each output) "
                   "to stderr; report.json has it always");

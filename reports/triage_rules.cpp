@@ -67,6 +67,17 @@ const ProbeRecord* largest_part(const std::vector<ProbeRecord>& records, const P
   return nullptr;
 }
 
+namespace {
+
+// What the elements overflowed to: inf_count holds both signs, and the
+// first element's kind says which one it was.
+std::string overflow_target(const ProbeRecord& r, int64_t count) {
+  if (r.stats.first_kind != NonfiniteKind::kNegInf) return "inf";
+  return count == 1 ? "-inf" : "+inf or -inf (the first to -inf)";
+}
+
+}  // namespace
+
 std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, int64_t step,
                                        bool handled_by_scaler, Compute compute,
                                        const TriageThresholds& t) {
@@ -94,12 +105,14 @@ std::vector<Finding> overflow_findings(const std::vector<ProbeRecord>& records, 
                                   : "";
     return {make_finding(FindingCode::kNumericOverflow, Severity::kError,
         where_text(*first_inf) + " reached the " + compute_name(compute) + " limit " +
-            format_number(limit) + ": " + std::to_string(count) + " element(s) overflowed to inf" + total,
+            format_number(limit) + ": " + std::to_string(count) + " element(s) overflowed to " +
+            overflow_target(part != nullptr ? *part : *first_inf, count) + total,
         {{K::kStep, step}, {K::kSite, probe_name(*first_inf)}, {K::kPhase, phase_name(first_inf->phase)},
          {K::kHead, optional_index_value(first_inf->first_head)}, {K::kExpert, optional_index_value(first_inf->first_expert)},
          {K::kMicroBatch, optional_index_value(first_inf->micro_batch)},
          {K::kRank, optional_index_value(first_inf->rank)}, {K::kSample, optional_index_value(first_inf->sample)},
-         {K::kPosition, optional_index_value(first_inf->position)}, {K::kExpected, limit}, {K::kAfter, "inf"},
+         {K::kPosition, optional_index_value(first_inf->position)}, {K::kExpected, limit},
+         {K::kAfter, first_inf->stats.first_kind == NonfiniteKind::kNegInf ? "-inf" : "inf"},
          {K::kLength, count}, {K::kSiteLength, first_inf->stats.inf_count}})};
   }
   if (tightest != nullptr && tightest->headroom_bits < t.headroom_warn_bits) {

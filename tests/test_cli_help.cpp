@@ -85,3 +85,39 @@ TEST_CASE("cmake --install puts a nanreplay that runs, its helpers and its man p
   std::system(imported.c_str());
   CHECK(contains(slurp(out), "the installed helper ran"));
 }
+
+TEST_CASE("one step-range grammar: A-B and A:B for run and import alike", "[cli][help]") {
+  ScratchDir dir("ranges");
+  REQUIRE(run_cli({"synth", "clean-fp32", (dir / "bundle").string()}).status == 0);
+  std::vector<nlohmann::json> steps;
+  for (const std::string range : {"101-102", "101:102"}) {
+    const CliResult run = run_cli({"run", (dir / "bundle").string(), "--steps", range, "--no-probes", "--json",
+                                   "--out", (dir / ("out" + std::to_string(steps.size()))).string()});
+    INFO(range << ": " << run.err);
+    REQUIRE(run.status == 0);
+    steps.push_back(nlohmann::json::parse(run.out)["steps"]);
+  }
+  REQUIRE(steps[0].size() == 2);
+  CHECK(steps[0][0]["step"] == 101);
+  CHECK(steps[0].dump() == steps[1].dump());
+  // import reads either form too: a well-formed range gets past --steps to the missing checkpoint.
+  const std::vector<std::string> import = {"import", "--checkpoint", (dir / "none.pt").string(), "--data",
+                                           (dir / "bundle" / "data").string(), "--seq-len", "8",
+                                           "--micro-batch-size", "1", "--sampler-seed", "1", "--log",
+                                           (dir / "log.jsonl").string(), "--out", (dir / "imported").string()};
+  for (const std::string range : {"5-9", "5:9"}) {
+    std::vector<std::string> args = import;
+    args.insert(args.end(), {"--steps", range});
+    const CliResult imported = run_cli(args);
+    INFO(range << ": " << imported.err);
+    CHECK(imported.status == 2);
+    CHECK_FALSE(contains(imported.err, "--steps"));
+  }
+}
+
+TEST_CASE("help lists only what a command accepts: minimize takes no --what-if", "[cli][help]") {
+  const CliResult help = run_cli({"minimize", "--help"});
+  REQUIRE(help.status == 0);
+  CHECK_FALSE(contains(help.out, "--what-if"));
+  CHECK(contains(run_cli({"bisect", "--help"}).out, "--what-if"));
+}

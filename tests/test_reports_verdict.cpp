@@ -205,6 +205,18 @@ TEST_CASE("triage: a per-head overflow counts the head it names, a LayerNorm say
   CHECK(found[0].message.find("(head 1)") != std::string::npos);
   CHECK(found[0].message.find("6468 element(s) overflowed to inf (29576 over all heads)") != std::string::npos);
 
+  // Toward -inf: the wording follows the first element's kind.
+  ProbeRecord negative = whole;
+  negative.stats.inf_count = 1;
+  negative.stats.first_kind = NonfiniteKind::kNegInf;
+  const auto below = overflow_findings({negative}, 3, false, Compute::kFp16, default_thresholds(Compute::kFp16));
+  REQUIRE(below.size() == 1);
+  CHECK(below[0].message.find("1 element(s) overflowed to -inf") != std::string::npos);
+  CHECK(evidence_json(below[0].evidence)["after"] == "-inf");
+  negative.stats.inf_count = 3;
+  CHECK(overflow_findings({negative}, 3, false, Compute::kFp16, default_thresholds(Compute::kFp16))[0]
+            .message.find("3 element(s) overflowed to +inf or -inf (the first to -inf)") != std::string::npos);
+
   NormCheck ln;
   ln.site = {SiteId::kAttnNorm, 0};
   ln.moment = "variance";
