@@ -1854,8 +1854,20 @@ class _Parser(argparse.ArgumentParser):
         raise _ArgError(message)
 
 
+def _check_flags(ap, argv):
+    """A mistyped flag is named, with the nearest real one, before argparse asks for required ones."""
+    import difflib
+    known = list(ap._option_string_actions)
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--") and not any(k.startswith(flag) for k in known):  # argparse takes prefixes
+            near = difflib.get_close_matches(flag, known, n=1)
+            raise BadInput("command line", flag, f"unknown option '{flag}'" + (f"; did you mean '{near[0]}'?" if near else ""))
+
+
 def parse_args(argv):
     ap = _parser(_Parser)
+    _check_flags(ap, argv)
     try:
         args = ap.parse_args(argv)
     except _ArgError as e:

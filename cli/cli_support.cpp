@@ -3,7 +3,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <csignal>
 #include <cstdarg>
 #include <cstdio>
@@ -48,14 +50,74 @@ void unblock_stop_signals() {
 StopDeferral::StopDeferral() { g_deferrals.fetch_add(1); }
 StopDeferral::~StopDeferral() { g_deferrals.fetch_sub(1); }
 
+namespace {
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// Every --flag a command's help names: the one list of what it accepts.
+std::vector<std::string> flags_in_help(const std::string& help) {
+  std::vector<std::string> flags;
+  for (size_t at = help.find("--"); at != std::string::npos; at = help.find("--", at + 2)) {
+    size_t end = at + 2;
+    while (end < help.size() && (std::isalnum(static_cast<unsigned char>(help[end])) || help[end] == '-')) ++end;
+    if (end > at + 2) flags.push_back(help.substr(at, end - at));
+  }
+  return flags;
+}
+
+// The first argument that looks like a flag the command does not know.
+std::string unknown_flag(const CommandArgs& args, const std::vector<std::string>& known) {
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string flag = args[i].substr(0, args[i].find('='));
+    if (flag.rfind("--", 0) == 0 && std::find(known.begin(), known.end(), flag) == known.end()) return flag;
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string nearest_name(const std::string& name, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_distance = 3;
+  for (const std::string& candidate : candidates) {
+    const size_t d = edit_distance(name, candidate);
+    if (d < best_distance) {
+      best_distance = d;
+      best = candidate;
+    }
+  }
+  return best;
+}
+
 cxxopts::ParseResult parse_or_usage(cxxopts::Options& options, const CommandArgs& args) {
   std::vector<const char*> argv;
   for (const std::string& arg : args) argv.push_back(arg.c_str());
   argv.push_back(nullptr);
+  const std::string see = " (see nanreplay " + options.program().substr(10) + " --help)";
   try {
     return options.parse(static_cast<int>(args.size()), argv.data());
+  } catch (const cxxopts::exceptions::no_such_option& e) {
+    const std::vector<std::string> known = flags_in_help(options.help());
+    const std::string flag = unknown_flag(args, known);
+    if (flag.empty()) throw UsageError(std::string(e.what()) + see);  // a short option
+    const std::string suggestion = nearest_name(flag, known);
+    throw UsageError("unknown option '" + flag + "'" +
+                     (suggestion.empty() ? "" : "; did you mean '" + suggestion + "'?") + see);
   } catch (const cxxopts::exceptions::exception& e) {
-    throw UsageError(std::string(e.what()) + " (see nanreplay " + options.program().substr(10) + " --help)");
+    throw UsageError(std::string(e.what()) + see);
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <exception>
 #include <string>
+#include <vector>
 
 #include <cxxopts.hpp>
 
@@ -14,6 +15,10 @@ namespace nanreplay {
 
 // Parses `args` (the command's name first); UsageError naming the command's --help.
 cxxopts::ParseResult parse_or_usage(cxxopts::Options& options, const CommandArgs& args);
+
+// The candidate closest to `name` by edit distance, if within two edits:
+// what "did you mean" suggests, for commands and flags alike.
+std::string nearest_name(const std::string& name, const std::vector<std::string>& candidates);
 
 // SIGINT/SIGTERM handling, installed before LibTorch's static initialisers
 // run (cli/main.cpp) and again by run_cli. While no StopDeferral is alive

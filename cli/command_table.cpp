@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "cli/cli_support.h"
 #include "loaders/error.h"
 #include "nanreplay_version.h"
 #include "replay/runtime.h"
@@ -27,31 +28,10 @@ std::string usage_text() {
   return out.str();
 }
 
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t above = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = above;
-    }
-  }
-  return row[b.size()];
-}
-
 UsageError unknown_command(const std::string& name) {
-  std::string suggestion;
-  size_t best = 3;
-  for (const Command& command : command_table()) {
-    const size_t d = edit_distance(name, command.name);
-    if (d < best) {
-      best = d;
-      suggestion = command.name;
-    }
-  }
+  std::vector<std::string> names;
+  for (const Command& command : command_table()) names.push_back(command.name);
+  const std::string suggestion = nearest_name(name, names);
   return UsageError("unknown command '" + name + "'" +
                     (suggestion.empty() ? "" : "; did you mean '" + suggestion + "'?") + " (see nanreplay --help)");
 }

@@ -115,7 +115,15 @@ std::pair<fs::path, CommandArgs> take_out(const CommandArgs& args) {
       rest.push_back(args[i]);
     }
   }
-  if (out.empty()) throw UsageError("import: missing --out BUNDLE (see nanreplay import --help)");
+  if (out.empty()) {
+    for (const std::string& arg : rest) {  // --outt is a typo, not a missing --out
+      const std::string flag = arg.substr(0, arg.find('='));
+      if (flag.rfind("--", 0) == 0 && nearest_name(flag, {"--out"}) == "--out") {
+        throw UsageError("import: unknown option '" + flag + "'; did you mean '--out'? (see nanreplay import --help)");
+      }
+    }
+    throw UsageError("import: missing --out BUNDLE (see nanreplay import --help)");
+  }
   return {out, rest};
 }
 

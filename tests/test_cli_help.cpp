@@ -121,3 +121,20 @@ TEST_CASE("help lists only what a command accepts: minimize takes no --what-if",
   CHECK_FALSE(contains(help.out, "--what-if"));
   CHECK(contains(run_cli({"bisect", "--help"}).out, "--what-if"));
 }
+
+TEST_CASE("a mistyped flag gets the nearest one, in the CLI and in import's helper", "[cli][help]") {
+  const CliResult run = run_cli({"run", "bundle/", "--outt", "triage/"});
+  CHECK(run.status == 2);
+  CHECK(line_count(run.err) == 1);
+  CHECK(contains(run.err, "unknown option '--outt'; did you mean '--out'?"));
+  CHECK(contains(run_cli({"bisect", "bundle/", "--what-iff", "x"}).err, "did you mean '--what-if'?"));
+  const CliResult import = run_cli({"import", "--outt", "x"});
+  CHECK(import.status == 2);
+  CHECK(contains(import.err, "did you mean '--out'?"));
+  ScratchDir dir("typo");
+  const CliResult helper = run_cli({"import", "--out", (dir / "b").string(), "--seq-lenn", "8"});
+  INFO(helper.err);
+  CHECK(helper.status == 2);
+  CHECK(contains(helper.err, "did you mean '--seq-len'?"));
+  CHECK_FALSE(std::filesystem::exists(dir / "b"));
+}
