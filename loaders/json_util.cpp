@@ -54,33 +54,42 @@ size_t find_invalid_utf8(const std::string& text) {
   return kNotFound;
 }
 
-// Offset of the first '[' or '{' (outside strings) that opens level
-// max_depth + 1, found by a flat scan that uses no recursion.
-size_t find_excess_nesting(const std::string& text, int max_depth) {
-  int depth = 0;
+// One flat scan of JSON text, no recursion: `visit(i, c, string_length)` sees
+// every byte outside strings (c != '"') and each string's closing quote
+// (c == '"', with the string's length); the first offset it returns true at,
+// or kNotFound.
+template <typename Visit>
+size_t scan_outside_strings(const std::string& text, Visit visit) {
+  size_t string_start = 0;
   bool in_string = false;
   bool escaped = false;
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (c == '"') {
+    if (!in_string && c == '"') {
       in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > max_depth) return i;
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;  // unbalanced closers are left for the parser to report
+      string_start = i + 1;
+    } else if (!in_string) {
+      if (visit(i, c, size_t{0})) return i;
+    } else if (escaped) {
+      escaped = false;
+    } else if (c == '\\') {
+      escaped = true;
+    } else if (c == '"') {
+      in_string = false;
+      if (visit(i, c, i - string_start)) return i;
     }
   }
   return kNotFound;
+}
+
+// Offset of the first '[' or '{' (outside strings) that opens level max_depth + 1.
+size_t find_excess_nesting(const std::string& text, int max_depth) {
+  int depth = 0;
+  return scan_outside_strings(text, [&](size_t, char c, size_t) {
+    if (c == '[' || c == '{') return ++depth > max_depth;
+    if ((c == ']' || c == '}') && depth > 0) --depth;  // unbalanced closers are left for the parser to report
+    return false;
+  });
 }
 
 // What the DOM costs per token of the text (nlohmann::json on libstdc++,
@@ -100,38 +109,22 @@ constexpr size_t kShortString = 15;     // libstdc++ keeps up to 15 characters i
 // arrays of integers, a few objects) a few times its size.
 size_t find_costly_structure(const std::string& text, size_t budget) {
   size_t cost = 0;
-  size_t string_start = 0;
-  bool in_string = false;
-  bool escaped = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-        const size_t length = i - string_start;
-        cost += kStringBytes + (length > kShortString ? length + 1 : 0);
-      }
-      continue;
+  return scan_outside_strings(text, [&](size_t, char c, size_t string_length) {
+    if (c == '"') {  // counted; the budget is judged at the next structural byte
+      cost += kStringBytes + (string_length > kShortString ? string_length + 1 : 0);
+      return false;
     }
-    if (c == '"') {
-      in_string = true;
-      string_start = i + 1;
-    } else if (c == '[' || c == '{') {
+    if (c == '[' || c == '{') {
       cost += kContainerBytes;
     } else if (c == ',') {
       cost += kElementBytes;
     } else if (c == ':') {
       cost += kMemberBytes;
     } else {
-      continue;
+      return false;
     }
-    if (cost > budget) return i;
-  }
-  return kNotFound;
+    return cost > budget;
+  });
 }
 
 // nlohmann prefixes "[json.exception.parse_error.101] "; users need the rest.
