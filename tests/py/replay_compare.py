@@ -1,7 +1,9 @@
 """What the CLI tests that compare two replays share: a checklist, the CLI run, the presets `synth --help`
-lists, and report.json and trace.h5 compared bit for bit (test_stream_presets.py, test_distributed.py).
+lists, report.json and trace.h5 compared bit for bit, and the workers a launcher started
+(test_stream_presets.py, test_distributed.py, test_distributed_security.py).
 Debian's python3 (h5py for the trace)."""
 import subprocess
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -9,6 +11,20 @@ import numpy as np
 VOLATILE = ("timings", "elapsed_seconds")  # the report keys two replays of one bundle may differ in
 
 failures = []
+
+
+def children(pid):
+    """(pid, state) of each process whose parent is `pid`, read from /proc: the workers a launcher started."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append((int(entry.name), fields[0]))
+    return found
 
 
 def check(ok, what):

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from replay_compare import check, cli_run, failures, listed_presets, report_difference, trace_difference
+from replay_compare import check, children, cli_run, failures, listed_presets, report_difference, trace_difference
 
 # Besides the incidents: a mixture of experts (router losses across processes), data-parallel ranks, a tied head.
 CLEAN_ALSO = ["clean-moe", "clean-dp", "clean-gpt2"]
@@ -100,19 +100,6 @@ def launched_by_hand(cli, bundle, reference, work):
         return
     check(not report_difference(reference.report, json.loads(outs[0][0])), "RANK/WORLD_SIZE by hand: the same report")
     check(outs[1][0] == "" and not (work / "by-hand-1").exists(), "RANK/WORLD_SIZE by hand: rank 1 writes nothing")
-
-
-def children(pid):
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append((int(entry.name), fields[0]))
-    return found
 
 
 def paused_worker(cli, bundle, out, scratch, rank, extra=()):

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from replay_compare import check, cli_run, failures, report_difference
+from replay_compare import check, children, cli_run, failures, report_difference
 
 PRESET = "head-overflow"  # the preset the other distributed tests pause at step 101
 
@@ -50,19 +50,6 @@ def present(store, key):
         return True
     except RuntimeError:
         return False
-
-
-def children(pid):
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append((int(entry.name), fields[0]))
-    return found
 
 
 def sockets(pids):
