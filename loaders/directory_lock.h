@@ -8,6 +8,7 @@
 #pragma once
 
 #include <filesystem>
+#include <utility>
 
 namespace nanreplay {
 
@@ -20,6 +21,7 @@ class DirectoryLock {
   DirectoryLock& operator=(const DirectoryLock&) = delete;
   bool opened() const { return fd_ >= 0; }
   bool held() const { return held_; }
+  int release() { return std::exchange(fd_, -1); }  // the lock stays with the returned descriptor
 
  private:
   int fd_ = -1;

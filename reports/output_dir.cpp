@@ -5,7 +5,6 @@
 #include "reports/output_dir.h"
 
 #include <fcntl.h>
-#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,6 +15,7 @@
 #include <utility>
 
 #include "loaders/bundle_paths.h"
+#include "loaders/directory_lock.h"
 #include "loaders/error.h"
 #include "loaders/exit_cleanup.h"
 
@@ -40,35 +40,6 @@ bool exists_no_follow(const fs::path& path) {
 }
 
 bool starts_with(const std::string& text, const char* prefix) { return text.rfind(prefix, 0) == 0; }
-
-// An open directory descriptor holding flock(LOCK_EX) until destroyed. On a
-// file system without flock (some network mounts) held() stays false and the
-// callers carry on unlocked, never treating another run's directory as stale.
-class DirectoryLock {
- public:
-  // wait: block until the lock is free; otherwise give up at once when taken.
-  DirectoryLock(const fs::path& dir, bool wait) {
-    fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd_ < 0) return;
-    int status;
-    do {
-      status = ::flock(fd_, LOCK_EX | (wait ? 0 : LOCK_NB));
-    } while (status != 0 && errno == EINTR);  // a stop signal only sets a flag: keep waiting
-    held_ = status == 0;
-  }
-  ~DirectoryLock() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  DirectoryLock(const DirectoryLock&) = delete;
-  DirectoryLock& operator=(const DirectoryLock&) = delete;
-  bool opened() const { return fd_ >= 0; }
-  bool held() const { return held_; }
-  int release() { return std::exchange(fd_, -1); }  // the lock stays with the returned descriptor
-
- private:
-  int fd_ = -1;
-  bool held_ = false;
-};
 
 // The entries of `root` whose names start with `prefix`; never throws (other
 // runs add and remove theirs meanwhile).
