@@ -7,7 +7,10 @@
 // HDF5's parser and the checks behind a valid block (attributes by name,
 // scalar spaces, column types, filters, chunks, sizes, values) are fuzzed too;
 // that mode finds bugs inside HDF5 1.10 itself within a minute (a heap
-// over-read in H5Aexists on a crafted attribute name), so CI leaves it off.
+// over-read in H5Aexists on a crafted attribute name). The reader parses in a
+// child process (reports/trace_parse_isolation.h), so such a bug ends in an
+// InputError here too; each resealed input then costs a fork (and the child's
+// coverage is not fed back), so CI leaves the mode off.
 // Key constraint: every read ends in contents or an InputError; anything else
 // (a crash, another exception, a leak, a sanitizer report) is a finding.
 #include <cstddef>

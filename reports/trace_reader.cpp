@@ -1,6 +1,7 @@
 // Reads trace.h5 back: the file is read whole, its integrity block
 // (trace_integrity.h) checked, and only then does HDF5 parse the bytes, from
-// memory; every type, shape and size is checked before anything is read.
+// memory, in a child process (trace_parse_isolation.h); every type, shape and
+// size is checked before anything is read.
 #include "reports/trace_writer.h"
 
 #include <fcntl.h>
@@ -23,6 +24,7 @@
 #include "loaders/error.h"
 #include "reports/trace_integrity.h"
 #include "reports/trace_layout.h"
+#include "reports/trace_parse_isolation.h"
 
 namespace nanreplay {
 namespace {
@@ -374,10 +376,8 @@ std::vector<uint8_t> read_regular_file(const std::string& path) {
   return bytes;
 }
 
-}  // namespace
-
-TraceContents read_trace_image(const uint8_t* bytes, size_t size, const std::string& label) {
-  verify_trace_image(bytes, size, label);
+// Runs in the child of parse_trace_in_child: HDF5 sees only verified bytes.
+TraceContents parse_verified_image(const uint8_t* bytes, size_t size, const std::string& label) {
   silence_hdf5();
   BorrowedImage image{bytes, size};
   Handle file = open_borrowed_image(image);
@@ -388,6 +388,13 @@ TraceContents read_trace_image(const uint8_t* bytes, size_t size, const std::str
                          (detail.empty() ? "" : " (HDF5: " + detail + ")"));
   }
   return read_trace_file(TraceFileReader(label, file.get(), size));
+}
+
+}  // namespace
+
+TraceContents read_trace_image(const uint8_t* bytes, size_t size, const std::string& label) {
+  verify_trace_image(bytes, size, label);
+  return parse_trace_in_child(label, [&] { return parse_verified_image(bytes, size, label); });
 }
 
 TraceContents read_trace(const std::string& path) {

@@ -4,16 +4,19 @@
 // the integrity block. In process, read_trace must throw InputError with a
 // one-line message and HDF5 must print nothing; through the CLI, `trace` must
 // exit 2 with one line. Resealed corruptions (a valid block over damaged HDF5,
-// as a deliberate edit would make) reach HDF5 and must still end in contents
-// or an InputError. Last, on the good copy: --first-nonfinite names the
+// as a deliberate edit would make) reach HDF5, which parses them in a child
+// process, and must still end in contents or an InputError, even where HDF5
+// itself reads out of bounds (one copy does, under ASan). Last, on the good copy: --first-nonfinite names the
 // origin head's own row and a --step the trace lacks is refused.
 #include <catch2/catch.hpp>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <hdf5.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -24,6 +27,7 @@
 
 #include "loaders/error.h"
 #include "reports/trace_integrity.h"
+#include "reports/trace_parse_isolation.h"
 #include "reports/trace_writer.h"
 #include "tests/cli_harness.h"
 
@@ -169,6 +173,52 @@ TEST_CASE("resealed corruptions reach HDF5 and still end in contents or an Input
   }
   CHECK(refused > 0);
   WARN(read << " resealed copies read, " << refused << " refused");
+}
+
+TEST_CASE("the child that parses a trace: its rows, its InputError and its crash reach the caller",
+          "[trace][corrupt]") {
+  const Bytes& good = real_trace();
+  const nanreplay::TraceContents direct = nanreplay::read_trace_image(good.data(), good.size(), "trace.h5");
+  // The rows cross the pipe bit for bit: probe statistics are sent as stored sums.
+  const nanreplay::TraceContents again =
+      nanreplay::parse_trace_in_child("trace.h5", [&] { return direct; });
+  REQUIRE(again.probes.size() == direct.probes.size());
+  REQUIRE(again.steps.size() == direct.steps.size());
+  CHECK(again.header.bundle == direct.header.bundle);
+  CHECK(again.header.extra == direct.header.extra);
+  for (size_t i = 0; i < direct.probes.size(); ++i) {
+    const nanreplay::ProbeRecord& a = direct.probes[i];
+    const nanreplay::ProbeRecord& b = again.probes[i];
+    INFO("probe " << i);
+    CHECK(nanreplay::probe_name(a) == nanreplay::probe_name(b));
+    CHECK(std::memcmp(&a.stats.sum, &b.stats.sum, sizeof(double)) == 0);
+    CHECK(std::memcmp(&a.stats.sum_sq, &b.stats.sum_sq, sizeof(double)) == 0);
+    CHECK(a.shape == b.shape);
+    CHECK(a.stats.finite_count == b.stats.finite_count);
+    CHECK(a.headroom_bits == b.headroom_bits);
+  }
+  try {
+    nanreplay::parse_trace_in_child("t.h5", []() -> nanreplay::TraceContents {
+      throw InputError("t.h5", "/probes/site", "row 3: invalid value 'x\x01'");
+    });
+    FAIL("no error");
+  } catch (const InputError& error) {
+    CHECK(error.file() == "t.h5");
+    CHECK(error.key() == "/probes/site");
+    CHECK(std::string(error.what()) == InputError("t.h5", "/probes/site", "row 3: invalid value 'x\x01'").what());
+  }
+  try {
+    nanreplay::parse_trace_in_child("crafted.h5", []() -> nanreplay::TraceContents { ::_exit(0); });
+    FAIL("no error");
+  } catch (const InputError& error) {
+    CHECK(std::string(error.what()).rfind("crafted.h5: HDF5's parser exited", 0) == 0);
+  }
+  try {
+    nanreplay::parse_trace_in_child("crafted.h5", []() -> nanreplay::TraceContents { ::raise(SIGKILL); ::_exit(0); });
+    FAIL("no error");
+  } catch (const InputError& error) {
+    CHECK(std::string(error.what()).find("crafted.h5: HDF5's parser stopped with signal 9 ") == 0);
+  }
 }
 
 TEST_CASE("trace refuses damaged files and files that are not regular, with exit 2 and one line",
