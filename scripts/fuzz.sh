@@ -5,7 +5,7 @@
 # leak, timeout or uncaught exception.
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]   (default: 60, all four)
 # NANREPLAY_FUZZ_TRACE_RESEAL=1 also fuzzes HDF5's parser behind a valid
-# integrity block (not in CI: it finds bugs inside HDF5; see fuzz_trace_reader.cpp).
+# integrity block (not in CI: each resealed input costs a fork; see fuzz_trace_reader.cpp).
 # Environment: NANREPLAY_FUZZ_DIR (build and work dir, default build-fuzz/).
 set -euo pipefail
 
@@ -27,20 +27,22 @@ fi
 
 # The parsers and what they call; none of it needs LibTorch. The trace reader
 # also links Debian's HDF5 (uninstrumented, like everywhere else) and OpenSSL.
-parsers=(loaders/json_util loaders/manifest loaders/bundle_paths loaders/step_state loaders/safetensors
+parsers=(loaders/json_util loaders/manifest loaders/provenance loaders/bundle_paths loaders/step_state loaders/safetensors
          loaders/mapped_file loaders/mapping_faults)
-trace_reader=(reports/trace_writer reports/trace_file_driver reports/trace_reader reports/trace_integrity loaders/sha256 probes/probe_record probes/sites
-             probes/param_table loaders/manifest loaders/json_util loaders/bundle_paths)
+trace_reader=(reports/trace_writer reports/trace_file_driver reports/trace_reader reports/trace_parse_isolation reports/trace_integrity loaders/sha256 probes/probe_record probes/sites
+             probes/param_table loaders/manifest loaders/provenance loaders/json_util loaders/bundle_paths)
 hdf5_include="$(pkg-config --cflags-only-I hdf5 2>/dev/null || echo -I/usr/include/hdf5/serial)"
 hdf5_libs="$(pkg-config --libs-only-L hdf5 2>/dev/null || echo -L/usr/lib/x86_64-linux-gnu/hdf5/serial)"
 flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -I"$root" $hdf5_include
        -fsanitize=address,undefined -fno-sanitize-recover=undefined)
 
 mkdir -p "$work/obj" "$work/artifacts"
-# Compiles sources (paths relative to the repository, without .cpp) and
-# appends their objects to the array named first. Rebuilds only what changed
+jobs="${NANREPLAY_JOBS:-2}"
+# Sources (paths relative to the repository, without .cpp) to their objects,
+# appended to the array named first; what changed is compiled, $jobs at a time
 # (any newer header rebuilds all).
-compile() {
+stale=()
+collect() {
   local -n into=$1
   shift
   local name src obj
@@ -49,15 +51,28 @@ compile() {
     obj="$work/obj/${name//\//_}.o"
     if [[ ! -f "$obj" || "$src" -nt "$obj" ||
           -n "$(find "$root/loaders" "$root/reports" "$root/probes" "$root/kernels" -name '*.h' -newer "$obj")" ]]; then
-      "$cxx" "${flags[@]}" -fsanitize=fuzzer-no-link -c "$src" -o "$obj"
+      [[ " ${stale[*]} " == *" $name "* ]] || stale+=("$name")
     fi
     into+=("$obj")
   done
 }
 parser_objects=()
 trace_objects=()
-compile parser_objects "${parsers[@]}"
-compile trace_objects "${trace_reader[@]}"
+collect parser_objects "${parsers[@]}"
+collect trace_objects "${trace_reader[@]}"
+running=0
+for name in "${stale[@]}"; do
+  "$cxx" "${flags[@]}" -fsanitize=fuzzer-no-link -c "$root/$name.cpp" -o "$work/obj/${name//\//_}.o" &
+  running=$((running + 1))
+  if ((running >= jobs)); then
+    wait -n
+    running=$((running - 1))
+  fi
+done
+while ((running > 0)); do
+  wait -n
+  running=$((running - 1))
+done
 
 export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
