@@ -3,14 +3,16 @@
 # builds nanreplay in Release (-j2), then either runs the demo incident or the
 # whole test suite.
 #   scripts/bootstrap.sh demo [DIR]   install, build the CLI alone, run `nanreplay demo`
-#   scripts/bootstrap.sh test         install, build, run every test: the Catch2
-#                                     suite (unit and CLI end to end) under ASan and
-#                                     UBSan, the PyTorch cross-checks against the
-#                                     Release CLI, then the fuzzers (bounded)
-#   scripts/bootstrap.sh build        install and build only
-# Environment for `test`: NANREPLAY_FUZZ_SECONDS (per fuzz target, default 30;
-# 0 skips), NANREPLAY_SANITIZE (default 1; 0 runs the whole suite in the
-# Release build instead, the quick local loop).
+#   scripts/bootstrap.sh test         install, build once (Release, no benchmarks),
+#                                     run every test against that one build: the
+#                                     Catch2 suite (unit and CLI end to end), the
+#                                     PyTorch cross-checks, then the fuzzers (bounded,
+#                                     under ASan and UBSan)
+#   scripts/bootstrap.sh build        install and build everything, benchmarks included
+# Environment for `test`: NANREPLAY_FUZZ_SECONDS (per fuzz target, default 15;
+# 0 skips), NANREPLAY_SANITIZE (default 0; 1 also builds the ASan + UBSan tree
+# and runs the Catch2 suite there, scripts/sanitize.sh: about twice CI's
+# budget on two cores, so it is a developer's check, CONTRIBUTING.md).
 set -euo pipefail
 
 mode="${1:-demo}"
@@ -68,21 +70,14 @@ if ((${#missing[@]})); then
 fi
 stage "install packages"
 
-sanitize="${NANREPLAY_SANITIZE:-1}"
-cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
+sanitize="${NANREPLAY_SANITIZE:-0}"
+# The test suite needs no benchmark: CI builds one tree, and nothing in it twice.
+bench=ON
+[[ "$mode" == test ]] && bench=OFF
+cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNANREPLAY_BUILD_BENCH="$bench"
 if [[ "$mode" == demo ]]; then
   # The demo runs the CLI alone: the tests and benchmarks wait for `test` or `build`.
   cmake --build "$build_dir" -j "$jobs" --target nanreplay
-elif [[ "$mode" == test && "$sanitize" != 0 ]]; then
-  # The Catch2 suite is built and run in the sanitizer tree below; building it
-  # twice would not fit CI's budget on two cores.
-  release_targets=(nanreplay)
-  # The CUDA statistics kernel and its tests compile wherever nvcc was found
-  # (they run only on a GPU: scripts/gpu_check.sh).
-  if ninja -C "$build_dir" -t targets all | grep -q '^nanreplay_gpu_tests:'; then
-    release_targets+=(nanreplay_gpu_tests)
-  fi
-  cmake --build "$build_dir" -j "$jobs" --target "${release_targets[@]}"
 else
   cmake --build "$build_dir" -j "$jobs"
 fi
@@ -96,22 +91,19 @@ case "$mode" in
       "(cmake --install $build_dir puts it on PATH)"
     ;;
   test)
+    # One CTest run for both suites: the longest tests start first
+    # (tests/CMakeLists.txt gives CTest their costs), so -j2 never ends on one alone.
+    (cd "$build_dir" && ctest --output-on-failure -j "$jobs")
+    stage "test suite (Release): Catch2 units and CLI end to end, PyTorch cross-checks"
     if [[ "$sanitize" != 0 ]]; then
-      # Unit and CLI end-to-end tests through ASan/UBSan-instrumented code.
       "$root/scripts/sanitize.sh" -E '^py\.'
       stage "sanitizer build and Catch2 suite (ASan + UBSan)"
-      # The PyTorch cross-checks compare numbers with eager PyTorch: against the optimized CLI.
-      (cd "$build_dir" && ctest --output-on-failure -j "$jobs" -R '^py\.')
-      stage "PyTorch cross-checks (Release CLI)"
-    else
-      (cd "$build_dir" && ctest --output-on-failure -j "$jobs")
-      stage "test suite (Release)"
     fi
     # A short smoke run per fuzzer keeps CI within its budget; fuzz longer with scripts/fuzz.sh SECONDS.
     fuzz_seconds="${NANREPLAY_FUZZ_SECONDS:-15}"
     if ((fuzz_seconds > 0)); then
       "$root/scripts/fuzz.sh" "$fuzz_seconds"
-      stage "fuzzers, ${fuzz_seconds}s each"
+      stage "fuzzers, ${fuzz_seconds}s each (ASan + UBSan)"
     fi
     echo "bootstrap: all stages passed in ${SECONDS}s"
     ;;

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from preset_sweep import add_all_flag, swept
 from replay_compare import check, children, cli_run, failures, listed_presets, report_difference, trace_difference
 
 # Besides the incidents: a mixture of experts (router losses across processes), data-parallel ranks, a tied head.
@@ -184,6 +185,7 @@ def main():
     ap.add_argument("--only", help="comma-separated presets (while developing); default every incident preset")
     ap.add_argument("--shard", default="0/1", help="K/N: the presets' K-th of N parts, and the rest of the checks "
                                                   "with part 0 (CTest runs two, so -j2 shares them out)")
+    add_all_flag(ap)
     args = ap.parse_args()
     shard, shards = map(int, args.shard.split("/"))
     cli, work = args.cli, Path(args.work)
@@ -193,7 +195,7 @@ def main():
     presets = listed_presets(cli)
     incidents = [p for p in presets if not p.startswith("clean")]
     check(len(incidents) >= 20, f"synth --help lists {len(incidents)} incident presets")
-    chosen = incidents + CLEAN_ALSO
+    chosen = swept(incidents, args.all, listed=presets) + CLEAN_ALSO
     if args.only:
         chosen = [p for p in chosen if p in args.only.split(",")] + ["head-overflow", "router-overflow"]
     chosen = [p for i, p in enumerate(dict.fromkeys(chosen)) if i % shards == shard]

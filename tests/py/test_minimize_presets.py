@@ -1,4 +1,5 @@
-"""`nanreplay minimize` on every synthetic preset, through the CLI (docs/minimize.md).
+"""`nanreplay minimize` on the synthetic presets, through the CLI (docs/minimize.md): in CI the
+representative set of preset_sweep.py, with --all every one.
 
 Every preset `nanreplay synth --help` lists is classified below; one that is not fails the test, so a new
 preset cannot be skipped silently. For each incident preset (a planted fault): synth, minimize --json, then
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from preset_sweep import add_all_flag, swept
 
 # A non-finite origin: MIN must be under this fraction of BUNDLE's bytes. One step of four to six, one sample,
 # often fewer layers; bit-flip keeps two steps (the checkpoint already holds NaN: the update that brought it).
@@ -171,6 +174,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
     ap.add_argument("--work", required=True)
+    add_all_flag(ap)
     args = ap.parse_args()
     work = Path(args.work).resolve()
     shutil.rmtree(work, ignore_errors=True)
@@ -183,7 +187,11 @@ def main():
           f"every preset synth lists is classified here (unclassified {sorted(set(listed) - set(known))}, "
           f"gone {sorted(set(known) - set(listed))})")
 
-    for preset, max_ratio in ORIGIN.items():
+    def chosen(table):
+        return {p: table[p] for p in swept(list(table), args.all, listed=listed)} if isinstance(table, dict) \
+            else swept(table, args.all, listed=listed)
+
+    for preset, max_ratio in chosen(ORIGIN).items():
         if synth(cli, preset, work / preset):
             report = check_origin(cli, preset, work / preset, work / f"{preset}-min", max_ratio)
             if preset == "bit-flip" and report:  # the checkpoint holds NaN: the update that brought it is kept
@@ -191,16 +199,16 @@ def main():
                       and (work / f"{preset}-min" / "steps" / str(report["origin"]["step"] - 1)
                            / "optimizer.safetensors").is_file(),
                       f"{preset}: two steps kept, the first with its optimizer state")
-    for preset, max_ratio in FLIP.items():
+    for preset, max_ratio in chosen(FLIP).items():
         if synth(cli, preset, work / preset):
             check_flip(cli, preset, work / preset, work / f"{preset}-min", max_ratio, work)
-    for preset, codes in NOT_MINIMIZED.items():
+    for preset, codes in chosen(NOT_MINIMIZED).items():
         if synth(cli, preset, work / preset):
             check_nothing(cli, preset, work / preset, work / f"{preset}-min", codes)
-    for preset in NO_ERROR:
+    for preset in chosen(NO_ERROR):
         if synth(cli, preset, work / preset):
             check_nothing(cli, preset, work / preset, work / f"{preset}-min", [])
-    for preset, max_ratio in ROLLED.items():
+    for preset, max_ratio in chosen(ROLLED).items():
         label, bundle = f"{preset} rolled", work / f"{preset}-rolled"
         if not synth(cli, preset, bundle, ["--checkpoint-every", "10"]):
             continue

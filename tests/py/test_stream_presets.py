@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from preset_sweep import add_all_flag, swept
 from replay_compare import (check, cli_run, failures, listed_presets, report_difference, stable,
                             trace_difference)
 
@@ -102,6 +103,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
     ap.add_argument("--work", required=True)
+    add_all_flag(ap)
     args = ap.parse_args()
     cli, work = args.cli, Path(args.work)
     if work.exists():
@@ -112,6 +114,8 @@ def main():
     bundles = {}
     for preset in presets:
         if preset in CROSS_CHECKED and preset not in BISECTED:
+            continue
+        if preset not in BISECTED and preset not in ROLLED and not swept([preset], args.all, listed=presets):
             continue
         bundle = work / preset
         if not check(cli_run(cli, "synth", preset, bundle).returncode == 0, f"synth {preset}"):
