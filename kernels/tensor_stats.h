@@ -44,6 +44,18 @@ struct TensorStats {
   void merge(const TensorStats& later);
 };
 
+// The coordinates in `shape` of row-major element `index` (first_nonfinite's
+// element, a changed parameter element).
+inline std::vector<int64_t> unravel(int64_t index, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> coords(shape.size(), 0);
+  for (size_t d = shape.size(); d-- > 0;) {
+    if (shape[d] == 0) return coords;
+    coords[d] = index % shape[d];
+    index /= shape[d];
+  }
+  return coords;
+}
+
 // Whole-buffer statistics of `numel` elements.
 TensorStats compute_stats(const void* data, ElemType type, int64_t numel);
 

@@ -14,7 +14,7 @@ namespace nanreplay {
 namespace fs = std::filesystem;
 namespace {
 
-std::string quoted(const std::string& text) { return "'" + text + "'"; }
+std::string single_quoted(const std::string& text) { return "'" + text + "'"; }
 
 // Component-wise prefix test; both paths are canonical (no "." or "..").
 bool lies_within(const fs::path& root, const fs::path& candidate) {
@@ -41,19 +41,19 @@ void check_bundle_relative_path(const std::string& relative, const std::string& 
   for (const char c : relative) {
     if (static_cast<unsigned char>(c) < 0x20 || c == 0x7F) {
       throw InputError(file_label, key,
-                       "expected a path without control characters, got " + quoted(relative));
+                       "expected a path without control characters, got " + single_quoted(relative));
     }
   }
   const fs::path path(relative);
   if (path.is_absolute() || path.has_root_path()) {
     throw InputError(file_label, key,
                      "expected a path relative to the bundle, got the absolute path " +
-                         quoted(relative));
+                         single_quoted(relative));
   }
   for (const fs::path& part : path) {
     if (part == "..") {
       throw InputError(file_label, key,
-                       "expected a path inside the bundle, got " + quoted(relative) +
+                       "expected a path inside the bundle, got " + single_quoted(relative) +
                            " with a '..' component");
     }
   }
@@ -71,12 +71,12 @@ fs::path resolve_in_bundle(const fs::path& bundle_root, const std::string& relat
   fs::path resolved = fs::weakly_canonical(root / relative, error);
   if (error) {
     throw InputError(file_label, key,
-                     "cannot resolve " + quoted(relative) + ": " + error.message());
+                     "cannot resolve " + single_quoted(relative) + ": " + error.message());
   }
   if (!lies_within(root, resolved)) {
     throw InputError(file_label, key,
-                     "path " + quoted(relative) + " escapes the bundle (it resolves to " +
-                         quoted(resolved.string()) + ", outside " + quoted(root.string()) + ")");
+                     "path " + single_quoted(relative) + " escapes the bundle (it resolves to " +
+                         single_quoted(resolved.string()) + ", outside " + single_quoted(root.string()) + ")");
   }
   return resolved;
 }

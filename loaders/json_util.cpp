@@ -10,13 +10,13 @@
 #include <limits>
 
 #include "loaders/error.h"
+#include "loaders/message_text.h"
 
 namespace nanreplay {
 namespace {
 
 constexpr size_t kNotFound = std::string::npos;
 
-std::string byte_key(uint64_t offset) { return "byte " + std::to_string(offset); }
 
 // Offset of the first byte that does not start a well-formed UTF-8 sequence
 // (overlong forms, surrogates and code points past U+10FFFF are ill-formed).
@@ -244,7 +244,7 @@ std::string json_describe(const nlohmann::json& value) {
   }
 }
 
-double json_number(const nlohmann::json& value, const std::string& file_label,
+double number_from_json(const nlohmann::json& value, const std::string& file_label,
                    const std::string& key_path) {
   if (value.is_number()) return value.get<double>();
   if (value.is_string()) {
@@ -331,7 +331,7 @@ std::optional<int64_t> JsonReader::optional_integer(const std::string& key) cons
 }
 
 double JsonReader::number(const std::string& key) const {
-  return json_number(get(key), file_, key_path(key));
+  return number_from_json(get(key), file_, key_path(key));
 }
 
 std::optional<double> JsonReader::optional_number(const std::string& key) const {

@@ -66,7 +66,7 @@ class JsonReader {
 
 // A JSON value as a double: numbers, or "nan"/"inf"/"-inf" (also "NaN",
 // "Infinity", "-Infinity", any case). Throws InputError.
-double json_number(const nlohmann::json& value, const std::string& file_label,
+double number_from_json(const nlohmann::json& value, const std::string& file_label,
                    const std::string& key_path);
 
 // A JSON integer that fits int64 (not a float such as 3.0, not a boolean).

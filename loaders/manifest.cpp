@@ -26,7 +26,7 @@ std::string indexed(const std::string& path, size_t index) {
   return path + "[" + std::to_string(index) + "]";
 }
 
-std::string quoted(const std::string& text) { return "\"" + text + "\""; }
+std::string double_quoted(const std::string& text) { return "\"" + text + "\""; }
 
 // ---- value checks shared by every section ---------------------------------
 
@@ -88,7 +88,7 @@ int64_t optional_non_negative_integer(const JsonReader& reader, const std::strin
 }
 
 // Shortest round-trip text, "nan"/"inf" for non-finite values, "0" not "0.0".
-std::string format_number(double value) {
+std::string exact_number_text(double value) {
   if (!std::isfinite(value)) return std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf");
   std::string text = nlohmann::json(value).dump();
   const std::string whole_suffix = ".0";
@@ -107,7 +107,7 @@ double finite_number_above(const JsonReader& reader, const std::string& key, dou
   if (!std::isfinite(value) || !in_range) {
     throw InputError(reader.file(), reader.key_path(key),
                      std::string("expected a finite number ") + (inclusive ? ">= " : "> ") +
-                         format_number(lowest) + ", got " + format_number(value));
+                         exact_number_text(lowest) + ", got " + exact_number_text(value));
   }
   return value;
 }
@@ -118,7 +118,7 @@ std::string one_of(const JsonReader& reader, const std::string& key,
   std::string listed;
   for (const char* choice : choices) {
     if (value == choice) return value;
-    listed += (listed.empty() ? "" : " or ") + quoted(choice);
+    listed += (listed.empty() ? "" : " or ") + double_quoted(choice);
   }
   throw InputError(reader.file(), reader.key_path(key),
                    "expected " + listed + ", got " + json_describe(nlohmann::json(value)));
@@ -230,8 +230,8 @@ RopeScaling parse_rope_scaling(const JsonReader& scaling) {
   config.high_freq_factor = finite_number_above(scaling, "high_freq_factor", 0, false);
   if (!(config.high_freq_factor > config.low_freq_factor)) {
     throw InputError(scaling.file(), scaling.key_path("high_freq_factor"),
-                     "expected more than low_freq_factor (" + format_number(config.low_freq_factor) + "), got " +
-                         format_number(config.high_freq_factor));
+                     "expected more than low_freq_factor (" + exact_number_text(config.low_freq_factor) + "), got " +
+                         exact_number_text(config.high_freq_factor));
   }
   config.original_max_position_embeddings = positive_integer(scaling, "original_max_position_embeddings");
   return config;
@@ -352,9 +352,9 @@ PrecisionConfig parse_precision(const std::optional<JsonReader>& precision) {
 double beta_at(const nlohmann::json& betas, size_t index, const std::string& file,
                const std::string& key) {
   const std::string path = indexed(key, index);
-  const double beta = json_number(betas[index], file, path);
+  const double beta = number_from_json(betas[index], file, path);
   if (!(beta >= 0.0 && beta < 1.0)) {
-    throw InputError(file, path, "expected a number in [0, 1), got " + format_number(beta));
+    throw InputError(file, path, "expected a number in [0, 1), got " + exact_number_text(beta));
   }
   return beta;
 }

@@ -166,6 +166,9 @@ struct Manifest {
   std::vector<ValueSource> provenance;  // sorted by key
 };
 
+// fp16 compute, where the loss scaler, its skipped steps and its scales apply.
+inline bool is_fp16(const Manifest& m) { return m.precision.compute == Compute::kFp16; }
+
 // The run's own index of bundle sample `sample` (or the token offset it
 // started at), where a step entry records original_samples / original_offsets.
 struct OriginalSample {

@@ -19,6 +19,7 @@
 
 #include "loaders/error.h"
 #include "loaders/mapping_faults.h"
+#include "loaders/message_text.h"
 
 namespace nanreplay {
 
@@ -57,7 +58,6 @@ class FileDescriptor {
   int fd_;
 };
 
-std::string errno_text() { return std::strerror(errno); }
 
 bool same_time(const timespec& a, const timespec& b) { return a.tv_sec == b.tv_sec && a.tv_nsec == b.tv_nsec; }
 

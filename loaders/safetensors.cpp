@@ -17,6 +17,7 @@
 
 #include "loaders/error.h"
 #include "loaders/json_util.h"
+#include "loaders/message_text.h"
 
 namespace nanreplay {
 namespace {
@@ -48,14 +49,6 @@ uint64_t read_u64_le(const uint8_t* bytes) {
   uint64_t value = 0;
   for (int i = 7; i >= 0; --i) value = (value << 8) | bytes[i];
   return value;
-}
-
-std::string byte_key(uint64_t offset) { return "byte " + std::to_string(offset); }
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string text = "[";
-  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
-  return text + "]";
 }
 
 std::string span_text(uint64_t begin, uint64_t end) {
@@ -109,7 +102,7 @@ int64_t checked_numel(const std::vector<int64_t>& shape, const EntryContext& con
   int64_t count = 1;
   for (int64_t dim : shape) {
     if (__builtin_mul_overflow(count, dim, &count)) {
-      context.fail("shape " + shape_text(shape) + " has more elements than fit a 64-bit count");
+      context.fail("shape " + bracketed_list(shape) + " has more elements than fit a 64-bit count");
     }
   }
   return count;
@@ -138,7 +131,7 @@ void check_byte_span(const TensorInfo& tensor, const EntryContext& context) {
                                                static_cast<uint64_t>(dtype_size(tensor.dtype)),
                                                &expected);
   if (overflow || expected != tensor.nbytes()) {
-    context.fail("shape " + shape_text(tensor.shape) + " of " + dtype_name(tensor.dtype) +
+    context.fail("shape " + bracketed_list(tensor.shape) + " of " + dtype_name(tensor.dtype) +
                  " needs " + (overflow ? std::string("more than 2^64") : std::to_string(expected)) +
                  " bytes, but data_offsets " + span_text(tensor.begin, tensor.end) + " span " +
                  std::to_string(tensor.nbytes()));
@@ -332,11 +325,11 @@ void SafetensorsWriter::add(const std::string& name, DType dtype, std::vector<in
   uint64_t expected = dtype_size(dtype);
   for (int64_t dim : shape) {
     if (dim < 0 || __builtin_mul_overflow(expected, static_cast<uint64_t>(dim), &expected)) {
-      throw std::invalid_argument("tensor " + name + ": bad shape " + shape_text(shape));
+      throw std::invalid_argument("tensor " + name + ": bad shape " + bracketed_list(shape));
     }
   }
   if (expected != nbytes) {
-    throw std::invalid_argument("tensor " + name + ": shape " + shape_text(shape) + " of " +
+    throw std::invalid_argument("tensor " + name + ": shape " + bracketed_list(shape) + " of " +
                                 dtype_name(dtype) + " needs " + std::to_string(expected) +
                                 " bytes, got " + std::to_string(nbytes));
   }

@@ -21,7 +21,7 @@ std::vector<double> number_list(const JsonReader& reader, const std::string& key
   const nlohmann::json& list = reader.array(key);
   for (size_t i = 0; i < list.size(); ++i) {
     const std::string path = reader.key_path(key) + "[" + std::to_string(i) + "]";
-    numbers.push_back(json_number(list[i], reader.file(), path));
+    numbers.push_back(number_from_json(list[i], reader.file(), path));
   }
   return numbers;
 }

@@ -7,20 +7,13 @@
 #include <vector>
 
 #include "loaders/error.h"
+#include "loaders/message_text.h"
 #include "probes/sites.h"
 #include "replay/memory_estimate.h"
 
 namespace nanreplay {
 
 namespace {
-
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << "]";
-  return out.str();
-}
 
 // A count held in a double (it may exceed 64 bits), written whole.
 std::string format_text_count(double count) {
@@ -89,7 +82,7 @@ void check_checkpoint_matches_model(const SafetensorsFile& checkpoint, const Mod
     if (info == nullptr) {
       problems.push_back("missing " + spec.name);
     } else if (info->shape != spec.shape) {
-      problems.push_back(spec.name + " has shape " + shape_text(info->shape) + ", expected " + shape_text(spec.shape));
+      problems.push_back(spec.name + " has shape " + bracketed_list(info->shape) + ", expected " + bracketed_list(spec.shape));
     }
   }
   if (!problems.empty()) {
@@ -122,7 +115,7 @@ void check_optimizer_state(const SafetensorsFile& optimizer, const ModelConfig& 
       }
       if (info.shape != spec.shape) {
         throw InputError(optimizer.label(), info.name,
-                         "has shape " + shape_text(info.shape) + ", expected " + shape_text(spec.shape) +
+                         "has shape " + bracketed_list(info.shape) + ", expected " + bracketed_list(spec.shape) +
                              " (the parameter's)");
       }
     }

@@ -26,14 +26,11 @@ namespace nanreplay {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr size_t kTagBytes = 32;
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kLongestClaim = 1024;  // a stranger's value is refused unread past this
 constexpr int64_t kMostClaimsRead = 64;  // per rank: a flood of claims is not read for ever
 constexpr const char* kAdmitPrefix = "nanreplay/admit/";
 
-std::string as_string(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
-std::vector<uint8_t> as_bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
 
 std::string admit_key(const std::string& what) { return kAdmitPrefix + what; }
 std::string claim_key(int rank, int64_t slot) { return admit_key(std::to_string(rank) + "/" + std::to_string(slot)); }
@@ -70,9 +67,9 @@ std::string with_tag(const std::string& secret, const std::string& label, const 
 
 // The body of `value` when its tag verifies under `label`.
 bool verified(const std::string& secret, const std::string& label, const std::string& value, std::string& body) {
-  if (value.size() < kTagBytes) return false;
-  body = value.substr(kTagBytes);
-  return same_tag(value.substr(0, kTagBytes), hmac_sha256(secret, label + '\0' + body));
+  if (value.size() < kHmacTagBytes) return false;
+  body = value.substr(kHmacTagBytes);
+  return same_tag(value.substr(0, kHmacTagBytes), hmac_sha256(secret, label + '\0' + body));
 }
 
 std::string claim_label(const std::string& challenge, int rank) {
@@ -111,7 +108,7 @@ std::vector<Member> collect_claims(c10d::Store& store, const AdmissionRequest& r
         }
         ++refused[static_cast<size_t>(r)];
         Member said;
-        parse_body(value.size() > kTagBytes ? value.substr(kTagBytes, 256) : "", nonce, said);
+        parse_body(value.size() > kHmacTagBytes ? value.substr(kHmacTagBytes, 256) : "", nonce, said);
         request.warn("warning: " + request.self_name + ": refused a process claiming rank " + std::to_string(r) +
                      (said.host.empty() ? "" : " from host '" + printable(said.host.substr(0, 64)) + "'") +
                      ": it does not prove it holds this run's secret (a stranger, or a host with another "
@@ -159,7 +156,7 @@ std::string challenge_of(c10d::Store& store, const AdmissionRequest& request) {
   }
   const std::string value = as_string(store.get(admit_key("challenge")));
   std::string nonce;
-  if (value.size() > kTagBytes + kNonceBytes || !verified(request.secret, "challenge", value, nonce) ||
+  if (value.size() > kHmacTagBytes + kNonceBytes || !verified(request.secret, "challenge", value, nonce) ||
       nonce.size() != kNonceBytes) {
     throw PeerError(request.self_name + ": the rendezvous at " + request.rendezvous +
                     " does not prove it holds this run's secret (a stranger serves or wrote it, or the hosts "

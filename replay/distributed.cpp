@@ -55,10 +55,9 @@ using Milliseconds = std::chrono::milliseconds;
 constexpr const char* kEndClaims = "end-claims";  // the first process to end claims the end
 constexpr const char* kEnd = "end";               // tagged "<exit status>\t<line>"
 constexpr const char* kEndAcks = "end-acks";      // the others that read it
-constexpr const char* kLeft = "left";             // the others that finished, after the last barrier
+constexpr const char* kDeparted = "left";         // the others that finished, after the last barrier
 constexpr int kHeaderFields = 8;  // defined, scalar type, dimensions, up to five sizes
 constexpr int kTagFields = 4;     // a tag: 32 bytes
-constexpr size_t kTagBytes = 32;
 enum Tag : int { kTensorHeader = 1, kTensorData = 2 };
 
 #if defined(NANREPLAY_HAVE_GLOO)
@@ -86,8 +85,6 @@ std::string first_line(const std::exception& e) {
   return text.substr(0, text.find('\n'));
 }
 
-std::string as_string(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
-std::vector<uint8_t> as_bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
 
 bool is_loopback(const std::string& addr) { return addr == "127.0.0.1" || addr == "localhost" || addr == "::1"; }
 
@@ -512,11 +509,11 @@ void ProcessWorld::finish() {
   try {
     const std::lock_guard<std::mutex> lock(w.store_mutex);
     if (w.spec.rank != 0) {
-      w.store->add(w.key(kLeft), 1);
+      w.store->add(w.key(kDeparted), 1);
       return;
     }
     const auto deadline = std::chrono::steady_clock::now() + timeout_of(w.spec);
-    while (w.store->add(w.key(kLeft), 0) < w.spec.world_size - 1 && std::chrono::steady_clock::now() < deadline) {
+    while (w.store->add(w.key(kDeparted), 0) < w.spec.world_size - 1 && std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(Milliseconds(5));
     }
   } catch (const std::exception&) {
@@ -550,8 +547,8 @@ void ProcessWorld::send(const torch::Tensor& tensor, int to) {
     const std::string fields(reinterpret_cast<const char*>(h), kHeaderFields * sizeof(int64_t));
     const std::string header_tag = exchange_tag(w.spec.secret, context + "\theader", fields);
     const std::string data_tag = exchange_tag(w.spec.secret, context + "\tdata", data.defined() ? tensor_digest(data) : "");
-    std::memcpy(h + kHeaderFields, header_tag.data(), kTagBytes);
-    std::memcpy(h + kHeaderFields + kTagFields, data_tag.data(), kTagBytes);
+    std::memcpy(h + kHeaderFields, header_tag.data(), kHmacTagBytes);
+    std::memcpy(h + kHeaderFields + kTagFields, data_tag.data(), kHmacTagBytes);
   }
   std::vector<torch::Tensor> headers{header.to(device)};
   w.wait_for([&] { return w.group->send(headers, to, kTensorHeader); }, to, "sending");
@@ -570,7 +567,7 @@ torch::Tensor ProcessWorld::receive(int from) {
   const auto* h = header.data_ptr<int64_t>();
   const uint64_t place = w.received[static_cast<size_t>(from)]++;
   const std::string context = w.context("tensor", from, w.spec.rank, place);
-  auto tag_at = [&](int field) { return std::string(reinterpret_cast<const char*>(h + field), kTagBytes); };
+  auto tag_at = [&](int field) { return std::string(reinterpret_cast<const char*>(h + field), kHmacTagBytes); };
   if (w.host_exchange()) {
     const std::string fields(reinterpret_cast<const char*>(h), kHeaderFields * sizeof(int64_t));
     if (!same_tag(tag_at(kHeaderFields), exchange_tag(w.spec.secret, context + "\theader", fields))) {
@@ -601,10 +598,10 @@ void ProcessWorld::broadcast(torch::Tensor& tensor, int root) {
   const uint64_t place = w.collectives++;
   if (w.host_exchange()) {  // root's tag follows, for the others to check what they received
     const std::string tag = exchange_tag(w.spec.secret, w.context("broadcast", root, -1, place), tensor_digest(data[0]));
-    std::vector<torch::Tensor> tags{torch::empty({static_cast<int64_t>(kTagBytes)}, torch::kUInt8)};
-    std::memcpy(tags[0].data_ptr(), tag.data(), kTagBytes);
+    std::vector<torch::Tensor> tags{torch::empty({static_cast<int64_t>(kHmacTagBytes)}, torch::kUInt8)};
+    std::memcpy(tags[0].data_ptr(), tag.data(), kHmacTagBytes);
     w.wait_for([&] { return w.group->broadcast(tags, options); }, root, "a broadcast");
-    if (!same_tag(tag, std::string(static_cast<const char*>(tags[0].data_ptr()), kTagBytes))) {
+    if (!same_tag(tag, std::string(static_cast<const char*>(tags[0].data_ptr()), kHmacTagBytes))) {
       throw w.forged(root, "the gradients");
     }
   }
@@ -634,12 +631,12 @@ std::vector<std::string> ProcessWorld::all_gather(const std::string& mine) {
   int64_t* o = own.data_ptr<int64_t>();
   o[0] = static_cast<int64_t>(mine.size());
   if (tags) {
-    std::memcpy(o + 1, tag_of(rank(), "gather-length", std::to_string(o[0])).data(), kTagBytes);
-    std::memcpy(o + 1 + kTagFields, tag_of(rank(), "gather", mine).data(), kTagBytes);
+    std::memcpy(o + 1, tag_of(rank(), "gather-length", std::to_string(o[0])).data(), kHmacTagBytes);
+    std::memcpy(o + 1 + kTagFields, tag_of(rank(), "gather", mine).data(), kHmacTagBytes);
   }
   const std::vector<torch::Tensor> heads = gather(own);
   auto tag_in = [&](int r, int field) {
-    return std::string(reinterpret_cast<const char*>(heads[static_cast<size_t>(r)].data_ptr<int64_t>() + field), kTagBytes);
+    return std::string(reinterpret_cast<const char*>(heads[static_cast<size_t>(r)].data_ptr<int64_t>() + field), kHmacTagBytes);
   };
   auto length_of = [&](int r) { return heads[static_cast<size_t>(r)].data_ptr<int64_t>()[0]; };
   int64_t longest = 1;

@@ -24,16 +24,6 @@ namespace nanreplay {
 
 namespace {
 
-std::vector<int64_t> unravel(int64_t index, const std::vector<int64_t>& shape) {
-  std::vector<int64_t> coords(shape.size(), 0);
-  for (size_t d = shape.size(); d-- > 0;) {
-    if (shape[d] == 0) return coords;
-    coords[d] = index % shape[d];
-    index /= shape[d];
-  }
-  return coords;
-}
-
 void decode_first(ProbeRecord& record, const SiteDef* def, const std::vector<int64_t>& sample_ids) {
   if (record.stats.first_nonfinite < 0) return;
   record.first_index = unravel(record.stats.first_nonfinite, record.shape);

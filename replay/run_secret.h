@@ -6,7 +6,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace nanreplay {
 
@@ -26,6 +28,11 @@ std::string read_secret_file(const std::string& path);
 
 // HMAC-SHA256 of `message` under `key`: 32 raw bytes.
 std::string hmac_sha256(const std::string& key, const std::string& message);
+constexpr size_t kHmacTagBytes = 32;  // what hmac_sha256 returns: one SHA-256 digest
+
+// The c10d store holds bytes; the admission and the messages read them as text.
+inline std::string as_string(const std::vector<uint8_t>& bytes) { return std::string(bytes.begin(), bytes.end()); }
+inline std::vector<uint8_t> as_bytes(const std::string& text) { return std::vector<uint8_t>(text.begin(), text.end()); }
 // SHA-256 of `size` bytes at `data`: 32 raw bytes.
 std::string sha256(const void* data, size_t size);
 // In constant time: `a` and `b` are the same bytes.

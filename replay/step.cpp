@@ -18,8 +18,6 @@ namespace nanreplay {
 
 namespace {
 
-bool is_fp16(const Manifest& m) { return m.precision.compute == Compute::kFp16; }
-
 // One pass whose values are still where they were computed.
 struct PendingPass {
   int rank = 0, micro = 0;

@@ -16,8 +16,6 @@ namespace nanreplay {
 
 namespace {
 
-bool is_fp16(const Manifest& m) { return m.precision.compute == Compute::kFp16; }
-
 bool earlier(const ProbeRecord& a, const ProbeRecord& b) { return execution_key(a) < execution_key(b); }
 
 bool all_finite(const GradientSet& grads) {

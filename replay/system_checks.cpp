@@ -44,15 +44,6 @@ TensorStats stats_of(const TensorInfo& info) {
   return compute_stats(aligned.data(), *type, info.numel());
 }
 
-std::vector<int64_t> unravel(int64_t index, const std::vector<int64_t>& shape) {
-  std::vector<int64_t> coords(shape.size(), 0);
-  for (size_t d = shape.size(); d-- > 0;) {
-    coords[d] = shape[d] ? index % shape[d] : 0;
-    index = shape[d] ? index / shape[d] : 0;
-  }
-  return coords;
-}
-
 // The stored encoding of element `i` and its value with bit `bit` flipped.
 uint32_t stored_bits(const TensorInfo& info, int64_t i) {
   uint32_t bits = 0;

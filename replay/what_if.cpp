@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "loaders/error.h"
+#include "loaders/message_text.h"
 #include "replay/layer_stream.h"
 #include "replay/step_scan.h"
 #include "reports/number_text.h"
@@ -82,12 +83,7 @@ double parse_number(const std::string& text, const std::string& value) {
   return number;
 }
 
-std::string join(const std::vector<int64_t>& values, size_t limit = 16) {
-  std::string out;
-  for (size_t i = 0; i < values.size() && i < limit; ++i) out += (i ? ", " : "") + std::to_string(values[i]);
-  if (values.size() > limit) out += ", ... (" + std::to_string(values.size()) + " in all)";
-  return out;
-}
+constexpr size_t kValuesShown = 16;  // of a what-if's samples or layers, in its description
 
 const StepFiles* previous_step(const Bundle& bundle, int64_t step) {
   const StepFiles* previous = nullptr;
@@ -134,16 +130,16 @@ StepOverrides overrides_for(const WhatIf& w, const Bundle& bundle, const LoadedS
       for (int64_t sample : w.samples) {
         if (std::find(read.begin(), read.end(), sample) == read.end()) {
           bad_spec(w.text, "sample " + std::to_string(sample) + " is not read by " + in_step +
-                               " (its samples: " + join(read) + ")");
+                               " (its samples: " + comma_list(read, kValuesShown) + ")");
         }
         overrides.dropped_samples.insert(sample);
       }
       if (overrides.dropped_samples.size() == read.size()) {
         bad_spec(w.text, "it drops every sample of " + in_step + ": nothing would be replayed");
       }
-      change = (w.samples.size() == 1 ? "sample " : "samples ") + join(w.samples) + " removed from " + in_step + " (" +
-               std::to_string(read.size() - w.samples.size()) + " of " + std::to_string(read.size()) +
-               " samples left)";
+      change = (w.samples.size() == 1 ? "sample " : "samples ") + comma_list(w.samples, kValuesShown) +
+               " removed from " + in_step + " (" + std::to_string(read.size() - w.samples.size()) + " of " +
+               std::to_string(read.size()) + " samples left)";
       break;
     }
     case WhatIf::Kind::kFp32Layers: {
@@ -153,7 +149,8 @@ StepOverrides overrides_for(const WhatIf& w, const Bundle& bundle, const LoadedS
         overrides.numerics.fp32_layers = w.layers;
       }
       std::vector<int64_t> shown(overrides.numerics.fp32_layers.begin(), overrides.numerics.fp32_layers.end());
-      const std::string which = w.all_layers ? "every layer" : (shown.size() == 1 ? "layer " : "layers ") + join(shown);
+      const std::string which =
+          w.all_layers ? "every layer" : (shown.size() == 1 ? "layer " : "layers ") + comma_list(shown, kValuesShown);
       change = which + " computed in fp32";
       if (m.precision.compute == Compute::kFp32) change += " (no change: the bundle computes in fp32)";
       break;

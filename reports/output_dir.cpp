@@ -18,6 +18,7 @@
 #include "loaders/directory_lock.h"
 #include "loaders/error.h"
 #include "loaders/exit_cleanup.h"
+#include "loaders/message_text.h"
 
 namespace nanreplay {
 
@@ -32,7 +33,6 @@ constexpr const char* kAsidePrefix = ".nanreplay-previous-";
 constexpr const char* kOldSetAside = ".old-set-aside";
 constexpr const char* kNewSetIn = ".new-set-in";
 
-std::string errno_text() { return std::strerror(errno); }
 
 bool exists_no_follow(const fs::path& path) {
   struct stat info {};

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "loaders/message_text.h"
 #include "reports/trace_writer.h"
 
 namespace nanreplay::trace_layout {
@@ -121,7 +122,6 @@ inline void checked(herr_t status, const std::string& path, const std::string& w
   if (status < 0) fail_write(path, what);
 }
 
-inline std::string errno_text() { return std::strerror(errno); }
 
 // --- The column tables ---------------------------------------------------
 
