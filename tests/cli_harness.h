@@ -62,13 +62,20 @@ class ScratchDir {
   std::filesystem::path path_;
 };
 
+// The CLI under test: the build's, or a copy named by NANREPLAY_TEST_CLI (so a
+// run is not disturbed by a concurrent build relinking the build's binary).
+inline std::string cli_under_test() {
+  const char* copy = std::getenv("NANREPLAY_TEST_CLI");
+  return copy != nullptr && *copy != '\0' ? copy : NANREPLAY_CLI_PATH;
+}
+
 // Runs `nanreplay <args...>` with NO_COLOR set and stdin closed; `env` is a
 // shell prefix that changes the environment ("env -u VAR NAME=value").
 inline CliResult run_cli(const std::vector<std::string>& args, const std::string& env = "") {
   static int counter = 0;
   const auto base = std::filesystem::temp_directory_path() /
                     ("nanreplay-cli-" + std::to_string(getpid()) + "-" + std::to_string(counter++));
-  std::string cmd = env + (env.empty() ? "" : " ") + "NO_COLOR=1 " + shell_quote(NANREPLAY_CLI_PATH);
+  std::string cmd = env + (env.empty() ? "" : " ") + "NO_COLOR=1 " + shell_quote(cli_under_test());
   for (const std::string& a : args) cmd += " " + shell_quote(a);
   cmd += " </dev/null >" + shell_quote(base.string() + ".out") + " 2>" + shell_quote(base.string() + ".err");
   const int raw = std::system(cmd.c_str());
@@ -112,7 +119,7 @@ inline Spawned spawn_cli(const ScratchDir& scratch, const std::vector<std::strin
   child.out = scratch / ("spawn-" + std::to_string(counter) + ".out");
   child.err = scratch / ("spawn-" + std::to_string(counter++) + ".err");
   std::vector<std::string> argv_text = options.wrapper;
-  argv_text.push_back(NANREPLAY_CLI_PATH);
+  argv_text.push_back(cli_under_test());
   argv_text.insert(argv_text.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& arg : argv_text) argv.push_back(arg.data());
