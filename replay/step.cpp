@@ -71,87 +71,93 @@ std::vector<int64_t> micro_batch_rows(const StepBatch& batch, const DataConfig& 
   return rows;
 }
 
-StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector<std::string>& order,
-                       const StepRequest& request) {
-  const DataConfig& data = in.manifest.data;
-  const StepArithmetic arithmetic(in.manifest, in.state, request.overrides, request.native_low_precision);
+namespace {
+
+// What every pass of one step reads.
+struct PassLoop {
+  const StepInputs& in;
+  StepModel& model;
+  const StepRequest& request;
+  const StepArithmetic& arithmetic;
+  std::shared_ptr<CudaProbeStats> kernel;  // the CUDA statistics kernel's results of every pass
+  bool settle_early;  // kFlags with stop_at_first_bad: read each pass's flags as it ends
+};
+
+// One micro-batch of one rank, forward and backward with its probes; nothing
+// when a what-if dropped every row. A settle-early step takes its flags now.
+void run_pass(const PassLoop& loop, int rank, int micro, StepResult& result, int& settled_at,
+              std::vector<PendingPass>& passes) {
+  const DataConfig& data = loop.in.manifest.data;
+  const StepRequest& request = loop.request;
+  PendingPass pass{rank, micro, micro_batch_rows(loop.in.batch, data, rank, micro, request.overrides.dropped_samples),
+                   nullptr, {}, {}};
+  if (pass.rows.empty()) return;
+  if (request.before_pass) request.before_pass(rank, micro, "forward");
+  const torch::Tensor window = sample_windows(loop.in.tokens, pass.rows, data.seq_len);
+  pass.probes = std::make_unique<ProbeSession>(BatchContext{loop.in.step, micro, rank, pass.rows},
+                                               loop.arithmetic.numerics, ProbeScope{request.probes, {}},
+                                               loop.arithmetic.model, request.defer_host_probes);
+  pass.probes->share_kernel(loop.kernel);
+  // The rank's micro-batch loss / grad_accum_steps, times the loss scale.
+  const ForwardResult forward = loop.model.forward_backward(
+      loop.arithmetic.model, loop.arithmetic.numerics, *pass.probes, window.narrow(1, 0, data.seq_len),
+      window.narrow(1, 1, data.seq_len), loop.arithmetic.loss_scale / data.grad_accum_steps,
+      [&] {
+        if (request.before_pass) request.before_pass(rank, micro, "backward");
+      },
+      [&](int layer, const char* phase) {
+        if (request.on_block) request.on_block(rank, micro, layer, phase);
+      });
+  pass.loss = forward.loss;
+  pass.sample_loss = forward.sample_loss;
+  ++result.passes;
+  result.rows_of_pass[{micro, rank}] = pass.rows;
+  if (loop.settle_early) {
+    const bool fp16 = is_fp16(loop.in.manifest);
+    for (ProbeRecord& flag : pass.probes->take_records()) {
+      if (!fp16 || flag.phase == Phase::kForward) settled_at = std::min(settled_at, micro);
+      result.probes.push_back(std::move(flag));
+    }
+  }
+  passes.push_back(std::move(pass));
+}
+
+// Every pass the request asks for, rank by rank; returns each complete rank's
+// gradient norm (still on the device).
+std::vector<torch::Tensor> run_passes(const PassLoop& loop, StepResult& result, std::vector<PendingPass>& passes) {
+  const DataConfig& data = loop.in.manifest.data;
   const int world = static_cast<int>(data.world_size);
   const int accum = static_cast<int>(data.grad_accum_steps);
-  const ProbeScope scope{request.probes, {}};
-  const bool settle_early = request.stop_at_first_bad && request.probes == ProbeLevel::kFlags;
-  const bool fp16 = is_fp16(in.manifest);
-
-  StepResult result;
-  std::vector<PendingPass> passes;
+  const std::optional<PassRef>& only = loop.request.only_pass;
   std::vector<torch::Tensor> rank_norms;
   int settled_at = accum;  // the earliest micro-batch whose flags settle that the step is bad
-  const std::optional<PassRef>& only = request.only_pass;
-  // The CUDA statistics kernel's results of every pass, read back once at the end.
-  const auto kernel = std::make_shared<CudaProbeStats>();
-  model.begin_step(/*whole_step=*/!only && !settle_early);
+  loop.model.begin_step(/*whole_step=*/!only && !loop.settle_early);
   for (int rank = 0; rank < world; ++rank) {
     if (only && rank != only->rank) continue;
-    model.begin_rank(rank);
+    loop.model.begin_rank(rank);
     bool rank_complete = !only;  // one pass has no step gradients
     for (int micro = 0; micro < accum; ++micro) {
       if (only && micro != only->micro_batch) continue;
-      if (settle_early && micro > settled_at) {
+      if (loop.settle_early && micro > settled_at) {
         rank_complete = false;
         break;
       }
-      PendingPass pass{rank, micro, micro_batch_rows(in.batch, data, rank, micro, request.overrides.dropped_samples),
-                       nullptr, {}, {}};
-      if (pass.rows.empty()) continue;  // every row dropped by a what-if
-      if (request.before_pass) request.before_pass(rank, micro, "forward");
-      const torch::Tensor window = sample_windows(in.tokens, pass.rows, data.seq_len);
-      pass.probes = std::make_unique<ProbeSession>(BatchContext{in.step, micro, rank, pass.rows},
-                                                   arithmetic.numerics, scope, arithmetic.model,
-                                                   request.defer_host_probes);
-      pass.probes->share_kernel(kernel);
-      // The rank's micro-batch loss / grad_accum_steps, times the loss scale.
-      const ForwardResult forward = model.forward_backward(
-          arithmetic.model, arithmetic.numerics, *pass.probes, window.narrow(1, 0, data.seq_len),
-          window.narrow(1, 1, data.seq_len), arithmetic.loss_scale / accum,
-          [&] {
-            if (request.before_pass) request.before_pass(rank, micro, "backward");
-          },
-          [&](int layer, const char* phase) {
-            if (request.on_block) request.on_block(rank, micro, layer, phase);
-          });
-      pass.loss = forward.loss;
-      pass.sample_loss = forward.sample_loss;
-      ++result.passes;
-      result.rows_of_pass[{micro, rank}] = pass.rows;
-      if (settle_early) {
-        for (ProbeRecord& flag : pass.probes->take_records()) {
-          if (!fp16 || flag.phase == Phase::kForward) settled_at = std::min(settled_at, micro);
-          result.probes.push_back(std::move(flag));
-        }
-      }
-      passes.push_back(std::move(pass));
+      run_pass(loop, rank, micro, result, settled_at, passes);
     }
     if (!rank_complete) {
       result.complete = false;
       continue;
     }
-    rank_norms.push_back(model.end_rank(1.0 / arithmetic.loss_scale, world));
+    rank_norms.push_back(loop.model.end_rank(1.0 / loop.arithmetic.loss_scale, world));
   }
-  model.end_ranks();
+  loop.model.end_ranks();
+  return rank_norms;
+}
 
-  // The one synchronisation: losses, norms, per-sample losses, then every
-  // pass's probe statistics (the CUDA kernel's come in its own copy).
-  std::vector<torch::Tensor> scalars;
-  for (const PendingPass& p : passes) scalars.push_back(p.loss);
-  scalars.insert(scalars.end(), rank_norms.begin(), rank_norms.end());
-  // One rank: the global gradient is that rank's, and so is its norm.
-  if (result.complete) scalars.push_back(world == 1 ? rank_norms.front() : model.step_grad_norm());
-  for (const PendingPass& p : passes) {
-    if (p.sample_loss.defined()) scalars.push_back(p.sample_loss);
-  }
-  for (const PendingPass& p : passes) p.probes->add_readback(scalars);
-  const std::vector<double> values = read_back(scalars);
-  const std::vector<TensorStats> kernel_results = kernel->collect();
-  size_t next = 0;
+// Per-rank losses (each the mean of its micro-batches) and the step's (the
+// mean over ranks), from the passes' losses at the front of `values`.
+void unpack_losses(const std::vector<PendingPass>& passes, const std::vector<double>& values, int world,
+                   size_t& next, StepResult& result) {
   std::vector<double> rank_sum(static_cast<size_t>(world), 0.0);
   std::vector<int> rank_passes(static_cast<size_t>(world), 0);
   result.micro_batch_losses.resize(static_cast<size_t>(world));
@@ -169,6 +175,26 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
     ++ranks_with_loss;
   }
   result.loss = ranks_with_loss > 0 ? loss_sum / ranks_with_loss : std::nan("");
+}
+
+// The one synchronisation: losses, norms, per-sample losses, then every
+// pass's probe statistics (the CUDA kernel's come in its own copy).
+void read_back_step(const PassLoop& loop, std::vector<PendingPass>& passes, const std::vector<torch::Tensor>& rank_norms,
+                    StepResult& result) {
+  const int world = static_cast<int>(loop.in.manifest.data.world_size);
+  std::vector<torch::Tensor> scalars;
+  for (const PendingPass& p : passes) scalars.push_back(p.loss);
+  scalars.insert(scalars.end(), rank_norms.begin(), rank_norms.end());
+  // One rank: the global gradient is that rank's, and so is its norm.
+  if (result.complete) scalars.push_back(world == 1 ? rank_norms.front() : loop.model.step_grad_norm());
+  for (const PendingPass& p : passes) {
+    if (p.sample_loss.defined()) scalars.push_back(p.sample_loss);
+  }
+  for (const PendingPass& p : passes) p.probes->add_readback(scalars);
+  const std::vector<double> values = read_back(scalars);
+  const std::vector<TensorStats> kernel_results = loop.kernel->collect();
+  size_t next = 0;
+  unpack_losses(passes, values, world, next, result);
   for (size_t r = 0; r < rank_norms.size(); ++r) result.rank_grad_norms.push_back(values[next++]);
   result.grad_norm = result.complete ? values[next++] : std::nan("");
   for (const PendingPass& p : passes) {
@@ -179,11 +205,24 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
   for (PendingPass& p : passes) {
     std::vector<NormCheck> norms = p.probes->take_norm_checks();
     result.norm_checks.insert(result.norm_checks.end(), norms.begin(), norms.end());
-    if (settle_early) continue;  // already taken
+    if (loop.settle_early) continue;  // already taken
     std::vector<ProbeRecord> records = p.probes->take_records();
     result.probes.insert(result.probes.end(), std::make_move_iterator(records.begin()),
                          std::make_move_iterator(records.end()));
   }
+}
+
+}  // namespace
+
+StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector<std::string>& order,
+                       const StepRequest& request) {
+  const StepArithmetic arithmetic(in.manifest, in.state, request.overrides, request.native_low_precision);
+  const PassLoop loop{in, model, request, arithmetic, std::make_shared<CudaProbeStats>(),
+                      request.stop_at_first_bad && request.probes == ProbeLevel::kFlags};
+  StepResult result;
+  std::vector<PendingPass> passes;
+  const std::vector<torch::Tensor> rank_norms = run_passes(loop, result, passes);
+  read_back_step(loop, passes, rank_norms, result);
   if (result.complete) {
     // The system checks read the gradients on the host; a cheap pass only
     // looks for non-finite ones, where they are.
