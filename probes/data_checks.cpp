@@ -306,10 +306,62 @@ bool is_repeat_run(const SampleProfile& p, const RobustBaseline& runs, int64_t s
          (runs.samples < 8 || runs.z_above(static_cast<double>(p.longest_run)) > o.repeat_run_z);
 }
 
+namespace {
+
+// Out-of-range ids listed (all are counted).
+constexpr size_t kMaxListed = 100;
+
+// Maps the block in, and has the disk read the block `threads` ahead (the
+// next one this thread is likely to take) while this one is profiled.
+void map_block_in(const TokenStream& stream, const BlockLayout& layout, int64_t block, int threads) {
+  if (block + threads < layout.blocks) {
+    const BlockSpan ahead = layout.span(block + threads);
+    for_each_piece(stream, ahead.begin, ahead.read_end, [](const MappedFile& map, size_t begin, size_t count) {
+      map.read_ahead(begin, count);
+    });
+  }
+  const BlockSpan span = layout.span(block);
+  for_each_piece(stream, span.begin, span.read_end, [](const MappedFile& map, size_t begin, size_t count) {
+    map.prefault(begin, count);
+  });
+}
+
+// What the threads collected, ranked: the repeated runs that stand out from the
+// stream's own, the stream's first out-of-range ids, the low-entropy samples.
+void rank_findings(const TokenStream& stream, int64_t seq_len, const DataCheckOptions& options,
+                   std::vector<SampleProfile> runs, const std::vector<float>& entropies, DataScanResult& result) {
+  const int64_t samples = static_cast<int64_t>(entropies.size());
+  // Runs the stream's own samples commonly hold (indentation, rules in text) are not outliers.
+  result.run_baseline = data_baseline(stream, seq_len, options.baseline_samples).longest_run;
+  const auto common = [&](const SampleProfile& p) { return !is_repeat_run(p, result.run_baseline, seq_len, options); };
+  runs.erase(std::remove_if(runs.begin(), runs.end(), common), runs.end());
+  std::sort(runs.begin(), runs.end(), [](const SampleProfile& a, const SampleProfile& b) {
+    return a.longest_run != b.longest_run ? a.longest_run > b.longest_run : a.sample < b.sample;
+  });
+  result.repeat_runs = std::move(runs);
+  // Each thread kept its first kMaxListed; the stream's first ones are among them.
+  std::sort(result.out_of_range.begin(), result.out_of_range.end(),
+            [](const OutOfRangeToken& a, const OutOfRangeToken& b) {
+              return a.shard != b.shard ? a.shard < b.shard : a.offset < b.offset;
+            });
+  if (result.out_of_range.size() > kMaxListed) result.out_of_range.resize(kMaxListed);
+
+  result.baseline = robust_baseline(std::vector<double>(entropies.begin(), entropies.end()));
+  for (int64_t sample = 0; sample < samples; ++sample) {
+    SampleProfile p;
+    p.sample = sample;
+    p.entropy_bits = entropies[static_cast<size_t>(sample)];
+    if (is_low_entropy(p, result.baseline, options)) {
+      result.low_entropy.push_back(profile_sample(stream, sample, seq_len));
+    }
+  }
+}
+
+}  // namespace
+
 DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int64_t vocab_size,
                                  const DataCheckOptions& options, int threads,
                                  const std::function<void(double)>& on_progress) {
-  constexpr size_t kMaxListed = 100;
   // Samples per unit of work: a few MB of tokens, large enough for the kernel's
   // batched prefault and readahead, small enough to balance the threads.
   constexpr int64_t kTokensPerBlock = int64_t{1} << 21;
@@ -340,19 +392,7 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
 #pragma omp for schedule(dynamic, 1)
     for (int64_t block = 0; block < blocks; ++block) {
       const BlockSpan span = layout.span(block);
-      // The disk reads the block `threads` ahead (the next one this thread is
-      // likely to take) while this block is mapped in and profiled.
-      if (block + threads < blocks) {
-        const BlockSpan ahead = layout.span(block + threads);
-        for_each_piece(stream, ahead.begin, ahead.read_end,
-                       [](const MappedFile& map, size_t byte_begin, size_t byte_count) {
-                         map.read_ahead(byte_begin, byte_count);
-                       });
-      }
-      for_each_piece(stream, span.begin, span.read_end,
-                     [](const MappedFile& map, size_t byte_begin, size_t byte_count) {
-                       map.prefault(byte_begin, byte_count);
-                     });
+      map_block_in(stream, layout, block, threads);
       count_out_of_range(stream, span.begin, span.ids_end, vocab_size, kMaxListed,
                          local_out_of_range_count, local_out_of_range);
       for (int64_t sample = span.first_sample; sample < span.end_sample; ++sample) {
@@ -374,31 +414,7 @@ DataScanResult scan_token_stream(const TokenStream& stream, int64_t seq_len, int
       result.out_of_range_count += local_out_of_range_count;
     }
   }
-  // Runs the stream's own samples commonly hold (indentation, rules in text) are not outliers.
-  result.run_baseline = data_baseline(stream, seq_len, options.baseline_samples).longest_run;
-  runs.erase(std::remove_if(runs.begin(), runs.end(),
-                            [&](const SampleProfile& p) { return !is_repeat_run(p, result.run_baseline, seq_len, options); }),
-             runs.end());
-  std::sort(runs.begin(), runs.end(), [](const SampleProfile& a, const SampleProfile& b) {
-    return a.longest_run != b.longest_run ? a.longest_run > b.longest_run : a.sample < b.sample;
-  });
-  result.repeat_runs = std::move(runs);
-  // Each thread kept its first kMaxListed; the stream's first ones are among them.
-  std::sort(result.out_of_range.begin(), result.out_of_range.end(),
-            [](const OutOfRangeToken& a, const OutOfRangeToken& b) {
-              return a.shard != b.shard ? a.shard < b.shard : a.offset < b.offset;
-            });
-  if (result.out_of_range.size() > kMaxListed) result.out_of_range.resize(kMaxListed);
-
-  result.baseline = robust_baseline(std::vector<double>(entropies.begin(), entropies.end()));
-  for (int64_t sample = 0; sample < samples; ++sample) {
-    SampleProfile p;
-    p.sample = sample;
-    p.entropy_bits = entropies[static_cast<size_t>(sample)];
-    if (is_low_entropy(p, result.baseline, options)) {
-      result.low_entropy.push_back(profile_sample(stream, sample, seq_len));
-    }
-  }
+  rank_findings(stream, seq_len, options, std::move(runs), entropies, result);
   result.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return result;

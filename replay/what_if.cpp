@@ -119,62 +119,75 @@ std::map<std::string, Fp8ModuleScales> damped_scales(const StepState& bad, const
   return scales;
 }
 
+// drop-samples: every named sample must be read by the step, and one must be left.
+std::string drop_samples(const WhatIf& w, const LoadedStep& step, StepOverrides& overrides) {
+  const std::string in_step = "step " + std::to_string(step.step());
+  const std::vector<int64_t> read = step.samples();
+  for (int64_t sample : w.samples) {
+    if (std::find(read.begin(), read.end(), sample) == read.end()) {
+      bad_spec(w.text, "sample " + std::to_string(sample) + " is not read by " + in_step +
+                           " (its samples: " + comma_list(read, kValuesShown) + ")");
+    }
+    overrides.dropped_samples.insert(sample);
+  }
+  if (overrides.dropped_samples.size() == read.size()) {
+    bad_spec(w.text, "it drops every sample of " + in_step + ": nothing would be replayed");
+  }
+  return (w.samples.size() == 1 ? "sample " : "samples ") + comma_list(w.samples, kValuesShown) + " removed from " +
+         in_step + " (" + std::to_string(read.size() - w.samples.size()) + " of " + std::to_string(read.size()) +
+         " samples left)";
+}
+
+std::string fp32_layers(const WhatIf& w, const Manifest& m, StepOverrides& overrides) {
+  if (w.all_layers) {
+    for (int layer = 0; layer < m.model.num_layers; ++layer) overrides.numerics.fp32_layers.push_back(layer);
+  } else {
+    overrides.numerics.fp32_layers = w.layers;
+  }
+  std::vector<int64_t> shown(overrides.numerics.fp32_layers.begin(), overrides.numerics.fp32_layers.end());
+  const std::string which =
+      w.all_layers ? "every layer" : (shown.size() == 1 ? "layer " : "layers ") + comma_list(shown, kValuesShown);
+  std::string change = which + " computed in fp32";
+  if (m.precision.compute == Compute::kFp32) change += " (no change: the bundle computes in fp32)";
+  return change;
+}
+
+// damp-fp8-scale: against the step before, which must be in the bundle.
+std::string damp_fp8_scale(const WhatIf& w, const Bundle& bundle, const LoadedStep& step, StepOverrides& overrides) {
+  const StepFiles* previous = previous_step(bundle, step.step());
+  if (previous == nullptr) {
+    bad_spec(w.text, "step " + std::to_string(step.step()) +
+                         " is the bundle's first step: there is no earlier scale to damp against");
+  }
+  std::vector<std::string> changed;
+  overrides.fp8_scales = damped_scales(step.state(), bundle.load_state(*previous), w.value, changed);
+  std::string list;
+  for (size_t i = 0; i < changed.size(); ++i) list += (i ? "; " : "") + changed[i];
+  return changed.empty() ? "no fp8 scale moved more than " + format_number(w.value) + "x since step " +
+                               std::to_string(previous->step) + ": nothing damped"
+                         : "fp8 scales clamped to " + format_number(w.value) + "x of step " +
+                               std::to_string(previous->step) + "'s: " + list;
+}
+
 // The overrides one what-if makes on `step`, and a sentence saying what they change.
 StepOverrides overrides_for(const WhatIf& w, const Bundle& bundle, const LoadedStep& step, std::string& change) {
   const Manifest& m = bundle.manifest();
-  const std::string in_step = "step " + std::to_string(step.step());
   StepOverrides overrides;
   switch (w.kind) {
-    case WhatIf::Kind::kDropSamples: {
-      const std::vector<int64_t> read = step.samples();
-      for (int64_t sample : w.samples) {
-        if (std::find(read.begin(), read.end(), sample) == read.end()) {
-          bad_spec(w.text, "sample " + std::to_string(sample) + " is not read by " + in_step +
-                               " (its samples: " + comma_list(read, kValuesShown) + ")");
-        }
-        overrides.dropped_samples.insert(sample);
-      }
-      if (overrides.dropped_samples.size() == read.size()) {
-        bad_spec(w.text, "it drops every sample of " + in_step + ": nothing would be replayed");
-      }
-      change = (w.samples.size() == 1 ? "sample " : "samples ") + comma_list(w.samples, kValuesShown) +
-               " removed from " + in_step + " (" + std::to_string(read.size() - w.samples.size()) + " of " +
-               std::to_string(read.size()) + " samples left)";
+    case WhatIf::Kind::kDropSamples:
+      change = drop_samples(w, step, overrides);
       break;
-    }
-    case WhatIf::Kind::kFp32Layers: {
-      if (w.all_layers) {
-        for (int layer = 0; layer < m.model.num_layers; ++layer) overrides.numerics.fp32_layers.push_back(layer);
-      } else {
-        overrides.numerics.fp32_layers = w.layers;
-      }
-      std::vector<int64_t> shown(overrides.numerics.fp32_layers.begin(), overrides.numerics.fp32_layers.end());
-      const std::string which =
-          w.all_layers ? "every layer" : (shown.size() == 1 ? "layer " : "layers ") + comma_list(shown, kValuesShown);
-      change = which + " computed in fp32";
-      if (m.precision.compute == Compute::kFp32) change += " (no change: the bundle computes in fp32)";
+    case WhatIf::Kind::kFp32Layers:
+      change = fp32_layers(w, m, overrides);
       break;
-    }
     case WhatIf::Kind::kNormEps:
       overrides.norm_eps = w.value;
       change = "norm eps " + format_number(m.model.norm_eps) + " -> " + format_number(w.value);
       if (w.value == m.model.norm_eps) change += " (no change)";
       break;
-    case WhatIf::Kind::kDampFp8Scale: {
-      const StepFiles* previous = previous_step(bundle, step.step());
-      if (previous == nullptr) {
-        bad_spec(w.text, in_step + " is the bundle's first step: there is no earlier scale to damp against");
-      }
-      std::vector<std::string> changed;
-      overrides.fp8_scales = damped_scales(step.state(), bundle.load_state(*previous), w.value, changed);
-      std::string list;
-      for (size_t i = 0; i < changed.size(); ++i) list += (i ? "; " : "") + changed[i];
-      change = changed.empty() ? "no fp8 scale moved more than " + format_number(w.value) + "x since step " +
-                                     std::to_string(previous->step) + ": nothing damped"
-                               : "fp8 scales clamped to " + format_number(w.value) + "x of step " +
-                                     std::to_string(previous->step) + "'s: " + list;
+    case WhatIf::Kind::kDampFp8Scale:
+      change = damp_fp8_scale(w, bundle, step, overrides);
       break;
-    }
     case WhatIf::Kind::kStableSoftmax:
       overrides.numerics.stable_softmax = true;
       change = "attention q k^T, scaling and softmax kept in fp32";
@@ -204,7 +217,9 @@ StepOverrides overrides_for(const WhatIf& w, const Bundle& bundle, const LoadedS
       change = "router z-loss coefficient " + format_number(m.model.moe->router_z_loss_coef) + " -> " +
                format_number(w.value) +
                " (the loss and its gradient change; the forward values do not, so a forward overflow stays)";
-      if (w.value == m.model.moe->router_z_loss_coef) change = "no change: the router z-loss coefficient is already " + format_number(w.value);
+      if (w.value == m.model.moe->router_z_loss_coef) {
+        change = "no change: the router z-loss coefficient is already " + format_number(w.value);
+      }
       break;
   }
   return overrides;
