@@ -1282,11 +1282,37 @@ def _fsdp_norm_hook(norms, inner):
     return nanreplay_rank_norm_hook
 
 
+def _registered_ddp_comm_hook(ddp):
+    """The name of the comm hook a DDP model already has, or None. DDP takes one hook per model and
+    a second registration fails inside its reducer, so this is asked first: torch >= 2.1 lists the
+    hooks in `_comm_hooks`; torch 1.13 keeps them in C++ and only gives its logger the hook's name."""
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if hooks:
+        hook = hooks[0][0] if isinstance(hooks[0], tuple) else hooks[0]
+        return getattr(hook, "__qualname__", repr(hook))
+    try:
+        name = ddp._get_ddp_logging_data().get("comm_hook")
+    except (AttributeError, RuntimeError):
+        return None
+    return str(name) if name else None
+
+
 def _install_norm_hook(wrapper, norms, comm_hook, comm_hook_state):
     """Registers the comm hook that measures this rank's norm (wrapping `comm_hook`, default: the
     plain all-reduce / reduce-scatter the wrapper does without one). Returns a word for what it did."""
     if isinstance(wrapper, torch.nn.parallel.DistributedDataParallel):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        existing = _registered_ddp_comm_hook(wrapper)
+        if existing is not None:
+            raise CaptureError(
+                f"the DistributedDataParallel model already has a comm hook ({existing}), and DDP takes one "
+                "hook per model, so the recorder cannot add the one that measures each rank's gradient norm. "
+                "Give your hook to the recorder instead of registering it: drop "
+                "ddp.register_comm_hook(state, hook) and pass Recorder(..., comm_hook=hook, "
+                "comm_hook_state=state), which wraps it (your hook still reduces the gradients); a built-in "
+                "hook (register_builtin_comm_hook) has a Python equivalent in "
+                "torch.distributed.algorithms.ddp_comm_hooks.default_hooks to pass the same way. Or pass "
+                "comm_hook=False to record no per-rank gradient norms")
         inner = default_hooks.allreduce_hook if comm_hook in (None, True) else comm_hook
         wrapper.register_comm_hook(comm_hook_state, _ddp_norm_hook(norms, inner))
         return "ddp"

@@ -275,6 +275,14 @@ BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options) {
   Bisection bisection(bundle, options, report);
   if (const std::optional<int64_t> step = bisection.first_bad_step(marked_by_log)) {
     report.origin = bisection.locate_and_minimize(*step);
+    // The run's own numbering of the sample, where the bundle records it (as `run` names it).
+    if (const auto o = report.origin->sample >= 0 ? original_of_sample(m, report.origin->sample) : std::nullopt) {
+      (o->is_offset ? report.origin->original_offset : report.origin->original_sample) = o->value;
+    }
+    for (int64_t sample : report.samples.minimal) {
+      if (const auto o = original_of_sample(m, sample)) report.samples.minimal_in_run.push_back(*o);
+    }
+    if (report.samples.minimal_in_run.size() != report.samples.minimal.size()) report.samples.minimal_in_run.clear();
     report.origin_tokens = origin_tokens(bundle, *report.origin, bisection.origin_embedding(),
                                          default_thresholds(m.precision.compute));
   }

@@ -2,6 +2,8 @@
 #include "replay/data_findings.h"
 
 #include <algorithm>
+#include <cctype>
+#include <string>
 
 #include "replay/step_scan.h"
 
@@ -98,11 +100,34 @@ std::vector<Finding> batch_profile_findings(const Bundle& bundle, int64_t step, 
   return sample_profile_findings(profiles, baseline, step, seq, options);
 }
 
+namespace {
+
+// "the run's sample 7" or "the run's token offset 4096": how the run numbered a bundle sample.
+std::string run_numbering_text(const OriginalSample& o) {
+  return std::string(o.is_offset ? "the run's token offset " : "the run's sample ") + std::to_string(o.value);
+}
+
+// Adds the run's numbering after the first "sample N" of a text for people,
+// so a compact bundle's index is never read as the run's.
+void name_run_numbering(std::string& text, int64_t sample, const OriginalSample& o) {
+  const std::string named = "sample " + std::to_string(sample);
+  for (size_t at = text.find(named); at != std::string::npos; at = text.find(named, at + 1)) {
+    const size_t end = at + named.size();
+    if (end < text.size() && std::isdigit(static_cast<unsigned char>(text[end]))) continue;  // "sample 46" in "sample 461"
+    text.insert(end, " (" + run_numbering_text(o) + ")");
+    return;
+  }
+}
+
+}  // namespace
+
 void annotate_original_samples(ReplayReport& report, const Manifest& m) {
   auto original = [&](int64_t sample) { return sample >= 0 ? original_of_sample(m, sample) : std::nullopt; };
   if (report.first_nonfinite) {
-    if (const auto o = original(report.first_nonfinite->sample)) {
+    const int64_t sample = report.first_nonfinite->sample;
+    if (const auto o = original(sample)) {
       (o->is_offset ? report.first_nonfinite->original_offset : report.first_nonfinite->original_sample) = o->value;
+      if (report.root_cause) name_run_numbering(report.root_cause->summary, sample, *o);
     }
   }
   for (Finding& f : report.findings) {
@@ -110,6 +135,7 @@ void annotate_original_samples(ReplayReport& report, const Manifest& m) {
     if (!sample) continue;
     if (const auto o = original(*sample)) {
       f.evidence.set(o->is_offset ? K::kOriginalOffset : K::kOriginalSample, o->value);
+      name_run_numbering(f.message, *sample, *o);
     }
   }
 }

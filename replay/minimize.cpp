@@ -20,6 +20,7 @@
 
 #include "loaders/error.h"
 #include "loaders/manifest_writer.h"
+#include "loaders/message_text.h"
 #include "loaders/safetensors.h"
 #include "loaders/sha256.h"
 #include "probes/sites.h"
@@ -62,10 +63,11 @@ OriginalKey original_key(const Manifest& m, int64_t sample) {
   return {false, sample};
 }
 
-std::string list_text(const std::vector<int64_t>& values) {
-  std::string out;
-  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
-  return out;
+// What kept_samples_original holds: the run's token offsets where the bundle
+// records those for the origin's sample, else its dataset indices.
+std::string run_numbering_words(const MinimizeReport& r) {
+  if (r.origin && r.origin->original_offset) return "the run's token offsets";
+  return r.origin ? "the run's dataset indices" : "the run's numbering";
 }
 
 nlohmann::json number_or_string(double v) {
@@ -104,7 +106,7 @@ class Minimizer {
     }
     const std::vector<int64_t> reduced = reduced_samples();
     if (!reduced.empty()) {
-      const std::string samples_text = "step " + std::to_string(o.step) + " only, samples {" + list_text(reduced) +
+      const std::string samples_text = "step " + std::to_string(o.step) + " only, samples {" + comma_list(reduced) +
                                        "} as one micro-batch of one rank";
       if (const std::optional<int64_t> cut = cut_layers(); cut && *cut < layers) {
         plans.push_back({{o.step}, false, {{o.step, reduced}}, *cut,
@@ -115,7 +117,7 @@ class Minimizer {
       const std::vector<int64_t>& pass = bisected_.samples.candidates;
       if (!pass.empty() && pass != reduced) {
         plans.push_back({{o.step}, false, {{o.step, pass}}, layers,
-                         "step " + std::to_string(o.step) + " only, the origin's whole micro-batch {" + list_text(pass) +
+                         "step " + std::to_string(o.step) + " only, the origin's whole micro-batch {" + comma_list(pass) +
                              "}, every layer"});
       }
     }
@@ -231,7 +233,10 @@ class Minimizer {
     if (a.layer != b.layer || a.head != b.head || a.expert != b.expert) return "another layer, head or expert";
     if (a.kind != b.kind) return std::string("kind ") + nonfinite_kind_name(b.kind);
     if (a.position != b.position) return "position " + std::to_string(b.position) + " instead of " + std::to_string(a.position);
-    if (!(original_key(m_, a.sample) == b_key)) return "another sample (original index " + std::to_string(b_key.value) + ")";
+    if (!(original_key(m_, a.sample) == b_key)) {
+      return std::string("another sample (the run's ") + (b_key.offset ? "token offset " : "sample ") +
+             std::to_string(b_key.value) + ")";
+    }
     return "";
   }
 
@@ -537,8 +542,8 @@ void explain(MinimizeReport& r, const Plan& plan, const FirstNonfinite& o) {
   if (plan.original_layout) {
     r.kept.push_back("every sample of the kept steps, ranks and micro-batches as the run had them");
   } else {
-    r.kept.push_back("samples {" + list_text(r.kept_samples_original) +
-                     "} (original indices): the smallest set that still fails (ddmin), as one micro-batch of one "
+    r.kept.push_back("samples {" + comma_list(r.kept_samples_original) +
+                     "} (" + run_numbering_words(r) + "): the smallest set that still fails (ddmin), as one micro-batch of one "
                      "rank; only the token windows they read");
   }
   if (a.layers < b.layers) {
@@ -563,8 +568,6 @@ void explain(MinimizeReport& r, const Plan& plan, const FirstNonfinite& o) {
   explain_removed(r);
 }
 
-std::string index_text(const std::vector<int64_t>& index) { return "[" + list_text(index) + "]"; }
-
 // What MIN holds and why, for a flipped bit.
 void explain_flip(MinimizeReport& r, const Plan& plan, const FlippedBit& flip, size_t other_flips) {
   const std::string s = std::to_string(flip.step - 1), t = std::to_string(flip.step);
@@ -572,7 +575,7 @@ void explain_flip(MinimizeReport& r, const Plan& plan, const FlippedBit& flip, s
                    " holds the flipped value; the update check replays step " + s +
                    " and applies AdamW to its checkpoint and optimizer state, which predicts what " + t +
                    " should hold");
-  r.kept.push_back("the one tensor that shows the flip: " + flip.param + " element " + index_text(flip.index) +
+  r.kept.push_back("the one tensor that shows the flip: " + flip.param + " element " + bracketed_list(flip.index) +
                    " in steps/" + t + "/model.safetensors, bit " + std::to_string(flip.bit) + " (" +
                    format_number(flip.before) + " became " + format_number(flip.after) + "; AdamW from step " + s +
                    " predicts " + format_number(flip.expected) + ")");
@@ -585,8 +588,8 @@ void explain_flip(MinimizeReport& r, const Plan& plan, const FlippedBit& flip, s
                      "recomputes the gradient of step " + s + "'s whole batch, and a smaller batch gives another "
                      "update (see the rejected attempts)");
   } else {
-    r.kept.push_back("samples {" + list_text(r.kept_samples_original) + "} of step " + s +
-                     " (original indices), as one micro-batch of one rank: the update check still names the same "
+    r.kept.push_back("samples {" + comma_list(r.kept_samples_original) + "} of step " + s +
+                     " (" + run_numbering_words(r) + "), as one micro-batch of one rank: the update check still names the same "
                      "flip with only these; only the token windows they read");
   }
   explain_removed(r);

@@ -6,28 +6,21 @@
 #include <sstream>
 
 #include "loaders/error.h"
+#include "loaders/message_text.h"
+#include "reports/number_text.h"
 
 namespace nanreplay {
 
 namespace {
 
-std::string or_dash(int64_t value) { return value >= 0 ? std::to_string(value) : "-"; }
-
-std::string paint(const TextStyle& style, const char* code, const std::string& text) {
-  return style.color ? std::string("\033[") + code + "m" + text + "\033[0m" : text;
+// " (run's samples {46, 47})" or " (run's offsets {...})" beside ddmin's set, where the bundle records them.
+std::string minimal_in_run_text(const BisectSampleStage& stage) {
+  if (stage.minimal_in_run.empty()) return "";
+  std::vector<int64_t> values;
+  for (const OriginalSample& o : stage.minimal_in_run) values.push_back(o.value);
+  return std::string(stage.minimal_in_run.front().is_offset ? " (run's offsets {" : " (run's samples {") +
+         comma_list(values) + "})";
 }
-
-std::string pad(const std::string& text, size_t width) {
-  return text.size() >= width ? text : text + std::string(width - text.size(), ' ');
-}
-
-std::string join(const std::vector<int64_t>& values) {
-  std::string out;
-  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
-  return out;
-}
-
-std::string index_text(const std::vector<int64_t>& index) { return "[" + join(index) + "]"; }
 
 nlohmann::json step_stage_json(const BisectReport& r) {
   nlohmann::json tested = nlohmann::json::array();
@@ -64,6 +57,13 @@ nlohmann::json stages_json(const BisectReport& r) {
                          {"data_dependent", r.samples.data_dependent ? nlohmann::json(*r.samples.data_dependent)
                                                                     : nlohmann::json(nullptr)},
                          {"note", r.samples.note}};
+    // The run's numbering beside the bundle's, where the bundle records it.
+    const std::vector<OriginalSample>& in_run = r.samples.minimal_in_run;
+    if (!in_run.empty() && stages["samples"]["minimal"].is_array()) {
+      std::vector<int64_t> values;
+      for (const OriginalSample& o : in_run) values.push_back(o.value);
+      stages["samples"][in_run.front().is_offset ? "minimal_original_offsets" : "minimal_original_samples"] = values;
+    }
   }
   return stages;
 }
@@ -146,8 +146,9 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
     out << paint(style, "1;31", "ORIGIN") << "  step " << f.step << ", " << phase_name(f.phase) << ", "
         << paint(style, "1", f.name()) << "\n"
         << "  kind " << nonfinite_kind_name(f.kind) << " | layer " << or_dash(f.layer) << " | head " << or_dash(f.head)
-        << (f.expert >= 0 ? " | expert " + std::to_string(f.expert) : "") << " | rank " << or_dash(f.rank) << " | micro-batch " << or_dash(f.micro_batch) << " | sample "
-        << or_dash(f.sample) << " | position " << or_dash(f.position) << " | index " << index_text(f.index) << "\n";
+        << (f.expert >= 0 ? " | expert " + std::to_string(f.expert) : "") << " | rank " << or_dash(f.rank)
+        << " | micro-batch " << or_dash(f.micro_batch) << " | sample " << or_dash(f.sample) << run_numbering_note(f)
+        << " | position " << or_dash(f.position) << " | index " << bracketed_list(f.index) << "\n";
     if (!f.contaminated_params.empty()) {
       out << "  the checkpoint of step " << f.step << " already holds non-finite values in "
           << f.contaminated_params.front() << (f.contaminated_params.size() > 1 ? " and others" : "")
@@ -156,7 +157,7 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
   } else {
     out << paint(style, "1;32", "NOT REPRODUCED") << "  no tested step holds a non-finite value\n";
     if (!r.logged_nonfinite_steps.empty()) {
-      out << "  but the job logged a non-finite loss at step " << join(r.logged_nonfinite_steps)
+      out << "  but the job logged a non-finite loss at step " << comma_list(r.logged_nonfinite_steps)
           << ": `nanreplay run` checks why the replay differs (SYSTEM_NOT_REPRODUCIBLE)\n";
     }
   }
@@ -174,15 +175,15 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
         << phase_name(f.phase) << ", micro-batch " << or_dash(f.micro_batch) << ", rank " << or_dash(f.rank) << "\n";
     out << "  " << pad("site", 10) << pad(std::to_string(r.site_replays), 9) << pad("full, 1 block", 16) << f.name()
         << (f.head >= 0 ? ", head " + std::to_string(f.head) : "")
-        << (f.expert >= 0 ? ", expert " + std::to_string(f.expert) : "") << ", element " << index_text(f.index) << "\n";
+        << (f.expert >= 0 ? ", expert " + std::to_string(f.expert) : "") << ", element " << bracketed_list(f.index) << "\n";
     const bool skipped = !r.samples.ran && r.samples.note.empty();
     out << "  " << pad("samples", 10) << pad(skipped ? "-" : std::to_string(r.samples.replays), 9)
         << pad("any-non-finite", 16);
     if (skipped) {
       out << "skipped (--no-samples)\n";
     } else if (r.samples.ran && r.samples.data_dependent.value_or(true)) {
-      out << "{" << join(r.samples.minimal) << "}: smallest set of the pass's " << r.samples.candidates.size()
-          << " samples that still fails (ddmin)\n";
+      out << "{" << comma_list(r.samples.minimal) << "}" << minimal_in_run_text(r.samples)
+          << ": smallest set of the pass's " << r.samples.candidates.size() << " samples that still fails (ddmin)\n";
     } else {
       out << printable(r.samples.note) << "\n";
     }

@@ -33,6 +33,9 @@ struct BisectSampleStage {
   bool ran = false;
   std::vector<int64_t> candidates;  // the samples of the pass holding the origin, in batch order
   std::vector<int64_t> minimal;     // 1-minimal subset that still fails (ddmin); empty when not data-dependent
+  // `minimal` in the run's numbering, where the bundle records it for every one of them
+  // (original_samples / original_offsets); empty otherwise.
+  std::vector<OriginalSample> minimal_in_run;
   // Whether the failure depends on which samples the pass holds: false when
   // single samples fail broadly (a weight that makes every sample fail), so
   // no sample is named. None when the stage did not run.

@@ -145,4 +145,8 @@ Finding make_finding(FindingCode code, Severity severity, std::string message, E
 
 nlohmann::json evidence_json(const Evidence& evidence);
 
+// An info entry standing for the origin's consequences (evidence
+// "consequence": true): it names no cause, so reports list it last or fold it.
+inline bool is_consequence(const Finding& f) { return f.evidence.flag(EvidenceKey::kConsequence).value_or(false); }
+
 }  // namespace nanreplay

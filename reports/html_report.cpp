@@ -17,13 +17,13 @@
 #include "loaders/error.h"
 #include "reports/expert_load.h"
 #include "reports/html_charts.h"
+#include "reports/next_step.h"
 #include "reports/terminal_text.h"
 
 namespace nanreplay {
 
 namespace {
 
-constexpr size_t kPropagationShown = 10;
 constexpr int64_t kTokenWindowRadius = 12;
 
 // Multi-line text for a title attribute: each line escaped, joined by &#10;.
@@ -34,7 +34,6 @@ std::string escape_lines(const std::string& text) {
   return out;
 }
 
-std::string or_dash(int64_t value) { return value >= 0 ? std::to_string(value) : "-"; }
 
 std::string fixed(double value, int digits) {
   char buffer[32];
@@ -235,15 +234,15 @@ std::string render_legend(const Scale& forward, const Scale& backward) {
   return out.str();
 }
 
-// What to do next, one line under the verdict. The verdict's wording lives in
-// reports/verdict.cpp; until the report carries a next step this has nothing
-// to show, and the page renders whatever next_step_text returns.
-std::string next_step_text(const ReplayReport& /*report*/) { return ""; }
-
+// What to do next (next_step.h), one line under the verdict; commands as
+// code. trace.h5 lies beside report.html.
 std::string render_next_step(const ReplayReport& report) {
-  const std::string next = next_step_text(report);
-  if (next.empty()) return "";
-  return "<p class=\"next\" id=\"next\"><b>Next:</b> " + escape_html(next) + "</p>";
+  const std::vector<std::string> pieces = split_code_spans(decide_next_step(report).text);
+  std::string line;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    line += i % 2 ? "<code>" + escape_html(pieces[i]) + "</code>" : escape_html(pieces[i]);
+  }
+  return "<p class=\"next\" id=\"next\"><b>Next:</b> " + line + "</p>";
 }
 
 // How close the origin site came to the limit of its type over the window.
@@ -300,7 +299,9 @@ std::string render_verdict(const ReplayReport& report) {
         << "<div class=\"coords\">every replayed value is finite</div></section>";
   }
   if (report.root_cause) {
-    out << "<div class=\"cause\"><b>Most likely root cause</b> (" << triage_layer_name(report.root_cause->layer)
+    // A clean window has no cause to name, only what is worth a look.
+    out << "<div class=\"cause\"><b>" << (verdict_names_a_cause(report) ? "Most likely root cause" : "Clean window")
+        << "</b> (" << triage_layer_name(report.root_cause->layer)
         << ", <code>" << escape_html(root_cause_code(*report.root_cause, report.reproduced)) << "</code>): "
         << escape_html(report.root_cause->summary) << "</div>";
   }
@@ -332,9 +333,6 @@ std::string render_finding(const Finding& f) {
   return out.str();
 }
 
-// An info entry standing for the origin's consequences (evidence
-// "consequence": true) says nothing about a cause: folded away by default.
-bool is_consequence(const Finding& f) { return f.evidence.flag(EvidenceKey::kConsequence).value_or(false); }
 
 std::string render_triage(const ReplayReport& report) {
   std::ostringstream out;

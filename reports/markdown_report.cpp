@@ -9,13 +9,13 @@
 
 #include "loaders/error.h"
 #include "reports/expert_load.h"
+#include "reports/next_step.h"
 #include "reports/terminal_text.h"
 
 namespace nanreplay {
 
 namespace {
 
-constexpr size_t kPropagationShown = 10;
 
 // One line of text safe inside a table cell or a paragraph: control bytes as
 // \xNN, and every character that could open Markdown or HTML syntax
@@ -42,7 +42,6 @@ std::string code(const std::string& text) {
   return "`" + clean + "`";
 }
 
-std::string or_dash(int64_t value) { return value >= 0 ? std::to_string(value) : "-"; }
 
 std::string origin_coordinates(const FirstNonfinite& f) {
   std::ostringstream out;
@@ -77,6 +76,14 @@ void write_trajectory(std::ostringstream& out, const ReplayReport& report) {
       << ".\n\n";
 }
 
+// The advice of next_step.h, its commands as code spans (trace.h5 lies beside report.md).
+void write_next_step(std::ostringstream& out, const ReplayReport& report) {
+  const std::vector<std::string> pieces = split_code_spans(decide_next_step(report).text);
+  out << "\n**Next:** ";
+  for (size_t i = 0; i < pieces.size(); ++i) out << (i % 2 ? code(pieces[i]) : escape_markdown(pieces[i]));
+  out << "\n";
+}
+
 void write_verdict(std::ostringstream& out, const ReplayReport& report) {
   write_reproduction(out, report);
   write_trajectory(out, report);
@@ -100,9 +107,12 @@ void write_verdict(std::ostringstream& out, const ReplayReport& report) {
     out << "# nanreplay: NOT REPRODUCED\n\n**Verdict: not reproduced.** Every replayed value is finite.\n";
   }
   if (report.root_cause) {
-    out << "\n**Root cause** (" << triage_layer_name(report.root_cause->layer) << ", "
+    // A clean window has no cause to name, only what is worth a look.
+    out << "\n**" << (verdict_names_a_cause(report) ? "Root cause" : "Clean window") << "** ("
+        << triage_layer_name(report.root_cause->layer) << ", "
         << code(root_cause_code(*report.root_cause, report.reproduced)) << "): " << escape_markdown(report.root_cause->summary) << "\n";
   }
+  write_next_step(out, report);
   out << "\nBundle " << code(report.bundle) << ": " << arch_name(report.arch) << ", "
       << compute_name(report.precision) << ", " << report.steps.size() << " steps";
   if (report.incident) {
@@ -135,20 +145,32 @@ void write_steps(std::ostringstream& out, const ReplayReport& report) {
   }
 }
 
+
+// The findings `keep` accepts as one table; false when there were none.
+template <typename Keep>
+bool write_finding_table(std::ostringstream& out, const ReplayReport& report, Keep keep) {
+  bool any = false;
+  for (const Finding& f : report.findings) {
+    if (!keep(f)) continue;
+    if (!any) out << "| severity | code | finding |\n|:---|:---|:---|\n";
+    any = true;
+    out << "| " << severity_name(f.severity) << " | " << code(f.name()) << " | " << escape_markdown(f.message)
+        << " |\n";
+  }
+  return any;
+}
+
 void write_findings(std::ostringstream& out, const ReplayReport& report) {
   out << "\n## Findings\n";
   for (TriageLayer layer : {TriageLayer::kData, TriageLayer::kNumeric, TriageLayer::kSystem}) {
     out << "\n### " << triage_layer_name(layer) << "\n\n";
-    bool any = false;
-    for (const Finding& f : report.findings) {
-      if (f.layer() != layer) continue;
-      if (!any) out << "| severity | code | finding |\n|:---|:---|:---|\n";
-      any = true;
-      out << "| " << severity_name(f.severity) << " | " << code(f.name()) << " | " << escape_markdown(f.message)
-          << " |\n";
-    }
+    const bool any =
+        write_finding_table(out, report, [&](const Finding& f) { return f.layer() == layer && !is_consequence(f); });
     if (!any) out << "Nothing found.\n";
   }
+  if (std::none_of(report.findings.begin(), report.findings.end(), is_consequence)) return;
+  out << "\n### Consequences of the first non-finite value\n\nWhat followed from the origin; none of it is a cause.\n\n";
+  write_finding_table(out, report, is_consequence);
 }
 
 void write_propagation(std::ostringstream& out, const ReplayReport& report) {

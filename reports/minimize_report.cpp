@@ -3,15 +3,13 @@
 
 #include <sstream>
 
+#include "loaders/message_text.h"
 #include "reports/number_text.h"
 
 namespace nanreplay {
 
 namespace {
 
-std::string paint(const TextStyle& style, const char* code, const std::string& text) {
-  return style.color ? "\x1b[" + std::string(code) + "m" + text + "\x1b[0m" : text;
-}
 
 nlohmann::json size_json(const BundleSize& s) {
   return {{"bytes", s.bytes},           {"steps", s.steps},
@@ -49,12 +47,6 @@ nlohmann::json flip_json(const std::optional<FlippedBit>& f) {
           {"message", f->message}};
 }
 
-std::string index_text(const std::vector<int64_t>& index) {
-  std::string out = "[";
-  for (size_t i = 0; i < index.size(); ++i) out += (i ? ", " : "") + std::to_string(index[i]);
-  return out + "]";
-}
-
 double ratio(const MinimizeReport& r) {
   return r.before.bytes == 0 ? 0.0 : static_cast<double>(r.after.bytes) / static_cast<double>(r.before.bytes);
 }
@@ -75,6 +67,8 @@ nlohmann::json minimize_to_json(const MinimizeReport& r) {
                         {"origin_after", first_nonfinite_json(r.origin_after)},
                         {"original_sample",
                          r.original_sample ? nlohmann::json(*r.original_sample) : nlohmann::json(nullptr)},
+                        {"original_offset", r.origin && r.origin->original_offset ? nlohmann::json(*r.origin->original_offset)
+                                                                                : nlohmann::json(nullptr)},
                         {"bit_flip", flip_json(r.flip)},
                         {"bit_flip_after", flip_json(r.flip_after)},
                         {"reason", r.reason.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.reason)},
@@ -109,11 +103,11 @@ std::string render_minimize(const MinimizeReport& r, const TextStyle& style) {
         << paint(style, "1", f.name());
     if (f.head >= 0) out << " head " << f.head;
     if (f.expert >= 0) out << " expert " << f.expert;
-    if (r.original_sample) out << ", sample " << *r.original_sample << " (original index)";
+    if (f.sample >= 0) out << ", sample " << f.sample << " of the bundle" << run_numbering_note(f, " (also the run's index)");
   } else {
     const FlippedBit& f = *r.flip;
     out << paint(style, "1;31", "BIT FLIP") << "  step " << f.step << ", " << paint(style, "1", f.param)
-        << " element " << index_text(f.index) << ", bit " << f.bit << " (SYSTEM_BIT_FLIP, no non-finite value)\n"
+        << " element " << bracketed_list(f.index) << ", bit " << f.bit << " (SYSTEM_BIT_FLIP, no non-finite value)\n"
         << "  shown by  " << f.param << " in steps/" << f.step << "/model.safetensors against AdamW from step "
         << f.step - 1 << ": " << format_number(f.before) << " became " << format_number(f.after);
   }

@@ -3,6 +3,7 @@
 // them includes another's rendering code.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace nanreplay {
@@ -11,5 +12,7 @@ namespace nanreplay {
 std::string format_number(double value);
 // A fraction as a percentage with 3 significant digits: 0.1742 -> "17.4%".
 std::string format_percent(double fraction);
+// An index, or "-" where it does not apply (a negative value).
+inline std::string or_dash(int64_t value) { return value >= 0 ? std::to_string(value) : "-"; }
 
 }  // namespace nanreplay

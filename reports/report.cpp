@@ -7,12 +7,19 @@
 #include <cstdlib>
 
 #include "loaders/error.h"
+#include "reports/next_step.h"
 
 namespace nanreplay {
 
 std::string root_cause_code(const RootCause& cause, bool reproduced) {
   if (cause.code) return code_name(*cause.code);
   return reproduced ? "NONFINITE" : "NONE";
+}
+
+std::string run_numbering_note(const FirstNonfinite& f, const std::string& otherwise) {
+  if (f.original_sample) return " (run's sample " + std::to_string(*f.original_sample) + ")";
+  if (f.original_offset) return " (run's token offset " + std::to_string(*f.original_offset) + ")";
+  return otherwise;
 }
 
 nlohmann::json json_number(double value) {
@@ -216,6 +223,8 @@ nlohmann::json report_to_json(const ReplayReport& report) {
                          {"code", root_cause_code(*report.root_cause, report.reproduced)},
                          {"summary", report.root_cause->summary}};
   }
+  // Commands name trace.h5 as it lies beside report.json.
+  out["next_step"] = next_step_json(decide_next_step(report));
   const DeterminismCheck& d = report.determinism;
   out["determinism"] = d.checked ? nlohmann::json{{"step", d.step},
                                                   {"replayed", d.whole_step ? "step" : "micro_batch"},

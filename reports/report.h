@@ -46,6 +46,13 @@ struct FirstNonfinite {
   std::string name() const { return probe_name(phase, site, param); }  // "layers.2.attn.scores"
 };
 
+// " (run's sample 46)" or " (run's token offset 1024)" where the bundle
+// records the run's own numbering of the origin's sample, else `otherwise`.
+std::string run_numbering_note(const FirstNonfinite& f, const std::string& otherwise = "");
+
+// How many sites of the propagation a report lists before "first N of M".
+constexpr size_t kPropagationShown = 10;
+
 // A token of the origin's sample, and how its embedding row compares with
 // the embedding matrix's own rows (the origin step's checkpoint).
 struct OriginToken {

@@ -4,25 +4,21 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <sstream>
 
 #include "loaders/error.h"
+#include "reports/next_step.h"
 
 namespace nanreplay {
-
-namespace {
 
 std::string paint(const TextStyle& style, const char* code, const std::string& text) {
   return style.color ? std::string("\033[") + code + "m" + text + "\033[0m" : text;
 }
 
-std::string or_dash(int64_t value) { return value >= 0 ? std::to_string(value) : "-"; }
-
 std::string pad(const std::string& text, size_t width) {
   return text.size() >= width ? text : text + std::string(width - text.size(), ' ');
 }
-
-}  // namespace
 
 std::string render_what_ifs(const std::vector<WhatIfOutcome>& outcomes, const TextStyle& style) {
   std::ostringstream out;
@@ -101,6 +97,48 @@ std::string token_lines(const ReplayReport& report) {
   return out.str();
 }
 
+// The findings by triage layer, at most 8 a layer (report.json has them all).
+std::string triage_lines(const ReplayReport& report, const TextStyle& style) {
+  std::ostringstream out;
+  out << "\ntriage\n";
+  for (TriageLayer layer : {TriageLayer::kData, TriageLayer::kNumeric, TriageLayer::kSystem}) {
+    size_t count = 0;
+    for (const Finding& finding : report.findings) count += finding.layer() == layer;
+    out << "  " << paint(style, "1", pad(triage_layer_name(layer), 8))
+        << (count ? std::to_string(count) + " finding(s)" : "nothing found") << "\n";
+    size_t shown = 0;
+    for (const Finding& finding : report.findings) {
+      if (finding.layer() != layer) continue;
+      if (++shown > 8) {
+        out << "    ... " << (count - 8) << " more in report.json\n";
+        break;
+      }
+      const char* color = finding.severity == Severity::kError     ? "31"
+                          : finding.severity == Severity::kWarning ? "33"
+                                                                   : "36";
+      out << "    " << paint(style, color, pad(severity_name(finding.severity), 8)) << finding.name()
+          << ": " << printable(finding.message) << "\n";  // may quote bundle text
+    }
+  }
+  return out.str();
+}
+
+// The root cause (or, in a clean window, what is worth a look) and what to do next.
+std::string verdict_close(const ReplayReport& report, const TextStyle& style) {
+  std::ostringstream out;
+  if (report.root_cause) {
+    const RootCause& cause = *report.root_cause;
+    const bool named = verdict_names_a_cause(report);
+    out << "\n" << paint(style, "1", named ? "most likely root cause" : "clean window");
+    if (named || cause.code) out << " (" << triage_layer_name(cause.layer) << ")";
+    out << ": " << printable(cause.summary) << "\n";
+  }
+  const std::string out_dir = style.out_dir.empty() ? "OUT" : style.out_dir;
+  const std::string trace = (std::filesystem::path(out_dir) / "trace.h5").string();
+  out << paint(style, "1", "Next:") << " " << printable(decide_next_step(report, trace).text) << "\n";
+  return out.str();
+}
+
 }  // namespace
 
 std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
@@ -154,26 +192,7 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
     if (report.propagation.size() > shown) out << " -> ... (" << report.propagation.size() << " sites)";
     out << "\n";
   }
-  out << "\ntriage\n";
-  for (TriageLayer layer : {TriageLayer::kData, TriageLayer::kNumeric, TriageLayer::kSystem}) {
-    size_t count = 0;
-    for (const Finding& finding : report.findings) count += finding.layer() == layer;
-    out << "  " << paint(style, "1", pad(triage_layer_name(layer), 8))
-        << (count ? std::to_string(count) + " finding(s)" : "nothing found") << "\n";
-    size_t shown = 0;
-    for (const Finding& finding : report.findings) {
-      if (finding.layer() != layer) continue;
-      if (++shown > 8) {
-        out << "    ... " << (count - 8) << " more in report.json\n";
-        break;
-      }
-      const char* color = finding.severity == Severity::kError     ? "31"
-                          : finding.severity == Severity::kWarning ? "33"
-                                                                   : "36";
-      out << "    " << paint(style, color, pad(severity_name(finding.severity), 8)) << finding.name()
-          << ": " << printable(finding.message) << "\n";  // may quote bundle text
-    }
-  }
+  out << triage_lines(report, style);
   if (report.determinism.checked) {
     out << "  determinism: " << determinism_scope(report.determinism) << " replayed twice, "
         << (report.determinism.identical ? "bitwise identical"
@@ -181,10 +200,7 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
         << " (" << report.determinism.probes_compared << " probes)\n";
   }
   if (report.what_if) out << "\n" << render_what_ifs(*report.what_if, style);
-  if (report.root_cause) {
-    out << "\n" << paint(style, "1", "most likely root cause") << " (" << triage_layer_name(report.root_cause->layer)
-        << "): " << printable(report.root_cause->summary) << "\n";
-  }
+  out << verdict_close(report, style);
   return out.str();
 }
 

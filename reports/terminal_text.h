@@ -4,14 +4,27 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include "reports/number_text.h"
 #include "reports/report.h"
 
 namespace nanreplay {
 
+struct TextStyle;
+
+// `text` in SGR `code` ("1;31") when the style has color, else as it is.
+std::string paint(const TextStyle& style, const char* code, const std::string& text);
+// `text` padded with spaces to `width` columns.
+std::string pad(const std::string& text, size_t width);
+
 struct TextStyle {
+  TextStyle(bool color_text = false, std::string results_dir = {})
+      : color(color_text), out_dir(std::move(results_dir)) {}
   bool color = false;
+  // Where `run` wrote its results, for the commands of the Next: line
+  // ("OUT" when the caller does not say).
+  std::string out_dir;
 };
 
 std::string render_verdict(const ReplayReport& report, const TextStyle& style);

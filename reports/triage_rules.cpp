@@ -416,7 +416,10 @@ RootCause decide_root_cause(const ReplayReport& report) {
   }
   for (const Severity severity : {Severity::kError, Severity::kWarning}) {
     for (const Finding& f : report.findings) {
-      if (f.severity == severity) return {f.layer(), f.code, "nothing went non-finite, but: " + f.message};
+      // An error still fails the run (exit 1); a warning in a clean window is no cause, only worth a look.
+      const char* lead = severity == Severity::kError ? "nothing went non-finite, but: "
+                                                      : "nothing went non-finite; worth a look: ";
+      if (f.severity == severity) return {f.layer(), f.code, lead + f.message};
     }
   }
   for (const Finding& f : report.findings) {

@@ -17,12 +17,15 @@
    keys), and stand-in DTensor parameters (fully_shard's) have a full_tensor(); the snapshots
    each writes must be byte-identical to those of the unwrapped model.
 3. Wrappers are unwrapped (torch.compile's _orig_mod); FSDP without snapshot_every is refused.
+4. A DDP model that already has the user's comm hook is refused with a CaptureError naming the fix
+   (pass the hook as comm_hook=), and given that way the hook is wrapped and still runs.
 
 ~20 s with Debian's /usr/bin/python3 (one thread per process), the NaN window replayed five times.
 """
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -177,6 +180,70 @@ def ddp_without_no_sync(work):
           f"without no_sync: rank_losses but no rank_grad_norms in state.json ({sorted(logged)})")
 
 
+def hooked_rank(rank, args, shard, out):
+    """One rank of a 2-process job whose DDP model already has the user's comm hook: the recorder must
+    refuse it with a CaptureError naming the fix (not PyTorch's "can only be called once"), and
+    given the same hook as comm_hook= on a fresh model, wrap it: the hook still runs and the
+    recorder measures this rank's norm."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    calls = []
+
+    def users_hook(state, bucket):
+        calls.append(1)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    def recorder_for(ddp, **hook):
+        optimizer = torch.optim.AdamW(ddp.module.parameters(), lr=1e-3)
+        return nanreplay_capture.Recorder(
+            ddp, optimizer, out / "incidents", arch="llama", model_config=dict(num_heads=ddp_nan.CONFIG["num_heads"]),
+            data=dict(shards=[str(shard)], seq_len=args.seq_len, micro_batch_size=2, grad_accum_steps=1,
+                      sampler=dict(kind="randperm", seed=args.seed)), window=2, **hook)
+    torch.manual_seed(0)
+    hooked = torch.nn.parallel.DistributedDataParallel(ddp_nan.Llama(ddp_nan.CONFIG))
+    hooked.register_comm_hook(None, users_hook)
+    refused = ""
+    try:
+        recorder_for(hooked)
+    except CaptureError as e:
+        refused = "CaptureError: " + str(e)
+    except RuntimeError as e:
+        refused = "RuntimeError: " + str(e)
+    torch.manual_seed(0)
+    ddp = torch.nn.parallel.DistributedDataParallel(ddp_nan.Llama(ddp_nan.CONFIG))
+    recorder = recorder_for(ddp, comm_hook=users_hook)
+    dataset = ddp_nan.TokenWindows(shard, args.seq_len)
+    samples = [2 * rank, 2 * rank + 1]
+    window = torch.stack([dataset[i][1] for i in samples])
+    recorder.begin_step(0, samples=samples)
+    loss = ddp(window[:, :-1], window[:, 1:])
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+    recorder.end_step(local_loss=loss.item(), grad_norm=norm)
+    if rank == 0:
+        (out / "hooked.json").write_text(json.dumps({"refused": refused, "hook_calls": len(calls),
+                                                     "norms_from": recorder._norms_from}))
+    del recorder, ddp, hooked
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def ddp_with_users_comm_hook(work):
+    args = ddp_nan.job_arguments("hooked", timeout=60).parse_args(["--work", str(work), "--fault-step", "-1"])
+    shard = ddp_nan.prepare(args)
+    torch.multiprocessing.spawn(hooked_rank, args=(args, shard, work), nprocs=2)
+    result = json.loads((work / "hooked.json").read_text())
+    refused = result["refused"]
+    check(refused.startswith("CaptureError: the DistributedDataParallel model already has a comm hook"),
+          f"a DDP model with a comm hook is refused by the recorder, not by PyTorch ({refused[:90]!r})")
+    check("users_hook" in refused and "comm_hook=hook" in refused and "comm_hook=False" in refused,
+          "the refusal names the registered hook and the fix (comm_hook=hook, or comm_hook=False)")
+    check(result["norms_from"] == "ddp" and result["hook_calls"] > 0,
+          f"comm_hook=the user's hook: wrapped, and it still reduces the gradients ({result})")
+
+
 class FullyShardedDataParallel(torch.nn.Module):
     """Stands in for FSDP1 (the recorder recognises it by class name): holds the module as FSDP
     does, and its full state dict comes back with FSDP's wrapper prefixes and the module's buffers."""
@@ -296,6 +363,7 @@ def main():
     started = time.perf_counter()
     ddp_example(args.cli, work / "ddp")
     ddp_without_no_sync(work / "ddp-sync")
+    ddp_with_users_comm_hook(work / "ddp-hooked")
     (work / "sharded").mkdir()
     sharded_gather(work / "sharded")
     print(f"{len(failures)} failed; {time.perf_counter() - started:.1f} s")
