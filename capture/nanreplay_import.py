@@ -12,7 +12,7 @@ order and what the training log says.
 `nanreplay import` (the C++ command) runs this script with the same flags into a fresh staging
 directory, validates the result as `inspect` does and renames it into place. Run directly, the
 script writes DIR itself (created; refused when it exists and is not empty). Bad input: exit 2 with
-one line `nanreplay import: <file>: <key>: <what is wrong>` on stderr. Needs torch (1.13 or later)
+one line `nanreplay: error: <file>: <key>: <what is wrong>` on stderr. Needs torch (1.13 or later)
 and the standard library only. Every pickle (torch.save files, torch.distributed.checkpoint
 directories, whose format is parsed here) is read by a restricted unpickler that refuses anything but
 tensors, plain data and a named list of framework classes; --trust-pickle lifts that for a file the
@@ -34,12 +34,45 @@ import stat
 import sys
 from pathlib import Path
 
+# `nanreplay import` sets this to a file: the helper writes its outcome there (the lines it printed, its
+# warnings, or its one error) and leaves printing the error to the command, which prints every command's
+# errors the same way (one stderr line, and under --json one object on stdout).
+_RESULT_ENV = "NANREPLAY_IMPORT_RESULT"
+_outcome = {"notes": [], "warnings": []}
+
+
+def _write_outcome(extra=None):
+    path = os.environ.get(_RESULT_ENV)
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({**_outcome, **(extra or {})}, f)
+    return bool(path)
+
+
+def fail(exit_code, kind, what, file=None, key=None):
+    """One error, exit_code returned: told to `nanreplay import` through its file, or printed here when run
+    alone, as `nanreplay: error: <file>: <key>: <what>`."""
+    message = ": ".join(str(p) for p in (file, key, what) if p)
+    error = {"exit_code": exit_code, "kind": kind, "message": message, "what": str(what)}
+    if file is not None:
+        error.update(file=str(file), key=str(key or ""))
+    if not _write_outcome({"error": error}):
+        print(f"nanreplay: error: {message}", file=sys.stderr, flush=True)
+    return exit_code
+
+
+def warn(text):
+    """Something the user should know that does not stop the import: always stderr, never stdout."""
+    _outcome["warnings"].append(text)
+    print(f"nanreplay: warning: {text}", file=sys.stderr, flush=True)
+
+
 try:
     import torch
 except ImportError as _e:  # one line, as for any input the import cannot use
-    print(f"nanreplay import: {sys.executable}: torch: cannot be imported ({_e}); the import needs PyTorch "
-          "(Debian: apt-get install python3-torch; or set NANREPLAY_PYTHON to a Python that has it)", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(fail(2, "bad_input", f"cannot be imported ({_e}); the import needs PyTorch (Debian: apt-get install "
+                                  "python3-torch; or set NANREPLAY_PYTHON to a Python that has it)",
+                  sys.executable, "torch"))
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanreplay_capture as _capture  # noqa: E402  (safetensors writer, the bundle's parameter table, HF options)
@@ -62,7 +95,7 @@ class BadInput(Exception):
         self.file, self.key, self.what = str(file), str(key), str(what)
 
     def line(self):
-        return f"nanreplay import: {self.file}: {self.key}: {self.what}"
+        return f"nanreplay: error: {self.file}: {self.key}: {self.what}"
 
 
 def _check_regular(path, key):
@@ -139,6 +172,7 @@ def _log_lines(path):
 
 
 def say(*parts):
+    _outcome["notes"].append(" ".join(str(p) for p in parts))
     print(*parts, flush=True)
 
 
@@ -2005,7 +2039,10 @@ def settle_model_section(args, arch, naming, sd, configs):
                               "activation", "moe", *_capture.LLAMA_OPTION_DEFAULTS)):
         if key in notes and (key in model or key in ("rope_style", "activation")):
             kind, detail = notes[key]
-            say(f"  {key}: " + ("DEFAULTED, " if kind == "default" else "") + detail)
+            if kind == "default":  # a value no checkpoint or config gave: the user should confirm it
+                warn(f"{key}: DEFAULTED, {detail}")
+            else:
+                say(f"  {key}: {detail}")
     provenance = {f"model.{k}": _provenance_entry(kind, detail, activation if k == "activation" else
                                                   model.get(k, "rotate_half" if k == "rope_style" else None))
                   for k, (kind, detail) in notes.items()}
@@ -2020,8 +2057,8 @@ def build(args):
     global _trust_pickle
     _trust_pickle = args.trust_pickle
     if _trust_pickle:
-        print("nanreplay import: --trust-pickle: pickles are loaded with Python's full unpickler, which runs any "
-              "code a crafted file names; recorded in the manifest", file=sys.stderr, flush=True)
+        warn("--trust-pickle: pickles are loaded with Python's full unpickler, which runs any code a crafted file "
+             "names; recorded in the manifest")
     source_sd, obj, fmt, why, configs, reader = load_checkpoint(args)
     say(f"format: {fmt} ({why}; {reader})")
     naming = args.naming
@@ -2194,19 +2231,17 @@ def main(argv=None):
         build(args)
         created = None
     except BadInput as e:
-        print(e.line(), file=sys.stderr)
-        return 2
+        return fail(2, "bad_input", e.what, e.file, e.key)
     except _capture.CaptureError as e:
-        print(f"nanreplay import: {getattr(e, 'file', 'checkpoint')}: model: {e}", file=sys.stderr)
-        return 2
+        return fail(2, "bad_input", str(e), getattr(e, "file", "checkpoint"), "model")
     except Exception as e:  # a bug here, not bad input: the traceback, then one summary line
         import traceback
         traceback.print_exc()
-        print(f"nanreplay import: internal error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 3
+        return fail(3, "internal", f"import: {type(e).__name__}: {e}")
     finally:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
+    _write_outcome()
     return 0
 
 

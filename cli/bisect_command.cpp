@@ -1,6 +1,6 @@
 // `nanreplay bisect BUNDLE`: the origin `run` would name, found coarse to fine
 // with fewer replays, plus optional what-if replays. Writes nothing; prints
-// the stages (or one stable JSON object with --json). Exit status as `run`.
+// the stages (or one stable JSON object with --json). Exit status as `run` on the same bundle.
 #include "cli/cli_support.h"
 #include "cli/launch.h"
 #include "cli/command_table.h"
@@ -40,17 +40,24 @@ cxxopts::Options bisect_options() {
 void print_bisect_help(const cxxopts::Options& options, CommandIo& io) {
   io.out << options.help() << "\n" << what_if_help()
          << "  e.g. nanreplay bisect incident-bundle/ --what-if fp32-layers=all --what-if norm-eps=1e-5\n"
-         << "\nexit status: 0 nothing non-finite, 1 origin named (or a step could not be replayed), "
-         << "2 bad input, 3 internal error, 130 interrupted\n";
+         << exit_status_help("bisect");
 }
 
-BisectReport bisect_showing_progress(const Incident& incident, bool minimize_samples, bool show, CommandIo& io) {
-  ProgressLine progress(io.err, show && io.err_is_terminal);  // cleared on the way out
+BisectReport bisect_showing_progress(const Incident& incident, bool minimize_samples, ProgressMode mode,
+                                     CommandIo& io) {
+  ProgressLine progress(io.err, mode, io.err_is_terminal, "bisect");  // cleared on the way out
   IncidentHooks hooks;
   hooks.stop_requested = stop_requested;
   hooks.on_bisect_progress = [&](const BisectProgress& p) { progress.update(p); };
   const StopDeferral polled;  // a stop ends the passes with Interrupted: nothing printed
   return incident.bisect(hooks, minimize_samples);
+}
+
+// As `run` on the same bundle: a non-finite loss the job logged that no tested
+// step reproduces is run's SYSTEM_NOT_REPRODUCIBLE error finding, so exit 1 too.
+int exit_status_like_run(const BisectReport& report) {
+  if (!report.origin && !report.logged_nonfinite_steps.empty()) return static_cast<int>(ExitStatus::kFound);
+  return bisect_exit_status(report);
 }
 
 }  // namespace
@@ -71,14 +78,14 @@ int bisect_command(const CommandArgs& args, CommandIo& io) {
     const bool quiet = flags.quiet || !rank_zero;  // across processes rank 0 alone prints
     const Incident incident(flags.incident, IncidentUse::kBisect);
     if (!incident.mode_note().empty() && !quiet) io.err << "nanreplay: " << incident.mode_note() << "\n";
-    const BisectReport report =
-        bisect_showing_progress(incident, parsed.count("no-samples") == 0, !quiet && !flags.json, io);
+    const ProgressMode progress = rank_zero ? flags.progress : ProgressMode::kNone;
+    const BisectReport report = bisect_showing_progress(incident, parsed.count("no-samples") == 0, progress, io);
     if (flags.json && rank_zero) {
       io.out << bisect_to_json(report).dump(2) << "\n";
     } else if (!quiet) {
       io.out << render_bisect(report, {io.color});
     }
-    return bisect_exit_status(report);
+    return exit_status_like_run(report);
   });
 }
 

@@ -3,7 +3,9 @@
 // and terminal facts every command writes through (no handler touches
 // std::cout, std::cerr or the file descriptors). It is the one error
 // boundary: Interrupted ends in exit 130, InputError and UsageError in exit 2,
-// anything else in exit 3, each with one line on the error stream.
+// anything else in exit 3, each with one line on the error stream ("nanreplay:
+// error: ..." but for an interruption) and, when the words hold --json, the
+// same as one {"error": {...}} object on the result stream.
 #pragma once
 
 #include <ostream>

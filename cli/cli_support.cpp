@@ -13,6 +13,8 @@
 #include <cstring>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "cli/terminal_guard.h"
 #include "loaders/error.h"
 #include "replay/distributed.h"
@@ -25,15 +27,24 @@ std::atomic<int> g_stop_signal{0};
 std::atomic<int> g_deferrals{0};
 constexpr const char* kNothingWritten = "nanreplay: interrupted; nothing was written\n";
 std::atomic<const char*> g_interrupted_message{kNothingWritten};
+std::atomic<const char*> g_interrupted_json{nullptr};  // set under --json: the error object for stdout
+std::atomic<bool> g_json_errors{false};
 
 // Signal context: only atomics, write() and _exit().
 void on_stop_signal(int signal_number) {
   g_stop_signal.store(signal_number);
   if (g_deferrals.load() > 0) return;
   const char* message = g_interrupted_message.load();
-  const ssize_t ignored = ::write(STDERR_FILENO, message, std::strlen(message));
+  ssize_t ignored = ::write(STDERR_FILENO, message, std::strlen(message));
+  if (const char* json = g_interrupted_json.load()) ignored = ::write(STDOUT_FILENO, json, std::strlen(json));
   (void)ignored;
   ::_exit(static_cast<int>(ExitStatus::kInterrupted));
+}
+
+// The object an interruption prints under --json, for the signal handler (never freed, like the line).
+const char* interrupted_json(const std::string& line) {
+  const CommandFailure failure = failure_of(ExitStatus::kInterrupted, FailureKind::kInterrupted, line);
+  return strdup((failure_json(failure) + "\n").c_str());
 }
 
 // A parent may start us with them blocked (a launcher's own handling): unblocked once handled.
@@ -141,23 +152,75 @@ void set_interrupted_message(const std::string& line) {
   // Read in signal context, so never freed: set once or twice per run.
   // Written by the signal handler itself, past the terminal guard: escaped here.
   g_interrupted_message.store(strdup(("nanreplay: " + terminal_safe(line) + "\n").c_str()));
+  if (g_json_errors.load()) g_interrupted_json.store(interrupted_json(terminal_safe(line)));
 }
+
+void set_json_errors(bool json) {
+  g_json_errors.store(json);
+  const std::string line = g_interrupted_message.load();  // "nanreplay: ...\n"
+  g_interrupted_json.store(json ? interrupted_json(line.substr(11, line.size() - 12)) : nullptr);
+}
+
+const char* failure_kind_name(FailureKind kind) {
+  static const char* const kNames[] = {"usage", "bad_input", "output", "internal", "interrupted"};
+  return kNames[static_cast<int>(kind)];
+}
+
+CommandFailure failure_of(ExitStatus status, FailureKind kind, const std::string& message) {
+  const bool interrupted = status == ExitStatus::kInterrupted;
+  return {static_cast<int>(status), failure_kind_name(kind), message, false, "", "",
+          (interrupted ? "" : "error: ") + message};
+}
+
+namespace {
+
+CommandFailure input_failure(const InputError& e, FailureKind kind) {
+  CommandFailure failure = failure_of(ExitStatus::kBadInput, kind, e.what());
+  failure.names_input = true;
+  failure.file = printable(e.file());
+  failure.key = printable(e.key());
+  return failure;
+}
+
+}  // namespace
 
 CommandFailure describe_failure(std::exception_ptr error) {
   try {
     std::rethrow_exception(error);
   } catch (const Interrupted& stop) {
-    return {static_cast<int>(ExitStatus::kInterrupted), stop.what()};
+    return failure_of(ExitStatus::kInterrupted, FailureKind::kInterrupted, stop.what());
+  } catch (const OutputError& e) {
+    return input_failure(e, FailureKind::kOutput);
   } catch (const InputError& e) {
-    return {static_cast<int>(ExitStatus::kBadInput), std::string("error: ") + e.what()};
+    return input_failure(e, FailureKind::kBadInput);
   } catch (const UsageError& e) {
-    return {static_cast<int>(ExitStatus::kBadInput), std::string("error: ") + e.what()};
+    return failure_of(ExitStatus::kBadInput, FailureKind::kUsage, e.what());
   } catch (const PeerError& e) {
-    const bool interrupted = e.exit_status() == static_cast<int>(ExitStatus::kInterrupted);
-    return {e.exit_status(), (interrupted ? "" : "error: ") + std::string(e.what())};
+    // A peer's failure carries its status: the kind follows from it.
+    const auto status = static_cast<ExitStatus>(e.exit_status());
+    const FailureKind kind = status == ExitStatus::kInterrupted ? FailureKind::kInterrupted
+                             : status == ExitStatus::kBadInput  ? FailureKind::kBadInput
+                                                                : FailureKind::kInternal;
+    CommandFailure failure = failure_of(status, kind, e.what());
+    failure.exit_status = e.exit_status();
+    return failure;
   } catch (const std::exception& e) {
-    return {static_cast<int>(ExitStatus::kInternal), std::string("internal error: ") + e.what()};
+    return failure_of(ExitStatus::kInternal, FailureKind::kInternal, std::string("internal error: ") + e.what());
   }
+}
+
+std::string failure_json(const CommandFailure& failure) {
+  nlohmann::json error = {{"exit_code", failure.exit_status}, {"kind", failure.kind}, {"message", failure.message}};
+  if (failure.names_input) {
+    error["file"] = failure.file;
+    error["key"] = failure.key;
+  }
+  // A message quotes bytes from a bundle, not always UTF-8: replaced, so the object is always written.
+  return nlohmann::json{{"error", error}}.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+bool json_requested(const std::vector<std::string>& args) {
+  return std::find(args.begin(), args.end(), "--json") != args.end();
 }
 
 bool color_wanted(int fd) { return std::getenv("NO_COLOR") == nullptr && isatty(fd); }

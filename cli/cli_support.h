@@ -10,6 +10,7 @@
 #include <cxxopts.hpp>
 
 #include "cli/command_table.h"
+#include "loaders/error.h"
 
 namespace nanreplay {
 
@@ -32,6 +33,8 @@ void install_stop_handlers();
 bool stop_requested();
 // The line an immediate stop prints (default "...; nothing was written").
 void set_interrupted_message(const std::string& line);
+// Under --json an immediate stop also prints its error object on stdout (cli/cli.cpp sets it first).
+void set_json_errors(bool json);
 
 class StopDeferral {
  public:
@@ -41,12 +44,32 @@ class StopDeferral {
   StopDeferral& operator=(const StopDeferral&) = delete;
 };
 
-// The exit status and the one line an exception ends the command with (cli/cli.cpp's boundary).
+// What an exception ends the command with (cli/cli.cpp's boundary): the exit
+// status, the one line on stderr, and the same as --json's error object.
 struct CommandFailure {
   int exit_status;
-  std::string line;  // after "nanreplay: "
+  std::string kind;     // failure_kind_name of its FailureKind
+  std::string message;  // without any prefix
+  bool names_input = false;  // an InputError: `file` and `key` (either may be empty) belong in the object
+  std::string file;
+  std::string key;
+  std::string line;     // after "nanreplay: ": "error: " + message, or an interruption's own words
 };
 CommandFailure describe_failure(std::exception_ptr error);
+// The error kinds a failure can have: usage (exit 2), bad_input (2), output
+// (2, the output location cannot take the result), internal (3), interrupted
+// (130); failure_kind_name holds their names, once.
+enum class FailureKind { kUsage, kBadInput, kOutput, kInternal, kInterrupted };
+const char* failure_kind_name(FailureKind kind);
+
+// A failure not thrown (a command that reports one and returns its status); `line` is "error: " + message.
+CommandFailure failure_of(ExitStatus status, FailureKind kind, const std::string& message);
+
+// {"error": {"exit_code", "kind", "message"[, "file", "key"]}}: what --json prints on stdout for a failure.
+std::string failure_json(const CommandFailure& failure);
+
+// Whether the words ask for --json: errors are then printed as failure_json too.
+bool json_requested(const std::vector<std::string>& args);
 
 // NO_COLOR unset and `fd` a terminal.
 bool color_wanted(int fd);

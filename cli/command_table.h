@@ -20,9 +20,16 @@ struct Command {
   const char* summary;
   const char* example;
   CommandHandler handler;
+  // What each exit status means for this command, as its --help ends ("0 ..., 1 ..., 2 ...").
+  // The same in every command: 0 done with nothing to report, 1 done with the other answer (never an
+  // error), 2 bad usage or bad input, 3 internal error, 130 interrupted (docs/commands.md).
+  const char* exit_status;
 };
 
 const std::vector<Command>& command_table();
+
+// "\nexit status: ...\n" of the command `name`, for the end of its --help.
+std::string exit_status_help(const std::string& name);
 
 // Runs the command `args` names. No command: the usage text, exit 2; an
 // unknown one: UsageError with the nearest name.

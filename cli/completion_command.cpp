@@ -1,7 +1,10 @@
 // `nanreplay completion bash|zsh|fish`: a completion script for the shell.
 // Command names come from the command table; each command's flags are asked
 // of `nanreplay CMD --help` when completing, so the script never goes stale.
+#include <algorithm>
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "cli/command_table.h"
 #include "loaders/error.h"
@@ -12,11 +15,11 @@ namespace {
 
 constexpr const char* kHelp =
     "Print a shell completion script for nanreplay's commands and their flags.\n\n"
-    "usage: nanreplay completion bash|zsh|fish\n\n"
+    "usage: nanreplay completion bash|zsh|fish [--json]\n\n"
+    "--json prints {\"shell\": ..., \"script\": ...} instead of the bare script.\n\n"
     "Example: source <(nanreplay completion bash)            # in ~/.bashrc\n"
     "         nanreplay completion zsh > \"${fpath[1]}/_nanreplay\"\n"
-    "         nanreplay completion fish > ~/.config/fish/completions/nanreplay.fish\n"
-    "\nexit status: 0 printed, 2 bad usage\n";
+    "         nanreplay completion fish > ~/.config/fish/completions/nanreplay.fish\n";
 
 std::string command_names() {
   std::string names;
@@ -80,19 +83,24 @@ std::string fish_script() {
 
 int completion_command(const CommandArgs& args, CommandIo& io) {
   if (args.size() > 1 && (args[1] == "--help" || args[1] == "-h")) {
-    io.out << kHelp;
+    io.out << kHelp << exit_status_help("completion");
     return 0;
   }
-  const std::string shell = args.size() == 2 ? args[1] : "";
+  CommandArgs words(args.begin() + 1, args.end());
+  const bool json = std::find(words.begin(), words.end(), "--json") != words.end();
+  words.erase(std::remove(words.begin(), words.end(), "--json"), words.end());
+  const std::string shell = words.size() == 1 ? words[0] : "";
+  std::string script;
   if (shell == "bash") {
-    io.out << bash_script();
+    script = bash_script();
   } else if (shell == "zsh") {
-    io.out << zsh_script();
+    script = zsh_script();
   } else if (shell == "fish") {
-    io.out << fish_script();
+    script = fish_script();
   } else {
     throw UsageError("completion: expected one shell, bash, zsh or fish (see nanreplay completion --help)");
   }
+  io.out << (json ? nlohmann::json{{"shell", shell}, {"script", script}}.dump(2) + "\n" : script);
   return 0;
 }
 

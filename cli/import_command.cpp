@@ -5,6 +5,7 @@
 // standard library; this command finds an interpreter, lets the helper write
 // into a staging directory beside BUNDLE, validates the result as `inspect`
 // does, and renames it into place: a bundle appears whole or not at all.
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,9 +16,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
@@ -44,7 +48,7 @@ constexpr const char* kHelp =
     "         --log FILE --steps FIRST:LAST [--precision fp32|bf16|fp16|fp8] [--grad-clip X]\n"
     "         [--trust-pickle] [--num-heads N] [--num-kv-heads N] [--norm-eps X] [--rope-theta X]\n"
     "         [--rope-style rotate_half|interleaved] [--tie-embeddings true|false] [--activation NAME]\n"
-    "         [--log-numbering zero|one] --out BUNDLE\n\n"
+    "         [--log-numbering zero|one] [--json] --out BUNDLE\n\n"
     "FIRST is the step the checkpoint was taken at (its parameters before that step's update), LAST the\n"
     "last step to replay. Without --optimizer only step FIRST replays. --log is JSON lines, one object\n"
     "per step: step, lr, loss, and optionally grad_norm, loss_scale, skipped.\n"
@@ -63,8 +67,10 @@ constexpr const char* kHelp =
     "Example: nanreplay import --checkpoint ckpt/ --data train.bin --seq-len 2048 --micro-batch-size 4 \\\n"
     "           --sampler-seed 1234 --log train.jsonl --steps 5000:5010 --out incident-5000/\n\n"
     "Runs capture/nanreplay_import.py with Python 3 and PyTorch: NANREPLAY_PYTHON, else /usr/bin/python3,\n"
-    "else python3 on PATH (NANREPLAY_IMPORT_HELPER names another helper script).\n"
-    "\nexit status: 0 written and valid, 2 bad input (nothing written), 3 internal error, 130 interrupted\n";
+    "else python3 on PATH (NANREPLAY_IMPORT_HELPER names another helper script). What it detects and chooses\n"
+    "is printed on stdout as it goes; warnings (a DEFAULTED value, --trust-pickle) on stderr.\n"
+    "--json: print one object instead: bundle, valid, replay_command, notes (what was detected and chosen)\n"
+    "and warnings; an error is {\"error\": {exit_code, kind, message, file, key}} as in every command.\n";
 
 // NANREPLAY_IMPORT_HELPER; else the installed copy beside the executable
 // (PREFIX/bin/nanreplay -> PREFIX/share/nanreplay/capture/); else the source tree's.
@@ -101,11 +107,12 @@ std::string python_interpreter() {
                    "set NANREPLAY_PYTHON");
 }
 
-// The value of --out, and the arguments with it removed.
+// The value of --out, and the arguments with it and --json (the command's, not the helper's) removed.
 std::pair<fs::path, CommandArgs> take_out(const CommandArgs& args) {
   fs::path out;
   CommandArgs rest;
   for (size_t i = 1; i < args.size(); ++i) {
+    if (args[i] == "--json") continue;
     if (args[i] == "--out" || args[i] == "-o") {
       if (i + 1 >= args.size()) throw UsageError("import: --out needs a directory (see nanreplay import --help)");
       out = args[++i];
@@ -127,18 +134,46 @@ std::pair<fs::path, CommandArgs> take_out(const CommandArgs& args) {
   return {out, rest};
 }
 
+// What the helper is started with: its words, its environment (ours, and
+// kOutcomeVariable naming the file it reports to) and where its stdout goes.
+struct HelperLaunch {
+  std::vector<std::string> argv;
+  fs::path outcome;            // the helper's notes, warnings or error (capture/nanreplay_import.py)
+  bool silence_stdout = false;  // --json: stdout holds only the command's one object
+};
+
+constexpr const char* kOutcomeVariable = "NANREPLAY_IMPORT_RESULT";
+
+// Everything fork's child needs, made before the fork: only async-signal-safe calls after it.
+std::vector<std::string> helper_environment(const fs::path& outcome) {
+  std::vector<std::string> environment;
+  const std::string prefix = std::string(kOutcomeVariable) + "=";
+  for (char** entry = environ; *entry != nullptr; ++entry) {
+    if (std::string(*entry).rfind(prefix, 0) != 0) environment.push_back(*entry);
+  }
+  environment.push_back(prefix + outcome.string());
+  return environment;
+}
+
 // The helper's exit status; a stop request kills it and throws Interrupted.
-int run_helper(const std::vector<std::string>& argv) {
+int run_helper(const HelperLaunch& launch) {
+  std::vector<std::string> argv = launch.argv;
+  std::vector<std::string> environment = helper_environment(launch.outcome);
   std::vector<char*> words;
-  for (const std::string& w : argv) words.push_back(const_cast<char*>(w.c_str()));
+  for (std::string& w : argv) words.push_back(w.data());
   words.push_back(nullptr);
+  std::vector<char*> envp;
+  for (std::string& e : environment) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const int devnull = launch.silence_stdout ? ::open("/dev/null", O_WRONLY | O_CLOEXEC) : -1;
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error(std::string("import: fork failed: ") + std::strerror(errno));
   if (pid == 0) {
-    execv(words[0], words.data());
-    std::fprintf(stderr, "nanreplay import: cannot run %s: %s\n", words[0], std::strerror(errno));
-    _exit(127);
+    if (devnull >= 0) ::dup2(devnull, STDOUT_FILENO);
+    execve(words[0], words.data(), envp.data());
+    _exit(127);  // told by the parent: one line, through the command's own error path
   }
+  if (devnull >= 0) ::close(devnull);
   int status = 0;
   for (;;) {
     const pid_t done = waitpid(pid, &status, WNOHANG);
@@ -156,6 +191,38 @@ int run_helper(const std::vector<std::string>& argv) {
   if (stop_requested()) throw Interrupted("interrupted while importing; nothing was written");
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return WEXITSTATUS(status);
+}
+
+// What the helper reported (an empty object when it wrote nothing: an older or a stand-in helper).
+nlohmann::json helper_outcome(const fs::path& outcome) {
+  std::ifstream in(outcome);
+  if (!in) return nlohmann::json::object();
+  const nlohmann::json parsed = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  return parsed.is_object() ? parsed : nlohmann::json::object();
+}
+
+// A failed helper's error, thrown as the command's own so run_cli tells it
+// like every command's (one stderr line, and the object under --json).
+[[noreturn]] void throw_helper_failure(int status, const nlohmann::json& outcome, const HelperLaunch& launch) {
+  const nlohmann::json error = outcome.value("error", nlohmann::json::object());
+  const std::string script = launch.argv.at(1);
+  if (error.value("kind", "") == "bad_input") {
+    throw InputError(error.value("file", ""), error.value("key", ""), error.value("what", ""));
+  }
+  if (error.contains("message")) throw std::runtime_error(error.value("message", ""));
+  if (status == 127) throw std::runtime_error("import: cannot run " + launch.argv.at(0));
+  if (status == static_cast<int>(ExitStatus::kBadInput)) {
+    throw InputError(script, "", "the import helper refused the input (exit 2) and said why above");
+  }
+  throw std::runtime_error("import: the helper " + script + " failed with status " + std::to_string(status));
+}
+
+// --json's object: where the bundle is, how to replay it, and what the helper detected and warned of.
+nlohmann::json import_json(const fs::path& out, const nlohmann::json& outcome) {
+  return {{"bundle", out.string()}, {"valid", true},
+          {"replay_command", "nanreplay run " + out.string() + " --out triage/"},
+          {"notes", outcome.value("notes", nlohmann::json::array())},
+          {"warnings", outcome.value("warnings", nlohmann::json::array())}};
 }
 
 // `inspect`'s checks on the staged bundle, its messages naming BUNDLE rather than the staging directory.
@@ -180,7 +247,7 @@ void validate_like_inspect(const fs::path& staged, const fs::path& out) {
 int import_command(const CommandArgs& args, CommandIo& io) {
   for (size_t i = 1; i < args.size(); ++i) {
     if (args[i] == "--help" || args[i] == "-h") {
-      io.out << kHelp;
+      io.out << kHelp << exit_status_help("import");
       return 0;
     }
   }
@@ -192,24 +259,26 @@ int import_command(const CommandArgs& args, CommandIo& io) {
   const fs::path script = helper_script();
   if (!fs::exists(script)) throw UsageError("import: the helper " + script.string() + " is missing");
   const std::string python = python_interpreter();
+  const bool json = json_requested(args);
   const StopDeferral staged_output;  // a stop now is polled, and the staging directory removed
   StagingDir staging(out, "import");
-  std::vector<std::string> argv = {python, script.string()};
-  argv.insert(argv.end(), helper_args.begin(), helper_args.end());
-  argv.push_back("--out");
-  argv.push_back((staging.dir() / "bundle").string());
-  const int status = run_helper(argv);
-  if (status != 0) {
-    // The helper said why in one line (bad input: 2); anything else is ours to report.
-    if (status == static_cast<int>(ExitStatus::kBadInput)) return status;
-    throw std::runtime_error("import: the helper " + script.string() + " failed with status " + std::to_string(status));
-  }
+  HelperLaunch launch{{python, script.string()}, staging.dir() / "outcome.json", json};
+  launch.argv.insert(launch.argv.end(), helper_args.begin(), helper_args.end());
+  launch.argv.push_back("--out");
+  launch.argv.push_back((staging.dir() / "bundle").string());
+  const int status = run_helper(launch);
+  const nlohmann::json outcome = helper_outcome(launch.outcome);
+  if (status != 0) throw_helper_failure(status, outcome, launch);
   validate_like_inspect(staging.dir() / "bundle", out);
   if (fs::exists(out, ec)) fs::remove(out, ec);  // the empty directory the user made
   fs::rename(staging.dir() / "bundle", out, ec);
   if (ec) throw OutputError(out.string(), "cannot move the bundle into place: " + ec.message());
-  io.out << "wrote " << out.string() << " (valid; replay it with: nanreplay run " << out.string()
-         << " --out triage/)\n";
+  if (json) {
+    io.out << import_json(out, outcome).dump(2, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+  } else {
+    io.out << "wrote " << out.string() << " (valid; replay it with: nanreplay run " << out.string()
+           << " --out triage/)\n";
+  }
   return 0;
 }
 

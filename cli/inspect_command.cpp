@@ -1,5 +1,7 @@
 // `nanreplay inspect BUNDLE`: validate what `run` validates before it replays
 // and summarize the bundle (text or --json); exit 2 when it is invalid.
+#include <optional>
+
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
 #include "loaders/bundle.h"
@@ -32,7 +34,7 @@ void print_inspect_help(const cxxopts::Options& options, CommandIo& io) {
          << "\nValid means `nanreplay run` will not reject the bundle for its structure. Whether the bundle\n"
             "faithfully records the run is not checked: only a replay that reproduces the logged losses\n"
             "shows that.\n"
-         << "\nexit status: 0 valid, 2 bad input (a checksum mismatch included)\n";
+         << exit_status_help("inspect");
 }
 
 // "data/shard_000.bin: sha256 is ..., the manifest says ..." for the first
@@ -63,12 +65,22 @@ int inspect_command(const CommandArgs& args, CommandIo& io) {
   const Bundle bundle(parsed["bundle"].as<std::string>());
   // What `run` checks before it replays, with the same messages.
   validate_bundle_structure(bundle);
-  const nlohmann::json summary = summarize_bundle(bundle);
+  nlohmann::json summary = summarize_bundle(bundle);
   throw_if_mapped_file_changed();
+  const bool valid = summary["valid"].get<bool>();
+  std::optional<CommandFailure> invalid;
+  if (!valid) {
+    invalid = failure_of(ExitStatus::kBadInput, FailureKind::kBadInput, checksum_mismatch_line(summary));
+    invalid->names_input = true;
+    invalid->file = printable(parsed["bundle"].as<std::string>());
+    invalid->key = "data.shards";
+    // Under --json the summary is the one object on stdout: it carries the error as every command's does.
+    summary["error"] = nlohmann::json::parse(failure_json(*invalid))["error"];
+  }
   io.out << (parsed.count("json") ? summary.dump(2) + "\n" : render_bundle_summary(summary));
-  if (!summary["valid"].get<bool>()) {
-    io.err << "nanreplay: error: " << checksum_mismatch_line(summary) << "\n";
-    return static_cast<int>(ExitStatus::kBadInput);
+  if (invalid) {
+    io.err << "nanreplay: error: " << invalid->message << "\n";
+    return invalid->exit_status;
   }
   return 0;
 }

@@ -304,6 +304,14 @@ int run_launched(const LaunchFlags& flags, const CommandArgs& args, double memor
   return run_as_worker(spec, body);
 }
 
+bool is_secondary_process() {
+  try {  // called while reporting a failure: a malformed variable must not throw again
+    return env_int("WORLD_SIZE", 1) > 1 && env_int("RANK", 0) != 0;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 std::vector<std::string> process_devices(const std::vector<std::string>& given) {
   if (env_int("WORLD_SIZE", 1) <= 1 || given.size() != 1 || given[0].rfind("cuda", 0) != 0) return given;
   if (given[0] != "cuda" && given[0] != "cuda:0") {

@@ -42,6 +42,10 @@ LaunchFlags parse_launch_flags(const cxxopts::ParseResult& args);
 int run_launched(const LaunchFlags& flags, const CommandArgs& args, double memory_bytes,
                  const std::function<int(bool rank_zero)>& body);
 
+// A process of a launch other than rank 0 (WORLD_SIZE above 1, RANK not 0):
+// rank 0 alone prints, a --json error object included.
+bool is_secondary_process();
+
 // The devices this process computes on: with several processes (WORLD_SIZE
 // above 1), a CUDA --device becomes cuda:$LOCAL_RANK, as torchrun's
 // convention; an index other than 0 is a UsageError, as it would be ignored.

@@ -66,9 +66,7 @@ int minimize_command(const CommandArgs& args, CommandIo& io) {
   cxxopts::Options options = minimize_options();
   const auto parsed = parse_or_usage(options, args);
   if (parsed.count("help")) {
-    io.out << options.help() << "\nexit status: 1 MIN written (it names the same origin or flipped bit), 0 nothing "
-           << "to minimize (nothing written), 2 bad input, 3 internal error (no candidate reproduced), "
-           << "130 interrupted\n";
+    io.out << options.help() << exit_status_help("minimize");
     return 0;
   }
   if (!parsed.count("bundle")) throw UsageError("minimize: missing BUNDLE (see nanreplay minimize --help)");
@@ -78,7 +76,7 @@ int minimize_command(const CommandArgs& args, CommandIo& io) {
   const fs::path out = checked_out(parsed["out"].as<std::string>(), flags.incident.bundle);
   const Incident incident(flags.incident, IncidentUse::kBisect);
 
-  ProgressLine progress(io.err, !flags.quiet && !flags.json && io.err_is_terminal);
+  ProgressLine progress(io.err, flags.progress, io.err_is_terminal, "minimize");
   IncidentHooks hooks;
   hooks.stop_requested = stop_requested;
   hooks.on_bisect_progress = [&](const BisectProgress& p) { progress.update(p); };
@@ -116,7 +114,8 @@ int minimize_command(const CommandArgs& args, CommandIo& io) {
   } else if (!flags.quiet) {
     io.out << render_minimize(report, {io.color});
   }
-  return report.written() ? static_cast<int>(ExitStatus::kFound) : 0;
+  // 0: the command did what was asked (MIN is there); 1: the other answer, nothing written.
+  return static_cast<int>(report.written() ? ExitStatus::kClean : ExitStatus::kFound);
 }
 
 }  // namespace nanreplay

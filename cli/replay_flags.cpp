@@ -50,8 +50,9 @@ void add_replay_flags(cxxopts::Options& options, const char* json_help, bool cro
                   "default: beside --out for run, the temporary directory for bisect)",
        cxxopts::value<std::string>(), "DIR")
       ("json", json_help)
-      ("q,quiet", "print nothing but errors")
-      ("h,help", "show this help");
+      ("q,quiet", "print nothing but errors");
+  add_progress_flag(options);
+  options.add_options()("h,help", "show this help");
   if (what_if) {
     options.add_options()("what-if", "replay the first non-finite step with one change (repeatable; see below)",
                           cxxopts::value<std::string>(), "SPEC");
@@ -79,6 +80,7 @@ ReplayFlags parse_replay_flags(const cxxopts::ParseResult& args, bool probes) {
   if (args.count("scratch")) incident.scratch = args["scratch"].as<std::string>();
   flags.json = args.count("json") > 0;
   flags.quiet = args.count("quiet") > 0;
+  flags.progress = progress_mode(args, flags.quiet);
   flags.launch = parse_launch_flags(args);
   if (!incident.devices.empty()) flags.launch.device = incident.devices.front();
   if (args.count("split")) {

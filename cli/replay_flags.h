@@ -1,13 +1,14 @@
-// The flags `run` and `bisect` share, declared and parsed once: --threads,
-// --device (and run's --cross-check), --emulate-low-precision, --max-memory,
-// --stream, --scratch,
-// --json, -q/--quiet, -h/--help and the repeatable --what-if, in the order
+// The flags `run`, `bisect` and `minimize` share, declared and parsed once:
+// --threads, --device (and run's --cross-check), --emulate-low-precision,
+// --max-memory, --stream, --scratch, --json, -q/--quiet, --progress,
+// -h/--help and the repeatable --what-if, in the order
 // both commands' --help lists them, with every check that needs no bundle.
 #pragma once
 
 #include <cxxopts.hpp>
 
 #include "cli/launch.h"
+#include "cli/progress_line.h"
 #include "replay/incident.h"
 
 namespace nanreplay {
@@ -18,6 +19,7 @@ struct ReplayFlags {
   IncidentSettings incident;
   bool json = false;
   bool quiet = false;
+  ProgressMode progress = ProgressMode::kAuto;  // --progress (none under --quiet unless given)
   LaunchFlags launch;  // --nproc and the rest: across processes (cli/launch.h)
 };
 

@@ -65,8 +65,9 @@ void pause_for_test_at(const ReplayProgress& p) {
   std::raise(SIGSTOP);
 }
 
-ReplayReport replay_showing_progress(const Incident& incident, bool quiet, CommandIo& io, RunOutputs& outputs) {
-  ProgressLine progress(io.err, !quiet && io.err_is_terminal);  // cleared on the way out
+ReplayReport replay_showing_progress(const Incident& incident, ProgressMode mode, CommandIo& io,
+                                     RunOutputs& outputs) {
+  ProgressLine progress(io.err, mode, io.err_is_terminal, "run");  // cleared on the way out
   IncidentHooks hooks;
   hooks.stop_requested = stop_requested;
   hooks.on_step_probes = outputs.probe_sink();
@@ -108,8 +109,7 @@ void print_run_help(const cxxopts::Options& options, CommandIo& io) {
   io.out << options.help() << "\n" << what_if_help()
          << "  e.g. nanreplay run incident-bundle/ --what-if stable-softmax --what-if fp32-layers=2,3\n"
          << "  report.json then holds a `what_if` list: resolved or not, and the first non-finite value after\n"
-         << "\nexit status: 0 clean, 1 non-finite origin or error finding named, "
-         << "2 bad input, 3 internal error, 130 interrupted\n";
+         << exit_status_help("run");
 }
 
 }  // namespace
@@ -128,7 +128,7 @@ ReplayReport replay_and_write(const RunSettings& settings, CommandIo& io) {
   if (!incident->mode_note().empty() && !settings.quiet) io.err << "nanreplay: " << incident->mode_note() << "\n";
   const StopDeferral staged_output;  // destroyed after `outputs`: its cleanup runs first
   RunOutputs outputs(settings.out, incident->bundle().root(), settings.replace_existing);
-  ReplayReport report = replay_showing_progress(*incident, settings.quiet, io, outputs);
+  ReplayReport report = replay_showing_progress(*incident, settings.progress, io, outputs);
   report.timings.started = loading.started;
   report.timings.add(TimedPhase::kLoad, loading.of(TimedPhase::kLoad));
   outputs.write_and_commit(report, incident->steps_to_replay(), stop_requested);
@@ -168,6 +168,7 @@ int run_command(const CommandArgs& args, CommandIo& io) {
   settings.incident.only_steps = steps;
   settings.incident.max_memory = process_memory_limit(settings.incident.max_memory);
   settings.quiet = flags.quiet;
+  settings.progress = flags.progress;
   settings.timings = parsed.count("timings") > 0;
   const double memory = static_cast<double>(settings.incident.max_memory->bytes);
   return run_launched(flags.launch, args, memory, [&](bool rank_zero) {
@@ -182,7 +183,7 @@ int run_command(const CommandArgs& args, CommandIo& io) {
     if (flags.json) {
       io.out << report_to_json(report).dump(2) << "\n";
     } else if (!flags.quiet) {
-      io.out << render_verdict(report, {io.color});
+      io.out << render_verdict(report, {io.color, settings.out.string()});
       io.out << "\nwrote " << (settings.out / "report.json").string() << ", report.md, report.html and "
              << (settings.out / "trace.h5").string() << "\n";
     }

@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "cli/cli.h"
+#include "cli/progress_line.h"
 #include "replay/incident.h"
 
 namespace nanreplay {
@@ -14,7 +15,8 @@ struct RunSettings {
   IncidentSettings incident;
   std::filesystem::path out;
   bool replace_existing = true;  // --no-clobber: refuse an --out that holds results
-  bool quiet = false;            // no progress line
+  bool quiet = false;            // no notes on stderr
+  ProgressMode progress = ProgressMode::kNone;  // --progress, resolved (cli/progress_line.h)
   bool timings = false;          // --timings: where the time went, on stderr
 };
 

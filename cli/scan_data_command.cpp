@@ -42,20 +42,22 @@ cxxopts::Options scan_data_options() {
       ("low-entropy-z", "robust z-score below the typical sample's entropy", cxxopts::value<double>()->default_value("6"))
       ("low-entropy-ratio", "and below this fraction of the median entropy", cxxopts::value<double>()->default_value("0.6"))
       ("json", "print the result as JSON")
-      ("q,quiet", "print nothing but errors")
-      ("h,help", "show this help");
+      ("q,quiet", "print nothing but errors");
+  add_progress_flag(options);
+  options.add_options()("h,help", "show this help");
   options.parse_positional({"bundle"});
   options.positional_help("BUNDLE");
   return options;
 }
 
-ScanOutcome scan_bundle(const Bundle& bundle, const cxxopts::ParseResult& args, bool show_progress, CommandIo& io) {
+ScanOutcome scan_bundle(const Bundle& bundle, const cxxopts::ParseResult& args, ProgressMode progress_mode,
+                        CommandIo& io) {
   ScanOutcome outcome;
   outcome.checks.repeat_run_min = args["repeat-run-min"].as<int64_t>();
   outcome.checks.low_entropy_z = args["low-entropy-z"].as<double>();
   outcome.checks.low_entropy_ratio = args["low-entropy-ratio"].as<double>();
   {
-    ProgressLine progress(io.err, show_progress);
+    ProgressLine progress(io.err, progress_mode, io.err_is_terminal, "scan-data");
     outcome.scan = scan_token_stream(bundle.tokens(), bundle.manifest().data.seq_len,
                                      bundle.manifest().model.vocab_size, outcome.checks, args["threads"].as<int>(),
                                      [&](double fraction) { progress.update_scan(fraction); });
@@ -137,15 +139,14 @@ int scan_data_command(const CommandArgs& args, CommandIo& io) {
   cxxopts::Options options = scan_data_options();
   const auto parsed = parse_or_usage(options, args);
   if (parsed.count("help")) {
-    io.out << options.help()
-           << "\nexit status: 0 nothing flagged, 1 poisoned data or a shard checksum mismatch found, 2 bad input\n";
+    io.out << options.help() << exit_status_help("scan-data");
     return 0;
   }
   if (!parsed.count("bundle")) throw UsageError("scan-data: missing BUNDLE (see nanreplay scan-data --help)");
   const Bundle bundle(parsed["bundle"].as<std::string>());
   const bool json = parsed.count("json") > 0;
   const bool quiet = parsed.count("quiet") > 0;
-  const ScanOutcome outcome = scan_bundle(bundle, parsed, !quiet && !json && io.err_is_terminal, io);
+  const ScanOutcome outcome = scan_bundle(bundle, parsed, progress_mode(parsed, quiet), io);
   if (json) {
     io.out << scan_json(bundle, outcome).dump(2) << "\n";
   } else if (!quiet) {

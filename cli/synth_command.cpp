@@ -30,6 +30,7 @@ cxxopts::Options synth_options() {
        cxxopts::value<std::string>(), "FILE")
       ("checkpoint-every", "roll forward: a full checkpoint only every N steps from the first (and where the "
        "fault edits one); the steps between hold only state.json", cxxopts::value<int64_t>(), "N")
+      ("json", "what was planted, as one JSON object (synth always prints it so; accepted as every command takes it)")
       ("h,help", "show this help");
   options.parse_positional({"preset", "dir"});
   options.positional_help("PRESET DIR");
@@ -104,7 +105,8 @@ int synth_command(const CommandArgs& args, CommandIo& io) {
   cxxopts::Options options = synth_options();
   const auto parsed = parse_or_usage(options, args);
   if (parsed.count("help")) {
-    io.out << options.help() << "\npresets:\n" << preset_listing();
+    // The preset listing stays last: scripts read the presets from the lines after "presets:".
+    io.out << options.help() << exit_status_help("synth") << "\npresets:\n" << preset_listing();
     return 0;
   }
   if (!parsed.count("preset") || !parsed.count("dir")) throw UsageError("synth: need PRESET and DIR");

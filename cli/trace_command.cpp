@@ -74,7 +74,7 @@ int trace_command(const CommandArgs& args, CommandIo& io) {
   cxxopts::Options options = trace_options();
   const auto parsed = parse_or_usage(options, args);
   if (parsed.count("help")) {
-    io.out << options.help() << "\nexit status: 0 rows printed (or none matched), 2 bad usage (a --step the trace does not hold) or bad file\n";
+    io.out << options.help() << exit_status_help("trace");
     return 0;
   }
   if (!parsed.count("trace")) throw UsageError("trace: missing TRACE.h5 (see nanreplay trace --help)");

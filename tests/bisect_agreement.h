@@ -54,7 +54,9 @@ inline nlohmann::json check_bisect_agrees_with_run(const std::filesystem::path& 
   }
   for (const auto& skipped : bisect["not_replayed"]) CHECK(unreplayed_by_run.count(skipped["step"].get<int64_t>()) == 1);
   CHECK(bisect["replays"]["full_probe_pass"] == replayed_by_run * bisect["passes_per_step"].get<int64_t>());
-  CHECK(result.status == (origin.is_object() || !bisect["not_replayed"].empty() ? 1 : 0));
+  // As run: a logged non-finite loss no replayed step reproduces is run's SYSTEM_NOT_REPRODUCIBLE, exit 1.
+  const bool not_reproducible = !origin.is_object() && !bisect["logged_nonfinite_steps"].empty();
+  CHECK(result.status == (origin.is_object() || !bisect["not_replayed"].empty() || not_reproducible ? 1 : 0));
   // The step search saw what run saw: a step is bad exactly where run's
   // replay of it holds a non-finite value the loss scaler does not absorb.
   std::map<int64_t, bool> bad_by_run;

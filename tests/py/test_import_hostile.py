@@ -51,9 +51,10 @@ class SilentPayload:
 
 
 def one_line(rc, err, file_part, key_part, label):
-    lines = err.strip().splitlines()
+    # Warnings (a DEFAULTED value) share stderr with the error: one error line among them.
+    lines = [x for x in err.strip().splitlines() if not x.startswith("nanreplay: warning: ")]
     line = lines[-1] if lines else ""
-    ok = rc == 2 and len(lines) == 1 and line.startswith("nanreplay import: ") and file_part in line \
+    ok = rc == 2 and len(lines) == 1 and line.startswith("nanreplay: error: ") and file_part in line \
         and f": {key_part}" in line
     s.check(ok, f"{label}: exit {rc}, {len(lines)} line(s): {line!r}")
     return line

@@ -44,6 +44,7 @@ def run(argv):
 
 def refused(label, argv, *needles):
     rc, _, lines = run(argv)
+    lines = [x for x in lines if not x.startswith("nanreplay: warning: ")]  # warnings share stderr: one error line
     line = lines[-1] if lines else ""
     s.check(rc == 2 and len(lines) == 1 and all(n in line for n in needles), f"{label}: exit {rc}, {line!r}")
 
@@ -85,13 +86,15 @@ def llama2c_cases(work, data, log):
     ckpt = work / "ckpt.pt"
     torch.save({"model": sd, "optimizer": opt.state_dict(), "model_args": l2c.ARGS, "iter_num": 0}, ckpt)
     rc, out, err = run(["--checkpoint", ckpt, *base, "--steps", "0:1", "--out", work / "b2"])
+    warnings = [line for line in err if line.startswith("nanreplay: warning: ")]
     s.check(rc == 0, f"llama2.c's ckpt.pt with attention.mask imports {err}")
     if rc == 0:
         p = manifest_of(work / "b2")["provenance"]
         s.check(p["model.norm_eps"]["from"] == "default" and p["model.norm_eps"]["value"] == 1e-5
                 and "llama2.c" in p["model.norm_eps"]["detail"] and p["model.rope_theta"]["from"] == "default"
                 and p["model.num_heads"]["from"] == "checkpoint", f"llama2.c's defaults recorded as defaulted {p}")
-        s.check("norm_eps: DEFAULTED, llama2.c's ModelArgs default" in out, "the import prints the default as DEFAULTED")
+        s.check(any("norm_eps: DEFAULTED, llama2.c's ModelArgs default" in w for w in warnings)
+                and "DEFAULTED" not in out, f"the import warns of the default as DEFAULTED, on stderr only {warnings}")
 
     # 3. Two parameters missing: both named, beside the checkpoint's own names left over.
     cut = {k: v for k, v in model.state_dict().items() if "feed_forward.w1" not in k}
@@ -201,9 +204,21 @@ def end_to_end(cli, work, data):
     s.write_log(work / "eps.jsonl", log)
     proc = s.run_import(cli, ["--checkpoint", ckpt, *data.flags(), "--log", work / "eps.jsonl", "--steps", "1:2"],
                         work / "eps-bundle")
-    s.check(proc.returncode == 0 and "DEFAULTED" in proc.stdout, f"import exits 0, says DEFAULTED {proc.stderr.strip()}")
+    s.check(proc.returncode == 0 and "nanreplay: warning: norm_eps: DEFAULTED" in proc.stderr
+            and "DEFAULTED" not in proc.stdout, f"import exits 0, warns DEFAULTED on stderr {proc.stderr.strip()}")
     if proc.returncode != 0:
         return
+    if s.import_command(cli)[0] == cli:  # --json is the command's: one object on stdout, the warning on stderr too
+        jproc = s.run_import(cli, ["--json", "--checkpoint", ckpt, *data.flags(), "--log", work / "eps.jsonl",
+                                   "--steps", "1:2"], work / "eps-json")
+        try:
+            obj = json.loads(jproc.stdout)
+        except ValueError:
+            obj = {}
+        s.check(jproc.returncode == 0 and obj.get("valid") is True and obj.get("bundle") == str(work / "eps-json")
+                and any("norm_eps: DEFAULTED" in w for w in obj.get("warnings", [])) and obj.get("notes")
+                and "nanreplay: warning: norm_eps: DEFAULTED" in jproc.stderr,
+                f"import --json: one object with notes and warnings (exit {jproc.returncode}) {jproc.stdout[:300]!r}")
     rproc, report = s.run_replay(cli, work / "eps-bundle", work / "eps-out")
     s.check(report is not None, f"nanreplay run writes a report (exit {rproc.returncode}) {rproc.stderr.strip()}")
     if report is None:

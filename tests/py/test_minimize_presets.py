@@ -5,7 +5,7 @@ Every preset `nanreplay synth --help` lists is classified below; one that is not
 preset cannot be skipped silently. For each incident preset (a planted fault): synth, minimize --json, then
 bisect --json on MIN (run --json for a flipped bit, which only run's update check names), asserting the same
 origin (or the same flipped bit), the sample mapped back to its original index, and the size ratio. Presets
-whose fault minimize has no cut for: exit 0, nothing written, and why. A few rolled-forward windows too.
+whose fault minimize has no cut for: exit 1, nothing written, and why. A few rolled-forward windows too.
 Standard library only; the C++ test (tests/test_cli_minimize.cpp) keeps what needs no sweep.
 """
 import argparse
@@ -28,7 +28,7 @@ ORIGIN = {
 }
 # No origin, a flipped bit the update check names: the two steps around it (two of four checkpoints).
 FLIP = {"silent-bit-flip": 0.5}
-# A planted fault whose error finding minimize has no cut for: exit 0, nothing written, the codes named.
+# A planted fault whose error finding minimize has no cut for: exit 1, nothing written, the codes named.
 NOT_MINIMIZED = {
     "token-out-of-range": ["DATA_TOKEN_OUT_OF_RANGE"],
     "sampler-mismatch": ["DATA_SAMPLER_MISMATCH"],
@@ -113,7 +113,7 @@ def check_provenance(label, out, bundle):
 
 
 def check_origin(cli, label, bundle, out, max_ratio):
-    report = minimize(cli, label, bundle, out, 1)
+    report = minimize(cli, label, bundle, out, 0)  # MIN written: exit 0
     if report is None or not check(report["finding"] == "origin" and out.is_dir(), f"{label}: MIN written"):
         return None
     proc = cli_run(cli, "bisect", out, "--json", "--no-samples")
@@ -136,7 +136,7 @@ def check_origin(cli, label, bundle, out, max_ratio):
 
 
 def check_flip(cli, label, bundle, out, max_ratio, work):
-    report = minimize(cli, label, bundle, out, 1)
+    report = minimize(cli, label, bundle, out, 0)
     if report is None or not check(report["finding"] == "bit_flip" and out.is_dir(), f"{label}: MIN written"):
         return
     flip = report["bit_flip"]
@@ -162,7 +162,7 @@ def check_flip(cli, label, bundle, out, max_ratio, work):
 
 
 def check_nothing(cli, label, bundle, out, codes):
-    report = minimize(cli, label, bundle, out, 0)
+    report = minimize(cli, label, bundle, out, 1)  # nothing to minimize: exit 1, nothing written
     if report is None:
         return
     check(report["finding"] == "none" and report["out"] is None and not out.exists() and report["reason"],
