@@ -248,6 +248,130 @@ void StreamedModel::accumulate(const std::vector<size_t>& slots, const ParamMap&
 
 void StreamedModel::clear_gradients() { rank_grads_->forget_all(); }
 
+// What one pass holds between its stages.
+struct StreamedModel::PassState {
+  PassState(const ModelConfig& model_config, const Numerics& numerics, ProbeSession& session, IndexRange layers_here,
+            bool computes_outer)
+      : model(model_config), probes(session), pass(model_config, numerics, session), mine(layers_here),
+        outer_here(computes_outer), stream(static_cast<size_t>(model_config.num_layers) + 1),
+        router_logit_grads(static_cast<size_t>(model_config.num_layers)),
+        router_prob_grads(static_cast<size_t>(model_config.num_layers)) {}
+  const ModelConfig& model;
+  ProbeSession& probes;
+  ModelPass pass;
+  IndexRange mine;        // this process's layers
+  bool outer_here;        // the embeddings, the head and the loss are computed here
+  ParamMap outer;         // loaded for the whole pass where outer_here
+  std::vector<torch::Tensor> stream;  // what enters each block, then the head
+  RouterOutputs routers;  // every layer's, where outer_here
+  std::vector<torch::Tensor> router_logit_grads, router_prob_grads;
+};
+
+// The blocks of this process, without a graph (it is built again per block
+// in the backward); the residual stream arrives from the previous layer's
+// process and leaves for the next one's.
+void StreamedModel::forward_blocks(PassState& s, const torch::Tensor& inputs, const BlockHook& on_block) {
+  const int layers = static_cast<int>(s.model.num_layers);
+  torch::Tensor x = s.outer_here ? s.pass.embed(s.outer, inputs) : torch::Tensor();
+  if (s.mine.first < s.mine.end) {
+    x = arriving(x, s.mine.first == 0 ? 0 : owner(s.mine.first - 1));
+    for (int layer = s.mine.first; layer < s.mine.end; ++layer) {
+      if (on_block) on_block(layer, "forward");
+      s.stream[static_cast<size_t>(layer)] = x;
+      const std::vector<size_t>& slots = blocks_[static_cast<size_t>(layer)];
+      x = s.pass.block(load(slots, /*leaves=*/false), layer, x);
+      release_block(slots);
+    }
+    leaving(x, s.mine.end == layers ? 0 : owner(s.mine.end));
+  }
+  s.stream.back() = x;
+}
+
+// The head and the loss where they are computed (the router losses read
+// every layer's routers); elsewhere this process's routers go to rank 0.
+ForwardResult StreamedModel::forward_head(PassState& s, const torch::Tensor& targets) {
+  const int layers = static_cast<int>(s.model.num_layers);
+  if (s.outer_here) {
+    const torch::Tensor x = s.stream.back() = arriving(s.stream.back(), owner(layers - 1));
+    s.routers = s.pass.router() = gather_routers(s.pass.router(), s.model);
+    return s.pass.head(s.outer, x, targets);
+  }
+  if (s.model.moe) {
+    for (size_t i = 0; i < s.pass.router().logits.size(); ++i) {
+      world_->send(s.pass.router().logits[i], 0);
+      world_->send(s.pass.router().probs[i], 0);
+      world_->send(s.pass.router().expert_tokens[i], 0);
+    }
+  }
+  return {};
+}
+
+// The head again, from the last block's output and the routers' outputs as
+// leaves: the gradient entering the last block, and each router's.
+torch::Tensor StreamedModel::backward_head(PassState& s, const torch::Tensor& targets, double backward_scale) {
+  const int layers = static_cast<int>(s.model.num_layers);
+  s.probes.begin_recompute();
+  const torch::Tensor head_input = s.stream.back().detach().requires_grad_(true);
+  RouterOutputs& head_routers = s.pass.router();
+  head_routers.expert_tokens = s.routers.expert_tokens;
+  head_routers.logits.clear();
+  head_routers.probs.clear();
+  for (const torch::Tensor& t : s.routers.logits) head_routers.logits.push_back(t.detach().requires_grad_(true));
+  for (const torch::Tensor& t : s.routers.probs) head_routers.probs.push_back(t.detach().requires_grad_(true));
+  const RouterOutputs router_leaves = head_routers;
+  (s.pass.head(s.outer, head_input, targets).loss * backward_scale).backward();
+  const torch::Tensor grad = head_input.grad();
+  for (size_t l = 0; l < router_leaves.logits.size(); ++l) {
+    s.router_logit_grads[l] = router_leaves.logits[l].grad();
+    s.router_prob_grads[l] = router_leaves.probs[l].grad();
+  }
+  leaving(grad, owner(layers - 1));
+  for (int layer = layers - 1; world_ && s.model.moe && layer >= 0; --layer) {  // in the order the owners need them
+    if (owner(layer) == 0) continue;
+    world_->send(s.router_logit_grads[static_cast<size_t>(layer)], owner(layer));
+    world_->send(s.router_prob_grads[static_cast<size_t>(layer)], owner(layer));
+  }
+  return grad;
+}
+
+// This process's blocks, last first, each forward again with its graph and
+// then backward; returns the gradient entering its first block.
+torch::Tensor StreamedModel::backward_blocks(PassState& s, torch::Tensor grad, const BlockHook& on_block) {
+  const int layers = static_cast<int>(s.model.num_layers);
+  if (s.mine.first >= s.mine.end) return grad;
+  grad = arriving(grad, s.mine.end == layers ? 0 : owner(s.mine.end));
+  for (int layer = s.mine.end - 1; layer >= s.mine.first; --layer) {
+    if (on_block) on_block(layer, "backward");
+    const size_t l = static_cast<size_t>(layer);
+    if (s.model.moe && !s.outer_here) {
+      s.router_logit_grads[l] = world_->receive(0);
+      s.router_prob_grads[l] = world_->receive(0);
+    }
+    const std::vector<size_t>& slots = blocks_[l];
+    const ParamMap params = load(slots, /*leaves=*/true);
+    s.probes.begin_recompute();
+    s.pass.router() = RouterOutputs{};
+    const torch::Tensor input = s.stream[l].detach().requires_grad_(true);
+    std::vector<torch::Tensor> roots{s.pass.block(params, layer, input)};
+    std::vector<torch::Tensor> grads{grad};
+    if (s.model.moe) {  // the router losses' gradients enter at the block's router outputs
+      for (const auto& [leaf_grad, again] : {std::pair(s.router_logit_grads[l], s.pass.router().logits.at(0)),
+                                             std::pair(s.router_prob_grads[l], s.pass.router().probs.at(0))}) {
+        if (!leaf_grad.defined()) continue;
+        roots.push_back(again);
+        grads.push_back(leaf_grad.to(again.device()));
+      }
+    }
+    torch::autograd::backward(roots, grads);
+    grad = input.grad();
+    s.stream[l] = torch::Tensor();
+    accumulate(slots, params);
+    release_block(slots);
+  }
+  leaving(grad, s.mine.first == 0 ? 0 : owner(s.mine.first - 1));
+  return grad;
+}
+
 // Across processes (distributed.h) the same pieces run where their layers
 // are: the residual stream goes to the next layer's process, the last
 // block's output back to rank 0 for the head, and the gradients the reverse
@@ -258,108 +382,24 @@ ForwardResult StreamedModel::forward_backward(const ModelConfig& model, const Nu
                                               const BlockHook& on_block) {
   const int layers = static_cast<int>(model.num_layers);
   const int me = world_ ? world_->rank() : 0;
-  const IndexRange mine = world_ ? ranges_.at(static_cast<size_t>(me)) : IndexRange{0, layers};
-  const bool outer_here = me == 0;  // the embeddings, the head and the loss
-  ModelPass pass(model, numerics, probes);
+  PassState s(model, numerics, probes, world_ ? ranges_.at(static_cast<size_t>(me)) : IndexRange{0, layers}, me == 0);
   // The embeddings and the head stay for the whole pass: a tied head and the
   // embedding are one leaf, whose gradient sums both uses as autograd's would.
-  const ParamMap outer = outer_here ? load(outer_, /*leaves=*/true) : ParamMap{};
-  std::vector<torch::Tensor> stream(static_cast<size_t>(layers) + 1);  // what enters each block, then the head
+  if (s.outer_here) s.outer = load(outer_, /*leaves=*/true);
   ForwardResult result;
-  RouterOutputs routers;
   {
     torch::NoGradGuard no_grad;  // the forward's values and statistics; its graph is built again per block
-    torch::Tensor x = outer_here ? pass.embed(outer, inputs) : torch::Tensor();
-    if (mine.first < mine.end) {
-      x = arriving(x, mine.first == 0 ? 0 : owner(mine.first - 1));
-      for (int layer = mine.first; layer < mine.end; ++layer) {
-        if (on_block) on_block(layer, "forward");
-        stream[static_cast<size_t>(layer)] = x;
-        const std::vector<size_t>& slots = blocks_[static_cast<size_t>(layer)];
-        x = pass.block(load(slots, /*leaves=*/false), layer, x);
-        release_block(slots);
-      }
-      leaving(x, mine.end == layers ? 0 : owner(mine.end));
-    }
-    if (outer_here) {
-      stream.back() = x = arriving(x, owner(layers - 1));
-      routers = pass.router() = gather_routers(pass.router(), model);  // the router losses read every layer's
-      result = pass.head(outer, x, targets);
-    } else if (model.moe) {
-      for (size_t i = 0; i < pass.router().logits.size(); ++i) {
-        world_->send(pass.router().logits[i], 0);
-        world_->send(pass.router().probs[i], 0);
-        world_->send(pass.router().expert_tokens[i], 0);
-      }
-    }
+    forward_blocks(s, inputs, on_block);
+    result = forward_head(s, targets);
   }
   if (before_backward) before_backward();
-
   torch::Tensor grad;  // the gradient leaving the block being computed
-  std::vector<torch::Tensor> router_logit_grads(static_cast<size_t>(layers));
-  std::vector<torch::Tensor> router_prob_grads(static_cast<size_t>(layers));
-  if (outer_here) {
-    // The head again, from the last block's output and the routers' outputs as leaves.
+  if (s.outer_here) grad = backward_head(s, targets, backward_scale);
+  grad = backward_blocks(s, grad, on_block);
+  if (s.outer_here) {  // the embeddings again, from the gradient entering the first block
     probes.begin_recompute();
-    const torch::Tensor head_input = stream.back().detach().requires_grad_(true);
-    RouterOutputs& head_routers = pass.router();
-    head_routers.expert_tokens = routers.expert_tokens;
-    head_routers.logits.clear();
-    head_routers.probs.clear();
-    for (const torch::Tensor& t : routers.logits) head_routers.logits.push_back(t.detach().requires_grad_(true));
-    for (const torch::Tensor& t : routers.probs) head_routers.probs.push_back(t.detach().requires_grad_(true));
-    const RouterOutputs router_leaves = head_routers;
-    (pass.head(outer, head_input, targets).loss * backward_scale).backward();
-    grad = head_input.grad();
-    for (size_t l = 0; l < router_leaves.logits.size(); ++l) {
-      router_logit_grads[l] = router_leaves.logits[l].grad();
-      router_prob_grads[l] = router_leaves.probs[l].grad();
-    }
-    leaving(grad, owner(layers - 1));
-    for (int layer = layers - 1; world_ && model.moe && layer >= 0; --layer) {  // in the order the owners need them
-      if (owner(layer) == 0) continue;
-      world_->send(router_logit_grads[static_cast<size_t>(layer)], owner(layer));
-      world_->send(router_prob_grads[static_cast<size_t>(layer)], owner(layer));
-    }
-  }
-
-  if (mine.first < mine.end) {
-    grad = arriving(grad, mine.end == layers ? 0 : owner(mine.end));
-    for (int layer = mine.end - 1; layer >= mine.first; --layer) {
-      if (on_block) on_block(layer, "backward");
-      const size_t l = static_cast<size_t>(layer);
-      if (model.moe && !outer_here) {
-        router_logit_grads[l] = world_->receive(0);
-        router_prob_grads[l] = world_->receive(0);
-      }
-      const std::vector<size_t>& slots = blocks_[l];
-      const ParamMap params = load(slots, /*leaves=*/true);
-      probes.begin_recompute();
-      pass.router() = RouterOutputs{};
-      const torch::Tensor input = stream[l].detach().requires_grad_(true);
-      std::vector<torch::Tensor> roots{pass.block(params, layer, input)};
-      std::vector<torch::Tensor> grads{grad};
-      if (model.moe) {  // the router losses' gradients enter at the block's router outputs
-        for (const auto& [leaf_grad, again] : {std::pair(router_logit_grads[l], pass.router().logits.at(0)),
-                                               std::pair(router_prob_grads[l], pass.router().probs.at(0))}) {
-          if (!leaf_grad.defined()) continue;
-          roots.push_back(again);
-          grads.push_back(leaf_grad.to(again.device()));
-        }
-      }
-      torch::autograd::backward(roots, grads);
-      grad = input.grad();
-      stream[l] = torch::Tensor();
-      accumulate(slots, params);
-      release_block(slots);
-    }
-    leaving(grad, mine.first == 0 ? 0 : owner(mine.first - 1));
-  }
-
-  if (outer_here) {  // the embeddings again, from the gradient entering the first block
-    probes.begin_recompute();
-    torch::autograd::backward({pass.embed(outer, inputs)}, {grad});
-    accumulate(outer_, outer);
+    torch::autograd::backward({s.pass.embed(s.outer, inputs)}, {grad});
+    accumulate(outer_, s.outer);
     release(outer_);
     result.loss = result.loss.detach();
   }

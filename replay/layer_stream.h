@@ -138,6 +138,12 @@ class StreamedModel {
   RouterOutputs gather_routers(const RouterOutputs& own, const ModelConfig& model) const;
   void share_pass(ProbeSession& probes, ForwardResult& result) const;  // every process's probes, rank 0's loss
   void share_rank_gradients();                                         // each from its owner to every process
+  // The stages of forward_backward, on what one pass holds (layer_stream.cpp).
+  struct PassState;
+  void forward_blocks(PassState& s, const torch::Tensor& inputs, const BlockHook& on_block);
+  ForwardResult forward_head(PassState& s, const torch::Tensor& targets);
+  torch::Tensor backward_head(PassState& s, const torch::Tensor& targets, double backward_scale);
+  torch::Tensor backward_blocks(PassState& s, torch::Tensor grad, const BlockHook& on_block);
 
   ModelCheckpoint& checkpoint_;
   torch::Device device_;
