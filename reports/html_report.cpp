@@ -64,6 +64,7 @@ table.evidence th{font-weight:500;color:#5c6373;text-align:left;padding:1px 12px
 table.evidence td{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;word-break:normal;overflow-wrap:normal}
 details.consequences{margin-top:8px;color:#5c6373}details.consequences summary{cursor:pointer;font-size:12px}
 .next{background:#fff;border-left:4px solid #1c7ed6;padding:10px 14px;margin-top:12px;border-radius:4px}
+.next code{overflow-wrap:anywhere}
 .chart{display:block;width:100%;height:auto;max-width:760px}.panel{overflow-x:auto}.chart-title{font-weight:600;font-size:13px;margin:6px 0 0}.chart-title span{font-weight:400;margin-left:10px;font-size:12px}
 .scroll{overflow-x:auto;max-width:100%}.maps>div{overflow-x:auto;max-width:100%}
 .meta code{overflow-wrap:anywhere}

@@ -79,7 +79,7 @@ TEST_CASE("run and bisect exit alike on the same bundle, a replay that does not 
   }
 }
 
-TEST_CASE("--json errors: one object on stdout naming the file, one line on stderr, on every command",
+TEST_CASE("json errors: one object on stdout naming the file, one line on stderr, on every command",
           "[cli][grammar]") {
   ScratchDir dir("grammar-json");
   const std::string missing = (dir / "no-such-bundle").string();
@@ -114,7 +114,7 @@ TEST_CASE("--json errors: one object on stdout naming the file, one line on stde
   CHECK_FALSE(std::filesystem::exists(dir / "imported"));
 }
 
-TEST_CASE("--json where it was missing: version, demo's usage, synth and completion print one object",
+TEST_CASE("json where it was missing: version, demo's usage, synth and completion print one object",
           "[cli][grammar]") {
   const CliResult version = run_cli({"version", "--json"});
   REQUIRE(version.status == 0);
@@ -160,7 +160,7 @@ TEST_CASE("import's warnings go to stderr, never stdout, in text and under --jso
   CHECK(contains(json.err, "nanreplay: warning: --trust-pickle"));
 }
 
-TEST_CASE("--progress: plain lines in a log, none when asked, the in-place line only where asked",
+TEST_CASE("progress: plain lines in a log, none when asked, the in-place line only where asked",
           "[cli][grammar][progress]") {
   ScratchDir dir("grammar-progress");
   const std::string bundle = (dir / "bundle").string();
@@ -215,7 +215,7 @@ bool stopped_in_time(pid_t pid) {
 
 }  // namespace
 
-TEST_CASE("--json: an interrupted run prints the interrupted object, exit 130", "[cli][grammar][signals]") {
+TEST_CASE("json: an interrupted run prints the interrupted object, exit 130", "[cli][grammar][signals]") {
   ScratchDir dir("grammar-interrupted");
   const std::string bundle = (dir / "bundle").string();
   REQUIRE(run_cli({"synth", "clean-fp32", bundle}).status == 0);
