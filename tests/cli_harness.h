@@ -62,6 +62,15 @@ class ScratchDir {
   std::filesystem::path path_;
 };
 
+// Whether `part` occurs in `text`; `text` split at its newlines (output of a run).
+inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+inline std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
 // The CLI under test: the build's, or a copy named by NANREPLAY_TEST_CLI (so a
 // run is not disturbed by a concurrent build relinking the build's binary).
 inline std::string cli_under_test() {

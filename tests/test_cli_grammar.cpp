@@ -15,15 +15,6 @@ using namespace nanreplay_test;
 
 namespace {
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  return lines;
-}
-
 // --json failed: stdout is one JSON object whose error has this exit code and kind, stderr one error line.
 nlohmann::json check_json_error(const CliResult& result, int exit_code, const std::string& kind) {
   INFO("stdout: " << result.out << "\nstderr: " << result.err);

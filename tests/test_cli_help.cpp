@@ -11,12 +11,6 @@
 
 using namespace nanreplay_test;
 
-namespace {
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-}  // namespace
-
 TEST_CASE("help CMD prints that command's help, and names the nearest command when mistyped", "[cli][help]") {
   const CliResult help = run_cli({"help", "run"});
   CHECK(help.status == 0);

@@ -9,14 +9,13 @@
 #include "tests/cli_harness.h"
 
 using nanreplay_test::CliResult;
+using nanreplay_test::contains;
 using nanreplay_test::read_json;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
 using nanreplay_test::slurp;
 
 namespace {
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 // A preset written and replayed into dir/out, every output read back.
 struct Replayed {

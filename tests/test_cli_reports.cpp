@@ -8,6 +8,8 @@
 #include "cli/terminal_guard.h"
 #include "tests/cli_harness.h"
 
+using nanreplay_test::contains;
+using nanreplay_test::lines_of;
 using nanreplay_test::read_json;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
@@ -24,15 +26,6 @@ nlohmann::json replay_head_overflow(const ScratchDir& dir) {
   INFO(run.err);
   REQUIRE(run.status == 1);
   return read_json(dir / "out" / "report.json");
-}
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
-
-std::vector<std::string> lines_of(const std::string& text) {
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  for (std::string line; std::getline(in, line);) lines.push_back(line);
-  return lines;
 }
 
 }  // namespace
