@@ -10,7 +10,7 @@
 //   rolling  peak RSS of `nanreplay run` on a 50-step / a 5-step window rolled
 //            forward from one checkpoint, probes on               (target <= 1.2)
 // --model moe (or both): the same ratios for Qwen3-MoE's mixture of experts
-// in every layer (replay/experts.cpp; 8 experts, top 2, each expert half the
+// in every layer (replay/arch/experts.cpp; 8 experts, top 2, each expert half the
 // dense width, so a token's expert compute equals the dense MLP's), and one
 // MoE layer alone: experts_mlp forward and backward with every probe of the
 // layer and of its parameter gradients / Hugging Face's Qwen3MoeSparseMoeBlock
@@ -53,15 +53,15 @@
 #include <cxxopts.hpp>
 #include <torch/torch.h>
 
-#include "loaders/bundle.h"
-#include "replay/checkpoint.h"
-#include "replay/experts.h"
-#include "replay/probe_session.h"
-#include "replay/replay_engine.h"
-#include "replay/runtime.h"
-#include "replay/step.h"
-#include "replay/step_scan.h"
-#include "replay/trajectory.h"
+#include "loaders/bundle/bundle.h"
+#include "replay/step/checkpoint.h"
+#include "replay/arch/experts.h"
+#include "replay/probing/probe_session.h"
+#include "replay/workflows/replay_engine.h"
+#include "replay/step/runtime.h"
+#include "replay/step/step.h"
+#include "replay/step/step_scan.h"
+#include "replay/step/trajectory.h"
 #include "synth/synthetic_bundle.h"
 
 namespace fs = std::filesystem;

@@ -31,7 +31,7 @@
 #include <cxxopts.hpp>
 #include <nlohmann/json.hpp>
 
-#include "replay/runtime.h"
+#include "replay/step/runtime.h"
 #include "synth/synthetic_bundle.h"
 
 namespace fs = std::filesystem;

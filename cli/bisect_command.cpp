@@ -6,8 +6,9 @@
 #include "cli/command_table.h"
 #include "cli/progress_line.h"
 #include "cli/replay_flags.h"
-#include "loaders/error.h"
-#include "reports/bisect_report.h"
+#include "loaders/base/error.h"
+#include "reports/outputs/bisect_output.h"
+#include "reports/results/bisect_report.h"
 
 namespace nanreplay {
 

@@ -22,7 +22,7 @@ struct CommandIo {
 };
 
 // `args`: the command and its arguments ({"run", "bundle/", "--out", "triage/"}).
-// Returns the exit status (loaders/error.h).
+// Returns the exit status (loaders/base/error.h).
 int run_cli(const std::vector<std::string>& args, CommandIo& io);
 
 }  // namespace nanreplay

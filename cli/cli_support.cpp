@@ -16,8 +16,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/terminal_guard.h"
-#include "loaders/error.h"
-#include "replay/distributed.h"
+#include "loaders/base/error.h"
+#include "replay/step/ranks/distributed.h"
 
 namespace nanreplay {
 

@@ -10,7 +10,7 @@
 #include <cxxopts.hpp>
 
 #include "cli/command_table.h"
-#include "loaders/error.h"
+#include "loaders/base/error.h"
 
 namespace nanreplay {
 

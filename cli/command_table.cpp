@@ -8,9 +8,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/cli_support.h"
-#include "loaders/error.h"
+#include "loaders/base/error.h"
 #include "nanreplay_version.h"
-#include "replay/runtime.h"
+#include "replay/step/runtime.h"
 
 namespace nanreplay {
 

@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command_table.h"
-#include "loaders/error.h"
+#include "loaders/base/error.h"
 
 namespace nanreplay {
 

@@ -5,10 +5,11 @@
 #include "cli/command_table.h"
 #include "cli/run_command.h"
 #include "cli/synth_command.h"
-#include "loaders/error.h"
+#include "loaders/base/error.h"
 #include "probes/sites.h"
-#include "reports/report.h"
-#include "reports/terminal_text.h"
+#include "reports/outputs/report_json.h"
+#include "reports/results/report.h"
+#include "reports/outputs/terminal_text.h"
 
 namespace nanreplay {
 

@@ -26,10 +26,10 @@
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
 #include "cli/staging_dir.h"
-#include "loaders/bundle.h"
-#include "loaders/error.h"
-#include "replay/bundle_structure.h"
-#include "reports/bundle_summary.h"
+#include "loaders/bundle/bundle.h"
+#include "loaders/base/error.h"
+#include "replay/step/bundle_structure.h"
+#include "reports/outputs/bundle_summary.h"
 
 namespace nanreplay {
 

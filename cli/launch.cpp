@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "cli/cli_support.h"
-#include "loaders/error.h"
-#include "replay/distributed.h"
-#include "replay/run_secret.h"
+#include "loaders/base/error.h"
+#include "replay/step/ranks/distributed.h"
+#include "replay/step/ranks/run_secret.h"
 
 extern char** environ;
 

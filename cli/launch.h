@@ -14,7 +14,7 @@
 #include <cxxopts.hpp>
 
 #include "cli/command_table.h"
-#include "replay/memory_estimate.h"
+#include "replay/step/memory_estimate.h"
 
 namespace nanreplay {
 
@@ -25,7 +25,7 @@ struct LaunchFlags {
   std::optional<std::string> master_addr;
   std::optional<int> master_port;
   double timeout_seconds = 1800;  // PyTorch's default process-group timeout
-  std::optional<std::string> secret_file;  // --secret-file: the secret every host reads (replay/run_secret.h)
+  std::optional<std::string> secret_file;  // --secret-file: the secret every host reads (replay/step/ranks/run_secret.h)
   std::string backend = "auto";            // --dist-backend
   std::string interface;                   // --dist-interface
   std::string device = "cpu";              // this process's device (set with --device)

@@ -14,10 +14,11 @@
 #include "cli/progress_line.h"
 #include "cli/replay_flags.h"
 #include "cli/staging_dir.h"
-#include "loaders/error.h"
+#include "loaders/base/error.h"
 #include "nanreplay_version.h"
-#include "replay/incident.h"
-#include "replay/minimize.h"
+#include "replay/workflows/incident.h"
+#include "replay/workflows/minimize.h"
+#include "reports/outputs/minimize_output.h"
 
 namespace nanreplay {
 

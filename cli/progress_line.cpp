@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "cli/cli_support.h"
-#include "loaders/error.h"
+#include "loaders/base/error.h"
 
 namespace nanreplay {
 

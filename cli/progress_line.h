@@ -15,8 +15,8 @@
 
 #include <cxxopts.hpp>
 
-#include "replay/bisect.h"
-#include "replay/replay_engine.h"
+#include "replay/workflows/bisect.h"
+#include "replay/workflows/replay_engine.h"
 
 namespace nanreplay {
 

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "loaders/error.h"
+#include "loaders/base/error.h"
 
 namespace nanreplay {
 

@@ -9,7 +9,7 @@
 
 #include "cli/launch.h"
 #include "cli/progress_line.h"
-#include "replay/incident.h"
+#include "replay/workflows/incident.h"
 
 namespace nanreplay {
 

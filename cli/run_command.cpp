@@ -14,9 +14,10 @@
 #include "cli/launch.h"
 #include "cli/progress_line.h"
 #include "cli/replay_flags.h"
-#include "loaders/error.h"
-#include "reports/run_outputs.h"
-#include "reports/terminal_text.h"
+#include "loaders/base/error.h"
+#include "reports/outputs/report_json.h"
+#include "reports/outputs/run_outputs.h"
+#include "reports/outputs/terminal_text.h"
 
 namespace nanreplay {
 

@@ -7,7 +7,7 @@
 
 #include "cli/cli.h"
 #include "cli/progress_line.h"
-#include "replay/incident.h"
+#include "replay/workflows/incident.h"
 
 namespace nanreplay {
 

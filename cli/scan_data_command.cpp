@@ -8,9 +8,9 @@
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
 #include "cli/progress_line.h"
-#include "loaders/bundle.h"
-#include "loaders/error.h"
-#include "loaders/mapped_file.h"
+#include "loaders/bundle/bundle.h"
+#include "loaders/base/error.h"
+#include "loaders/base/mapped_file.h"
 #include "probes/data_checks.h"
 
 namespace nanreplay {

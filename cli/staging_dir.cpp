@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "loaders/error.h"
+#include "loaders/base/error.h"
 
 namespace nanreplay {
 

@@ -8,8 +8,8 @@
 
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
-#include "loaders/bundle.h"
-#include "loaders/error.h"
+#include "loaders/bundle/bundle.h"
+#include "loaders/base/error.h"
 
 namespace nanreplay {
 

@@ -2,7 +2,7 @@
 // CommandIo's two streams): text from a bundle — a path, a key, a tensor
 // name, a symptom — can hold control characters, and printed raw an OSC or
 // CSI sequence retitles, recolours or rewrites the user's terminal. Renderers
-// still escape what they quote (loaders/error.h's printable); this guard makes
+// still escape what they quote (loaders/base/error.h's printable); this guard makes
 // a renderer that forgets harmless.
 //
 // Passed through: printable ASCII, UTF-8 other than C1 controls, '\n' and

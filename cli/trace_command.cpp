@@ -6,9 +6,9 @@
 
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
-#include "loaders/error.h"
-#include "reports/trace_query.h"
-#include "reports/trace_writer.h"
+#include "loaders/base/error.h"
+#include "reports/outputs/trace_query.h"
+#include "reports/outputs/trace/trace_writer.h"
 
 namespace nanreplay {
 

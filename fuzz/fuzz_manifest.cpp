@@ -1,4 +1,4 @@
-// libFuzzer target for parse_manifest (loaders/manifest.cpp), the first thing
+// libFuzzer target for parse_manifest (loaders/bundle/manifest.cpp), the first thing
 // nanreplay reads from an untrusted bundle. Key constraint: every input must
 // end in a Manifest or an InputError; any other exception, crash, sanitizer
 // report or hang is a bug (the exception escapes and libFuzzer reports it).
@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <string>
 
-#include "loaders/error.h"
-#include "loaders/manifest.h"
+#include "loaders/base/error.h"
+#include "loaders/bundle/manifest.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

@@ -1,4 +1,4 @@
-// libFuzzer target for parse_safetensors_buffer (loaders/safetensors.cpp):
+// libFuzzer target for parse_safetensors_buffer (loaders/formats/safetensors.cpp):
 // the length prefix, the JSON header and every tensor's dtype, shape and
 // offsets. Key constraint: an accepted file's tensors must lie inside the
 // buffer and tile its data region; the target touches the first and last byte
@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "loaders/error.h"
-#include "loaders/safetensors.h"
+#include "loaders/base/error.h"
+#include "loaders/formats/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::map<std::string, std::string> metadata;

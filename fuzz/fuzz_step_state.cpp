@@ -1,12 +1,12 @@
-// libFuzzer target for parse_step_state (loaders/step_state.cpp), which reads
+// libFuzzer target for parse_step_state (loaders/bundle/step_state.cpp), which reads
 // steps/<step>/state.json. Key constraint: every input ends in a StepState or
 // an InputError; any other exception or sanitizer report is a bug.
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
-#include "loaders/error.h"
-#include "loaders/step_state.h"
+#include "loaders/base/error.h"
+#include "loaders/bundle/step_state.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

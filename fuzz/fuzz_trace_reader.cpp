@@ -1,5 +1,5 @@
 // libFuzzer target for the trace reader (read_trace_image in
-// reports/trace_writer.cpp, the integrity block in reports/trace_integrity.cpp),
+// reports/outputs/trace/trace_writer.cpp, the integrity block in reports/outputs/trace/trace_integrity.cpp),
 // seeded with real traces. Each input is read as it is: the integrity block
 // must turn any damaged file away before HDF5 parses a byte of it (what CI
 // runs). With NANREPLAY_FUZZ_TRACE_RESEAL=1 each input is also read resealed
@@ -8,7 +8,7 @@
 // scalar spaces, column types, filters, chunks, sizes, values) are fuzzed too;
 // that mode finds bugs inside HDF5 1.10 itself within a minute (a heap
 // over-read in H5Aexists on a crafted attribute name). The reader parses in a
-// child process (reports/trace_parse_isolation.h), so such a bug ends in an
+// child process (reports/outputs/trace/trace_parse_isolation.h), so such a bug ends in an
 // InputError here too; each resealed input then costs a fork (and the child's
 // coverage is not fed back), so CI leaves the mode off.
 // Key constraint: every read ends in contents or an InputError; anything else
@@ -18,9 +18,9 @@
 #include <cstdlib>
 #include <vector>
 
-#include "loaders/error.h"
-#include "reports/trace_integrity.h"
-#include "reports/trace_writer.h"
+#include "loaders/base/error.h"
+#include "reports/outputs/trace/trace_integrity.h"
+#include "reports/outputs/trace/trace_writer.h"
 
 namespace {
 

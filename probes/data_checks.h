@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "loaders/token_shards.h"
+#include "loaders/bundle/token_shards.h"
 
 namespace nanreplay {
 

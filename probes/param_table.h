@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "loaders/manifest.h"
+#include "loaders/bundle/manifest.h"
 
 namespace nanreplay {
 

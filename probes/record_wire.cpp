@@ -69,7 +69,7 @@ NormCheck WireReader::norm_check() {
   NormCheck c;
   c.step = pod<int64_t>(), c.micro_batch = pod<int>(), c.rank = pod<int>(), c.site = pod<SiteRef>();
   c.layer = pod<int>();
-  // The norm's moment names are string literals (replay/model.cpp): the two there are.
+  // The norm's moment names are string literals (replay/arch/model.cpp): the two there are.
   c.moment = text() == "variance" ? "variance" : "mean square";
   c.eps = pod<double>(), c.min_moment = pod<double>(), c.rows_below_eps = pod<int64_t>();
   c.zero_denominator = pod<bool>(), c.sample = pod<int64_t>(), c.position = pod<int64_t>();

@@ -1,5 +1,5 @@
 // Probe records, norm checks and tensors as bytes, for a replay split across
-// processes (replay/distributed.h): each process probes its own blocks and
+// processes (replay/step/ranks/distributed.h): each process probes its own blocks and
 // every process reads every record back exactly (doubles as their bits).
 // Both ends are the same build of nanreplay, so the layout is this file's
 // and nothing else's: not a storage format.

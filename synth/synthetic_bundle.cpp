@@ -14,14 +14,14 @@
 
 #include <torch/torch.h>
 
-#include "loaders/manifest_writer.h"
+#include "loaders/bundle/manifest_writer.h"
 #include "probes/param_table.h"
-#include "loaders/safetensors.h"
-#include "loaders/sampler.h"
-#include "loaders/token_shards.h"
-#include "replay/adamw.h"
-#include "replay/step.h"
-#include "reports/report.h"
+#include "loaders/formats/safetensors.h"
+#include "loaders/bundle/sampler.h"
+#include "loaders/bundle/token_shards.h"
+#include "replay/optim/adamw.h"
+#include "replay/step/step.h"
+#include "reports/results/report.h"
 
 namespace nanreplay {
 

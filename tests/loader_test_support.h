@@ -11,7 +11,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "loaders/error.h"
+#include "loaders/base/error.h"
 
 namespace nanreplay_test {
 

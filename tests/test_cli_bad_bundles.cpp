@@ -24,9 +24,9 @@
 #include <thread>
 #include <vector>
 
-#include "loaders/manifest.h"
-#include "loaders/token_shards.h"
-#include "replay/memory_estimate.h"
+#include "loaders/bundle/manifest.h"
+#include "loaders/bundle/token_shards.h"
+#include "replay/step/memory_estimate.h"
 #include "tests/cli_harness.h"
 
 // AddressSanitizer reserves terabytes of shadow address space and inflates

@@ -8,7 +8,7 @@
 
 #include <filesystem>
 
-#include "replay/runtime.h"
+#include "replay/step/runtime.h"
 #include "tests/cli_harness.h"
 
 using nanreplay_test::run_cli;

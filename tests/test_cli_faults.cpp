@@ -24,8 +24,8 @@
 #include <thread>
 #include <vector>
 
-#include "loaders/directory_lock.h"
-#include "reports/trace_writer.h"
+#include "loaders/base/directory_lock.h"
+#include "reports/outputs/trace/trace_writer.h"
 #include "tests/cli_harness.h"
 
 namespace {

@@ -1,7 +1,7 @@
 // The CLI driven in process through run_cli (cli/cli.h), with string streams
 // as its CommandIo: run, trace, inspect, bisect and minimize --json on a synthetic
 // bundle written here, usage errors and "did you mean"; and the incident entry
-// points a stop request ends (replay/incident.h, reports/run_outputs.h).
+// points a stop request ends (replay/workflows/incident.h, reports/outputs/run_outputs.h).
 // The end-to-end tests through the real binary stay in test_cli_*.cpp (signals,
 // the OpenMP re-exec, exit codes as a shell sees them). run_cli installs
 // nanreplay's SIGINT/SIGTERM handlers in this process too; nothing here signals.
@@ -15,11 +15,11 @@
 
 #include "cli/cli.h"
 #include "cli/command_table.h"
-#include "loaders/error.h"
+#include "loaders/base/error.h"
 #include "nanreplay_version.h"
 #include "probes/sites.h"
-#include "replay/incident.h"
-#include "reports/run_outputs.h"
+#include "replay/workflows/incident.h"
+#include "reports/outputs/run_outputs.h"
 #include "synth/synthetic_bundle.h"
 #include "tests/cli_harness.h"
 

@@ -8,7 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "reports/minimize_report.h"
+#include "reports/results/minimize_report.h"
+#include "reports/outputs/minimize_output.h"
 #include "tests/cli_harness.h"
 
 using namespace nanreplay_test;

@@ -9,7 +9,7 @@
 
 #include <fstream>
 
-#include "reports/trace_writer.h"
+#include "reports/outputs/trace/trace_writer.h"
 #include "tests/triage_harness.h"
 
 using nanreplay_test::check_one_error_line;

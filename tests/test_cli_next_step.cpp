@@ -230,7 +230,7 @@ TEST_CASE("a compact bundle's sample is named in the run's numbering by run, bis
 
 // ---- units: decide_next_step on reports built by hand ----------------------
 
-#include "reports/next_step.h"
+#include "reports/outputs/next_step.h"
 
 namespace {
 

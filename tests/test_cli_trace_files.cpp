@@ -25,10 +25,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "loaders/error.h"
-#include "reports/trace_integrity.h"
-#include "reports/trace_parse_isolation.h"
-#include "reports/trace_writer.h"
+#include "loaders/base/error.h"
+#include "reports/outputs/trace/trace_integrity.h"
+#include "reports/outputs/trace/trace_parse_isolation.h"
+#include "reports/outputs/trace/trace_writer.h"
 #include "tests/cli_harness.h"
 
 namespace {

@@ -6,7 +6,7 @@
 #include <fstream>
 #include <set>
 
-#include "loaders/bundle.h"
+#include "loaders/bundle/bundle.h"
 #include "tests/triage_harness.h"
 
 using nanreplay_test::read_json;

@@ -1,5 +1,5 @@
-// Who may join a replay across processes (replay/dist_admission.h,
-// replay/run_secret.h), on an in-memory store with one thread per process.
+// Who may join a replay across processes (replay/step/ranks/dist_admission.h,
+// replay/step/ranks/run_secret.h), on an in-memory store with one thread per process.
 // Through the CLI and a real TCPStore: tests/py/test_distributed_security.py.
 #include <catch2/catch.hpp>
 
@@ -12,10 +12,10 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
-#include "loaders/error.h"
-#include "replay/dist_admission.h"
-#include "replay/distributed.h"
-#include "replay/run_secret.h"
+#include "loaders/base/error.h"
+#include "replay/step/ranks/dist_admission.h"
+#include "replay/step/ranks/distributed.h"
+#include "replay/step/ranks/run_secret.h"
 
 using namespace nanreplay;
 

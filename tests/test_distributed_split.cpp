@@ -1,5 +1,5 @@
 // The pieces of a replay split across processes that need no peers: the
-// layer split by memory (replay/distributed.h) and probe records as bytes
+// layer split by memory (replay/step/ranks/distributed.h) and probe records as bytes
 // (probes/record_wire.h). The split replay itself: tests/py/test_distributed.py.
 #include <catch2/catch.hpp>
 
@@ -7,7 +7,7 @@
 #include <limits>
 
 #include "probes/record_wire.h"
-#include "replay/distributed.h"
+#include "replay/step/ranks/distributed.h"
 
 using namespace nanreplay;
 

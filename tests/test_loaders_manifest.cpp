@@ -1,4 +1,4 @@
-// Tests for loaders/manifest.cpp and loaders/json_util.cpp: the spec's example
+// Tests for loaders/bundle/manifest.cpp and loaders/base/json_util.cpp: the spec's example
 // manifest, defaults, and one bad input per rule, each asserting that the
 // InputError names the file and the full key path (or byte) at fault.
 #include <catch2/catch.hpp>
@@ -12,10 +12,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "loaders/error.h"
-#include "loaders/json_util.h"
-#include "loaders/manifest.h"
-#include "loaders/manifest_writer.h"
+#include "loaders/base/error.h"
+#include "loaders/base/json_util.h"
+#include "loaders/bundle/manifest.h"
+#include "loaders/bundle/manifest_writer.h"
 
 namespace {
 

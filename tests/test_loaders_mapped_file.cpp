@@ -19,8 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "loaders/error.h"
-#include "loaders/mapped_file.h"
+#include "loaders/base/error.h"
+#include "loaders/base/mapped_file.h"
 #include "tests/cli_harness.h"
 
 #if defined(__SANITIZE_ADDRESS__)

@@ -1,4 +1,4 @@
-// Tests for loaders/bundle_paths.cpp and loaders/mapped_file.cpp: what may
+// Tests for loaders/bundle/bundle_paths.cpp and loaders/base/mapped_file.cpp: what may
 // name a file inside a bundle (relative, no "..", no symlink escaping the
 // root) and how bundle files are mapped (read-only, empty, directory, missing).
 #include <catch2/catch.hpp>
@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "loaders/bundle_paths.h"
-#include "loaders/error.h"
-#include "loaders/mapped_file.h"
+#include "loaders/bundle/bundle_paths.h"
+#include "loaders/base/error.h"
+#include "loaders/base/mapped_file.h"
 
 namespace {
 

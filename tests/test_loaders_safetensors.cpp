@@ -1,4 +1,4 @@
-// Tests for loaders/safetensors.cpp: files written by SafetensorsWriter read
+// Tests for loaders/formats/safetensors.cpp: files written by SafetensorsWriter read
 // back exactly, then hand-made corrupt buffers (truncation, bad offsets,
 // overlaps, gaps, unknown dtypes, overflowing shapes, hostile header JSON),
 // each rejected with an InputError naming the file and the tensor or byte.
@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "loaders/error.h"
-#include "loaders/safetensors.h"
+#include "loaders/base/error.h"
+#include "loaders/formats/safetensors.h"
 
 namespace {
 

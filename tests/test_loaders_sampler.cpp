@@ -1,4 +1,4 @@
-// Tests for loaders/sampler.cpp against references PyTorch wrote:
+// Tests for loaders/bundle/sampler.cpp against references PyTorch wrote:
 // tests/fixtures/randperm.json (made by make_randperm_fixture.py with torch
 // 1.13) holds torch.randperm outputs and DistributedSampler(drop_last) rank
 // lists; plus explicit sample lists and steps outside the epoch.
@@ -15,10 +15,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "loaders/error.h"
-#include "loaders/manifest.h"
-#include "loaders/sampler.h"
-#include "loaders/token_shards.h"
+#include "loaders/base/error.h"
+#include "loaders/bundle/manifest.h"
+#include "loaders/bundle/sampler.h"
+#include "loaders/bundle/token_shards.h"
 
 namespace {
 

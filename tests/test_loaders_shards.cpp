@@ -1,4 +1,4 @@
-// Tests for loaders/token_shards.cpp: uint16 and uint32 shards concatenated
+// Tests for loaders/bundle/token_shards.cpp: uint16 and uint32 shards concatenated
 // into one stream, samples straddling shards, SHA-256 checks, and shards that
 // are missing, mis-sized or outside the bundle (InputError naming shard + key).
 #include <catch2/catch.hpp>
@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "loaders/error.h"
-#include "loaders/manifest.h"
-#include "loaders/token_shards.h"
+#include "loaders/base/error.h"
+#include "loaders/bundle/manifest.h"
+#include "loaders/bundle/token_shards.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// Tests for loaders/step_state.cpp: the spec's example state.json, the
+// Tests for loaders/bundle/step_state.cpp: the spec's example state.json, the
 // non-finite spellings a broken run logs, and one bad input per key, each
 // asserting that the InputError names the file and the key path.
 #include <catch2/catch.hpp>
@@ -12,8 +12,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "loaders/error.h"
-#include "loaders/step_state.h"
+#include "loaders/base/error.h"
+#include "loaders/bundle/step_state.h"
 
 namespace {
 

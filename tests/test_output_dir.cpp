@@ -16,8 +16,8 @@
 #include <fstream>
 #include <thread>
 
-#include "loaders/error.h"
-#include "reports/output_dir.h"
+#include "loaders/base/error.h"
+#include "reports/outputs/output_dir.h"
 #include "tests/cli_harness.h"
 
 using nanreplay::OutputDir;

@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "replay/probe_comparison.h"
+#include "reports/triage/system/probe_comparison.h"
 
 using namespace nanreplay;
 

@@ -13,7 +13,7 @@
 #include <set>
 #include <vector>
 
-#include "loaders/token_shards.h"
+#include "loaders/bundle/token_shards.h"
 #include "probes/data_checks.h"
 #include "tests/loader_test_support.h"
 

@@ -6,7 +6,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "replay/ddmin.h"
+#include "replay/workflows/ddmin.h"
 
 using nanreplay::ddmin;
 

@@ -1,4 +1,4 @@
-// Tests for replay/memory_estimate.cpp: the estimate grows with every
+// Tests for replay/step/memory_estimate.cpp: the estimate grows with every
 // dimension that grows the replay, counts exactly the parameters the
 // checkpoint loader expects, survives absurd manifests, and the size parser
 // and the refusal say what they mean. (The CLI refusal and a comparison with
@@ -11,10 +11,10 @@
 #include <functional>
 #include <string>
 
-#include "loaders/error.h"
-#include "loaders/manifest.h"
+#include "loaders/base/error.h"
+#include "loaders/bundle/manifest.h"
 #include "probes/sites.h"
-#include "replay/memory_estimate.h"
+#include "replay/step/memory_estimate.h"
 
 namespace {
 
@@ -259,7 +259,7 @@ TEST_CASE("memory_estimate: streamed, memory hardly grows with the number of lay
 }
 
 // The count refuses a checkpoint with fewer tensors than it says the model
-// has (replay/bundle_structure.cpp): it must never count more than the list holds.
+// has (replay/step/bundle_structure.cpp): it must never count more than the list holds.
 TEST_CASE("count_model_parameters counts no more tensors than expected_parameters lists", "[replay][memory]") {
   std::vector<std::pair<std::string, nanreplay::ModelConfig>> models;
   models.push_back({"llama", example_manifest().model});

@@ -3,8 +3,8 @@
 // eps, layers out of range, damping a bundle that has no fp8 scales).
 #include <catch2/catch.hpp>
 
-#include "loaders/error.h"
-#include "replay/what_if.h"
+#include "loaders/base/error.h"
+#include "replay/workflows/what_if.h"
 
 using nanreplay::Compute;
 using nanreplay::Manifest;

@@ -1,9 +1,9 @@
-// NUMERIC_ROUTER_COLLAPSE from per-layer token counts (reports/expert_load.h):
+// NUMERIC_ROUTER_COLLAPSE from per-layer token counts (reports/triage/numeric/expert_load.h):
 // the collapse point, a starved expert, what is not a collapse, and the
 // counts read back from per-expert probe records.
 #include <catch2/catch.hpp>
 
-#include "reports/expert_load.h"
+#include "reports/triage/numeric/expert_load.h"
 
 using nanreplay::collapsed_share;
 using nanreplay::expert_share;

@@ -10,8 +10,8 @@
 #include <regex>
 #include <string>
 
-#include "reports/html_charts.h"
-#include "reports/html_report.h"
+#include "reports/outputs/html_charts.h"
+#include "reports/outputs/html_report.h"
 
 using namespace nanreplay;
 using K = EvidenceKey;

@@ -6,9 +6,9 @@
 #include <cmath>
 #include <set>
 
-#include "reports/logged_value.h"
-#include "reports/triage_rules.h"
-#include "reports/verdict.h"
+#include "reports/results/logged_value.h"
+#include "reports/triage/triage_rules.h"
+#include "reports/triage/verdict.h"
 
 using namespace nanreplay;
 using K = EvidenceKey;

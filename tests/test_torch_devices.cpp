@@ -8,12 +8,12 @@
 #include <torch/torch.h>
 
 #include "kernels/tensor_stats.h"
-#include "loaders/bundle.h"
-#include "loaders/error.h"
-#include "replay/device_stats.h"
-#include "replay/model.h"
-#include "replay/probe_session.h"
-#include "replay/replay_engine.h"
+#include "loaders/bundle/bundle.h"
+#include "loaders/base/error.h"
+#include "replay/probing/device_stats.h"
+#include "replay/arch/model.h"
+#include "replay/probing/probe_session.h"
+#include "replay/workflows/replay_engine.h"
 #include "synth/synthetic_bundle.h"
 #include "tests/cli_harness.h"
 #include "tests/stats_compare.h"

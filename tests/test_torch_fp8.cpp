@@ -4,7 +4,7 @@
 
 #include <torch/torch.h>
 
-#include "replay/numerics.h"
+#include "replay/probing/numerics.h"
 
 using nanreplay::fp8_quantize_dequantize;
 

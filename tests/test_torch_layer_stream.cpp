@@ -1,4 +1,4 @@
-// The layer-streamed step in process (replay/layer_stream.h): against the
+// The layer-streamed step in process (replay/step/layer_stream.h): against the
 // in-memory step on the same checkpoint, every probe record, loss, norm and
 // parameter gradient the same bits, for the step shapes that sum gradients
 // differently (ranks, micro-batches, a tied head, router losses) and for
@@ -8,10 +8,10 @@
 
 #include <torch/torch.h>
 
-#include "replay/layer_stream.h"
-#include "replay/probe_comparison.h"
-#include "replay/step.h"
-#include "replay/step_scan.h"
+#include "replay/step/layer_stream.h"
+#include "reports/triage/system/probe_comparison.h"
+#include "replay/step/step.h"
+#include "replay/step/step_scan.h"
 #include "synth/synthetic_bundle.h"
 #include "tests/cli_harness.h"
 

@@ -4,8 +4,8 @@
 
 #include <torch/torch.h>
 
-#include "replay/numerics.h"
-#include "replay/probe_session.h"
+#include "replay/probing/numerics.h"
+#include "replay/probing/probe_session.h"
 
 using namespace nanreplay;
 

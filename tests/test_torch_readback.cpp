@@ -9,10 +9,10 @@
 
 #include <torch/torch.h>
 
-#include "replay/device_stats.h"
-#include "replay/replay_engine.h"
-#include "replay/step.h"
-#include "replay/step_scan.h"
+#include "replay/probing/device_stats.h"
+#include "replay/workflows/replay_engine.h"
+#include "replay/step/step.h"
+#include "replay/step/step_scan.h"
 #include "synth/synthetic_bundle.h"
 #include "tests/cli_harness.h"
 

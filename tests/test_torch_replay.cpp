@@ -9,10 +9,10 @@
 
 #include <torch/torch.h>
 
-#include "loaders/error.h"
-#include "loaders/safetensors.h"
-#include "replay/checkpoint.h"
-#include "replay/replay_engine.h"
+#include "loaders/base/error.h"
+#include "loaders/formats/safetensors.h"
+#include "replay/step/checkpoint.h"
+#include "replay/workflows/replay_engine.h"
 #include "synth/synthetic_bundle.h"
 #include "tests/cli_harness.h"
 

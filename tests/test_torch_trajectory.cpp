@@ -1,4 +1,4 @@
-// Rolling forward (replay/trajectory.h): the parameters the replay derives
+// Rolling forward (replay/step/trajectory.h): the parameters the replay derives
 // step by step from one checkpoint equal the checkpoints the training run
 // wrote at every step, to rounding; and fp16's loss scale carries from step
 // to step (halved after a skipped step) when state.json does not name it.
@@ -9,9 +9,9 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "loaders/bundle.h"
-#include "replay/checkpoint.h"
-#include "replay/trajectory.h"
+#include "loaders/bundle/bundle.h"
+#include "replay/step/checkpoint.h"
+#include "replay/step/trajectory.h"
 #include "synth/synthetic_bundle.h"
 #include "tests/cli_harness.h"
 

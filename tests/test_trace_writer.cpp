@@ -1,4 +1,4 @@
-// Tests reports/trace_writer.cpp: write_trace/read_trace round-trip every field
+// Tests reports/outputs/trace/trace_writer.cpp: write_trace/read_trace round-trip every field
 // (-1 fields, NaN/inf statistics, long site names, zero records), the file opens
 // with stock h5dump and with the h5py example of docs/trace-format.md, failures
 // leave no temporary file and HDF5 prints nothing. No LibTorch here.
@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "loaders/error.h"
-#include "reports/trace_integrity.h"
-#include "reports/trace_writer.h"
+#include "loaders/base/error.h"
+#include "reports/outputs/trace/trace_integrity.h"
+#include "reports/outputs/trace/trace_writer.h"
 
 #ifndef NANREPLAY_PYTHON
 #define NANREPLAY_PYTHON "/usr/bin/python3"

@@ -10,10 +10,10 @@
 #include <torch/torch.h>
 
 #include "kernels/tensor_stats.h"
-#include "loaders/bundle.h"
-#include "replay/cuda_probe_stats.h"
-#include "replay/device_stats.h"
-#include "replay/replay_engine.h"
+#include "loaders/bundle/bundle.h"
+#include "replay/probing/cuda_probe_stats.h"
+#include "replay/probing/device_stats.h"
+#include "replay/workflows/replay_engine.h"
 #include "synth/synthetic_bundle.h"
 #include "tests/cli_harness.h"
 #include "tests/stats_compare.h"

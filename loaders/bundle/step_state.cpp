@@ -1,0 +1,110 @@
+// steps/<step>/state.json parsed into a StepState. Key constraint: this file
+// records a run that went wrong, so non-finite logged values and fp8 scales
+// ("nan", "inf" strings) are data to replay, not input errors. The two scalars
+// the replay itself computes with are not: a learning rate outside
+// (0, kMaxLearningRate] or a loss scale that is not a positive finite number
+// would replay silently into numbers no run produced, so they are refused
+// with the file and key, as are wrong types and a missing `step`.
+#include "loaders/bundle/step_state.h"
+
+#include <cmath>
+
+#include "loaders/base/error.h"
+#include "loaders/base/json_util.h"
+
+namespace nanreplay {
+namespace {
+
+std::vector<double> number_list(const JsonReader& reader, const std::string& key) {
+  std::vector<double> numbers;
+  if (!reader.has(key)) return numbers;
+  const nlohmann::json& list = reader.array(key);
+  for (size_t i = 0; i < list.size(); ++i) {
+    const std::string path = reader.key_path(key) + "[" + std::to_string(i) + "]";
+    numbers.push_back(number_from_json(list[i], reader.file(), path));
+  }
+  return numbers;
+}
+
+// Above any rate AdamW trains with (typical rates are 1e-5..1e-2): a value
+// this large is a corrupt or mis-scaled file, not a schedule.
+constexpr double kMaxLearningRate = 1e3;
+
+std::string number_text(double value) {
+  if (std::isnan(value)) return "nan";
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  return nlohmann::json(value).dump();
+}
+
+std::optional<double> parse_lr(const JsonReader& root) {
+  const std::optional<double> lr = root.optional_number("lr");
+  if (lr && !(*lr > 0 && *lr <= kMaxLearningRate)) {
+    throw InputError(root.file(), "lr",
+                     "expected a learning rate in (0, 1e3], got " + number_text(*lr) +
+                         " (a run cannot have trained with it; the file is corrupt or was written wrongly)");
+  }
+  return lr;
+}
+
+double parse_loss_scale(const JsonReader& root) {
+  const double scale = root.optional_number("loss_scale").value_or(1.0);
+  if (!(scale > 0 && std::isfinite(scale))) {
+    throw InputError(root.file(), "loss_scale",
+                     "expected a positive finite loss scale, got " + number_text(scale) +
+                         " (a loss scaler's scale never is)");
+  }
+  return scale;
+}
+
+Fp8ModuleScales parse_module_scales(const JsonReader& module) {
+  Fp8ModuleScales scales;
+  scales.input = module.optional_number("input");
+  scales.weight = module.optional_number("weight");
+  scales.grad_output = module.optional_number("grad_output");
+  return scales;
+}
+
+std::map<std::string, Fp8ModuleScales> parse_fp8_scales(const std::optional<JsonReader>& fp8) {
+  std::map<std::string, Fp8ModuleScales> scales;
+  if (!fp8) return scales;
+  for (const auto& [module, value] : fp8->json().items()) {
+    // Module prefixes contain dots, so the key path quotes them.
+    const std::string path = "fp8_scales[\"" + module + "\"]";
+    if (module.empty()) throw InputError(fp8->file(), path, "expected a module name, got \"\"");
+    scales[module] = parse_module_scales(JsonReader(value, fp8->file(), path));
+  }
+  return scales;
+}
+
+LoggedMetrics parse_logged(const std::optional<JsonReader>& logged) {
+  LoggedMetrics metrics;
+  if (!logged) return metrics;
+  metrics.loss = logged->optional_number("loss");
+  metrics.grad_norm = logged->optional_number("grad_norm");
+  metrics.rank_losses = number_list(*logged, "rank_losses");
+  metrics.rank_grad_norms = number_list(*logged, "rank_grad_norms");
+  return metrics;
+}
+
+}  // namespace
+
+StepState parse_step_state(const std::string& json_text, const std::string& file_label) {
+  const nlohmann::json document = parse_json_guarded(json_text, file_label);
+  const JsonReader root(document, file_label, "");
+
+  StepState state;
+  state.step = root.integer("step");
+  if (state.step < 0) {
+    throw InputError(file_label, "step",
+                     "expected a non-negative integer, got " + std::to_string(state.step));
+  }
+  state.lr = parse_lr(root);
+  state.loss_scale = parse_loss_scale(root);
+  state.loss_scale_given = root.has("loss_scale");
+  state.fp8_scales = parse_fp8_scales(root.optional_object("fp8_scales"));
+  state.logged = parse_logged(root.optional_object("logged"));
+  state.skipped = root.optional_boolean("skipped");
+  return state;
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,318 @@
+// Forward passes of the two architectures. Dimension letters: B batch,
+// T positions, C hidden, H query heads, G kv heads, D head_dim, F mlp width,
+// V vocab. Each line that produces a site tensor hands it to the probes,
+// which also round it to the compute type.
+#include "replay/arch/model.h"
+
+#include <cmath>
+#include <optional>
+
+#include <torch/torch.h>
+
+#include "probes/param_table.h"
+#include "replay/probing/device_stats.h"
+#include "replay/arch/experts.h"
+
+namespace nanreplay {
+
+namespace {
+
+namespace F = torch::nn::functional;
+
+const torch::Tensor& param(const ParamMap& params, const std::string& name) {
+  auto it = params.find(name);
+  if (it == params.end()) throw std::logic_error("parameter not loaded: " + name);
+  return it->second;
+}
+
+// Parameters by role (probes/param_table.h), in `layer` for per-layer ones.
+struct Weights {
+  const ParamMap& params;
+  Arch arch;
+  const torch::Tensor& operator()(ParamRole role, int layer = -1) const {
+    return param(params, param_key(arch, role, layer));
+  }
+  std::string module(ParamRole role, int layer = -1) const { return module_key(arch, role, layer); }
+};
+
+// x / sqrt(mean(x^2) + eps) * weight over the last dim, in fp32. The mean
+// square goes to the zero-norm check before eps is added: one row per token,
+// so per head (x: (B, T, heads, D), Qwen3's q_norm) a token's smallest one.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                       ProbeSession& probes, const SiteRef& site) {
+  const torch::Tensor mean_square = x.pow(2).mean(-1, /*keepdim=*/true);  // (B, T, [heads,] 1)
+  const torch::Tensor moment = mean_square.squeeze(-1);
+  probes.check_norm(site, moment.dim() > 2 ? std::get<0>(moment.flatten(2).min(-1)) : moment, eps, "mean square");
+  return x / torch::sqrt(mean_square + eps) * weight;
+}
+
+// Rotary embedding over the last dim of x: (B, heads, T, D). Rotate-half
+// (Hugging Face) pairs element i with i + D/2; interleaved (Meta's reference
+// llama, torchtitan, llama2.c) pairs 2i with 2i+1. The tables match the style.
+torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                           RopeStyle style) {
+  if (style == RopeStyle::kInterleaved) {
+    std::vector<int64_t> paired = x.sizes().vec();
+    paired.back() /= 2;
+    paired.push_back(2);
+    const torch::Tensor pairs = x.reshape(paired);  // (..., D/2, 2)
+    const torch::Tensor even = pairs.select(-1, 0), odd = pairs.select(-1, 1);
+    return x * cos + torch::stack({-odd, even}, -1).flatten(-2) * sin;
+  }
+  const int64_t half = x.size(-1) / 2;
+  const torch::Tensor x1 = x.narrow(-1, 0, half);
+  const torch::Tensor x2 = x.narrow(-1, half, half);
+  return x * cos + torch::cat({-x2, x1}, -1) * sin;
+}
+
+// Llama 3.1's frequency scaling, as Hugging Face's _compute_llama3_parameters:
+// long wavelengths divided by `factor`, short ones kept, a smooth blend between.
+torch::Tensor llama3_scaled(const torch::Tensor& inv_freq, const RopeScaling& s) {
+  const double old_context = static_cast<double>(s.original_max_position_embeddings);
+  const double low_freq_wavelen = old_context / s.low_freq_factor;
+  const double high_freq_wavelen = old_context / s.high_freq_factor;
+  const torch::Tensor wavelen = 2 * M_PI / inv_freq;
+  torch::Tensor scaled = torch::where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq);
+  const torch::Tensor smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+  const torch::Tensor smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled;
+  const torch::Tensor medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen);
+  return torch::where(medium, smoothed, scaled);
+}
+
+// cos and sin tables (T, D) with frequencies theta^(-2i/D) (scaled for
+// rope_scaling), computed as Hugging Face's LlamaRotaryEmbedding does in fp32.
+std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t seq, const ModelConfig& m, const torch::Device& device) {
+  const int64_t head_dim = m.head_dim();
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  torch::Tensor inv_freq =
+      1.0 / torch::pow(m.rope_theta, torch::arange(0, head_dim, 2, f32) / static_cast<double>(head_dim));
+  if (m.rope_scaling) inv_freq = llama3_scaled(inv_freq, *m.rope_scaling);
+  const torch::Tensor freqs = torch::outer(torch::arange(seq, f32), inv_freq);
+  const torch::Tensor angles = m.rope_style == RopeStyle::kInterleaved ? freqs.repeat_interleave(2, -1)
+                                                                        : torch::cat({freqs, freqs}, -1);
+  return {angles.cos(), angles.sin()};
+}
+
+// Gemma 2's soft cap c * tanh(x / c), in fp32 from the (rounded) input.
+torch::Tensor soft_capped(const torch::Tensor& x, const std::optional<double>& cap) {
+  if (!cap) return x;
+  return *cap * torch::tanh(x.to(torch::kFloat32) / *cap);
+}
+
+struct AttentionInputs {
+  torch::Tensor q;  // (B, T, H*D) as probed
+  torch::Tensor k;  // (B, T, G*D)
+  torch::Tensor v;  // (B, T, G*D)
+};
+
+// Scores, probabilities and context of causal attention; returns (B, T, H*D).
+torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, int layer,
+                               const Numerics& numerics, ProbeSession& probes) {
+  const int64_t B = in.q.size(0), T = in.q.size(1), H = m.num_heads, G = m.num_kv_heads,
+                D = m.head_dim();
+  torch::Tensor q = in.q.view({B, T, H, D}).transpose(1, 2);  // (B, H, T, D)
+  torch::Tensor k = in.k.view({B, T, G, D}).transpose(1, 2);  // (B, G, T, D)
+  torch::Tensor v = in.v.view({B, T, G, D}).transpose(1, 2);  // (B, G, T, D)
+  if (G != H) {  // query head h reads kv head h / (H / G)
+    k = k.repeat_interleave(H / G, 1);  // (B, H, T, D)
+    v = v.repeat_interleave(H / G, 1);
+  }
+  // The scores site is before any soft cap: the cap hides how close they came to overflowing.
+  const torch::Tensor scores =
+      probes.site({SiteId::kAttnScores, layer}, numerics.attention_scores(q, k));  // (B, H, T, T)
+  const torch::Tensor visible_not = visible_keys(T, m.sliding_window, scores.device()).logical_not();
+  const torch::Tensor probs = probes.site(
+      {SiteId::kAttnProbs, layer},
+      torch::softmax(soft_capped(scores, m.attn_logit_softcap).masked_fill(visible_not, -std::numeric_limits<float>::infinity()), -1));
+  const torch::Tensor context =
+      probes.site({SiteId::kAttnContext, layer}, numerics.matmul(probs, v));  // (B, H, T, D)
+  return context.transpose(1, 2).reshape({B, T, H * D});
+}
+
+// Cross-entropy in fp32 from the (rounded) logits; the loss site itself.
+// Written as the two ops cross_entropy is made of (log_softmax, then
+// nll_loss: the same values bit for bit) so the per-sample losses of the
+// outlier check reuse the log-probabilities instead of a second log_softmax
+// over the whole (tokens, vocab) logits.
+// `extra`: what the loss adds to the cross-entropy (a mixture of experts'
+// router losses), or undefined; the per-sample losses are cross-entropy only.
+ForwardResult next_token_loss(const torch::Tensor& logits, const torch::Tensor& all_targets,
+                              ProbeSession& probes, const std::optional<double>& final_softcap = std::nullopt,
+                              const torch::Tensor& extra = {}) {
+  const torch::Tensor targets = all_targets.to(logits.device()).reshape({-1});
+  const int64_t V = logits.size(-1);
+  const torch::Tensor log_probs = torch::log_softmax(soft_capped(logits, final_softcap).reshape({-1, V}), 1);
+  ForwardResult result;
+  const torch::Tensor cross_entropy = torch::nll_loss(log_probs, targets);
+  result.loss = probes.site({SiteId::kLoss, -1}, extra.defined() ? cross_entropy + extra.to(logits.device()) : cross_entropy);
+  if (probes.enabled()) {  // per-sample losses for the outlier check
+    torch::NoGradGuard no_grad;
+    result.sample_loss =
+        -log_probs.detach().gather(1, targets.unsqueeze(1)).view({all_targets.size(0), -1}).mean(1);
+  }
+  return result;
+}
+
+}  // namespace
+
+ModelPass::ModelPass(const ModelConfig& model, const Numerics& numerics, ProbeSession& probes)
+    : m_(model), numerics_(numerics), probes_(probes) {}
+
+torch::Tensor ModelPass::embed(const ParamMap& p, const torch::Tensor& inputs) {
+  using R = ParamRole;
+  const Weights w{p, m_.arch};
+  const torch::Tensor embedding = w(R::kTokenEmbedding);
+  torch::Tensor tokens = F::embedding(inputs.to(embedding.device()), embedding);  // (B, T, C)
+  if (m_.arch == Arch::kGpt2) {
+    const torch::Tensor positions =
+        torch::arange(inputs.size(1), torch::TensorOptions().dtype(torch::kLong).device(embedding.device()));
+    tokens = tokens + F::embedding(positions, w(R::kPositionEmbedding));
+  }
+  return probes_.site({SiteId::kEmbed, -1}, tokens);
+}
+
+torch::Tensor ModelPass::block(const ParamMap& p, int layer, const torch::Tensor& x) {
+  // The residual stream entering block L is the tensor probed as the one before it.
+  probes_.alias({SiteId::kInput, layer}, layer == 0 ? SiteRef{SiteId::kEmbed, -1} : SiteRef{SiteId::kOutput, layer - 1});
+  return m_.arch == Arch::kLlama ? llama_block(p, layer, x) : gpt2_block(p, layer, x);
+}
+
+torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor x) {
+  const ModelConfig& m = m_;
+  ProbeSession& probes = probes_;
+  const int64_t B = x.size(0), T = x.size(1), H = m.num_heads, G = m.num_kv_heads, D = m.head_dim();
+  using R = ParamRole;
+  const Weights w{p, Arch::kLlama};
+  // With the layers split across devices, the activations follow the layer's weights.
+  const torch::Device device = w(R::kAttnNorm, layer).device();
+  if (x.device() != device) x = x.to(device);
+  if (!cos_.defined()) std::tie(cos_, sin_) = rotary_tables(T, m, device);
+  if (cos_.device() != device) {
+    cos_ = cos_.to(device);
+    sin_ = sin_.to(device);
+  }
+  auto rope = [&](const torch::Tensor& in, int64_t heads) {
+    const torch::Tensor per_head = in.view({B, T, heads, D}).transpose(1, 2);  // (B, heads, T, D)
+    return apply_rotary(per_head, cos_, sin_, m.rope_style).transpose(1, 2).reshape({B, T, heads * D});
+  };
+  const Numerics block = numerics_.in_layer(layer);  // what-ifs may run a layer in fp32
+  auto proj = [&](const torch::Tensor& in, R role, std::optional<R> bias = std::nullopt) {
+    return block.linear(in, w(role, layer), bias ? w(*bias, layer) : torch::Tensor(), w.module(role, layer));
+  };
+  const auto with_bias = [&](R bias) { return m.attention_bias ? std::optional<R>(bias) : std::nullopt; };
+  // q_norm / k_norm before rotary: in fp32 from the rounded projection (as
+  // autocast hands it over), rounded again as the site they feed would be.
+  auto qk_normed = [&](const torch::Tensor& projected, R weight, SiteId site, int64_t heads) {
+    if (m.qk_norm == QkNorm::kNone) return projected;
+    const SiteRef ref{site, layer};
+    const auto rounded = [&](const torch::Tensor& t) { return block.rounds_site(ref) ? block.round(t) : t; };
+    const torch::Tensor in = rounded(projected);
+    const torch::Tensor scale = m.qk_norm_unit_weights ? torch::ones({D}, in.options()) : w(weight, layer);
+    const torch::Tensor normed =
+        m.qk_norm == QkNorm::kHead
+            ? rms_norm(in.view({B, T, heads, D}), scale, m.norm_eps, probes, ref).reshape({B, T, heads * D})
+            : rms_norm(in, scale, m.norm_eps, probes, ref);
+    return rounded(normed);
+  };
+  const torch::Tensor h = probes.site(
+      {SiteId::kAttnNorm, layer},
+      rms_norm(x, w(R::kAttnNorm, layer), m.norm_eps, probes, {SiteId::kAttnNorm, layer}));
+  AttentionInputs attn;
+  attn.q = probes.site({SiteId::kAttnQ, layer},
+                       rope(qk_normed(proj(h, R::kQProj, with_bias(R::kQBias)), R::kQNorm, SiteId::kAttnQ, H), H));
+  attn.k = probes.site({SiteId::kAttnK, layer},
+                       rope(qk_normed(proj(h, R::kKProj, with_bias(R::kKBias)), R::kKNorm, SiteId::kAttnK, G), G));
+  attn.v = probes.site({SiteId::kAttnV, layer}, proj(h, R::kVProj, with_bias(R::kVBias)));
+  const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
+  const torch::Tensor attn_out = probes.site({SiteId::kAttnOut, layer}, proj(context, R::kOProj));
+  x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
+  const torch::Tensor h2 = probes.site(
+      {SiteId::kMlpNorm, layer},
+      rms_norm(x, w(R::kMlpNorm, layer), m.norm_eps, probes, {SiteId::kMlpNorm, layer}));
+  torch::Tensor mlp_out;
+  if (m.moe) {
+    mlp_out = experts_mlp(m, p, h2, layer, block, probes, router_);
+  } else {
+    const torch::Tensor gate = probes.site({SiteId::kMlpGate, layer}, proj(h2, R::kGateProj));
+    const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, proj(h2, R::kUpProj));
+    const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, F::silu(gate) * up);  // (B, T, F)
+    mlp_out = probes.site({SiteId::kMlpDown, layer}, proj(act, R::kDownProj));
+  }
+  return probes.site({SiteId::kOutput, layer}, x + mlp_out);
+}
+
+torch::Tensor ModelPass::gpt2_block(const ParamMap& p, int layer, torch::Tensor x) {
+  const ModelConfig& m = m_;
+  ProbeSession& probes = probes_;
+  const int64_t C = m.hidden_size;
+  using R = ParamRole;
+  const Weights w{p, Arch::kGpt2};
+  auto layer_norm = [&](const torch::Tensor& in, R weight, R bias, const SiteRef& site) {
+    if (probes.enabled()) {
+      probes.check_norm(site, in.detach().var(-1, /*unbiased=*/false), m.norm_eps, "variance");
+    }
+    return F::layer_norm(
+        in, F::LayerNormFuncOptions({C}).weight(w(weight, site.layer)).bias(w(bias, site.layer)).eps(m.norm_eps));
+  };
+  x = x.to(w(R::kAttnNorm, layer).device());  // split layers: follow the weights
+  const Numerics block = numerics_.in_layer(layer);  // what-ifs may run a layer in fp32
+  auto linear = [&](const torch::Tensor& in, R weight, R bias) {
+    return block.linear(in, w(weight, layer), w(bias, layer), w.module(weight, layer));
+  };
+  const torch::Tensor h = probes.site({SiteId::kAttnNorm, layer},
+                                      layer_norm(x, R::kAttnNorm, R::kAttnNormBias, {SiteId::kAttnNorm, layer}));
+  const std::vector<torch::Tensor> qkv = linear(h, R::kQkv, R::kQkvBias).split(C, -1);  // 3 x (B, T, C)
+  AttentionInputs attn;
+  attn.q = probes.site({SiteId::kAttnQ, layer}, qkv[0]);
+  attn.k = probes.site({SiteId::kAttnK, layer}, qkv[1]);
+  attn.v = probes.site({SiteId::kAttnV, layer}, qkv[2]);
+  const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
+  const torch::Tensor attn_out = probes.site({SiteId::kAttnOut, layer}, linear(context, R::kOProj, R::kOProjBias));
+  x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
+  const torch::Tensor h2 = probes.site({SiteId::kMlpNorm, layer},
+                                       layer_norm(x, R::kMlpNorm, R::kMlpNormBias, {SiteId::kMlpNorm, layer}));
+  const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, linear(h2, R::kUpProj, R::kUpBias));
+  const torch::Tensor act =
+      probes.site({SiteId::kMlpAct, layer}, F::gelu(up, F::GELUFuncOptions().approximate("tanh")));
+  const torch::Tensor down = probes.site({SiteId::kMlpDown, layer}, linear(act, R::kDownProj, R::kDownBias));
+  return probes.site({SiteId::kOutput, layer}, x + down);
+}
+
+ForwardResult ModelPass::head(const ParamMap& p, const torch::Tensor& x_in, const torch::Tensor& targets) {
+  using R = ParamRole;
+  const Weights w{p, m_.arch};
+  const SiteRef norm_site{SiteId::kFinalNorm, -1};
+  const torch::Tensor x = x_in.to(w(R::kFinalNorm).device());
+  torch::Tensor final_norm;
+  if (m_.arch == Arch::kLlama) {
+    final_norm = probes_.site(norm_site, rms_norm(x, w(R::kFinalNorm), m_.norm_eps, probes_, norm_site));
+  } else {
+    if (probes_.enabled()) probes_.check_norm(norm_site, x.detach().var(-1, /*unbiased=*/false), m_.norm_eps, "variance");
+    final_norm = probes_.site(
+        norm_site, F::layer_norm(x, F::LayerNormFuncOptions({m_.hidden_size})
+                                        .weight(w(R::kFinalNorm))
+                                        .bias(w(R::kFinalNormBias))
+                                        .eps(m_.norm_eps)));
+  }
+  // gpt2's head is always the token embedding; a tied head on a split model
+  // reads it through a differentiable copy.
+  const bool tied = m_.arch == Arch::kGpt2 || m_.tie_embeddings;
+  const torch::Tensor head = (tied ? w(R::kTokenEmbedding) : w(R::kLmHead)).to(x.device());
+  // The logits site is before the final soft cap, which only the loss reads.
+  const torch::Tensor logits =
+      probes_.site({SiteId::kLogits, -1}, numerics_.linear(final_norm, head, {}, "lm_head"));  // (B, T, V)
+  if (m_.arch == Arch::kGpt2) return next_token_loss(logits, targets, probes_);
+  return next_token_loss(logits, targets, probes_, m_.final_logit_softcap,
+                         m_.moe ? router_loss(*m_.moe, router_) : torch::Tensor());
+}
+
+ForwardResult forward_loss(const ModelConfig& model, const ParamMap& params,
+                           const torch::Tensor& inputs, const torch::Tensor& targets,
+                           const Numerics& numerics, ProbeSession& probes) {
+  ModelPass pass(model, numerics, probes);
+  torch::Tensor x = pass.embed(params, inputs);
+  for (int layer = 0; layer < model.num_layers; ++layer) x = pass.block(params, layer, x);
+  return pass.head(params, x, targets);
+}
+
+}  // namespace nanreplay

@@ -1,0 +1,140 @@
+// One training step replayed, the one way every caller replays a step: `run`
+// (full probes), bisect's cheap pass (one all-finite flag per site, stopping
+// once the step is known bad), what-ifs (with overrides), the determinism and
+// cross-device re-runs, the synthetic trainer and the benchmarks (no probes).
+// Every rank's micro-batches forward and backward as DDP with gradient
+// accumulation and a loss scaler computes them, gradients accumulated over
+// micro-batches, averaged over ranks and unscaled (before clipping); then
+// the parameter-gradient probes. One rule (judge_step) says whether the step
+// holds the incident, so "bisect names what run names" holds by construction.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "loaders/bundle/bundle.h"
+#include "replay/step/checkpoint.h"
+#include "replay/step/gradients.h"
+#include "replay/step/layer_stream.h"
+#include "replay/probing/probe_session.h"
+
+namespace nanreplay {
+
+// What a what-if changes in a step's replay; default: nothing.
+struct StepOverrides {
+  std::set<int64_t> dropped_samples;  // rows removed from their micro-batches
+  std::optional<double> norm_eps;     // replaces the model's norm_eps
+  bool qk_norm = false;               // q and k RMS-normalised per head, unit weights (when the model has none)
+  std::optional<double> attn_logit_softcap;  // replaces the model's attention soft cap
+  std::optional<double> router_z_loss_coef;  // replaces model.moe's (a mixture of experts only)
+  NumericsOverrides numerics;
+  std::optional<std::map<std::string, Fp8ModuleScales>> fp8_scales;  // replace the step's
+};
+
+// Called before each forward and each backward: (rank, micro-batch, "forward" | "backward").
+// May throw to stop the replay (interrupts).
+using PassProgress = std::function<void(int rank, int micro_batch, const char* phase)>;
+
+// One forward and backward of a step: a rank's micro-batch.
+struct PassRef {
+  int rank = 0;
+  int micro_batch = 0;
+};
+
+struct StepRequest {
+  ProbeLevel probes = ProbeLevel::kFull;
+  // Only this pass (the determinism check's re-run): its forward and
+  // backward records; no step gradients, so `complete` is false.
+  std::optional<PassRef> only_pass;
+  StepOverrides overrides;
+  // kFlags: skip the passes after the first micro-batch whose flags settle
+  // that the step is bad (in fp16 only a forward flag settles it: the loss
+  // scaler's verdict needs the whole step otherwise).
+  bool stop_at_first_bad = false;
+  // bf16/fp16 matmuls in the low type on a GPU instead of emulated by rounding fp32.
+  bool native_low_precision = false;
+  // Probe host tensors as device ones are (statistics left where they are,
+  // read back once at the step's end): the tests' way to that path on a CPU.
+  bool defer_host_probes = false;
+  PassProgress before_pass;
+  // A layer-streamed replay: called before each block of each pass,
+  // (rank, micro-batch, layer, "forward" | "backward"). May throw to stop.
+  std::function<void(int rank, int micro_batch, int layer, const char* phase)> on_block;
+};
+
+struct StepResult {
+  double loss = 0.0;                 // mean over ranks of the mean over micro-batches
+  std::vector<double> rank_losses;
+  // [rank][micro-batch]: each pass's own loss, in pass order (what a job that
+  // prints its last micro-batch's loss logs, nanoGPT and llama2.c among them).
+  std::vector<std::vector<double>> micro_batch_losses;
+  std::vector<double> rank_grad_norms;
+  double grad_norm = 0.0;            // global norm before clipping (clip_grad_norm_'s)
+  // Per parameter in the checkpoint's order: on the host (in memory or on
+  // the layer-streamed replay's scratch files), or where computed at kFlags.
+  GradientSet grads;
+  // Forward and backward records of every pass, then the parameter
+  // gradients' (every one at kFull, the non-finite ones at kFlags).
+  std::vector<ProbeRecord> probes;
+  std::vector<NormCheck> norm_checks;     // kFull
+  std::vector<SampleLoss> sample_losses;  // kFull
+  int64_t passes = 0;
+  bool complete = true;  // every pass ran: loss, gradients and grad_norm hold
+  std::map<std::pair<int, int>, std::vector<int64_t>> rows_of_pass;  // (micro-batch, rank) -> samples
+};
+
+// The step's arithmetic under overrides: model config, fp8 scales, numerics, loss scale.
+struct StepArithmetic {
+  ModelConfig model;
+  std::map<std::string, Fp8ModuleScales> fp8_scales;
+  Numerics numerics;
+  double loss_scale = 1.0;
+
+  StepArithmetic(const Manifest& m, const StepState& state, const StepOverrides& overrides, bool native);
+  StepArithmetic(const StepArithmetic&) = delete;  // numerics points into fp8_scales
+  StepArithmetic& operator=(const StepArithmetic&) = delete;
+};
+
+// What the step inputs are, whatever holds the parameters.
+struct StepInputs {
+  const Manifest& manifest;
+  const TokenStream& tokens;
+  int64_t step;
+  const StepState& state;
+  const StepBatch& batch;
+};
+
+class StepModel;  // replay/step/step_model.h
+
+// The step on parameters held as `model` says, named in `order`.
+StepResult replay_step(const StepInputs& inputs, StepModel& model, const std::vector<std::string>& order,
+                       const StepRequest& request);
+// The step from parameters in memory (the synthetic trainer's).
+StepResult replay_step(const StepInputs& inputs, ParamMap& params, const std::vector<std::string>& order,
+                       const StepRequest& request);
+// The step from its checkpoint, computed where `placement` says.
+StepResult replay_step(const StepInputs& inputs, ModelCheckpoint& checkpoint, const ComputePlacement& placement,
+                       const StepRequest& request);
+
+// Whether a replayed step holds the incident: its earliest non-finite value
+// in execution order (micro-batch, phase, site, rank; the parameter gradients
+// last), except that in fp16 a step whose forward and loss stayed finite and
+// whose gradients are non-finite is the loss scaler's handled overflow.
+struct StepJudgement {
+  const ProbeRecord* first = nullptr;  // the origin, when bad
+  const ProbeRecord* handled_first = nullptr;  // the first non-finite value the scaler absorbs
+  bool bad = false;
+  bool scaler_skips = false;     // fp16: non-finite gradients, GradScaler skips the step
+  bool handled_overflow = false;
+};
+StepJudgement judge_step(const StepResult& result, Compute compute);
+
+// The rows of one rank's micro-batch, less the dropped samples.
+std::vector<int64_t> micro_batch_rows(const StepBatch& batch, const DataConfig& data, int rank, int micro,
+                                      const std::set<int64_t>& dropped);
+
+}  // namespace nanreplay

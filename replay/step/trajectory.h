@@ -1,0 +1,90 @@
+// Rolling forward from one checkpoint: the parameters and AdamW state a
+// replay carries from a step to the next when the next has no checkpoint of
+// its own. It holds one step's worth (parameters, both moments, the step
+// count, the fp16 loss scale) and updates them in place with the step's
+// replayed gradients, exactly as "the update between two steps" of the
+// bundle format says (clip_grad_norm_, then PyTorch's AdamW; an fp16 step the
+// scaler skips changes nothing and halves the scale). A layer-streamed
+// replay keeps them on scratch files instead, one tensor at a time in memory.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loaders/bundle/bundle.h"
+#include "replay/optim/adamw.h"
+#include "replay/step/checkpoint.h"
+#include "replay/step/layer_stream.h"
+#include "replay/step/step.h"
+
+namespace nanreplay {
+
+class Trajectory {
+ public:
+  // Starts from a step's checkpoint and optimizer state (owned copies: the
+  // checkpoint's mapping stays read-only), on scratch files in `scratch` when set.
+  void start(const Bundle& bundle, const StepFiles& files, std::shared_ptr<StreamScratch> scratch = nullptr);
+  bool started() const { return !order_.empty(); }
+
+  // After step `step` replayed to `result`: the parameters of the next step.
+  void advance(const StepResult& result, const StepState& state, bool scaler_skipped);
+
+  // The current parameters as the next step's checkpoint (the same tensors,
+  // or what the scratch file holds when read).
+  ModelCheckpoint checkpoint() const;
+  // A copy of the current parameters that later updates leave alone.
+  ModelCheckpoint snapshot() const;
+  const std::vector<std::string>& order() const { return order_; }
+  // The AdamW state the next update starts from (minimize writes it as a
+  // derived step's optimizer.safetensors); read whole from scratch files.
+  AdamWMoments moments() const;
+
+ private:
+  void advance_on_scratch(const StepResult& result, double lr);
+
+  const Manifest* manifest_ = nullptr;
+  ParamMap params_;
+  std::vector<std::string> order_;
+  AdamWMoments moments_;
+  // On scratch instead (a layer-streamed replay): parameters, exp_avg, exp_avg_sq.
+  std::shared_ptr<StreamScratch> scratch_;
+  std::shared_ptr<ScratchTensors> params_file_, exp_avg_file_, exp_avg_sq_file_;
+};
+
+// fp16's loss scale along a rolled-forward window: a step's state.json
+// loss_scale when it names one, otherwise the previous step's, halved when
+// the scaler skipped that step. Elsewhere every step's own (default 1).
+class LossScales {
+ public:
+  explicit LossScales(bool rolls_forward) : rolls_forward_(rolls_forward) {}
+  // The scale of the step `state` describes; call once per step, in order.
+  double of(const StepState& state);
+  void step_done(bool scaler_skipped);
+
+ private:
+  bool rolls_forward_;
+  std::optional<double> carried_;
+  double current_ = 1.0;
+};
+
+// The state a step is replayed with: its state.json with the loss scale `scales` gives it.
+StepState with_loss_scale(StepState state, double loss_scale);
+
+// A step of a rolled-forward bundle as the replay starts it: its parameters
+// (its checkpoint, or rolled forward from the last checkpoint before it,
+// replaying each step on the host without probes) and its loss scale (which
+// in fp16 may carry from every step before).
+struct RolledStart {
+  ModelCheckpoint checkpoint;
+  StepState state;
+  // A derived step's AdamW state (its parameters' moments and step count);
+  // none when the step has a checkpoint of its own.
+  std::optional<AdamWMoments> moments;
+};
+// `placement`: where the steps before it replay (streamed: their parameters
+// and moments on scratch files too).
+RolledStart roll_to(const Bundle& bundle, int64_t step, const ComputePlacement& placement = {});
+
+}  // namespace nanreplay

@@ -1,0 +1,298 @@
+// The four stages of bisection; see bisect.h. Only one checkpoint is open at a
+// time: the binary search keeps the bad step's scan (its flags and the rows of
+// the pass that holds the first one), not its checkpoint, and reopens it for
+// the later stages. A rolled-forward bundle is walked in order instead, and
+// the bad step's derived parameters are kept for the later stages.
+#include "replay/workflows/bisect.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <set>
+#include <stdexcept>
+
+#include <torch/torch.h>
+
+#include "loaders/base/error.h"
+#include "replay/workflows/ddmin.h"
+#include "replay/step/layer_stream.h"
+#include "reports/triage/data/origin_tokens.h"
+#include "replay/workflows/replay_engine.h"
+#include "replay/step/step_scan.h"
+#include "replay/step/trajectory.h"
+
+namespace nanreplay {
+
+namespace {
+
+class Bisection {
+ public:
+  Bisection(const Bundle& bundle, const BisectOptions& options, BisectReport& report)
+      : bundle_(bundle), options_(options), report_(report) {}
+
+  // Stage 1: the first bad step, or none. Tests the last step first: most
+  // bundles end at the failure, and a clean last step means a clean bundle.
+  std::optional<int64_t> first_bad_step(const std::set<int64_t>& marked_by_log) {
+    const std::vector<StepFiles>& steps = bundle_.steps();
+    if (steps.empty()) return std::nullopt;
+    if (bundle_.rolls_forward()) return first_bad_in_order();
+    std::optional<size_t> bad = first_bad_of_last_or_marked(marked_by_log);
+    if (!bad) return std::nullopt;
+    size_t lo = 0, hi = *bad;  // steps[hi] is bad; every step before lo is clean
+    while (lo < hi) {
+      const size_t mid = lo + (hi - lo) / 2;
+      if (test_step(mid)) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    // lo only ever rose past a step tested clean, so steps[hi - 1] was tested.
+    if (hi > 0) {
+      for (const BisectStepTest& t : report_.step_tests) {
+        if (t.step == steps[hi - 1].step && t.replayed && !t.bad) report_.clean_predecessor = t.step;
+      }
+    }
+    if (!bad_scan_ || bad_scan_->step != steps[hi].step) throw std::logic_error("bisect: lost the bad step's scan");
+    return steps[hi].step;
+  }
+
+  // The last step, when it is bad (most bundles end at the failure). When it
+  // is clean the failure may have been transient (an fp16 step the scaler
+  // skipped, training then went on): the first step the log marks (a
+  // non-finite loss, or skipped) that is bad, tested in order.
+  std::optional<size_t> first_bad_of_last_or_marked(const std::set<int64_t>& marked_by_log) {
+    const std::vector<StepFiles>& steps = bundle_.steps();
+    if (test_step(steps.size() - 1)) return steps.size() - 1;
+    for (size_t i = 0; i + 1 < steps.size(); ++i) {
+      if (marked_by_log.count(steps[i].step) && test_step(i)) return i;
+    }
+    return std::nullopt;
+  }
+
+  // Rolling forward: each step's parameters come from the update of the one
+  // before, so the cheap pass walks the steps in order, advancing the
+  // trajectory with every clean step's gradients, up to the first bad one.
+  std::optional<int64_t> first_bad_in_order() {
+    report_.in_order = true;
+    const Manifest& m = bundle_.manifest();
+    Trajectory trajectory;
+    LossScales scales(true);
+    bool derivable = true;  // every step since the last checkpoint was replayed
+    const std::vector<StepFiles>& steps = bundle_.steps();
+    for (size_t i = 0; i < steps.size(); ++i) {
+      const StepFiles& files = steps[i];
+      const bool next_derived = i + 1 < steps.size() && !steps[i + 1].has_model;
+      BisectStepTest test;
+      test.step = files.step;
+      set_stage("step", test.step);
+      std::optional<std::string> why = unreplayable_reason(bundle_, batch_of_step(bundle_, test.step));
+      if (!why && !files.has_model && !derivable) why = "derived from a step that could not be replayed";
+      if (why) {
+        test.replayed = false;
+        test.not_replayed_reason = *why;
+        report_.step_tests.push_back(test);
+        derivable = false;
+        scales.step_done(false);
+        continue;
+      }
+      const StepState logged = bundle_.load_state(files);
+      const StepState state = with_loss_scale(logged, scales.of(logged));
+      ModelCheckpoint checkpoint = files.has_model ? ModelCheckpoint(files, m.model) : trajectory.checkpoint();
+      auto loaded = std::make_unique<LoadedStep>(bundle_, files.step, std::move(checkpoint), state, placement());
+      StepResult result;
+      StepScan scan = scan_step(*loaded, {}, /*stop_at_first_bad=*/false, hook(), &result);
+      test.bad = scan.bad;
+      test.handled_overflow = scan.handled_overflow;
+      test.replays = scan.passes;
+      report_.step_tests.push_back(test);
+      if (scan.bad) {
+        if (i > 0 && report_.step_tests[i - 1].replayed) report_.clean_predecessor = steps[i - 1].step;
+        bad_scan_ = std::move(scan);
+        bad_loaded_ = std::move(loaded);
+        return files.step;
+      }
+      scales.step_done(scan.scaler_skips);
+      derivable = true;
+      if (!next_derived) continue;
+      if (files.has_model) trajectory.start(bundle_, files, placement().stream);
+      trajectory.advance(result, state, scan.scaler_skips);
+    }
+    return std::nullopt;
+  }
+
+  // Stages 3 and 4 on the bad step (stage 2 is the scan's flags).
+  FirstNonfinite locate_and_minimize(int64_t step) {
+    if (!bad_loaded_) bad_loaded_ = std::make_unique<LoadedStep>(bundle_, step, placement());
+    LoadedStep& loaded = *bad_loaded_;
+    const std::string embedding = expected_parameters(bundle_.manifest().model).front().name;
+    origin_embedding_ = loaded.checkpoint().param(embedding).detach().to(torch::kCPU).clone();
+    stage_ = "site";
+    FirstNonfinite origin = locate_first(loaded, {}, *bad_scan_, report_.site_replays, hook());
+    origin.contaminated_params = loaded.nonfinite_params();
+    if (options_.minimize_samples) minimize_samples(loaded, origin);
+    return origin;
+  }
+
+  // Runs before every pass: interrupts and progress.
+  std::function<void()> hook() {
+    return [this] {
+      if (options_.should_stop && options_.should_stop()) throw Interrupted("bisect interrupted; nothing was printed");
+      if (options_.on_progress) options_.on_progress({stage_, current_step_, passes_});
+      ++passes_;
+    };
+  }
+
+  // Every pass computes where --device says.
+  ComputePlacement placement() const {
+    return streamed_if(
+        placement_for(options_.devices, options_.native_low_precision, bundle_.manifest().precision.compute),
+        options_.stream_scratch);
+  }
+
+  // The bad step's token embedding as its replay held it (checkpoint or derived).
+  const torch::Tensor& origin_embedding() const { return origin_embedding_; }
+
+  void set_stage(const std::string& stage, int64_t step) {
+    stage_ = stage;
+    current_step_ = step;
+  }
+
+ private:
+  // Each step is replayed once; a second question about it reads the first answer.
+  bool test_step(size_t index) {
+    for (const BisectStepTest& t : report_.step_tests) {
+      if (t.step == bundle_.steps()[index].step) return t.bad;
+    }
+    BisectStepTest test;
+    test.step = bundle_.steps()[index].step;
+    set_stage("step", test.step);
+    if (const std::optional<std::string> why = unreplayable_reason(bundle_, batch_of_step(bundle_, test.step))) {
+      test.replayed = false;  // as in `run`: no value of this step can be non-finite
+      test.not_replayed_reason = *why;
+      report_.step_tests.push_back(test);
+      return false;
+    }
+    LoadedStep loaded(bundle_, test.step, placement());
+    StepScan scan = scan_step(loaded, {}, /*stop_at_first_bad=*/true, hook());
+    test.bad = scan.bad;
+    test.handled_overflow = scan.handled_overflow;
+    test.replays = scan.passes;
+    report_.step_tests.push_back(test);
+    if (scan.bad) bad_scan_ = std::move(scan);
+    return test.bad;
+  }
+
+  // Stage 4: ddmin over the samples of the pass that holds the origin. That
+  // pass is known to fail as it stands, except for an fp16 backward origin
+  // (the loss scaler's verdict depends on the whole step), which is tested.
+  void minimize_samples(LoadedStep& loaded, const FirstNonfinite& origin) {
+    BisectSampleStage& stage = report_.samples;
+    set_stage("samples", loaded.step());
+    if (origin.phase == Phase::kGrad) {
+      stage.note = "not run: the origin is a parameter gradient, summed over every pass of the step";
+      return;
+    }
+    if (!origin.contaminated_params.empty()) {
+      stage.data_dependent = false;
+      stage.note = "not data-dependent: the checkpoint already holds non-finite parameters, so every sample fails";
+      return;
+    }
+    stage.candidates = bad_scan_->first_pass_samples;
+    const std::function<void()> before_pass = hook();
+    bool some_subset_passed = false;
+    const std::function<bool(const std::vector<int64_t>&)> fails = [&](const std::vector<int64_t>& subset) {
+      ++stage.replays;
+      const bool failed = pass_fails(loaded, subset, before_pass);
+      some_subset_passed = some_subset_passed || !failed;
+      return failed;
+    };
+    const bool fp16_backward = bundle_.manifest().precision.compute == Compute::kFp16 && origin.phase != Phase::kForward;
+    if (fp16_backward && !fails(stage.candidates)) {
+      stage.note = "not run: the origin's pass does not fail on its own (the loss scaler absorbs it)";
+      return;
+    }
+    stage.minimal = ddmin<int64_t>(stage.candidates, fails).minimal;
+    stage.ran = true;
+    stage.data_dependent = some_subset_passed || !others_fail_alone(stage, fails);
+    if (!*stage.data_dependent) {
+      stage.note = "not data-dependent: every subset tried fails, single samples included; no sample is to blame";
+      stage.minimal.clear();
+    }
+  }
+
+  // Whether samples outside the minimal set fail on their own too (up to
+  // three, evenly spread): a failure every sample triggers is not the data's.
+  static bool others_fail_alone(const BisectSampleStage& stage,
+                                const std::function<bool(const std::vector<int64_t>&)>& fails) {
+    std::vector<int64_t> others;
+    for (int64_t s : stage.candidates) {
+      if (std::find(stage.minimal.begin(), stage.minimal.end(), s) == stage.minimal.end()) others.push_back(s);
+    }
+    if (others.empty()) return false;
+    const size_t tried = std::min<size_t>(3, others.size());
+    for (size_t k = 0; k < tried; ++k) {
+      if (!fails({others[k * others.size() / tried]})) return false;
+    }
+    return true;
+  }
+
+  const Bundle& bundle_;
+  const BisectOptions& options_;
+  BisectReport& report_;
+  std::optional<StepScan> bad_scan_;
+  std::unique_ptr<LoadedStep> bad_loaded_;  // the bad step, when the in-order pass already holds it
+  torch::Tensor origin_embedding_;
+  std::string stage_ = "step";
+  int64_t current_step_ = 0;
+  int64_t passes_ = 0;
+};
+
+}  // namespace
+
+BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options) {
+  const auto started = std::chrono::steady_clock::now();
+  const Manifest& m = bundle.manifest();
+  BisectReport report;
+  report.bundle = bundle.root().string();
+  report.tool_version = options.tool_version;
+  report.arch = m.model.arch;
+  report.precision = m.precision.compute;
+  report.steps_in_bundle = static_cast<int64_t>(bundle.steps().size());
+  report.passes_per_step = m.data.world_size * m.data.grad_accum_steps;
+  std::set<int64_t> marked_by_log;  // a non-finite loss or a skipped step in state.json
+  for (const StepFiles& files : bundle.steps()) {
+    if (!unreplayable_reason(bundle, batch_of_step(bundle, files.step))) {
+      report.full_probe_pass_replays += report.passes_per_step;
+    }
+    const StepState state = bundle.load_state(files);
+    const std::optional<double> logged = state.logged.loss;
+    if (logged && !std::isfinite(*logged)) report.logged_nonfinite_steps.push_back(files.step);
+    if ((logged && !std::isfinite(*logged)) || state.skipped.value_or(false)) marked_by_log.insert(files.step);
+  }
+
+  Bisection bisection(bundle, options, report);
+  if (const std::optional<int64_t> step = bisection.first_bad_step(marked_by_log)) {
+    report.origin = bisection.locate_and_minimize(*step);
+    // The run's own numbering of the sample, where the bundle records it (as `run` names it).
+    if (const auto o = report.origin->sample >= 0 ? original_of_sample(m, report.origin->sample) : std::nullopt) {
+      (o->is_offset ? report.origin->original_offset : report.origin->original_sample) = o->value;
+    }
+    for (int64_t sample : report.samples.minimal) {
+      if (const auto o = original_of_sample(m, sample)) report.samples.minimal_in_run.push_back(*o);
+    }
+    if (report.samples.minimal_in_run.size() != report.samples.minimal.size()) report.samples.minimal_in_run.clear();
+    report.origin_tokens = origin_tokens(bundle, *report.origin, bisection.origin_embedding(),
+                                         default_thresholds(m.precision.compute));
+  }
+  if (!options.what_ifs.empty()) {
+    bisection.set_stage("what-if", report.origin ? report.origin->step : 0);
+    report.what_if = evaluate_what_ifs(bundle, report.origin, options.what_ifs, bisection.hook(),
+                                       options.devices, options.native_low_precision, options.stream_scratch);
+  }
+  report.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return report;
+}
+
+}  // namespace nanreplay

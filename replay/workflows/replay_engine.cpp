@@ -1,0 +1,453 @@
+// The replay of a bundle as a sequence of named stages: check the bundle
+// (checksums, non-finite checkpoints), replay each step (its batch's data
+// checks, every pass with probes, which value came first, its numeric and
+// system findings, the update to the next checkpoint), look at what the steps
+// found together (stray tokens, fp8 scale jumps, the origin's tokens), check
+// the replay against itself, and settle the verdict. Steps are independent:
+// each starts from its own checkpoint.
+#include "replay/workflows/replay_engine.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <future>
+#include <optional>
+#include <set>
+
+#include <torch/torch.h>
+
+#include "loaders/base/error.h"
+#include "reports/triage/data/data_findings.h"
+#include "replay/step/layer_stream.h"
+#include "reports/triage/data/origin_tokens.h"
+#include "reports/triage/system/probe_comparison.h"
+#include "replay/probing/probe_retention.h"
+#include "reports/triage/system/self_checks.h"
+#include "replay/step/step.h"
+#include "replay/step/step_scan.h"
+#include "reports/triage/system/system_checks.h"
+#include "replay/step/trajectory.h"
+#include "reports/triage/numeric/expert_load.h"
+#include "loaders/bundle/provenance.h"
+#include "reports/results/number_text.h"
+#include "reports/triage/provenance_note.h"
+#include "reports/triage/verdict.h"
+
+namespace nanreplay {
+
+using K = EvidenceKey;
+
+namespace {
+
+// Asks the kernel to read `file` into the page cache in the background
+// (the next step's checkpoint, while this step computes); best effort.
+void read_ahead(const std::filesystem::path& file) {
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;
+  (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_WILLNEED);
+  ::close(fd);
+}
+
+const char* low_precision_name(Compute compute, const ComputePlacement& placement) {
+  if (compute == Compute::kFp32) return "fp32";
+  if (compute == Compute::kFp8) return "fp8";
+  return placement.native_low_precision ? "native" : "emulated";
+}
+
+class BundleReplay {
+ public:
+  BundleReplay(const Bundle& bundle, const ReplayOptions& options)
+      : bundle_(bundle),
+        m_(bundle.manifest()),
+        options_(options),
+        thresholds_(options.thresholds.value_or(default_thresholds(m_.precision.compute))),
+        // With --cross-check the replay runs on the first device; the second
+        // replays the step of interest again for the comparison.
+        placement_(streamed_if(placement_for(options.cross_check ? std::vector<std::string>{options.devices.front()}
+                                                                 : options.devices,
+                                             options.native_low_precision, m_.precision.compute),
+                               options.stream_scratch)) {
+    report_.bundle = bundle.root().string();
+    report_.tool_version = options.tool_version;
+    report_.arch = m_.model.arch;
+    report_.moe_top_k = m_.model.moe ? m_.model.moe->top_k : 0;
+    report_.precision = m_.precision.compute;
+    report_.incident = m_.incident;
+    report_.minimized = m_.minimized;
+    report_.defaulted = defaulted_values(m_.provenance);
+    report_.devices = options.devices;
+    report_.low_precision = low_precision_name(m_.precision.compute, placement_);
+    for (const StepFiles& files : bundle.steps()) {
+      if (!options.only_steps || options.only_steps->count(files.step)) todo_.push_back(&files);
+    }
+  }
+
+  // Before any replay: the shards against their checksums, the checkpoints for non-finite values.
+  void check_bundle() {
+    const PhaseTimer timer(report_.timings, TimedPhase::kDataChecks);
+    for (const ChecksumMismatch& bad : bundle_.tokens().verify_checksums()) {
+      add({make_finding(FindingCode::kBundleChecksumMismatch,
+                        bad.shard + ": sha256 is " + bad.actual + ", the manifest says " + bad.expected,
+                        {{K::kShard, bad.shard}, {K::kExpected, bad.expected}, {K::kAfter, bad.actual}})});
+    }
+    contaminated_ = checkpoint_nonfinite_findings(bundle_);
+    add(contaminated_);
+    baseline_ = data_baseline(bundle_.tokens(), m_.data.seq_len, thresholds_.data.baseline_samples);
+  }
+
+  void replay_steps() {
+    for (size_t index = 0; index < todo_.size(); ++index) replay_one(*todo_[index], index);
+    next_host_step_ = {};  // an interrupted replay's next step, still being prepared
+    retention_.finish();
+  }
+
+  // What the steps found together.
+  void after_steps() {
+    const PhaseTimer timer(report_.timings, TimedPhase::kDataChecks);
+    add(stray_token_findings(bundle_, batch_samples_));
+    add(fp8_scale_jump_findings(states_, thresholds_));
+    if (first_) {
+      report_.origin_tokens = origin_tokens(bundle_, *first_, origin_embedding(), thresholds_);
+      if (first_->sample >= 0 && first_->sample < bundle_.num_samples()) {
+        report_.offending_tokens = bundle_.tokens().sample_tokens(first_->sample, m_.data.seq_len);
+        report_.offending_tokens_start = first_->sample * m_.data.seq_len;
+      }
+    }
+    report_.first_nonfinite = first_;
+    report_.reproduced = first_.has_value();
+  }
+
+  // The failing step (or the last one) replayed again: on this machine, and on the second device.
+  void check_replay() {
+    const StepFiles* files = step_to_recheck();
+    if (files == nullptr || !options_.probes) return;
+    if (options_.check_determinism) {
+      const PhaseTimer timer(report_.timings, TimedPhase::kDeterminism);
+      report_.determinism =
+          check_determinism(bundle_, recheck_input(*files), report_.probes, placement_, deciding_pass());
+      if (!report_.determinism.identical) {
+        add({make_finding(FindingCode::kSystemNondeterministic,
+                          "replaying " + determinism_scope(report_.determinism) +
+                              " twice on this machine gave different values at " +
+                              report_.determinism.first_difference,
+                          difference_evidence(files->step, report_.determinism.where))});
+      }
+    }
+    if (options_.cross_check) {
+      const PhaseTimer timer(report_.timings, TimedPhase::kCrossCheck);
+      ComputePlacement second =
+          placement_for({options_.devices.back()}, options_.native_low_precision, m_.precision.compute);
+      second.stream = placement_.stream;
+      report_.cross_check = check_across_devices(bundle_, recheck_input(*files), report_.probes, second,
+                                                 options_.devices.front(),
+                                                 options_.devices.back());
+      const CrossDeviceCheck& c = *report_.cross_check;
+      if (!c.identical) {
+        add({make_finding(FindingCode::kSystemDeviceMismatch,
+                          "step " + std::to_string(files->step) + " replayed on " + c.device_a + " and " +
+                              c.device_b + " from the same inputs differs first at " + c.first_difference +
+                              " (rank " + std::to_string(c.where.rank) + ", micro-batch " +
+                              std::to_string(c.where.micro_batch) + "): one of the two devices computes wrongly",
+                          difference_evidence(files->step, c.where).set(K::kBefore, c.max_abs_a).set(K::kAfter, c.max_abs_b))});
+      }
+    }
+  }
+
+  ReplayReport finish(std::chrono::steady_clock::time_point started) {
+    settle_verdict(report_, thresholds_);
+    note_defaulted_values(report_);
+    annotate_original_samples(report_, m_);
+    report_.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    return std::move(report_);
+  }
+
+ private:
+  void add(const std::vector<Finding>& more) { report_.findings.insert(report_.findings.end(), more.begin(), more.end()); }
+
+  void replay_one(const StepFiles& files, size_t index) {
+    const double replay_before = report_.timings.of(TimedPhase::kReplay);
+    {
+      const PhaseTimer timer(report_.timings, TimedPhase::kReplay);
+      replay_timed(files, index);
+    }
+    report_.timings.step_seconds.emplace_back(files.step, report_.timings.of(TimedPhase::kReplay) - replay_before);
+  }
+
+  // The host's share of a step that no earlier step decides: its logged
+  // state, batch and data findings. A replay on a GPU prepares the next
+  // step's on a worker thread while the device computes this one, and has
+  // the next checkpoint read into the page cache meanwhile.
+  struct HostStep {
+    StepState logged;
+    std::vector<Finding> sampler;
+    StepBatch batch;
+    std::vector<Finding> bad_tokens;
+    std::vector<Finding> profile;  // when the batch's tokens are all in range
+  };
+
+  HostStep prepare_host_step(const StepFiles& files) const {
+    const StepEntry& entry = step_entry(m_, files.step);
+    HostStep host{bundle_.load_state(files), sampler_findings(bundle_, entry), {}, {}, {}};
+    host.batch = StepBatch{bundle_.sampler().samples_for(entry)};
+    host.bad_tokens = batch_token_findings(bundle_, files.step, host.batch);
+    if (host.bad_tokens.empty()) {
+      host.profile = batch_profile_findings(bundle_, files.step, host.batch, baseline_, thresholds_.data);
+    }
+    if (files.has_model && prepares_ahead()) read_ahead(files.model);
+    return host;
+  }
+
+  bool prepares_ahead() const {
+    if (options_.prepare_ahead) return *options_.prepare_ahead;
+    return std::any_of(placement_.devices.begin(), placement_.devices.end(),
+                       [](const torch::Device& d) { return !d.is_cpu(); });
+  }
+
+  // Step `index`'s host share (prepared ahead, or now), and the next one's started.
+  HostStep take_host_step(size_t index) {
+    HostStep host = next_host_step_.valid() ? next_host_step_.get() : prepare_host_step(*todo_[index]);
+    if (prepares_ahead() && index + 1 < todo_.size()) {
+      const StepFiles* next = todo_[index + 1];
+      next_host_step_ = std::async(std::launch::async, [this, next] { return prepare_host_step(*next); });
+    }
+    return host;
+  }
+
+  void replay_timed(const StepFiles& files, size_t index) {
+    std::optional<PhaseTimer> data_timer(std::in_place, report_.timings, TimedPhase::kDataChecks);
+    HostStep host = take_host_step(index);
+    const StepState& logged = host.logged;
+    const StepState state = with_loss_scale(logged, loss_scales_.of(logged));
+    states_.push_back(state);
+    StepOutcome outcome;
+    outcome.step = files.step;
+    outcome.derived = !files.has_model;
+    outcome.logged_loss = state.logged.loss;
+    outcome.logged_grad_norm = state.logged.grad_norm;
+    outcome.loss_scale = m_.precision.compute == Compute::kFp16 ? state.loss_scale : 1.0;
+    add(host.sampler);
+    const StepBatch& batch = host.batch;
+    for (const auto& rank_samples : batch.samples) batch_samples_.insert(rank_samples.begin(), rank_samples.end());
+    const std::vector<Finding>& bad_tokens = host.bad_tokens;
+    if (!bad_tokens.empty() || (outcome.derived && !trajectory_ok_)) {
+      outcome.finite = false;
+      outcome.not_replayed_reason = !bad_tokens.empty() ? "token id out of range in the batch"
+                                                        : "derived from a step that could not be replayed";
+      add(bad_tokens);
+      report_.steps.push_back(outcome);
+      trajectory_ok_ = false;  // no gradients: the next derived step has no update to start from
+      loss_scales_.step_done(false);
+      return;
+    }
+    add(host.profile);
+    data_timer.reset();
+
+    ModelCheckpoint checkpoint = files.has_model ? ModelCheckpoint(files, m_.model) : trajectory_.checkpoint();
+    StepRequest request;
+    request.probes = options_.probes ? ProbeLevel::kFull : ProbeLevel::kOff;
+    request.before_pass = [&](int rank, int micro, const char* phase) {
+      if (options_.should_stop && options_.should_stop()) throw Interrupted(interrupted_after_steps(index, todo_.size()));
+      if (options_.on_progress) options_.on_progress({index, todo_.size(), files.step, rank, micro, phase});
+    };
+    request.on_block = [&](int rank, int micro, int layer, const char* phase) {
+      if (options_.should_stop && options_.should_stop()) throw Interrupted(interrupted_after_steps(index, todo_.size()));
+      if (options_.on_progress) {
+        options_.on_progress({index, todo_.size(), files.step, rank, micro, phase, layer, static_cast<int>(m_.model.num_layers)});
+      }
+    };
+    StepResult step =
+        replay_step({m_, bundle_.tokens(), files.step, state, batch}, checkpoint, placement_, request);
+    triage_step(files, state, checkpoint, step, outcome);
+    const bool last = report_.steps.size() + 1 == todo_.size();
+    if (outcome.derived && ((last && !first_) || (first_ && first_->step == files.step))) {
+      recheck_params_ = trajectory_.snapshot();  // the self-checks replay this step again
+    }
+    roll_forward(files, state, step, outcome);
+    loss_scales_.step_done(outcome.scaler_skipped);
+    outcome.probe_summary = summarize_probes(step.probes);
+    report_.steps.push_back(outcome);
+    if (options_.on_step_probes) {
+      {
+        const PhaseTimer timer(report_.timings, TimedPhase::kTrace);
+        options_.on_step_probes(step.probes);
+      }
+      retention_.step_done(files.step, std::move(step.probes), first_ ? std::optional(first_->step) : std::nullopt);
+    } else {
+      report_.probes.insert(report_.probes.end(), std::make_move_iterator(step.probes.begin()),
+                            std::make_move_iterator(step.probes.end()));
+    }
+    step = StepResult{};
+    return_freed_memory();
+  }
+
+  // When the next step has no checkpoint, this step's update gives its
+  // parameters; when a derived step is followed by a checkpoint, the update
+  // is compared with what the run really held there.
+  void roll_forward(const StepFiles& files, const StepState& state, const StepResult& step,
+                    const StepOutcome& outcome) {
+    const StepFiles* next = find_files(files.step + 1);
+    if (next == nullptr || (next->has_model && files.has_model)) return;
+    if (files.has_model) trajectory_.start(bundle_, files, placement_.stream);
+    trajectory_.advance(step, state, outcome.scaler_skipped);
+    trajectory_ok_ = true;
+    const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
+    if (next->has_model && options_.check_updates && predictable) {
+      const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
+      add(derived_update_findings(bundle_, files, *next, trajectory_.checkpoint(), *state.lr));
+    }
+  }
+
+  // The step's outcome, whether it holds the origin, and its numeric and system findings.
+  void triage_step(const StepFiles& files, const StepState& state, const ModelCheckpoint& checkpoint,
+                   const StepResult& step, StepOutcome& outcome) {
+    outcome.replayed = true;
+    outcome.loss = step.loss;
+    outcome.grad_norm = step.grad_norm;
+    outcome.rank_losses = step.rank_losses;
+    outcome.micro_batch_losses = step.micro_batch_losses;
+    outcome.rank_grad_norms = step.rank_grad_norms;
+    const bool probes_finite = std::all_of(step.probes.begin(), step.probes.end(),
+                                           [](const ProbeRecord& r) { return r.stats.all_finite(); });
+    outcome.finite = std::isfinite(step.loss) && std::isfinite(step.grad_norm) && probes_finite;
+    const StepJudgement judged = judge_step(step, m_.precision.compute);
+    outcome.scaler_skipped = judged.scaler_skips;
+    outcome.handled_overflow = judged.handled_overflow;
+    if (judged.handled_first != nullptr) add({loss_scale_overflow(*judged.handled_first, outcome)});
+    if (judged.first != nullptr && !first_) {
+      first_ = first_nonfinite_of(*judged.first);
+      first_->contaminated_params = contaminated_params(files.step);
+      report_.propagation = propagation_after(step.probes, *judged.first);
+    }
+    add(overflow_findings(step.probes, files.step, judged.handled_overflow, m_.precision.compute, thresholds_));
+    add(zero_norm_findings(step.norm_checks));
+    outcome.expert_tokens = expert_token_counts(step.probes, files.step, m_.model);
+    if (m_.model.moe) {
+      add(router_collapse_findings(outcome.expert_tokens, files.step, *m_.model.moe,
+                                   layers_with_nonfinite_routing(step.probes, files.step)));
+    }
+    add(sample_loss_findings(step.sample_losses, files.step, thresholds_));
+    outcome.rank_norms_logged_global = rank_norms_logged_global(outcome, state, thresholds_);
+    add(rank_mismatch_findings(outcome, state, thresholds_));
+    if (state.skipped && m_.precision.compute == Compute::kFp16 && *state.skipped != outcome.scaler_skipped) {
+      add({make_finding(FindingCode::kSystemNotReproducible,
+                        "step " + std::to_string(files.step) + ": the job logged skipped=" +
+                            (*state.skipped ? "true" : "false") + " but the replay's gradients say the scaler " +
+                            (outcome.scaler_skipped ? "skips" : "does not skip") + " it",
+                        {{K::kStep, files.step}, {K::kExpected, outcome.scaler_skipped}, {K::kAfter, *state.skipped}})});
+    }
+    // System layer: does the next checkpoint follow from this one by AdamW?
+    const StepFiles* next = find_files(files.step + 1);
+    const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
+    if (options_.check_updates && next != nullptr && next->has_model && files.has_model && m_.optimizer && state.lr &&
+        predictable && bundle_.has_optimizer(files)) {
+      const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
+      add(update_findings(bundle_, {&files, next, &checkpoint, &step, *state.lr, outcome.scaler_skipped}));
+    }
+  }
+
+  Finding loss_scale_overflow(const ProbeRecord& bad, const StepOutcome& outcome) const {
+    return make_finding(FindingCode::kNumericLossScaleOverflow,
+                        "step " + std::to_string(outcome.step) + ": the backward overflowed at " + probe_name(bad) +
+                            " with loss scale " + format_number(outcome.loss_scale) +
+                            "; the loss scaler skips this step and halves the scale (handled, not the incident)",
+                        {{K::kStep, outcome.step}, {K::kSite, probe_name(bad)}, {K::kHead, optional_index_value(bad.first_head)},
+                         {K::kExpert, optional_index_value(bad.first_expert)}, {K::kRank, bad.rank}, {K::kMicroBatch, bad.micro_batch}, {K::kBefore, outcome.loss_scale},
+                         {K::kAfter, outcome.loss_scale / 2}});
+  }
+
+  // Parameters already non-finite in `step`'s checkpoint: the origin only propagates them.
+  std::vector<std::string> contaminated_params(int64_t step) const {
+    std::vector<std::string> names;
+    for (const Finding& f : contaminated_) {
+      const std::vector<int64_t>* steps = f.evidence.integers(K::kSteps);
+      const bool holds = steps != nullptr && std::find(steps->begin(), steps->end(), step) != steps->end();
+      if (holds && f.evidence.text(K::kTensor) == "parameter") names.push_back(f.evidence.text(K::kParam).value_or(""));
+    }
+    return names;
+  }
+
+  // The step the self-checks replay again, with the state and parameters its first replay had.
+  RecheckInput recheck_input(const StepFiles& files) const {
+    size_t i = 0;
+    while (todo_[i]->step != files.step) ++i;
+    return {files, states_.at(i), files.has_model ? nullptr : &*recheck_params_};
+  }
+
+  // The origin step's token embedding: from its checkpoint, or the derived copy.
+  torch::Tensor origin_embedding() const {
+    const StepFiles& files = bundle_.step_files(first_->step);
+    const std::string key = expected_parameters(m_.model).front().name;
+    if (!files.has_model) return recheck_params_->param(key).detach();
+    return ModelCheckpoint(files, m_.model).param(key).detach().clone();
+  }
+
+  const StepFiles* find_files(int64_t step) const {
+    for (const StepFiles& files : bundle_.steps()) {
+      if (files.step == step) return &files;
+    }
+    return nullptr;
+  }
+
+  // What decides the verdict, replayed again by the determinism check: the
+  // origin's micro-batch, or the first one of the step when there is no
+  // origin; the whole step when the origin is a parameter gradient.
+  std::optional<PassRef> deciding_pass() const {
+    if (!first_) return PassRef{0, 0};
+    if (first_->phase == Phase::kGrad) return std::nullopt;
+    return PassRef{first_->rank, first_->micro_batch};
+  }
+
+  // The step the self-checks replay again: the origin's, or the last one; only if it was replayed.
+  const StepFiles* step_to_recheck() const {
+    if (report_.steps.empty()) return nullptr;
+    const int64_t step = first_ ? first_->step : report_.steps.back().step;
+    const bool replayed = std::any_of(report_.steps.begin(), report_.steps.end(),
+                                      [&](const StepOutcome& s) { return s.step == step && s.replayed; });
+    return replayed ? find_files(step) : nullptr;
+  }
+
+  const Bundle& bundle_;
+  const Manifest& m_;
+  const ReplayOptions& options_;
+  const TriageThresholds thresholds_;
+  const ComputePlacement placement_;
+  std::vector<const StepFiles*> todo_;
+  ReplayReport report_;
+  std::vector<Finding> contaminated_;
+  DataBaseline baseline_;
+  std::optional<FirstNonfinite> first_;
+  std::vector<StepState> states_;
+  std::set<int64_t> batch_samples_;  // every sample a replayed step's batch holds
+  // Rolling forward: the parameters and AdamW state carried to the next
+  // step, whether they could be (every step before replayed), each step's
+  // fp16 loss scale, and a copy of the derived step the self-checks replay again.
+  Trajectory trajectory_;
+  bool trajectory_ok_ = true;
+  LossScales loss_scales_{bundle_.rolls_forward()};
+  std::optional<ModelCheckpoint> recheck_params_;
+  ProbeRetention retention_{report_.probes};  // with on_step_probes
+  std::future<HostStep> next_host_step_;  // prepare_ahead: the next step's host share
+};
+
+}  // namespace
+
+ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
+  const auto started = std::chrono::steady_clock::now();
+  validate_devices(options.devices, options.cross_check);
+  BundleReplay replay(bundle, options);
+  replay.check_bundle();
+  replay.replay_steps();
+  replay.after_steps();
+  replay.check_replay();
+  return replay.finish(started);
+}
+
+std::string interrupted_after_steps(size_t steps_done, size_t step_count) {
+  return "interrupted after " + std::to_string(steps_done) + " of " + std::to_string(step_count) +
+         " steps; nothing was written";
+}
+
+}  // namespace nanreplay

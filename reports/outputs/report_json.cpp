@@ -1,0 +1,204 @@
+// report.json rendering. Field names and meanings follow report-v1; keys this
+// project adds are documented in docs/report-format.md.
+#include "reports/outputs/report_json.h"
+
+#include <cmath>
+
+#include "reports/outputs/next_step.h"
+
+namespace nanreplay {
+
+namespace {
+
+nlohmann::json first_to_json(const FirstNonfinite& first) {
+  nlohmann::json out = {
+      {"step", first.step},
+      {"phase", phase_name(first.phase)},
+      {"site", first.name()},
+      {"layer", optional_index(first.layer)},
+      {"head", optional_index(first.head)},
+      {"expert", optional_index(first.expert)},
+      {"kind", nonfinite_kind_name(first.kind)},
+      {"rank", optional_index(first.rank)},
+      {"micro_batch", optional_index(first.micro_batch)},
+      {"sample", optional_index(first.sample)},
+      {"position", optional_index(first.position)},
+      {"index", first.index},
+      {"shape", first.shape},
+      {"producer", first.contaminated_params.empty()},
+  };
+  if (!first.contaminated_params.empty()) out["checkpoint_nonfinite_params"] = first.contaminated_params;
+  out["token"] = optional_index(first.token);
+  if (first.original_sample) out["original_sample"] = *first.original_sample;
+  if (first.original_offset) out["original_offset"] = *first.original_offset;
+  return out;
+}
+
+nlohmann::json trajectory_json(const ReproductionCheck::Trajectory& t) {
+  return {{"checked_steps", t.checked_steps},
+          {"tolerance", t.tolerance},
+          {"max_relative_gap", t.max_gap},
+          {"diverged_at", t.diverged_at ? nlohmann::json(*t.diverged_at) : nlohmann::json(nullptr)}};
+}
+
+nlohmann::json reproduction_json(const ReproductionCheck& r) {
+  return {{"checked_steps", r.checked_steps},
+          {"matching_steps", r.matching_steps},
+          {"tolerance", r.tolerance},
+          {"max_relative_gap", r.max_gap},
+          {"reproduces", r.reproduces ? nlohmann::json(*r.reproduces) : nlohmann::json(nullptr)},
+          {"trajectory", r.trajectory ? trajectory_json(*r.trajectory) : nlohmann::json(nullptr)}};
+}
+
+
+nlohmann::json what_if_outcome_json(const WhatIfOutcome& w) {
+  return {{"what_if", w.what_if},
+          {"step", w.step ? nlohmann::json(*w.step) : nlohmann::json(nullptr)},
+          {"change", w.change},
+          {"first_nonfinite_before", first_nonfinite_json(w.before)},
+          {"first_nonfinite_after", first_nonfinite_json(w.after)},
+          {"resolved", w.resolved ? nlohmann::json(*w.resolved) : nlohmann::json(nullptr)},
+          {"loss_after", w.loss_after ? json_number(*w.loss_after) : nlohmann::json(nullptr)},
+          {"scaler_skipped", w.scaler_skipped},
+          {"replays", w.replays}};
+}
+
+nlohmann::json probe_summary_json(const ProbeSummary& p) {
+  if (!p.probed) return nullptr;
+  return {{"forward_max_abs", json_number(p.forward_max_abs)},
+          {"backward_max_abs", json_number(p.backward_max_abs)},
+          {"nonfinite_records", p.nonfinite_records}};
+}
+
+nlohmann::json step_to_json(const StepOutcome& step) {
+  nlohmann::json out = {
+      {"step", step.step},
+      {"loss", step.replayed ? json_number(step.loss) : nlohmann::json(nullptr)},
+      {"logged_loss", step.logged_loss ? json_number(*step.logged_loss) : nlohmann::json(nullptr)},
+      {"grad_norm", step.replayed ? json_number(step.grad_norm) : nlohmann::json(nullptr)},
+      {"logged_grad_norm",
+       step.logged_grad_norm ? json_number(*step.logged_grad_norm) : nlohmann::json(nullptr)},
+      {"finite", step.replayed && step.finite},
+      {"replayed", step.replayed},
+      {"params", step.derived ? "derived" : "checkpoint"},
+      {"loss_scale", json_number(step.loss_scale)},
+      {"scaler_skipped", step.scaler_skipped},
+      {"handled_overflow", step.handled_overflow},
+  };
+  if (!step.replayed) out["not_replayed_reason"] = step.not_replayed_reason;
+  nlohmann::json rank_losses = nlohmann::json::array();
+  for (double value : step.rank_losses) rank_losses.push_back(json_number(value));
+  nlohmann::json rank_norms = nlohmann::json::array();
+  for (double value : step.rank_grad_norms) rank_norms.push_back(json_number(value));
+  out["rank_losses"] = rank_losses;
+  out["rank_grad_norms"] = rank_norms;
+  out["probe_summary"] = probe_summary_json(step.probe_summary);
+  if (!step.expert_tokens.empty()) out["expert_tokens"] = step.expert_tokens;
+  return out;
+}
+
+}  // namespace
+
+nlohmann::json first_nonfinite_json(const std::optional<FirstNonfinite>& first) {
+  return first ? first_to_json(*first) : nlohmann::json(nullptr);
+}
+
+nlohmann::json what_if_json(const std::vector<WhatIfOutcome>& outcomes) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const WhatIfOutcome& w : outcomes) out.push_back(what_if_outcome_json(w));
+  return out;
+}
+
+nlohmann::json origin_tokens_json(const std::vector<OriginToken>& tokens) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const OriginToken& t : tokens) {
+    out.push_back({{"token", t.token}, {"position", t.position}, {"embedding_norm", json_number(t.norm)},
+                   {"typical_norm", t.typical_norm}, {"outlier", t.outlier}});
+  }
+  return out;
+}
+
+nlohmann::json report_to_json(const ReplayReport& report) {
+  nlohmann::json out;
+  out["version"] = 1;
+  out["tool"] = {{"name", "nanreplay"}, {"version", report.tool_version}};
+  out["bundle"] = report.bundle;
+  out["arch"] = arch_name(report.arch);
+  out["precision"] = compute_name(report.precision);
+  out["reproduced"] = report.reproduced;
+  out["first_nonfinite"] = first_nonfinite_json(report.first_nonfinite);
+  out["reproduction"] = reproduction_json(report.reproduction);
+  out["origin_tokens"] = origin_tokens_json(report.origin_tokens);
+  nlohmann::json steps = nlohmann::json::array();
+  for (const StepOutcome& step : report.steps) steps.push_back(step_to_json(step));
+  out["steps"] = steps;
+  nlohmann::json findings = nlohmann::json::array();
+  for (const Finding& finding : report.findings) {
+    findings.push_back({{"layer", triage_layer_name(finding.layer())},
+                        {"code", finding.name()},
+                        {"severity", severity_name(finding.severity)},
+                        {"message", finding.message},
+                        {"evidence", evidence_json(finding.evidence)}});
+  }
+  out["findings"] = findings;
+  nlohmann::json path = nlohmann::json::array();
+  for (const PropagationEntry& p : report.propagation) {
+    path.push_back({{"phase", phase_name(p.phase)}, {"site", p.name()},
+                    {"layer", optional_index(p.layer)}, {"head", optional_index(p.head)},
+                    {"expert", optional_index(p.expert)},
+                    {"kind", nonfinite_kind_name(p.kind)}, {"nan_count", p.nan_count},
+                    {"inf_count", p.inf_count}});
+  }
+  out["propagation"] = path;
+  if (report.root_cause) {
+    out["root_cause"] = {{"layer", triage_layer_name(report.root_cause->layer)},
+                         {"code", root_cause_code(*report.root_cause, report.reproduced)},
+                         {"summary", report.root_cause->summary}};
+  }
+  // Commands name trace.h5 as it lies beside report.json.
+  out["next_step"] = next_step_json(decide_next_step(report));
+  const DeterminismCheck& d = report.determinism;
+  out["determinism"] = d.checked ? nlohmann::json{{"step", d.step},
+                                                  {"replayed", d.whole_step ? "step" : "micro_batch"},
+                                                  {"rank", optional_index(d.whole_step ? -1 : d.rank)},
+                                                  {"micro_batch", optional_index(d.whole_step ? -1 : d.micro_batch)},
+                                                  {"bitwise_identical", d.identical},
+                                                  {"probes_compared", d.probes_compared},
+                                                  {"first_difference", d.first_difference}}
+                                 : nlohmann::json(nullptr);
+  out["devices"] = report.devices;
+  out["low_precision"] = report.low_precision;
+  if (report.cross_check) {
+    const CrossDeviceCheck& c = *report.cross_check;
+    nlohmann::json check = {{"devices", {c.device_a, c.device_b}}, {"step", c.step},
+                            {"bitwise_identical", c.identical}, {"probes_compared", c.probes_compared},
+                            {"first_difference", nullptr}};
+    if (!c.identical) {
+      check["first_difference"] = {{"probe", c.first_difference}, {"rank", c.where.rank},
+                                   {"micro_batch", c.where.micro_batch}, {"head", optional_index(c.where.head)},
+                                   {"expert", optional_index(c.where.expert)},
+                                   {"max_abs", {json_number(c.max_abs_a), json_number(c.max_abs_b)}},
+                                   {"sum", {json_number(c.sum_a), json_number(c.sum_b)}}};
+    }
+    out["cross_check"] = check;
+  }
+  if (report.incident) {
+    out["incident"] = {{"step", report.incident->step ? nlohmann::json(*report.incident->step)
+                                                      : nlohmann::json(nullptr)},
+                       {"symptom", report.incident->symptom}};
+  }
+  if (!report.defaulted.empty()) {
+    nlohmann::json defaulted = nlohmann::json::array();
+    for (const ValueSource& v : report.defaulted) {
+      defaulted.push_back({{"key", v.key}, {"detail", v.detail},
+                           {"value", v.value.empty() ? nlohmann::json(nullptr) : nlohmann::json::parse(v.value)}});
+    }
+    out["defaulted_values"] = defaulted;
+  }
+  if (report.what_if) out["what_if"] = what_if_json(*report.what_if);
+  out["elapsed_seconds"] = report.elapsed_seconds;
+  out["timings"] = timings_json(report.timings);
+  return out;
+}
+
+}  // namespace nanreplay
