@@ -14,7 +14,7 @@ namespace nanreplay {
 
 namespace {
 
-const char* const kDescription =
+const char* const kBisectDescription =
     "Name the first non-finite value, as `nanreplay run` does, with fewer replays, coarse to fine:\n"
     "  step     the cheap any-non-finite pass (one flag per site) on the last step; when it is clean, on\n"
     "           the steps the log marks (a non-finite loss, or skipped by the fp16 loss scaler); then a\n"
@@ -28,7 +28,7 @@ const char* const kDescription =
     "Example: nanreplay bisect incident-bundle/ --json --what-if stable-softmax --what-if drop-samples=212";
 
 cxxopts::Options bisect_options() {
-  cxxopts::Options options("nanreplay bisect", kDescription);
+  cxxopts::Options options("nanreplay bisect", kBisectDescription);
   options.add_options()
       ("bundle", "incident bundle directory", cxxopts::value<std::string>())
       ("no-samples", "skip the samples stage (delta debugging)");

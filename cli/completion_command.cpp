@@ -13,7 +13,7 @@ namespace nanreplay {
 
 namespace {
 
-constexpr const char* kHelp =
+constexpr const char* kCompletionHelp =
     "Print a shell completion script for nanreplay's commands and their flags.\n\n"
     "usage: nanreplay completion bash|zsh|fish [--json]\n\n"
     "--json prints {\"shell\": ..., \"script\": ...} instead of the bare script.\n\n"
@@ -83,7 +83,7 @@ std::string fish_script() {
 
 int completion_command(const CommandArgs& args, CommandIo& io) {
   if (args.size() > 1 && (args[1] == "--help" || args[1] == "-h")) {
-    io.out << kHelp << exit_status_help("completion");
+    io.out << kCompletionHelp << exit_status_help("completion");
     return 0;
   }
   CommandArgs words(args.begin() + 1, args.end());

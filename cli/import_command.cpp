@@ -6,6 +6,7 @@
 // into a staging directory beside BUNDLE, validates the result as `inspect`
 // does, and renames it into place: a bundle appears whole or not at all.
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,7 +19,6 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -26,6 +26,7 @@
 #include "cli/cli_support.h"
 #include "cli/command_table.h"
 #include "cli/staging_dir.h"
+#include "import_formats.h"  // NANREPLAY_IMPORT_FORMATS, from capture/nanreplay_import/formats/
 #include "loaders/bundle/bundle.h"
 #include "loaders/base/error.h"
 #include "replay/step/bundle_structure.h"
@@ -37,10 +38,10 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr const char* kHelp =
+constexpr const char* kImportHelp =
     "Write an incident bundle from a checkpoint you already have, the data shards and the job's log.\n"
     "The bundle rolls forward from the checkpoint (docs/import.md).\n\n"
-    "usage: nanreplay import --checkpoint PATH [--optimizer PATH] [--format auto|hf|torch|dcp]\n"
+    "usage: nanreplay import --checkpoint PATH [--optimizer PATH] [--format " NANREPLAY_IMPORT_FORMATS "]\n"
     "         [--naming auto|hf|meta|torchtitan|megatron|nanogpt] [--config FILE]\n"
     "         --data SHARD... [--token-dtype uint16|uint32] --seq-len N --micro-batch-size N\n"
     "         [--grad-accum N] [--world-size N]\n"
@@ -139,7 +140,7 @@ std::pair<fs::path, CommandArgs> take_out(const CommandArgs& args) {
 struct HelperLaunch {
   std::vector<std::string> argv;
   fs::path outcome;            // the helper's notes, warnings or error (capture/nanreplay_import.py)
-  bool silence_stdout = false;  // --json: stdout holds only the command's one object
+  bool silence_stdout = false;  // --json: stdout holds only the command's one object, not the helper's lines
 };
 
 constexpr const char* kOutcomeVariable = "NANREPLAY_IMPORT_RESULT";
@@ -155,8 +156,70 @@ std::vector<std::string> helper_environment(const fs::path& outcome) {
   return environment;
 }
 
+// The helper's stdout and stderr, read through pipes: what it prints quotes
+// names from a stranger's checkpoint, so it reaches the user only through the
+// command's own streams and their terminal guard (cli/terminal_guard.h).
+class HelperOutput {
+ public:
+  HelperOutput() {
+    for (int* ends : {out_, err_}) {
+      if (::pipe2(ends, O_CLOEXEC) != 0) throw std::runtime_error(std::string("import: pipe failed: ") + std::strerror(errno));
+    }
+  }
+  ~HelperOutput() {
+    for (int fd : {out_[0], out_[1], err_[0], err_[1]}) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+  HelperOutput(const HelperOutput&) = delete;
+  HelperOutput& operator=(const HelperOutput&) = delete;
+
+  // In the child, before exec: only async-signal-safe calls.
+  void attach_child() const {
+    ::dup2(out_[1], STDOUT_FILENO);
+    ::dup2(err_[1], STDERR_FILENO);
+  }
+  void close_child_ends() {
+    ::close(out_[1]);
+    ::close(err_[1]);
+    out_[1] = err_[1] = -1;
+  }
+  // Copies what is ready to `out` (unless silenced) and `err`, waiting at most `wait_ms`.
+  void pump(CommandIo& io, bool silence_stdout, int wait_ms) {
+    // A pipe at its end is left out, so a helper that closed its streams is not polled in a spin.
+    pollfd fds[2] = {{out_open_ ? out_[0] : -1, POLLIN, 0}, {err_open_ ? err_[0] : -1, POLLIN, 0}};
+    if (::poll(fds, 2, wait_ms) <= 0) return;
+    if (fds[0].revents != 0) out_open_ = still_open(copy(out_[0], io.out, silence_stdout));
+    if (fds[1].revents != 0) err_open_ = still_open(copy(err_[0], io.err, false));
+  }
+  void drain(CommandIo& io, bool silence_stdout) {
+    copy_all(out_[0], io.out, silence_stdout);
+    copy_all(err_[0], io.err, false);
+  }
+
+ private:
+  static bool still_open(ssize_t read_result) { return read_result > 0 || (read_result < 0 && errno == EINTR); }
+  static ssize_t copy(int fd, std::ostream& to, bool discard) {
+    char chunk[4096];
+    const ssize_t n = ::read(fd, chunk, sizeof chunk);
+    if (n > 0 && !discard) to.write(chunk, n).flush();
+    return n;
+  }
+  static void copy_all(int fd, std::ostream& to, bool discard) {
+    const int flags = ::fcntl(fd, F_GETFL);
+    ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);  // a grandchild holding the pipe must not hang us
+    while (copy(fd, to, discard) > 0) {
+    }
+  }
+
+  int out_[2] = {-1, -1};
+  int err_[2] = {-1, -1};
+  bool out_open_ = true;
+  bool err_open_ = true;
+};
+
 // The helper's exit status; a stop request kills it and throws Interrupted.
-int run_helper(const HelperLaunch& launch) {
+int run_helper(const HelperLaunch& launch, CommandIo& io) {
   std::vector<std::string> argv = launch.argv;
   std::vector<std::string> environment = helper_environment(launch.outcome);
   std::vector<char*> words;
@@ -165,17 +228,18 @@ int run_helper(const HelperLaunch& launch) {
   std::vector<char*> envp;
   for (std::string& e : environment) envp.push_back(e.data());
   envp.push_back(nullptr);
-  const int devnull = launch.silence_stdout ? ::open("/dev/null", O_WRONLY | O_CLOEXEC) : -1;
+  HelperOutput output;
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error(std::string("import: fork failed: ") + std::strerror(errno));
   if (pid == 0) {
-    if (devnull >= 0) ::dup2(devnull, STDOUT_FILENO);
+    output.attach_child();
     execve(words[0], words.data(), envp.data());
     _exit(127);  // told by the parent: one line, through the command's own error path
   }
-  if (devnull >= 0) ::close(devnull);
+  output.close_child_ends();
   int status = 0;
   for (;;) {
+    output.pump(io, launch.silence_stdout, 50);
     const pid_t done = waitpid(pid, &status, WNOHANG);
     if (done == pid) break;
     if (done < 0 && errno != EINTR) {
@@ -186,8 +250,8 @@ int run_helper(const HelperLaunch& launch) {
       waitpid(pid, &status, 0);
       throw Interrupted("interrupted while importing; nothing was written");
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  output.drain(io, launch.silence_stdout);
   if (stop_requested()) throw Interrupted("interrupted while importing; nothing was written");
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return WEXITSTATUS(status);
@@ -247,7 +311,7 @@ void validate_like_inspect(const fs::path& staged, const fs::path& out) {
 int import_command(const CommandArgs& args, CommandIo& io) {
   for (size_t i = 1; i < args.size(); ++i) {
     if (args[i] == "--help" || args[i] == "-h") {
-      io.out << kHelp << exit_status_help("import");
+      io.out << kImportHelp << exit_status_help("import");
       return 0;
     }
   }
@@ -266,7 +330,7 @@ int import_command(const CommandArgs& args, CommandIo& io) {
   launch.argv.insert(launch.argv.end(), helper_args.begin(), helper_args.end());
   launch.argv.push_back("--out");
   launch.argv.push_back((staging.dir() / "bundle").string());
-  const int status = run_helper(launch);
+  const int status = run_helper(launch, io);
   const nlohmann::json outcome = helper_outcome(launch.outcome);
   if (status != 0) throw_helper_failure(status, outcome, launch);
   validate_like_inspect(staging.dir() / "bundle", out);

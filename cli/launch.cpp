@@ -13,6 +13,10 @@
 #include <cstdlib>
 #include <iostream>
 #include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -100,48 +104,51 @@ std::string worker_secret(const LaunchFlags& flags) {
                    "), the same file for every process");
 }
 
-// Starts the local workers and waits for them. A stop request here is passed
-// on to them; after the first failure the rest get a few seconds to end by
-// themselves (they are told through the rendezvous), then SIGTERM (5 s after
-// the failure), then SIGKILL (10 s after it).
-int launch_local(const LaunchFlags& flags, const CommandArgs& args) {
-  const int world = flags.nproc * flags.nnodes;
-  choose_backend(flags.backend, flags.device);  // a backend not built: exit 2 before any process starts
-  const std::string secret = launch_secret(flags);
-  const std::string addr = flags.master_addr.value_or(env("MASTER_ADDR").value_or("127.0.0.1"));
-  const int port = flags.master_port ? *flags.master_port
-                                     : env("MASTER_PORT") ? env_int("MASTER_PORT", 29500)
-                                                          : flags.nnodes == 1 ? free_local_port() : 29500;
+// Where a worker finds the run: the rendezvous address, the port and the secret.
+struct Rendezvous {
+  std::string addr;
+  int port = 0;
+  std::string secret;
+};
+
+// This process's environment less what names a rank, plus the worker's own.
+std::vector<std::string> worker_environment(const LaunchFlags& flags, const Rendezvous& at, int local) {
+  static const std::set<std::string> kReplaced{"RANK",        "WORLD_SIZE",    "LOCAL_RANK",    "LOCAL_WORLD_SIZE",
+                                               "MASTER_ADDR", "MASTER_PORT",   kWorkerVariable, kSecretVariable};
+  std::vector<std::string> env_text;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    if (!kReplaced.count(entry.substr(0, entry.find('=')))) env_text.push_back(entry);
+  }
+  const int rank = flags.node_rank * flags.nproc + local;
+  for (const auto& [name, value] :
+       {std::pair<std::string, std::string>{"RANK", std::to_string(rank)},
+        {"WORLD_SIZE", std::to_string(flags.nproc * flags.nnodes)},
+        {"LOCAL_RANK", std::to_string(local)}, {"LOCAL_WORLD_SIZE", std::to_string(flags.nproc)},
+        {"MASTER_ADDR", at.addr}, {"MASTER_PORT", std::to_string(at.port)}, {kWorkerVariable, "1"},
+        {kSecretVariable, to_hex(at.secret)}}) {
+    env_text.push_back(name + "=" + value);
+  }
+  return env_text;
+}
+
+std::vector<char*> pointers_of(std::vector<std::string>& texts) {
+  std::vector<char*> out;
+  for (std::string& t : texts) out.push_back(t.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+// One process per local rank, each this executable with the same arguments.
+std::vector<Worker> start_workers(const LaunchFlags& flags, const Rendezvous& at, const CommandArgs& args) {
   std::vector<std::string> argv_text{"nanreplay"};
   argv_text.insert(argv_text.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (std::string& a : argv_text) argv.push_back(a.data());
-  argv.push_back(nullptr);
-
-  const StopDeferral polled;  // a stop is passed on to the workers, not acted on here
+  std::vector<char*> argv = pointers_of(argv_text);
   std::vector<Worker> workers;
   for (int local = 0; local < flags.nproc; ++local) {
     const int rank = flags.node_rank * flags.nproc + local;
-    std::vector<std::string> env_text;
-    for (char** e = environ; *e != nullptr; ++e) {
-      const std::string entry = *e;
-      const std::string name = entry.substr(0, entry.find('='));
-      if (name == "RANK" || name == "WORLD_SIZE" || name == "LOCAL_RANK" || name == "LOCAL_WORLD_SIZE" ||
-          name == "MASTER_ADDR" || name == "MASTER_PORT" || name == kWorkerVariable || name == kSecretVariable) {
-        continue;
-      }
-      env_text.push_back(entry);
-    }
-    for (const auto& [name, value] :
-         {std::pair<std::string, std::string>{"RANK", std::to_string(rank)}, {"WORLD_SIZE", std::to_string(world)},
-          {"LOCAL_RANK", std::to_string(local)}, {"LOCAL_WORLD_SIZE", std::to_string(flags.nproc)},
-          {"MASTER_ADDR", addr}, {"MASTER_PORT", std::to_string(port)}, {kWorkerVariable, "1"},
-          {kSecretVariable, to_hex(secret)}}) {
-      env_text.push_back(name + "=" + value);
-    }
-    std::vector<char*> envp;
-    for (std::string& e : env_text) envp.push_back(e.data());
-    envp.push_back(nullptr);
+    std::vector<std::string> env_text = worker_environment(flags, at, local);
+    std::vector<char*> envp = pointers_of(env_text);
     pid_t pid = -1;
     if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data()) != 0) {
       for (const Worker& w : workers) ::kill(w.pid, SIGKILL);
@@ -149,54 +156,94 @@ int launch_local(const LaunchFlags& flags, const CommandArgs& args) {
     }
     workers.push_back({pid, rank, true});
   }
+  return workers;
+}
 
-  std::optional<int> first_failure;
-  int rank_zero_status = 0;
-  bool stop_passed_on = false;
-  auto failed_at = std::chrono::steady_clock::time_point::max();
-  int escalation = 0;  // 1: SIGTERM sent, 2: SIGKILL sent
-  for (int running = flags.nproc; running > 0;) {
-    int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid > 0) {
-      for (Worker& w : workers) {
-        if (w.pid != pid || !w.running) continue;
-        w.running = false;
-        --running;
-        const int code = WIFEXITED(status) ? WEXITSTATUS(status) : static_cast<int>(ExitStatus::kInternal);
-        if (WIFSIGNALED(status) && escalation == 0) {
-          std::cerr << "nanreplay: error: rank " << w.rank << " died (" << describe_wait_status(status) << ")"
-                    << std::endl;
-        }
-        const bool failed =
-            code != static_cast<int>(ExitStatus::kClean) && code != static_cast<int>(ExitStatus::kFound);
-        if (failed && !first_failure) {
-          first_failure = code;
-          failed_at = std::chrono::steady_clock::now();
-        }
-        if (w.rank == flags.node_rank * flags.nproc) rank_zero_status = code;
+// Waits for the workers. A stop request here is passed on to them; after the
+// first failure the rest get a few seconds to end by themselves (they are told
+// through the rendezvous), then SIGTERM (5 s after the failure), then SIGKILL
+// (10 s after it).
+class WorkerSupervision {
+ public:
+  WorkerSupervision(std::vector<Worker> workers, int rank_zero) : workers_(std::move(workers)), rank_zero_(rank_zero) {}
+
+  int wait_all() {
+    for (int running = static_cast<int>(workers_.size()); running > 0;) {
+      int status = 0;
+      const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid > 0) {
+        running -= reap(pid, status);
+        continue;
       }
-      continue;
+      pass_on_stop();
+      escalate();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-    if (stop_requested() && !stop_passed_on) {
-      stop_passed_on = true;
-      for (const Worker& w : workers) {
-        if (w.running) ::kill(w.pid, SIGINT);
-      }
-    }
-    const auto waited = std::chrono::steady_clock::now() - failed_at;
-    if (first_failure && escalation < 2 && waited > std::chrono::seconds(escalation == 0 ? 5 : 10)) {
-      for (const Worker& w : workers) {
-        if (!w.running) continue;
-        ::kill(w.pid, escalation == 0 ? SIGTERM : SIGKILL);
-        if (escalation == 0) ::kill(w.pid, SIGCONT);  // a stopped worker, to take its SIGTERM and clean up
-      }
-      ++escalation;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (stop_passed_on_) return static_cast<int>(ExitStatus::kInterrupted);
+    return first_failure_.value_or(rank_zero_status_);
   }
-  if (stop_passed_on) return static_cast<int>(ExitStatus::kInterrupted);
-  return first_failure.value_or(rank_zero_status);
+
+ private:
+  int reap(pid_t pid, int status) {
+    for (Worker& w : workers_) {
+      if (w.pid != pid || !w.running) continue;
+      w.running = false;
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : static_cast<int>(ExitStatus::kInternal);
+      if (WIFSIGNALED(status) && escalation_ == 0) {
+        std::cerr << "nanreplay: error: rank " << w.rank << " died (" << describe_wait_status(status) << ")"
+                  << std::endl;
+      }
+      const bool failed = code != static_cast<int>(ExitStatus::kClean) && code != static_cast<int>(ExitStatus::kFound);
+      if (failed && !first_failure_) {
+        first_failure_ = code;
+        failed_at_ = std::chrono::steady_clock::now();
+      }
+      if (w.rank == rank_zero_) rank_zero_status_ = code;
+      return 1;
+    }
+    return 0;
+  }
+
+  void pass_on_stop() {
+    if (!stop_requested() || stop_passed_on_) return;
+    stop_passed_on_ = true;
+    for (const Worker& w : workers_) {
+      if (w.running) ::kill(w.pid, SIGINT);
+    }
+  }
+
+  void escalate() {
+    const auto waited = std::chrono::steady_clock::now() - failed_at_;
+    if (!first_failure_ || escalation_ >= 2 || waited <= std::chrono::seconds(escalation_ == 0 ? 5 : 10)) return;
+    for (const Worker& w : workers_) {
+      if (!w.running) continue;
+      ::kill(w.pid, escalation_ == 0 ? SIGTERM : SIGKILL);
+      if (escalation_ == 0) ::kill(w.pid, SIGCONT);  // a stopped worker, to take its SIGTERM and clean up
+    }
+    ++escalation_;
+  }
+
+  std::vector<Worker> workers_;
+  int rank_zero_;
+  std::optional<int> first_failure_;
+  int rank_zero_status_ = 0;
+  bool stop_passed_on_ = false;
+  std::chrono::steady_clock::time_point failed_at_ = std::chrono::steady_clock::time_point::max();
+  int escalation_ = 0;  // 1: SIGTERM sent, 2: SIGKILL sent
+};
+
+// Starts the local workers and waits for them.
+int launch_local(const LaunchFlags& flags, const CommandArgs& args) {
+  choose_backend(flags.backend, flags.device);  // a backend not built: exit 2 before any process starts
+  Rendezvous at;
+  at.secret = launch_secret(flags);
+  at.addr = flags.master_addr.value_or(env("MASTER_ADDR").value_or("127.0.0.1"));
+  at.port = flags.master_port ? *flags.master_port
+            : env("MASTER_PORT") ? env_int("MASTER_PORT", 29500)
+                                 : flags.nnodes == 1 ? free_local_port() : 29500;
+  const StopDeferral polled;  // a stop is passed on to the workers, not acted on here
+  WorkerSupervision supervision(start_workers(flags, at, args), flags.node_rank * flags.nproc);
+  return supervision.wait_all();
 }
 
 // One process of the launch: meets the others, runs `body`, and on the way

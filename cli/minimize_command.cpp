@@ -26,7 +26,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const char* const kDescription =
+const char* const kMinimizeDescription =
     "Write the smallest bundle that still fails the same way: the failing step (and the step before when the\n"
     "non-finite values came in with its checkpoint), the samples delta debugging keeps (one micro-batch of one\n"
     "rank, only the token windows they read, original indices recorded), and for a forward origin at layer L\n"
@@ -37,7 +37,7 @@ const char* const kDescription =
     "Example: nanreplay minimize incident-bundle/ --out incident-min/";
 
 cxxopts::Options minimize_options() {
-  cxxopts::Options options("nanreplay minimize", kDescription);
+  cxxopts::Options options("nanreplay minimize", kMinimizeDescription);
   options.add_options()
       ("bundle", "incident bundle directory (only read)", cxxopts::value<std::string>())
       ("out", "the minimized bundle's directory (must not exist, or be empty)", cxxopts::value<std::string>());

@@ -460,6 +460,63 @@ SyntheticSpec with_corpus_size(SyntheticSpec spec) {
   return spec;
 }
 
+// The manifest of the run the spec describes, before any step is trained.
+Manifest training_manifest(const SyntheticSpec& spec) {
+  Manifest m;
+  m.model = spec.model;
+  m.precision.compute = spec.compute;
+  m.optimizer = spec.optimizer;
+  m.data.seq_len = spec.seq_len;
+  m.data.micro_batch_size = spec.micro_batch_size;
+  m.data.grad_accum_steps = spec.grad_accum_steps;
+  m.data.world_size = spec.world_size;
+  m.data.sampler.seed = spec.sampler_seed;
+  m.data.sampler.epoch_start_step = spec.first_step;
+  for (int64_t s = spec.first_step; s < spec.first_step + spec.num_steps; ++s) {
+    StepEntry entry;
+    entry.step = s;
+    entry.dir = "steps/" + std::to_string(s);
+    m.steps.push_back(std::move(entry));
+  }
+  return m;
+}
+
+// A fault that lives in the data the job trained on: a planted token, a low-entropy sample.
+void plant_data_fault(std::vector<uint32_t>& stream, const SyntheticSpec& spec,
+                      const std::vector<std::vector<int64_t>>& fault_batch, int64_t token, SyntheticOutcome& outcome) {
+  const FaultSpec& fault = spec.fault;
+  if (plants_token(fault)) {
+    const std::vector<TokenSite> sites = planted_sites(spec, fault_batch);
+    plant_token(stream, spec, static_cast<uint32_t>(token), sites);
+    outcome.fault_token = token;
+    outcome.fault_sample = sites.front().sample;
+    outcome.fault_position = sites.front().position;
+    if (fault.kind == FaultKind::kZeroEmbedding) {
+      outcome.zero_token = token;
+      outcome.zero_position = sites.front().position;
+    }
+  }
+  if (fault.kind == FaultKind::kLowEntropy) poison_low_entropy(stream, spec, fault_batch[0][0]);
+}
+
+// Damage after the capture: the replay reads what the job did not.
+void damage_after_capture(const fs::path& tmp, Manifest& m, const SyntheticSpec& spec, int64_t first_sample) {
+  if (spec.fault.kind == FaultKind::kTokenOutOfRange) {
+    rewrite_token(tmp, m, first_sample * spec.seq_len + 3, static_cast<uint32_t>(spec.model.vocab_size + 7), true);
+  }
+  if (spec.fault.kind == FaultKind::kChecksumMismatch) rewrite_token(tmp, m, first_sample * spec.seq_len + 3, 1, false);
+}
+
+// What the manifest claims: the run's, or the wrong seed a mislabeled bundle names; the incident.
+void claim_in_manifest(Manifest& m, const SyntheticSpec& spec) {
+  const FaultSpec& fault = spec.fault;
+  if (spec.manifest_sampler_seed) m.data.sampler.seed = *spec.manifest_sampler_seed;
+  if (fault.kind != FaultKind::kNone) {
+    m.incident = IncidentInfo{fault.step, fault.kind == FaultKind::kRouterCollapse ? "loss plateau, one expert busy" : "loss=nan"};
+  }
+  if (spec.compute == Compute::kFp8) m.precision.fp8 = Fp8Config{};
+}
+
 }  // namespace
 
 SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec& requested) {
@@ -474,22 +531,7 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
   fs::remove_all(tmp, ec);
   fs::create_directories(tmp / "data");
   try {
-    Manifest m;
-    m.model = spec.model;
-    m.precision.compute = spec.compute;
-    m.optimizer = spec.optimizer;
-    m.data.seq_len = spec.seq_len;
-    m.data.micro_batch_size = spec.micro_batch_size;
-    m.data.grad_accum_steps = spec.grad_accum_steps;
-    m.data.world_size = spec.world_size;
-    m.data.sampler.seed = spec.sampler_seed;
-    m.data.sampler.epoch_start_step = spec.first_step;
-    for (int64_t s = spec.first_step; s < spec.first_step + spec.num_steps; ++s) {
-      StepEntry entry;
-      entry.step = s;
-      entry.dir = "steps/" + std::to_string(s);
-      m.steps.push_back(std::move(entry));
-    }
+    Manifest m = training_manifest(spec);
     const int64_t num_samples = (spec.num_tokens - 1) / spec.seq_len;
     const StepSampler sampler(m, num_samples, "manifest.json");
     const FaultSpec& fault = spec.fault;
@@ -498,18 +540,7 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
     std::vector<uint32_t> stream = initial_tokens(spec);
     SyntheticOutcome outcome;
     const int64_t token = spec.model.vocab_size - 1;  // the planted token, when the fault has one
-    if (plants_token(fault)) {
-      const std::vector<TokenSite> sites = planted_sites(spec, fault_batch);
-      plant_token(stream, spec, static_cast<uint32_t>(token), sites);
-      outcome.fault_token = token;
-      outcome.fault_sample = sites.front().sample;
-      outcome.fault_position = sites.front().position;
-      if (fault.kind == FaultKind::kZeroEmbedding) {
-        outcome.zero_token = token;
-        outcome.zero_position = sites.front().position;
-      }
-    }
-    if (fault.kind == FaultKind::kLowEntropy) poison_low_entropy(stream, spec, fault_batch[0][0]);
+    plant_data_fault(stream, spec, fault_batch, token, outcome);
     m.data.shards = write_shards(tmp, spec, stream);
     const TokenStream tokens(tmp, m.data.shards, "manifest.json");
 
@@ -527,18 +558,8 @@ SyntheticOutcome write_synthetic_bundle(const fs::path& dir, const SyntheticSpec
       for (StepEntry& entry : m.steps) entry.samples.reset();  // nothing to contradict the claimed seed
     }
 
-    // Damage after the capture: the replay reads what the job did not.
-    const int64_t first_sample = fault_batch.empty() ? 0 : fault_batch[0][0];
-    if (fault.kind == FaultKind::kTokenOutOfRange) {
-      rewrite_token(tmp, m, first_sample * spec.seq_len + 3, static_cast<uint32_t>(spec.model.vocab_size + 7), true);
-    }
-    if (fault.kind == FaultKind::kChecksumMismatch) rewrite_token(tmp, m, first_sample * spec.seq_len + 3, 1, false);
-    // What the manifest claims: the run's, or the wrong seed a mislabeled bundle names.
-    if (spec.manifest_sampler_seed) m.data.sampler.seed = *spec.manifest_sampler_seed;
-    if (fault.kind != FaultKind::kNone) {
-      m.incident = IncidentInfo{fault.step, fault.kind == FaultKind::kRouterCollapse ? "loss plateau, one expert busy" : "loss=nan"};
-    }
-    if (spec.compute == Compute::kFp8) m.precision.fp8 = Fp8Config{};
+    damage_after_capture(tmp, m, spec, fault_batch.empty() ? 0 : fault_batch[0][0]);
+    claim_in_manifest(m, spec);
     write_text(tmp / "manifest.json", manifest_json(m).dump(2) + "\n");
     fs::remove(dir, ec);  // an empty directory the caller made
     fs::rename(tmp, dir);

@@ -68,3 +68,24 @@ TEST_CASE("import: a Python without torch, or a helper's refusal, is one line an
   CHECK(missing.err.find("nothing-here") != std::string::npos);
   CHECK(only(dir.path(), "shadow"));
 }
+
+TEST_CASE("import: what the helper prints reaches the terminal only through the guard", "[cli][import]") {
+  ScratchDir dir("import-guard");
+  // A stand-in helper quoting a hostile tensor name (an OSC title sequence and a bell) on both streams.
+  const fs::path helper = dir / "loud_helper.py";
+  std::ofstream(helper) << "import sys\n"
+                           "name = 'w\\x1b]0;owned\\x07'\n"
+                           "print('note: read', name, flush=True)\n"
+                           "print('nanreplay: warning: odd', name, file=sys.stderr, flush=True)\n"
+                           "sys.exit(2)\n";
+  const auto result = run_cli({"import", "--checkpoint", "x", "--out", (dir / "b").string()},
+                              "env NANREPLAY_IMPORT_HELPER=" + helper.string());
+  CHECK(result.status == 2);
+  CHECK(result.out.find("note: read w") != std::string::npos);
+  CHECK(result.err.find("warning: odd w") != std::string::npos);
+  for (const std::string* text : {&result.out, &result.err}) {
+    CHECK(text->find('\x1b') == std::string::npos);
+    CHECK(text->find('\x07') == std::string::npos);
+  }
+  CHECK(only(dir.path(), "loud_helper.py"));
+}

@@ -118,6 +118,68 @@ nlohmann::json origin_tokens_json(const std::vector<OriginToken>& tokens) {
   return out;
 }
 
+namespace {
+
+nlohmann::json propagation_json(const std::vector<PropagationEntry>& propagation) {
+  nlohmann::json path = nlohmann::json::array();
+  for (const PropagationEntry& p : propagation) {
+    path.push_back({{"phase", phase_name(p.phase)}, {"site", p.name()},
+                    {"layer", optional_index(p.layer)}, {"head", optional_index(p.head)},
+                    {"expert", optional_index(p.expert)},
+                    {"kind", nonfinite_kind_name(p.kind)}, {"nan_count", p.nan_count},
+                    {"inf_count", p.inf_count}});
+  }
+  return path;
+}
+
+nlohmann::json determinism_json(const DeterminismCheck& d) {
+  if (!d.checked) return nullptr;
+  return {{"step", d.step},
+          {"replayed", d.whole_step ? "step" : "micro_batch"},
+          {"rank", optional_index(d.whole_step ? -1 : d.rank)},
+          {"micro_batch", optional_index(d.whole_step ? -1 : d.micro_batch)},
+          {"bitwise_identical", d.identical},
+          {"probes_compared", d.probes_compared},
+          {"first_difference", d.first_difference}};
+}
+
+nlohmann::json cross_check_json(const CrossDeviceCheck& c) {
+  nlohmann::json check = {{"devices", {c.device_a, c.device_b}}, {"step", c.step},
+                          {"bitwise_identical", c.identical}, {"probes_compared", c.probes_compared},
+                          {"first_difference", nullptr}};
+  if (!c.identical) {
+    check["first_difference"] = {{"probe", c.first_difference}, {"rank", c.where.rank},
+                                 {"micro_batch", c.where.micro_batch}, {"head", optional_index(c.where.head)},
+                                 {"expert", optional_index(c.where.expert)},
+                                 {"max_abs", {json_number(c.max_abs_a), json_number(c.max_abs_b)}},
+                                 {"sum", {json_number(c.sum_a), json_number(c.sum_b)}}};
+  }
+  return check;
+}
+
+nlohmann::json defaulted_values_json(const std::vector<ValueSource>& defaulted) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const ValueSource& v : defaulted) {
+    out.push_back({{"key", v.key}, {"detail", v.detail},
+                   {"value", v.value.empty() ? nlohmann::json(nullptr) : nlohmann::json::parse(v.value)}});
+  }
+  return out;
+}
+
+}  // namespace
+
+nlohmann::json findings_json(const std::vector<Finding>& findings) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const Finding& finding : findings) {
+    out.push_back({{"layer", triage_layer_name(finding.layer())},
+                   {"code", finding.name()},
+                   {"severity", severity_name(finding.severity)},
+                   {"message", finding.message},
+                   {"evidence", evidence_json(finding.evidence)}});
+  }
+  return out;
+}
+
 nlohmann::json report_to_json(const ReplayReport& report) {
   nlohmann::json out;
   out["version"] = 1;
@@ -132,24 +194,8 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   nlohmann::json steps = nlohmann::json::array();
   for (const StepOutcome& step : report.steps) steps.push_back(step_to_json(step));
   out["steps"] = steps;
-  nlohmann::json findings = nlohmann::json::array();
-  for (const Finding& finding : report.findings) {
-    findings.push_back({{"layer", triage_layer_name(finding.layer())},
-                        {"code", finding.name()},
-                        {"severity", severity_name(finding.severity)},
-                        {"message", finding.message},
-                        {"evidence", evidence_json(finding.evidence)}});
-  }
-  out["findings"] = findings;
-  nlohmann::json path = nlohmann::json::array();
-  for (const PropagationEntry& p : report.propagation) {
-    path.push_back({{"phase", phase_name(p.phase)}, {"site", p.name()},
-                    {"layer", optional_index(p.layer)}, {"head", optional_index(p.head)},
-                    {"expert", optional_index(p.expert)},
-                    {"kind", nonfinite_kind_name(p.kind)}, {"nan_count", p.nan_count},
-                    {"inf_count", p.inf_count}});
-  }
-  out["propagation"] = path;
+  out["findings"] = findings_json(report.findings);
+  out["propagation"] = propagation_json(report.propagation);
   if (report.root_cause) {
     out["root_cause"] = {{"layer", triage_layer_name(report.root_cause->layer)},
                          {"code", root_cause_code(*report.root_cause, report.reproduced)},
@@ -157,44 +203,16 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   }
   // Commands name trace.h5 as it lies beside report.json.
   out["next_step"] = next_step_json(decide_next_step(report));
-  const DeterminismCheck& d = report.determinism;
-  out["determinism"] = d.checked ? nlohmann::json{{"step", d.step},
-                                                  {"replayed", d.whole_step ? "step" : "micro_batch"},
-                                                  {"rank", optional_index(d.whole_step ? -1 : d.rank)},
-                                                  {"micro_batch", optional_index(d.whole_step ? -1 : d.micro_batch)},
-                                                  {"bitwise_identical", d.identical},
-                                                  {"probes_compared", d.probes_compared},
-                                                  {"first_difference", d.first_difference}}
-                                 : nlohmann::json(nullptr);
+  out["determinism"] = determinism_json(report.determinism);
   out["devices"] = report.devices;
   out["low_precision"] = report.low_precision;
-  if (report.cross_check) {
-    const CrossDeviceCheck& c = *report.cross_check;
-    nlohmann::json check = {{"devices", {c.device_a, c.device_b}}, {"step", c.step},
-                            {"bitwise_identical", c.identical}, {"probes_compared", c.probes_compared},
-                            {"first_difference", nullptr}};
-    if (!c.identical) {
-      check["first_difference"] = {{"probe", c.first_difference}, {"rank", c.where.rank},
-                                   {"micro_batch", c.where.micro_batch}, {"head", optional_index(c.where.head)},
-                                   {"expert", optional_index(c.where.expert)},
-                                   {"max_abs", {json_number(c.max_abs_a), json_number(c.max_abs_b)}},
-                                   {"sum", {json_number(c.sum_a), json_number(c.sum_b)}}};
-    }
-    out["cross_check"] = check;
-  }
+  if (report.cross_check) out["cross_check"] = cross_check_json(*report.cross_check);
   if (report.incident) {
     out["incident"] = {{"step", report.incident->step ? nlohmann::json(*report.incident->step)
                                                       : nlohmann::json(nullptr)},
                        {"symptom", report.incident->symptom}};
   }
-  if (!report.defaulted.empty()) {
-    nlohmann::json defaulted = nlohmann::json::array();
-    for (const ValueSource& v : report.defaulted) {
-      defaulted.push_back({{"key", v.key}, {"detail", v.detail},
-                           {"value", v.value.empty() ? nlohmann::json(nullptr) : nlohmann::json::parse(v.value)}});
-    }
-    out["defaulted_values"] = defaulted;
-  }
+  if (!report.defaulted.empty()) out["defaulted_values"] = defaulted_values_json(report.defaulted);
   if (report.what_if) out["what_if"] = what_if_json(*report.what_if);
   out["elapsed_seconds"] = report.elapsed_seconds;
   out["timings"] = timings_json(report.timings);

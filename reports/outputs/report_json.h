@@ -13,6 +13,8 @@
 namespace nanreplay {
 
 nlohmann::json report_to_json(const ReplayReport& report);
+// report.json's `findings` array, in the order given.
+nlohmann::json findings_json(const std::vector<Finding>& findings);
 // report.json's `first_nonfinite` object (null when absent).
 nlohmann::json first_nonfinite_json(const std::optional<FirstNonfinite>& first);
 nlohmann::json what_if_json(const std::vector<WhatIfOutcome>& outcomes);

@@ -179,12 +179,13 @@ def check_trust(cli, work, base, good):
 def check_dcp_structure(step):
     """A hostile .metadata's sizes and layout, planted in the fixture's parsed metadata: refused by name
     before any tensor is allocated or any hole is left in one."""
-    real = ni.read_dcp_metadata
+    owner = sys.modules[ni.read_dcp_from_format.__module__]  # the DCP format's module, whose reader calls it
+    real = owner.read_dcp_metadata
 
     def expect(label, change, key_part):
         md = real(step)
         change(md)
-        ni.read_dcp_metadata = lambda path: md
+        owner.read_dcp_metadata = lambda path: md
         try:
             ni.read_dcp_from_format(step)
             s.check(False, f"DCP metadata, {label}: accepted")
@@ -194,7 +195,7 @@ def check_dcp_structure(step):
         except Exception as e:  # noqa: BLE001  (what the old reader did: an internal error)
             s.check(False, f"DCP metadata, {label}: {type(e).__name__}: {e}")
         finally:
-            ni.read_dcp_metadata = real
+            owner.read_dcp_metadata = real
 
     def pieces(md, fqn):
         return [i for i in md.storage_data if i.fqn == fqn]

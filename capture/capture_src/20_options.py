@@ -1,0 +1,347 @@
+## Part of capture/nanreplay_capture.py: llama's model options and MoE, from a model and its transformers config.
+## scripts/gen_capture.py joins capture/capture_src/*.py in name order into that one file (these '##'
+## lines dropped); edit here, then run it. Names used here may be defined in the other parts.
+# ---------------------------------------------------------------------------
+# llama's model options (docs/bundle-format.md, "Model options"): what the model computes beyond
+# plain llama. Read off a Hugging Face style `model.config` where it says, or given in model_config;
+# a parameter only an option explains, with that option off, is an error: never a guess.
+
+LLAMA_OPTION_DEFAULTS = {"rope_style": "rotate_half", "rope_scaling": None, "attention_bias": False,
+                         "qk_norm": None, "attn_logit_softcap": None, "final_logit_softcap": None,
+                         "sliding_window": None}
+_QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full"}
+# Qwen2Config has no attention_bias: Qwen2's q, k and v projections always carry one.
+_BIAS_BY_MODEL_TYPE = {"qwen2": True}
+# Models whose window applies to every other layer only, which bundle v1 cannot express.
+_ALTERNATING_WINDOW_TYPES = ("gemma2", "gemma3", "gemma3_text", "cohere2")
+_LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.bias")
+_QK_NORM_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_(?:norm|layernorm)\.weight")
+_O_BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.o_proj\.bias")
+_MISSING = object()
+
+
+def _is_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _rope_scaling(value, where):
+    """A rope_scaling dict (Hugging Face's, or model_config's) in the manifest's form: None, or
+    Llama 3.1's llama3 scaling. Any other scaling would be replayed wrong, so it is refused."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise CaptureError(f"{where} must be None or a dict, got {value!r}")
+    kind = value.get("rope_type", value.get("type"))
+    if kind == "default":  # transformers' spelling of "no scaling"
+        return None
+    if kind != "llama3":
+        raise CaptureError(f"{where} has rope_type {kind!r}; bundle v1 replays only 'llama3' "
+                           "(Llama 3.1) frequency scaling")
+    out = {"rope_type": "llama3"}
+    for key in _LLAMA3_SCALING_KEYS:
+        v = value.get(key)
+        if not _is_number(v) or v <= 0:
+            raise CaptureError(f"{where}[{key!r}] must be a number > 0, got {v!r}")
+        out[key] = float(v)
+    if out["original_max_position_embeddings"] != int(out["original_max_position_embeddings"]):
+        raise CaptureError(f"{where}['original_max_position_embeddings'] must be an integer")
+    out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise CaptureError(f"{where}: high_freq_factor must exceed low_freq_factor "
+                           "(llama3 divides by their difference)")
+    return out
+
+
+def _option_value(key, value, where):
+    """`value` of option `key` in the manifest's form, or CaptureError naming `where` it came from."""
+    if key == "rope_scaling":
+        return _rope_scaling(value, where)
+    if key == "rope_style" and value in ("rotate_half", "interleaved"):
+        return value
+    if key == "attention_bias" and isinstance(value, bool):
+        return value
+    if key == "qk_norm" and (value is None or value in ("head", "full")):
+        return value
+    if key.endswith("_softcap") and (value is None or (_is_number(value) and value > 0)):
+        return None if value is None else float(value)
+    if key == "sliding_window" and (value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                                      and value >= 1)):
+        return value
+    allowed = {"rope_style": "'rotate_half' or 'interleaved'", "attention_bias": "True or False",
+               "qk_norm": "None, 'head' or 'full'", "attn_logit_softcap": "None or a number > 0",
+               "final_logit_softcap": "None or a number > 0", "sliding_window": "None or an integer >= 1"}
+    raise CaptureError(f"{where} must be {allowed[key]}, got {value!r}")
+
+
+def _config_attr(config, name):
+    if isinstance(config, dict):
+        return config.get(name, _MISSING)
+    return getattr(config, name, _MISSING)
+
+
+def _config_window(config, model_type, num_layers):
+    """The sliding window every layer of a Hugging Face style config uses (None: none, _MISSING:
+    the config does not say). A window on only some layers cannot be replayed: CaptureError."""
+    window = _config_attr(config, "sliding_window")
+    if window is _MISSING:
+        return _MISSING
+    mixed = ("model.config gives a sliding window to only some layers ({}); bundle v1's sliding_window "
+             "applies to every layer (alternating window layers, as Gemma 2's, are not supported)")
+    layer_types = _config_attr(config, "layer_types")  # newer transformers spell it out per layer
+    if isinstance(layer_types, (list, tuple)) and layer_types:
+        kinds = set(layer_types)
+        if kinds == {"full_attention"}:
+            return None
+        if kinds == {"sliding_attention"}:
+            return window
+        raise CaptureError(mixed.format(f"layer_types {sorted(kinds)}"))
+    if model_type in _ALTERNATING_WINDOW_TYPES and window is not None:
+        raise CaptureError(mixed.format(f"{model_type} alternates, sliding_window={window}"))
+    use = _config_attr(config, "use_sliding_window")  # Qwen2: sliding_window is inert unless this is set
+    if use is not _MISSING:
+        if not use:
+            return None
+        first = _config_attr(config, "max_window_layers")  # Qwen2: layers from this index on slide
+        if isinstance(first, int) and first >= num_layers:
+            return None
+        if isinstance(first, int) and first > 0:
+            raise CaptureError(mixed.format(f"max_window_layers={first} of {num_layers}"))
+    return window
+
+
+def _options_from_config(config, num_layers):
+    """{option: (value, where it was read)} for what a Hugging Face style config object says;
+    options it is silent on are left out (model_config, or the default, then decides)."""
+    said = {}
+    model_type = _config_attr(config, "model_type")
+    if isinstance(model_type, str):  # every transformers PretrainedConfig has one
+        said["rope_style"] = ("rotate_half", f"model.config (Hugging Face {model_type or 'model'}, "
+                                             "whose rotary embeddings rotate halves)")
+    for attr in ("rope_scaling", "rope_parameters"):  # transformers >= 5 names it rope_parameters
+        value = _config_attr(config, attr)
+        if value is not _MISSING:
+            said["rope_scaling"] = (_rope_scaling(value, f"model.config.{attr}"), f"model.config.{attr}")
+            break
+    if model_type in _BIAS_BY_MODEL_TYPE:
+        said["attention_bias"] = (_BIAS_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
+    elif _config_attr(config, "attention_bias") is not _MISSING:
+        said["attention_bias"] = (bool(_config_attr(config, "attention_bias")), "model.config.attention_bias")
+    if model_type in _QK_NORM_BY_MODEL_TYPE:
+        said["qk_norm"] = (_QK_NORM_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
+    for key, attr in (("attn_logit_softcap", "attn_logit_softcapping"),
+                      ("final_logit_softcap", "final_logit_softcapping")):  # Gemma 2's names
+        value = _config_attr(config, attr)
+        if value is not _MISSING:
+            said[key] = (_option_value(key, value, f"model.config.{attr}"), f"model.config.{attr}")
+    window = _config_window(config, model_type, num_layers)
+    if window is not _MISSING:
+        said["sliding_window"] = (_option_value("sliding_window", window, "model.config.sliding_window"),
+                                  "model.config.sliding_window")
+    return said
+
+
+def _model_options(arch, model, named, given, cfg):
+    """The model options that differ from their defaults, for the manifest's model section:
+    model.config's word where it has one, model_config's otherwise; the two must agree."""
+    given = {k: given[k] for k in LLAMA_OPTION_DEFAULTS if k in given}
+    if arch != "llama":
+        on = [k for k, v in given.items() if _option_value(k, v, f"model_config[{k!r}]") != LLAMA_OPTION_DEFAULTS[k]]
+        if on:
+            raise CaptureError(f"model options {on} apply to arch 'llama' only")
+        return {}
+    config = getattr(model, "config", None)
+    said = {}
+    if config is not None:
+        head_dim = _config_attr(config, "head_dim")
+        if isinstance(head_dim, int) and head_dim != cfg["hidden_size"] // cfg["num_heads"]:
+            raise CaptureError(f"model.config.head_dim = {head_dim}, but bundle v1's head_dim is hidden_size / "
+                               f"num_heads = {cfg['hidden_size'] // cfg['num_heads']}")
+        said = _options_from_config(config, cfg["num_layers"])
+    out = {}
+    for key, default in LLAMA_OPTION_DEFAULTS.items():
+        value, where = said.get(key, (default, None))
+        if key in given:
+            mine = _option_value(key, given[key], f"model_config[{key!r}]")
+            if where is not None and mine != value:
+                raise CaptureError(f"model_config[{key!r}] = {mine!r} contradicts {where}, which says {value!r}")
+            value = mine
+        if value != default:
+            out[key] = value
+    _check_option_parameters(named, out)
+    return out
+
+
+def _check_option_parameters(named, options):
+    """Parameters that only an option explains must not be there with that option off: the replay
+    would not read them, and the bundle would describe a different model."""
+    for name in named:
+        if _BIAS_PARAM.fullmatch(name) and not options.get("attention_bias"):
+            raise CaptureError(f"the model has {name}, but attention_bias is off: if q, k and v carry biases "
+                               "(Qwen2's layout), pass model_config=dict(attention_bias=True, ...)")
+        if _QK_NORM_PARAM.fullmatch(name) and not options.get("qk_norm"):
+            raise CaptureError(f"the model has {name}, but qk_norm is not set: pass model_config=dict(qk_norm="
+                               "'head', ...) for a norm over each head (Qwen3) or qk_norm='full' for one over "
+                               "the whole projection (OLMo 2)")
+        if _O_BIAS_PARAM.fullmatch(name):
+            raise CaptureError(f"the model has {name}: bundle v1's attention_bias puts biases on q, k and v only, "
+                               "as Qwen2 does (Hugging Face Llama's attention_bias=True also biases o_proj, "
+                               "which bundle v1 does not replay)")
+
+
+# ---------------------------------------------------------------------------
+# llama's model.moe (docs/bundle-format.md): Hugging Face Qwen3-MoE's sparse MLP in every layer. Read off
+# a Hugging Face MoE config (the same reading `nanreplay import` uses), or given as model_config["moe"];
+# the experts' count and width are read off the parameters. What bundle v1's moe cannot express (shared
+# experts, dense layers among the MoE ones) is refused.
+
+MOE_KEYS = ("num_experts", "top_k", "intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
+            "router_z_loss_coef")
+_EXPERT_PARAM = re.compile(r"model\.layers\.\d+\.mlp\.(?:gate\.weight|experts\.\d+\.(?:gate|up|down)_proj\.weight)")
+_DENSE_MLP_PARAM = re.compile(r"model\.layers\.\d+\.mlp\.(?:gate|up|down)_proj\.weight")
+_SHARED_EXPERT_PARAM = re.compile(r"model\.layers\.\d+\.mlp\.shared_expert(?:_gate)?\.")
+
+
+class MoeConfigRefusal(CaptureError):
+    """A Hugging Face MoE config that bundle v1's moe cannot express: `key` is the config entry."""
+
+    def __init__(self, key, what):
+        super().__init__(f"{key}: {what}")
+        self.key, self.what = key, what
+
+
+def moe_from_config(config):
+    """model.moe from a Hugging Face MoE config (a dict or a config object; Qwen3-MoE / Qwen2-MoE /
+    Mixtral names), with only the keys the config gives; None when it is dense (no expert count).
+    MoeConfigRefusal for what bundle v1's moe cannot express."""
+    def get(name, default=None):
+        value = _config_attr(config, name)
+        return default if value is _MISSING else value
+
+    experts = get("num_experts", get("num_local_experts"))
+    if not experts:
+        return None
+    top_k = get("num_experts_per_tok", get("moe_router_topk"))
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+        raise MoeConfigRefusal("num_experts_per_tok", f"an MoE config needs an integer top_k, got {top_k!r}")
+    if get("mlp_only_layers"):
+        raise MoeConfigRefusal("mlp_only_layers", "some layers dense: bundle v1's moe replaces every layer's MLP")
+    if get("decoder_sparse_step", 1) != 1:
+        raise MoeConfigRefusal("decoder_sparse_step", "MoE on only some layers: bundle v1's moe replaces every layer's MLP")
+    if get("shared_expert_intermediate_size"):
+        raise MoeConfigRefusal("shared_expert_intermediate_size", "shared experts are not part of bundle v1's moe")
+    moe = {"num_experts": int(experts), "top_k": int(top_k)}
+    if get("moe_intermediate_size"):
+        moe["intermediate_size"] = int(get("moe_intermediate_size"))
+    if _config_attr(config, "norm_topk_prob") is not _MISSING:
+        moe["norm_topk_prob"] = bool(get("norm_topk_prob"))
+    elif get("model_type") == "mixtral":
+        moe["norm_topk_prob"] = True  # Mixtral always renormalises its top-k
+    if get("output_router_logits") and get("router_aux_loss_coef"):
+        moe["router_aux_loss_coef"] = float(get("router_aux_loss_coef"))
+    return moe
+
+
+def _moe_value(value, where):
+    """A given moe (model_config["moe"]): None, or a dict of MOE_KEYS with valid values (the keys given)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise CaptureError(f"{where} must be None or a dict of {list(MOE_KEYS)}, got {value!r}")
+    unknown = sorted(set(value) - set(MOE_KEYS))
+    if unknown:
+        raise CaptureError(f"{where} has {unknown}: bundle v1's moe knows {list(MOE_KEYS)} only (shared experts "
+                           "and other routers are not part of it)")
+    out = {}
+    for key, v in value.items():
+        if key in ("num_experts", "top_k", "intermediate_size"):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise CaptureError(f"{where}[{key!r}] must be an integer >= 1, got {v!r}")
+            out[key] = v
+        elif key == "norm_topk_prob":
+            if not isinstance(v, bool):
+                raise CaptureError(f"{where}['norm_topk_prob'] must be True or False, got {v!r}")
+            out[key] = v
+        else:
+            if not _is_number(v) or v < 0:
+                raise CaptureError(f"{where}[{key!r}] must be a number >= 0, got {v!r}")
+            out[key] = float(v)
+    return out
+
+
+def _model_moe(model, named, given, num_layers, hidden):
+    """The manifest's model.moe (every key written) or None for a dense model: model.config's word
+    where it says, model_config["moe"]'s otherwise (keys both give must agree), the experts' count and
+    width from the parameters."""
+    shared = sorted(n for n in named if _SHARED_EXPERT_PARAM.match(n))
+    if shared:
+        raise CaptureError(f"the model has {shared[0]}: shared experts (Qwen2-MoE's) are not part of bundle v1's "
+                           "moe, which routes every token to its top_k experts only")
+    experts = sorted(n for n in named if _EXPERT_PARAM.fullmatch(n))
+    config = getattr(model, "config", None)
+    said = None
+    if config is not None:
+        try:
+            said = moe_from_config(config)
+        except MoeConfigRefusal as e:
+            raise CaptureError(f"model.config.{e.key}: {e.what}") from None
+    if "moe" in given:
+        mine = _moe_value(given["moe"], "model_config['moe']")
+        if mine is None and said is not None:
+            raise CaptureError(f"model_config['moe'] = None contradicts model.config, which says {said!r}")
+        for key in (mine or {}):
+            if said is not None and key in said and said[key] != mine[key]:
+                raise CaptureError(f"model_config['moe'][{key!r}] = {mine[key]!r} contradicts model.config, which "
+                                   f"says {said[key]!r}")
+        moe = None if mine is None else dict(said or {}, **mine)
+    else:
+        moe = said
+    if moe is None:
+        if experts:
+            raise CaptureError(f"the model has {experts[0]} (a mixture of experts), but moe is not set: pass "
+                               "model_config=dict(moe=dict(num_experts=..., top_k=..., norm_topk_prob=..., "
+                               "router_aux_loss_coef=..., router_z_loss_coef=...)), or a Hugging Face MoE "
+                               "model.config")
+        return None
+    router = named.get("model.layers.0.mlp.gate.weight")
+    if router is None or router.dim() != 2:
+        raise CaptureError("moe is set, but the model has no router model.layers.0.mlp.gate.weight (bundle v1's moe "
+                           "is Hugging Face Qwen3-MoE's layout: mlp.gate, mlp.experts.{e}.gate_proj/up_proj/down_proj)")
+    E = int(router.shape[0])
+    if moe.get("num_experts", E) != E:
+        raise CaptureError(f"moe num_experts = {moe['num_experts']} but model.layers.0.mlp.gate.weight has {E} rows")
+    if "top_k" not in moe:
+        raise CaptureError("moe needs 'top_k' (the experts each token is routed to): pass model_config=dict("
+                           "moe=dict(top_k=..., ...))")
+    if moe["top_k"] > E:
+        raise CaptureError(f"moe top_k = {moe['top_k']} exceeds num_experts = {E}")
+    first = named.get("model.layers.0.mlp.experts.0.gate_proj.weight")
+    if first is None:
+        raise CaptureError("moe is set, but the model has no model.layers.0.mlp.experts.0.gate_proj.weight")
+    width = int(first.shape[0])
+    if moe.get("intermediate_size", width) != width:
+        raise CaptureError(f"moe intermediate_size = {moe['intermediate_size']} but the experts' gate_proj has "
+                           f"{width} rows")
+    for i in range(num_layers):
+        dense = [n for n in named if _DENSE_MLP_PARAM.fullmatch(n) and n.startswith(f"model.layers.{i}.")]
+        if dense or f"model.layers.{i}.mlp.gate.weight" not in named:
+            raise CaptureError(f"layer {i} has a dense MLP ({dense[0] if dense else 'no mlp.gate.weight'}) among MoE "
+                               "layers: bundle v1's moe replaces every layer's MLP (dense layers mixed in, as "
+                               "mlp_only_layers or decoder_sparse_step make them, are not supported)")
+    return {"num_experts": E, "top_k": moe["top_k"], "intermediate_size": width,
+            "norm_topk_prob": bool(moe.get("norm_topk_prob", False)),
+            "router_aux_loss_coef": float(moe.get("router_aux_loss_coef", 0.0)),
+            "router_z_loss_coef": float(moe.get("router_z_loss_coef", 0.0))}
+
+
+def _option_needing(name, cfg):
+    """For error messages: the option that asks for parameter `name`, when one does."""
+    if _EXPERT_PARAM.fullmatch(name):
+        return f", with moe={cfg.get('moe')!r}"
+    if _BIAS_PARAM.fullmatch(name):
+        return ", with attention_bias=True"
+    if _QK_NORM_PARAM.fullmatch(name):
+        return f", with qk_norm={cfg.get('qk_norm')!r}"
+    return ""
+
+

@@ -1,0 +1,309 @@
+## Part of capture/nanreplay_capture.py: the capture self-check: a reference forward of the bundle's model, compared with the job's loss.
+## scripts/gen_capture.py joins capture/capture_src/*.py in name order into that one file (these '##'
+## lines dropped); edit here, then run it. Names used here may be defined in the other parts.
+# ---------------------------------------------------------------------------
+# The capture self-check. On the first captured step whose logged loss is finite, the bundle's model
+# (a small fp32 reference of docs/bundle-format.md's model, torch only, run on the live parameters
+# under no_grad) computes that step's loss on the step's real batch and compares it with the loss
+# the user's model logged. A gap means the bundle would describe another model than the run's: a
+# CaptureError says so, and names the likely cause (the rotary convention, norm_eps, rope_theta, the
+# GELU variant, an option) when changing that one setting closes the gap, before any incident
+# depends on the bundle. Recorder.self_check = False turns it off.
+
+_SELF_CHECK_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2, "fp8": 1e-2}  # the replay's own (README)
+# A gap this small is the same model up to fp32 rounding. A near match within the tolerance loses to a
+# variant that matches to rounding: the wrong convention can sit under 1e-4 at step 0 and drift later.
+_SELF_CHECK_ROUNDING = {"fp32": 1e-6}
+
+
+def _ref_inv_freq(D, theta, scaling, device):
+    inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=device).float() / D))
+    if not scaling:
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _ref_rope(x, inv_freq, style):
+    """x: (B, heads, T, D); rotate_half pairs (j, j + D/2), interleaved (2j, 2j + 1)."""
+    T, D = x.shape[-2], x.shape[-1]
+    ang = torch.outer(torch.arange(T, device=x.device).float(), inv_freq)
+    if style == "interleaved":
+        x1, x2, cos, sin = x[..., 0::2], x[..., 1::2], ang.cos(), ang.sin()
+        return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
+    ang = torch.cat([ang, ang], -1)
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
+
+
+def _ref_attention(q, k, v, H, G, softcap=None, window=None):
+    B, T, _ = q.shape
+    D = q.shape[-1] // H
+    q = q.view(B, T, H, D).transpose(1, 2)
+    k = k.reshape(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
+    v = v.reshape(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=q.device), 1)
+    if window is not None:
+        mask |= torch.tril(torch.ones(T, T, dtype=torch.bool, device=q.device), -window)
+    p = torch.softmax(s.masked_fill(mask, float("-inf")), -1)
+    return (p @ v).transpose(1, 2).reshape(B, T, H * D)
+
+
+def reference_loss(cfg, p, inputs, targets, gelu="tanh"):
+    """The mean next-token cross-entropy bundle v1's model (manifest model section `cfg`, parameters
+    `p` by bundle key) computes on inputs/targets (B, T), in fp32, with the llama options."""
+    F = torch.nn.functional
+    w = {k: v.detach().float() for k, v in p.items()}
+    B, T = inputs.shape
+    H, eps = cfg["num_heads"], cfg.get("norm_eps", 1e-5)
+    if cfg["arch"] == "gpt2":
+        C = cfg["hidden_size"]
+
+        def ln(x, pre):
+            return F.layer_norm(x, (C,), w[pre + ".weight"], w[pre + ".bias"], eps)
+
+        def lin(x, pre):
+            return F.linear(x, w[pre + ".weight"], w[pre + ".bias"])
+
+        x = w["transformer.wte.weight"][inputs] + w["transformer.wpe.weight"][torch.arange(T, device=inputs.device)]
+        for i in range(cfg["num_layers"]):
+            pre = f"transformer.h.{i}."
+            q, k, v = lin(ln(x, pre + "ln_1"), pre + "attn.c_attn").split(C, -1)
+            x = x + lin(_ref_attention(q, k, v, H, H), pre + "attn.c_proj")
+            x = x + lin(F.gelu(lin(ln(x, pre + "ln_2"), pre + "mlp.c_fc"), approximate=gelu), pre + "mlp.c_proj")
+        logits = F.linear(ln(x, "transformer.ln_f"), w["transformer.wte.weight"])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    G, D = cfg.get("num_kv_heads", H), cfg["hidden_size"] // H
+    style, qk_norm = cfg.get("rope_style") or "rotate_half", cfg.get("qk_norm")
+    bias = bool(cfg.get("attention_bias"))
+    inv = _ref_inv_freq(D, cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"), inputs.device)
+    moe, router = cfg.get("moe"), []
+
+    def norm(x, weight):
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    def q_or_k(h, pre, name, heads):
+        t = F.linear(h, w[pre + f"self_attn.{name}_proj.weight"], w[pre + f"self_attn.{name}_proj.bias"] if bias else None)
+        if qk_norm == "head":
+            t = norm(t.view(B, T, heads, D), w[pre + f"self_attn.{name}_norm.weight"]).reshape(B, T, heads * D)
+        elif qk_norm == "full":
+            t = norm(t, w[pre + f"self_attn.{name}_norm.weight"])
+        return _ref_rope(t.view(B, T, heads, D).transpose(1, 2), inv, style).transpose(1, 2).reshape(B, T, heads * D)
+
+    x = w["model.embed_tokens.weight"][inputs]
+    for i in range(cfg["num_layers"]):
+        pre = f"model.layers.{i}."
+        h = norm(x, w[pre + "input_layernorm.weight"])
+        v = F.linear(h, w[pre + "self_attn.v_proj.weight"], w[pre + "self_attn.v_proj.bias"] if bias else None)
+        att = _ref_attention(q_or_k(h, pre, "q", H), q_or_k(h, pre, "k", G), v, H, G,
+                             cfg.get("attn_logit_softcap"), cfg.get("sliding_window"))
+        x = x + F.linear(att, w[pre + "self_attn.o_proj.weight"])
+        h = norm(x, w[pre + "post_attention_layernorm.weight"])
+        if moe:
+            mixed, logits = _ref_moe(moe, w, pre, h)
+            router.append(logits)
+            x = x + mixed
+            continue
+        x = x + F.linear(F.silu(F.linear(h, w[pre + "mlp.gate_proj.weight"])) * F.linear(h, w[pre + "mlp.up_proj.weight"]),
+                         w[pre + "mlp.down_proj.weight"])
+    x = norm(x, w["model.norm.weight"])
+    logits = F.linear(x, w["model.embed_tokens.weight"] if cfg.get("tie_embeddings") else w["lm_head.weight"])
+    if cfg.get("final_logit_softcap") is not None:
+        logits = torch.tanh(logits / cfg["final_logit_softcap"]) * cfg["final_logit_softcap"]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    if moe and moe.get("router_aux_loss_coef"):
+        loss = loss + moe["router_aux_loss_coef"] * _ref_load_balancing(router, moe["num_experts"], moe["top_k"])
+    if moe and moe.get("router_z_loss_coef"):
+        loss = loss + moe["router_z_loss_coef"] * torch.logsumexp(torch.cat(router), -1).pow(2).mean()
+    return loss
+
+
+def _ref_top_k(probs, k):
+    """Top k per row, ties to the lower expert index (a stable descending sort)."""
+    values, experts = torch.sort(probs, dim=-1, descending=True, stable=True)
+    return values[:, :k], experts[:, :k]
+
+
+def _ref_moe(moe, w, pre, h):
+    """Hugging Face Qwen3MoeSparseMoeBlock.forward (modeling_qwen3_moe.py): (output, router logits)."""
+    F = torch.nn.functional
+    C = h.shape[-1]
+    x = h.reshape(-1, C)
+    logits = F.linear(x, w[pre + "mlp.gate.weight"])
+    weights, experts = _ref_top_k(torch.softmax(logits, -1), moe["top_k"])
+    if moe.get("norm_topk_prob"):
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(moe["num_experts"]):
+        token, slot = torch.where(experts == e)
+        if token.numel():
+            ex, xe = pre + f"mlp.experts.{e}.", x[token]
+            y = F.linear(F.silu(F.linear(xe, w[ex + "gate_proj.weight"])) * F.linear(xe, w[ex + "up_proj.weight"]),
+                         w[ex + "down_proj.weight"])
+            out.index_add_(0, token, y * weights[token, slot, None])
+    return out.view(h.shape), logits
+
+
+def _ref_load_balancing(router, num_experts, top_k):
+    """Hugging Face's load_balancing_loss_func (modeling_qwen3_moe.py), no attention mask."""
+    probs = torch.softmax(torch.cat(router), -1)
+    mask = torch.nn.functional.one_hot(_ref_top_k(probs, top_k)[1], num_experts).float()
+    return torch.sum(mask.mean(0) * probs.mean(0).unsqueeze(0)) * num_experts
+
+
+def _self_check_variants(cfg):
+    """(label, manifest change or gelu, what it would mean): single changes tried when the check fails."""
+    out = []
+    if cfg["arch"] == "llama":
+        other = "interleaved" if (cfg.get("rope_style") or "rotate_half") == "rotate_half" else "rotate_half"
+        out.append((f"rope_style={other!r}", {"rope_style": other},
+                    "the rotary convention (Meta's reference llama, torchtitan and llama2.c rotate adjacent pairs: "
+                    "'interleaved'; Hugging Face rotates halves: 'rotate_half')"))
+        for theta in (10000.0, 500000.0, 1000000.0, 100000.0, 5000000.0):
+            if theta != cfg.get("rope_theta"):
+                out.append((f"rope_theta={theta!r}", {"rope_theta": theta}, "rope_theta"))
+    else:
+        out.append(("GELU's erf form", "none", "the GELU variant: bundle v1's gpt2 uses GELU's tanh approximation "
+                    "(F.gelu(x, approximate='tanh')), nanoGPT's nn.GELU() is the erf form"))
+    for eps in (1e-5, 1e-6, 1e-8, 1e-12, 0.0):
+        if eps != cfg.get("norm_eps"):
+            out.append((f"norm_eps={eps!r}", {"norm_eps": eps}, "norm_eps"))
+    for heads in _head_count_variants(cfg):
+        label = f"num_heads={heads['num_heads']}" + (f", num_kv_heads={heads['num_kv_heads']}"
+                                                       if cfg["arch"] == "llama" else "")
+        out.append((label, heads, "the head count (num_heads"
+                    + (", and num_kv_heads with it: the k projection's rows stay the same)" if cfg["arch"] == "llama"
+                       else ")")))
+    return out
+
+
+def _head_count_variants(cfg):
+    """Other head counts the same tensors allow: half, double, and head_dim 64 or 128 (llama keeps the
+    k projection's rows, num_kv_heads * head_dim, so num_kv_heads follows)."""
+    C, H = cfg["hidden_size"], cfg["num_heads"]
+    G = cfg.get("num_kv_heads") or H
+    kv_rows = G * (C // H)
+    out = []
+    for h in (H // 2, H * 2, C // 64, C // 128):
+        if h < 1 or h == H or C % h or any(v["num_heads"] == h for v in out):
+            continue
+        if cfg["arch"] != "llama":
+            out.append({"num_heads": h, "num_kv_heads": h})
+            continue
+        g, rest = divmod(kv_rows, C // h)
+        if rest == 0 and g >= 1 and h % g == 0:
+            out.append({"num_heads": h, "num_kv_heads": g})
+    return out
+
+
+def _self_check_params(recorder, slot):
+    """The parameters the check computes with: the live ones (on their device, fast) when they are
+    plain tensors, else (sharded or wrapped tensors) the slot's host copies, which the bundle writes."""
+    live = list(recorder.params)
+    if all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in live):
+        return dict(zip(recorder.names, live))
+    if slot.event is not None:
+        slot.event.synchronize()
+    return dict(zip(recorder.names, slot.params))
+
+
+def _self_check_batches(recorder, slot, device):
+    """Per rank, the step's micro-batches as (inputs, targets) on `device`."""
+    L, mbs = recorder.data["seq_len"], recorder.data["micro_batch_size"]
+    dtype = recorder.source.shards[0]["dtype"]
+    ranks = []
+    for rows in slot.rows:
+        windows = []
+        for start in rows:
+            raw = bytearray(recorder.source.read(start, L + 1))
+            t = torch.frombuffer(raw, dtype=torch.int16 if dtype == "uint16" else torch.int32).to(torch.int64)
+            windows.append(t & (0xFFFF if dtype == "uint16" else 0xFFFFFFFF))
+        w = torch.stack(windows).to(device)
+        ranks.append([(w[m:m + mbs, :-1], w[m:m + mbs, 1:]) for m in range(0, len(rows), mbs)])
+    return ranks
+
+
+def run_self_check(recorder, slot):
+    """The check itself (see the section's comment). Returns {step, logged, reference, relative};
+    raises CaptureError on a gap beyond the replay's tolerance."""
+    cfg = recorder.model_config
+    params = _self_check_params(recorder, slot)
+    ranks = _self_check_batches(recorder, slot, next(iter(params.values())).device)
+    logged = slot.logged["loss"]
+    rank_losses = slot.logged.get("rank_losses")
+    tol = _SELF_CHECK_TOLERANCE[recorder.precision]
+
+    def losses(c, gelu="tanh"):
+        with torch.no_grad():
+            per_rank = [sum(float(reference_loss(c, params, x, y, gelu)) for x, y in mbs) / len(mbs) for mbs in ranks]
+        return per_rank
+
+    def gap(per_rank):
+        """The smallest relative gap among the readings of the logged loss: the mean over ranks, rank 0's
+        own (a job that logs its local loss), or rank 0 against rank_losses[0]."""
+        cands = [(sum(per_rank) / len(per_rank), logged), (per_rank[0], logged)]
+        if rank_losses:
+            cands.append((per_rank[0], rank_losses[0]))
+        return min((abs(a - b) / max(abs(b), 1e-12), a, b) for a, b in cands)
+
+    def best_variant(accept):
+        """The single change whose gap is smallest, if it is at most `accept`: (label, change, what, value, gap)."""
+        best = None
+        for label, change, what in _self_check_variants(cfg):
+            per_rank_trial = losses(cfg, gelu="none") if change == "none" else losses(dict(cfg, **change))
+            r, value, _ = gap(per_rank_trial)
+            if r <= accept and (best is None or r < best[4]):
+                best = (label, change, what, value, r)
+        return best
+
+    def blame(head, found):
+        label, change, what, value, r = found
+        fix = (f"pass model_config=dict({label}, ...)" if change != "none" else
+               "make the model use F.gelu(x, approximate='tanh') (bundle v1 has no erf-GELU option)")
+        return CaptureError(head + f"With {label} it computes {value:.7g} (gap {r:.1e}): the likely cause is {what}"
+                                   f" (the recorder used {_self_check_used(cfg, label)}); {fix}")
+
+    per_rank = losses(cfg)
+    relative, reference, against = gap(per_rank)
+    result = {"step": slot.step, "logged": against, "reference": reference, "relative": relative, "tolerance": tol}
+    rounding = _SELF_CHECK_ROUNDING.get(recorder.precision)
+    if relative <= tol:
+        exact = best_variant(rounding) if rounding is not None and relative > rounding else None
+        if exact is None or exact[4] * 10 > relative:
+            return result
+        raise blame(f"capture self-check, step {slot.step}: bundle v1's {cfg['arch']} model, as this recorder would "
+                    f"write it, computes loss {reference:.7g} on the step's batch, within the replay's tolerance {tol:g} "
+                    f"of the {against:.7g} your model logged but not to rounding (relative gap {relative:.2e}); a "
+                    "near match drifts as the replay rolls forward. ", exact)
+    head = (f"capture self-check, step {slot.step}: bundle v1's {cfg['arch']} model, as this recorder would write it, "
+            f"computes loss {reference:.7g} on the step's batch, but your model logged {against:.7g} (relative gap "
+            f"{relative:.2e}, the replay tolerates {tol:g}); a bundle of this run would not reproduce it. ")
+    found = best_variant(tol)
+    if found is not None:
+        raise blame(head, found)
+    raise CaptureError(head + "No single change of " + ("the rotary convention, rope_theta, norm_eps or the head count"
+                       if cfg["arch"] == "llama" else "the GELU variant, norm_eps or the head count") + " explains it. Check the options your forward "
+                       "applies (rope_scaling, attention_bias, qk_norm, softcaps, sliding_window: pass them in "
+                       "model_config), that param_names maps every parameter to the one bundle v1 means, and that "
+                       "end_step(loss=) is the step's mean over its micro-batches (and ranks). "
+                       "recorder.self_check = False captures anyway.")
+
+
+def _self_check_used(cfg, label):
+    key = label.split("=")[0]
+    if key == "num_heads":
+        return f"num_heads={cfg['num_heads']}, num_kv_heads={cfg.get('num_kv_heads') or cfg['num_heads']}"
+    if key in cfg or key in ("rope_style",):
+        return f"{key}={cfg.get(key, 'rotate_half')!r}"
+    return "GELU's tanh form"
+
+

@@ -1,0 +1,269 @@
+"""Writing the bundle: the checkpoint through its format's reader, the model section, the optimizer,
+the steps' window, and manifest.json last."""
+
+import math
+from pathlib import Path
+
+import torch
+
+import nanreplay_capture as _capture
+
+from . import safe_pickle
+from .checkpoint_state import find_optimizer_state
+from .formats import detect_format, format_module
+from .formats.dcp import read_dcp
+from .inputs import _read_json
+from .model_settle import (FLAGS_WHERE, _FLOAT_TYPES, _kind_of, _moe_config, check_parameters, flag_config, model_options,
+                           normalize_config, required_values, settle_activation, settle_model)
+from .naming import Mapper, detect_naming, strip_prefix, unstack_megatron_layers
+from .optimizer import read_optimizer
+from .outcome import BadInput, say, warn
+from .provenance import (_hyper_provenance, _provenance_entry, check_first, check_incident_window, checkpoint_counters,
+                         hf_trainer_file)
+from .safe_pickle import _torch_load
+from .window import copy_shards, copy_windows, read_log, read_samples
+
+IMPORT_VERSION = 1
+
+
+def load_checkpoint(args):
+    """(source state dict, whole loaded object, format, why, configs [(dict, where)], label): read by the
+    format --format names, or the first of formats.REGISTRY that recognises the checkpoint."""
+    fmt, why = args.format, "--format"
+    if fmt == "auto":
+        fmt, why = detect_format(args.checkpoint)
+        why = f"detected: {why}"
+    path = Path(args.checkpoint)
+    if not path.exists():
+        raise BadInput(path, "--checkpoint", "does not exist")
+    configs = []
+    if args.config:
+        configs.append((_read_json(args.config), args.config))
+    sd, obj, found, reader = format_module(fmt).read(path)
+    return sd, obj, fmt, why, configs + found, reader
+
+
+def settle_model_section(args, arch, naming, sd, configs):
+    """The manifest's model section from the renamed tensors, flags and configs, each value with its
+    source, printed (defaults loudly). Returns (mapper, model, parameters, provenance entries)."""
+    # num_heads etc. come from flags and configs; the tensors settle every shape.
+    flags = flag_config(args)
+    if flags:
+        configs.insert(0, (flags, FLAGS_WHERE))
+    required_values(arch, configs, naming, args.config or next((w for _, w in configs if w != FLAGS_WHERE),
+                                                                str(args.checkpoint)))
+    heads_cfg = {}
+    for raw, where in configs:
+        for k, (v, _) in normalize_config(raw, where).items():
+            heads_cfg.setdefault(k, v)
+    if naming == "megatron":
+        sd = unstack_megatron_layers(sd, heads_cfg.get("num_layers"))
+    if naming == "megatron" and "num_heads" in heads_cfg:
+        C = next((t.shape[1] for k, t in sd.items() if k.endswith("word_embeddings.weight")), None)
+        if C is not None:
+            H = heads_cfg["num_heads"]
+            qkv = next((t for k, t in sd.items() if k.endswith("linear_qkv.weight")), None)
+            G = heads_cfg.get("num_kv_heads")
+            if G is None and qkv is not None:
+                G = (qkv.shape[0] // (C // H) - H) // 2  # rows = (H + 2G) * D
+            heads_cfg["num_kv_heads"] = G
+            heads_cfg["hidden_size"] = C
+    mapper = Mapper(naming, {"num_heads": heads_cfg["num_heads"], "num_kv_heads": heads_cfg.get("num_kv_heads", heads_cfg["num_heads"]),
+                             "hidden_size": heads_cfg.get("hidden_size", 0) or 1})
+    mapped = mapper.map(sd, args.checkpoint)
+    model, notes = settle_model(arch, mapped, naming, configs, args)
+    opts, opt_notes = model_options(naming, configs, model, args)
+    model.update(opts)
+    notes.update(opt_notes)
+    activation, notes["activation"] = settle_activation(arch, naming, configs, args)
+    for raw, where in configs:
+        moe = _moe_config(raw, where, model["num_layers"], len(mapped)) if arch == "llama" else None
+        if moe:
+            model["moe"] = moe
+            notes["moe"] = (_kind_of(where, args), f"{where}: num_experts")
+            break
+    if model["tie_embeddings"]:
+        mapped.pop("lm_head.weight", None)
+    params = check_parameters(mapped, model, args.checkpoint)
+
+    say("model: " + ", ".join(f"{k} {v}" for k, v in model.items() if k != "arch") + f" ({model['arch']})")
+    for key in dict.fromkeys(("num_heads", "num_kv_heads", "norm_eps", "rope_theta", "rope_style", "tie_embeddings",
+                              "activation", "moe", *_capture.LLAMA_OPTION_DEFAULTS)):
+        if key in notes and (key in model or key in ("rope_style", "activation")):
+            kind, detail = notes[key]
+            if kind == "default":  # a value no checkpoint or config gave: the user should confirm it
+                warn(f"{key}: DEFAULTED, {detail}")
+            else:
+                say(f"  {key}: {detail}")
+    provenance = {f"model.{k}": _provenance_entry(kind, detail, activation if k == "activation" else
+                                                  model.get(k, "rotate_half" if k == "rope_style" else None))
+                  for k, (kind, detail) in notes.items()}
+    return mapper, model, params, provenance
+
+
+def build(args):
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BadInput(out, "--out", "exists and is not an empty directory")
+
+    safe_pickle._trust_pickle = args.trust_pickle
+    if args.trust_pickle:
+        warn("--trust-pickle: pickles are loaded with Python's full unpickler, which runs any code a crafted file "
+             "names; recorded in the manifest")
+    source_sd, obj, fmt, why, configs, reader = load_checkpoint(args)
+    say(f"format: {fmt} ({why}; {reader})")
+    naming = args.naming
+    if naming == "auto":
+        naming, key = detect_naming(list(source_sd))
+        say(f"naming: {naming} (detected: {key})")
+    else:
+        say(f"naming: {naming} (--naming)")
+    arch = "gpt2" if naming == "nanogpt" else "llama"
+    sd = strip_prefix(source_sd, naming)
+
+    mapper, model, params, provenance = settle_model_section(args, arch, naming, sd, configs)
+
+    # The optimizer state: --optimizer, else HF Trainer's optimizer.pt beside the weights, else the
+    # checkpoint's own when it has one.
+    opt, opt_where = None, None
+    optimizer_path = args.optimizer or hf_trainer_file(args.checkpoint, fmt, "optimizer.pt")
+    if optimizer_path:
+        p = Path(optimizer_path)
+        if not p.exists():
+            raise BadInput(p, "--optimizer", "does not exist")
+        if p.is_dir():
+            if not (p / ".metadata").is_file():
+                raise BadInput(p, ".metadata", "missing: --optimizer directory is not a torch.distributed.checkpoint")
+            loaded = obj if Path(args.checkpoint).resolve() == p.resolve() and fmt == "dcp" else read_dcp(p)[0]
+        else:
+            loaded = obj if Path(args.checkpoint).resolve() == p.resolve() and fmt == "torch" else _torch_load(p, p)
+        opt, key = find_optimizer_state(loaded)
+        if opt is None:
+            raise BadInput(p, "optimizer", "no AdamW state ('state' and 'param_groups') in it")
+        opt_where = f"{p}" + (f" ({key})" if key else "")
+    elif obj is not None:
+        opt, key = find_optimizer_state(obj)
+        if opt is not None:
+            opt_where = f"{args.checkpoint} ({key or 'top level'})"
+    first, last = args.first, args.last
+    if opt is not None:
+        moments, adam_step, hyper, opt_notes = read_optimizer(opt, optimizer_path or args.checkpoint, source_sd,
+                                                              mapper, model, args)
+        say(f"optimizer: AdamW state of {len(moments or params)} parameters from {opt_where}, {opt_notes[0]}; "
+            f"step count {adam_step}; " + "; ".join(opt_notes[1:]))
+        provenance.update(_hyper_provenance(opt_notes, hyper))
+    else:
+        moments, adam_step = None, None
+        hyper = {"betas": args.betas or [0.9, 0.999], "eps": args.eps or 1e-8,
+                 "weight_decay": args.weight_decay if args.weight_decay is not None else 0.01}
+        if last > first:
+            say(f"optimizer: none given (--optimizer) and none in the checkpoint: only step {first} is replayed "
+                f"(steps {first + 1}..{last} need AdamW state to roll forward)")
+            last = first
+    counters = checkpoint_counters(obj, args.checkpoint, fmt)
+    numbering = check_first(args, counters, adam_step)
+    say(f"first step: {first} (" + ("; ".join(f"{name} {n}" for name, n, _ in counters) or "no step counter in the "
+        "checkpoint") + (f"; AdamW step count {adam_step}" if adam_step is not None else "")
+        + f"; log numbered from {0 if numbering == 'zero' else 1})")
+
+    log = read_log(args.log, first, last)
+    check_incident_window(args, first, last, opt is not None)
+    world, per_rank = args.world_size, args.micro_batch_size * args.grad_accum
+    samples, sample_kind = read_samples(args.samples, first, last, world, per_rank) if args.samples else (None, None)
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "data").mkdir()
+    extra = {}
+    if sample_kind == "offsets":
+        shards, total, samples, extra = copy_windows(args, samples, out)
+    else:
+        shards, total = copy_shards(args.data, args.token_dtypes, out)
+    num_samples = (total - 1) // args.seq_len
+    if num_samples < 1:
+        raise BadInput(args.data[0], "--data", f"{total} tokens hold no sample of seq_len {args.seq_len} + 1")
+    sampler = {"kind": "explicit"}
+    if args.sampler_seed is not None:
+        sampler = {"kind": "randperm", "seed": args.sampler_seed, "epoch": args.epoch,
+                   "epoch_start_step": args.epoch_start_step}
+        per_rank_samples = num_samples // world
+        steps_in_epoch = per_rank_samples // per_rank
+        if first < args.epoch_start_step:
+            raise BadInput("command line", "--epoch-start-step", f"{args.epoch_start_step} is after step {first}")
+        if last - args.epoch_start_step >= steps_in_epoch:
+            raise BadInput("command line", "--steps", f"step {last} lies past the epoch: {num_samples} samples make "
+                                                      f"{steps_in_epoch} steps of {per_rank} per rank from step "
+                                                      f"{args.epoch_start_step}")
+    else:
+        for step, rows in samples.items():
+            bad = [i for r in rows for i in r if i >= num_samples]
+            if bad:
+                raise BadInput(args.samples, str(step), f"sample {bad[0]} is past the data's {num_samples} samples")
+
+    steps = []
+    for step in range(first, last + 1):
+        rel = f"steps/{step}"
+        d = out / rel
+        d.mkdir(parents=True)
+        if step == first:
+            _capture.write_safetensors(d / "model.safetensors", params)
+            if opt is not None:
+                tensors = []
+                for key, p in params:
+                    m, v = moments[key] if moments is not None else (torch.zeros_like(p), torch.zeros_like(p))
+                    for which, t in (("exp_avg", m), ("exp_avg_sq", v)):
+                        if tuple(t.shape) != tuple(p.shape):
+                            raise BadInput(optimizer_path or args.checkpoint, f"state.{key}.{which}",
+                                           f"shape {list(t.shape)} differs from the parameter's {list(p.shape)}")
+                        t = t.float() if t.dtype == torch.float64 else t
+                        if t.dtype not in _FLOAT_TYPES:
+                            raise BadInput(optimizer_path or args.checkpoint, f"state.{key}.{which}", f"is {t.dtype}")
+                        tensors.append((f"{key}.{which}", t.contiguous()))
+                tensors.append(("step", torch.tensor(adam_step, dtype=torch.int64)))
+                _capture.write_safetensors(d / "optimizer.safetensors", tensors)
+        e = log[step]
+        state = {"step": step}
+        if "lr" in e:
+            state["lr"] = e["lr"]
+        if "loss_scale" in e:
+            state["loss_scale"] = _capture._json_number(e["loss_scale"])
+        if "skipped" in e:
+            state["skipped"] = e["skipped"]
+        state["logged"] = {k: _capture._json_number(e[k]) for k in ("loss", "grad_norm") if k in e}
+        _capture._write_json(d / "state.json", state)
+        entry = {"step": step, "dir": rel}
+        if samples is not None:
+            entry["samples"] = samples[step]
+        if step in extra:
+            entry["original_offsets"] = extra[step]
+        steps.append(entry)
+
+    optimizer = dict({"kind": "adamw"}, **hyper)
+    if args.grad_clip is not None:
+        optimizer["grad_clip"] = args.grad_clip
+    manifest = {
+        "format": "nanreplay.bundle",
+        "version": 1,
+        "model": model,
+        "precision": {"compute": args.precision},
+        "optimizer": optimizer,
+        "data": {"shards": shards, "seq_len": args.seq_len, "micro_batch_size": args.micro_batch_size,
+                 "grad_accum_steps": args.grad_accum, "world_size": world, "sampler": sampler},
+        "steps": steps,
+    }
+    bad = next((s for s in range(first, last + 1) if not math.isfinite(log[s]["loss"])), None)
+    if bad is not None:
+        manifest["incident"] = {"step": bad, "symptom": f"loss={_capture._json_number(log[bad]['loss'])}"}
+    manifest["import"] = {"writer": "nanreplay_import", "version": IMPORT_VERSION, "torch": torch.__version__,
+                          "checkpoint": str(args.checkpoint), "format": fmt, "naming": naming,
+                          "optimizer": opt_where, "config_sources": {k[len("model."):]: e["detail"] for k, e in provenance.items()
+                                                                 if k.startswith("model.")}}
+    manifest["provenance"] = provenance
+    if args.trust_pickle:
+        manifest["import"]["trust_pickle"] = True
+    _capture._write_json(out / "manifest.json", manifest)
+    derived = last - first
+    say(f"steps: {first} to {last} (checkpoint at {first}" + (f", {derived} derived by the replay's own update)" if derived else ")"))
+    say(f"data: {len(shards)} shard(s), {total} tokens, {num_samples} samples; sampler "
+        + (f"randperm seed {args.sampler_seed} epoch {args.epoch} epoch_start_step {args.epoch_start_step}"
+           if args.sampler_seed is not None else f"explicit ({args.samples})"))
+    say("bundle written (manifest.json last)")
