@@ -54,13 +54,6 @@ BisectReport bisect_showing_progress(const Incident& incident, bool minimize_sam
   return incident.bisect(hooks, minimize_samples);
 }
 
-// As `run` on the same bundle: a non-finite loss the job logged that no tested
-// step reproduces is run's SYSTEM_NOT_REPRODUCIBLE error finding, so exit 1 too.
-int exit_status_like_run(const BisectReport& report) {
-  if (!report.origin && !report.logged_nonfinite_steps.empty()) return static_cast<int>(ExitStatus::kFound);
-  return bisect_exit_status(report);
-}
-
 }  // namespace
 
 int bisect_command(const CommandArgs& args, CommandIo& io) {
@@ -86,7 +79,7 @@ int bisect_command(const CommandArgs& args, CommandIo& io) {
     } else if (!quiet) {
       io.out << render_bisect(report, {io.color});
     }
-    return exit_status_like_run(report);
+    return bisect_exit_status(report);  // as `run` on the same bundle (reports/results/bisect_report.h)
   });
 }
 

@@ -54,10 +54,10 @@ const std::vector<Command>& command_table() {
        "named (a replay that does not reproduce the logged run included), " NANREPLAY_FAILURES},
       {"bisect", "find the first non-finite value with fewer replays (step, layer, site, samples); what-ifs",
        "nanreplay bisect incident-bundle/ --json --what-if stable-softmax", bisect_command,
-       "0 nothing non-finite and the log marks no non-finite loss (run's checks that need every step, such as "
-       "the update check's flipped bit, are not made: run may still exit 1), 1 an origin named, a step that could "
-       "not be replayed, or a non-finite loss the job logged that the replay does not reproduce (run exits 1 on "
-       "each), " NANREPLAY_FAILURES},
+       "0 nothing non-finite and no error finding (bisect checks the shards, the samples, the last steps against "
+       "the log and the update into the last checkpoint; checks that need every step are run's), 1 an origin or "
+       "an error finding named, a step that could not be replayed, or a non-finite loss the job logged that the "
+       "replay does not reproduce (run exits 1 on each), " NANREPLAY_FAILURES},
       {"minimize", "write the smallest bundle that still fails the same way (steps, samples, layers)",
        "nanreplay minimize incident-bundle/ --out incident-min/", minimize_command,
        "0 MIN written (it names the same origin or flipped bit), 1 nothing to minimize: nothing written, the "

@@ -54,9 +54,13 @@ inline nlohmann::json check_bisect_agrees_with_run(const std::filesystem::path& 
   }
   for (const auto& skipped : bisect["not_replayed"]) CHECK(unreplayed_by_run.count(skipped["step"].get<int64_t>()) == 1);
   CHECK(bisect["replays"]["full_probe_pass"] == replayed_by_run * bisect["passes_per_step"].get<int64_t>());
-  // As run: a logged non-finite loss no replayed step reproduces is run's SYSTEM_NOT_REPRODUCIBLE, exit 1.
+  // As run: a logged non-finite loss no replayed step reproduces is run's SYSTEM_NOT_REPRODUCIBLE, exit 1;
+  // so is an error finding of the checks bisect makes through run's triage (its `findings`).
   const bool not_reproducible = !origin.is_object() && !bisect["logged_nonfinite_steps"].empty();
-  CHECK(result.status == (origin.is_object() || !bisect["not_replayed"].empty() || not_reproducible ? 1 : 0));
+  bool error_finding = false;
+  for (const auto& f : bisect["findings"]) error_finding = error_finding || f["severity"] == "error";
+  CHECK(result.status ==
+        (origin.is_object() || !bisect["not_replayed"].empty() || not_reproducible || error_finding ? 1 : 0));
   // The step search saw what run saw: a step is bad exactly where run's
   // replay of it holds a non-finite value the loss scaler does not absorb.
   std::map<int64_t, bool> bad_by_run;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <set>
 #include <stdexcept>
@@ -21,6 +22,7 @@
 #include "replay/workflows/replay_engine.h"
 #include "replay/step/step_scan.h"
 #include "replay/step/trajectory.h"
+#include "reports/triage/triage.h"
 
 namespace nanreplay {
 
@@ -113,6 +115,7 @@ class Bisection {
         bad_loaded_ = std::move(loaded);
         return files.step;
       }
+      append_to(report_.findings, replayed_step_findings(files.step, state, result, scan));
       scales.step_done(scan.scaler_skips);
       derivable = true;
       if (!next_derived) continue;
@@ -133,6 +136,24 @@ class Bisection {
     origin.contaminated_params = loaded.nonfinite_params();
     if (options_.minimize_samples) minimize_samples(loaded, origin);
     return origin;
+  }
+
+  // With no origin, what `run` would still find in what the search replayed
+  // or cheaply can: the last two steps' per-rank losses, the scaler's skip
+  // and their logged loss and norm, and the update into the last checkpoint
+  // (the step before the last replayed too, unless the search already did).
+  // Rolling forward, the walk in order triaged every step as it went.
+  std::vector<Finding> clean_window_findings() {
+    const std::vector<StepFiles>& steps = bundle_.steps();
+    if (steps.empty()) return {};
+    if (report_.in_order) return reproduction_findings();
+    const size_t last = steps.size() - 1;
+    if (last > 0) keep_for_update_check(last - 1);
+    std::vector<Finding> findings;
+    for (const auto& [step, kept] : kept_) append_to(findings, replayed_step_findings(step, kept.state, kept.result, kept.scan));
+    if (last > 0) append_to(findings, last_update_findings(steps[last - 1], steps[last]));
+    append_to(findings, reproduction_findings());
+    return findings;
   }
 
   // Runs before every pass: interrupts and progress.
@@ -175,13 +196,97 @@ class Bisection {
       return false;
     }
     LoadedStep loaded(bundle_, test.step, placement());
-    StepScan scan = scan_step(loaded, {}, /*stop_at_first_bad=*/true, hook());
+    StepResult result;
+    StepScan scan = scan_step(loaded, {}, /*stop_at_first_bad=*/true, hook(), &result);
     test.bad = scan.bad;
     test.handled_overflow = scan.handled_overflow;
     test.replays = scan.passes;
     report_.step_tests.push_back(test);
+    // The clean-window checks read the last two steps' replays (clean_window_findings).
+    if (!scan.bad && scan.complete && index + 2 >= bundle_.steps().size()) keep_clean(index, loaded, std::move(result), scan);
     if (scan.bad) bad_scan_ = std::move(scan);
     return test.bad;
+  }
+
+  // The step before the last, replayed for its gradients (the update check)
+  // unless the search kept it; its passes count as checks, not as the search's.
+  void keep_for_update_check(size_t index) {
+    const StepFiles& files = bundle_.steps()[index];
+    if (kept_.count(files.step) || unreplayable_reason(bundle_, batch_of_step(bundle_, files.step))) return;
+    set_stage("step", files.step);
+    LoadedStep loaded(bundle_, files.step, placement());
+    StepResult result;
+    const StepScan scan = scan_step(loaded, {}, /*stop_at_first_bad=*/true, hook(), &result);
+    report_.check_replays += scan.passes;
+    // A bad one here is a failure the log does not mark, which the search does not look for (bisect.h).
+    if (!scan.bad && scan.complete) keep_clean(index, loaded, std::move(result), scan);
+  }
+
+  // Only what the checks read: the flag records never, the gradients only
+  // of the step before the last (a model's worth of memory each).
+  void keep_clean(size_t index, const LoadedStep& loaded, StepResult result, const StepScan& scan) {
+    result.probes = {};
+    if (index + 1 == bundle_.steps().size()) result.grads = GradientSet{};
+    kept_.insert_or_assign(loaded.step(), KeptStep{loaded.state(), std::move(result), scan});
+  }
+
+  // A clean step's cheap replay as evidence for triage_step: per-rank losses
+  // and norms, the scaler's skip. Not its flag records: the numeric rules
+  // read full statistics, which only `run` computes. The outcome is kept
+  // for reproduction_findings.
+  std::vector<Finding> replayed_step_findings(int64_t step, const StepState& state, const StepResult& result,
+                                              const StepScan& scan) {
+    const Manifest& m = bundle_.manifest();
+    StepOutcome outcome;
+    outcome.step = step;
+    outcome.derived = !bundle_.step_files(step).has_model;
+    outcome.replayed = true;
+    outcome.finite = std::isfinite(result.loss) && std::isfinite(result.grad_norm);
+    outcome.logged_loss = state.logged.loss;
+    outcome.logged_grad_norm = state.logged.grad_norm;
+    outcome.loss = result.loss;
+    outcome.grad_norm = result.grad_norm;
+    outcome.rank_losses = result.rank_losses;
+    outcome.micro_batch_losses = result.micro_batch_losses;
+    outcome.rank_grad_norms = result.rank_grad_norms;
+    outcome.scaler_skipped = scan.scaler_skips;
+    outcome.handled_overflow = scan.handled_overflow;
+    const std::vector<ProbeRecord> no_probes;
+    const std::vector<NormCheck> no_norm_checks;
+    const std::vector<SampleLoss> no_sample_losses;
+    std::vector<Finding> findings = triage_step({outcome, state, no_probes, no_norm_checks, no_sample_losses,
+                                                 nullptr, m.model, m.precision.compute},
+                                                default_thresholds(m.precision.compute))
+                                        .findings;
+    replayed_.push_back(std::move(outcome));
+    return findings;
+  }
+
+  // Every step replayed_step_findings saw, against what the job logged.
+  std::vector<Finding> reproduction_findings() const {
+    std::vector<StepOutcome> steps = replayed_;
+    std::sort(steps.begin(), steps.end(), [](const StepOutcome& a, const StepOutcome& b) { return a.step < b.step; });
+    const Compute precision = bundle_.manifest().precision.compute;
+    return triage_reproduction(steps, precision, default_thresholds(precision));
+  }
+
+  // The update into the last checkpoint, as `run` checks it: the step
+  // before's gradients applied by AdamW (run's conditions for the check).
+  std::vector<Finding> last_update_findings(const StepFiles& current, const StepFiles& next) const {
+    const Manifest& m = bundle_.manifest();
+    const auto kept = kept_.find(current.step);
+    if (kept == kept_.end() || !current.has_model || !next.has_model || !m.optimizer || !kept->second.state.lr ||
+        !bundle_.has_optimizer(current)) {
+      return {};
+    }
+    const KeptStep& k = kept->second;
+    if (!std::isfinite(k.result.grad_norm) && !k.scan.scaler_skips) return {};
+    const ModelCheckpoint params(current, m.model);
+    return triage_update({bundle_, current, next, params, &k.result, *k.state.lr, k.scan.scaler_skips});
+  }
+
+  static void append_to(std::vector<Finding>& to, const std::vector<Finding>& more) {
+    to.insert(to.end(), more.begin(), more.end());
   }
 
   // Stage 4: ddmin over the samples of the pass that holds the origin. That
@@ -238,9 +343,18 @@ class Bisection {
     return true;
   }
 
+  // A clean step's replay, kept for the clean-window checks.
+  struct KeptStep {
+    StepState state;
+    StepResult result;
+    StepScan scan;
+  };
+
   const Bundle& bundle_;
   const BisectOptions& options_;
   BisectReport& report_;
+  std::map<int64_t, KeptStep> kept_;  // the last two steps, when tested clean
+  std::vector<StepOutcome> replayed_;  // the steps triaged as replayed, for reproduction_findings
   std::optional<StepScan> bad_scan_;
   std::unique_ptr<LoadedStep> bad_loaded_;  // the bad step, when the in-order pass already holds it
   torch::Tensor origin_embedding_;
@@ -261,9 +375,16 @@ BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options) {
   report.precision = m.precision.compute;
   report.steps_in_bundle = static_cast<int64_t>(bundle.steps().size());
   report.passes_per_step = m.data.world_size * m.data.grad_accum_steps;
+  // The checks `run` makes that read no replay, through the same triage: the
+  // shards' checksums, each step's recorded samples and token ids.
+  report.findings = triage_bundle({bundle.tokens().verify_checksums(), nullptr});
   std::set<int64_t> marked_by_log;  // a non-finite loss or a skipped step in state.json
   for (const StepFiles& files : bundle.steps()) {
-    if (!unreplayable_reason(bundle, batch_of_step(bundle, files.step))) {
+    const StepBatch batch = batch_of_step(bundle, files.step);
+    const HostStepFindings host = triage_host_step({bundle, step_entry(m, files.step), batch, nullptr, {}});
+    report.findings.insert(report.findings.end(), host.sampler.begin(), host.sampler.end());
+    report.findings.insert(report.findings.end(), host.bad_tokens.begin(), host.bad_tokens.end());
+    if (!unreplayable_reason(bundle, batch)) {
       report.full_probe_pass_replays += report.passes_per_step;
     }
     const StepState state = bundle.load_state(files);
@@ -285,6 +406,9 @@ BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options) {
     if (report.samples.minimal_in_run.size() != report.samples.minimal.size()) report.samples.minimal_in_run.clear();
     report.origin_tokens = origin_tokens(bundle, *report.origin, bisection.origin_embedding(),
                                          default_thresholds(m.precision.compute));
+  } else {
+    const std::vector<Finding> more = bisection.clean_window_findings();
+    report.findings.insert(report.findings.end(), more.begin(), more.end());
   }
   if (!options.what_ifs.empty()) {
     bisection.set_stage("what-if", report.origin ? report.origin->step : 0);

@@ -7,7 +7,10 @@
 // element: full probes on that block of the one pass holding it; (4) samples:
 // delta debugging over that pass's samples, down to a 1-minimal set whose
 // presence still makes a non-finite value, or "not data-dependent" when
-// single samples fail broadly. Algorithm and replay unit:
+// single samples fail broadly. Besides, the checks `run` makes that need no
+// more than bisect has, through the same triage entry points (checksums,
+// samplers; with no origin the last two steps against the log and the update
+// into the last checkpoint), so both exit alike. Algorithm and replay unit:
 // docs/bisect-and-what-if.md. No LibTorch types here.
 #pragma once
 

@@ -20,21 +20,16 @@
 #include <torch/torch.h>
 
 #include "loaders/base/error.h"
-#include "reports/triage/data/data_findings.h"
-#include "replay/step/layer_stream.h"
-#include "reports/triage/data/origin_tokens.h"
-#include "reports/triage/system/probe_comparison.h"
+#include "loaders/bundle/provenance.h"
 #include "replay/probing/probe_retention.h"
-#include "reports/triage/system/self_checks.h"
+#include "replay/step/layer_stream.h"
 #include "replay/step/step.h"
 #include "replay/step/step_scan.h"
-#include "reports/triage/system/system_checks.h"
 #include "replay/step/trajectory.h"
-#include "reports/triage/numeric/expert_load.h"
-#include "loaders/bundle/provenance.h"
-#include "reports/results/number_text.h"
-#include "reports/triage/provenance_note.h"
-#include "reports/triage/verdict.h"
+#include "reports/triage/data/origin_tokens.h"
+#include "reports/triage/numeric/numeric_rules.h"
+#include "reports/triage/system/self_checks.h"
+#include "reports/triage/triage.h"
 
 namespace nanreplay {
 
@@ -88,13 +83,11 @@ class BundleReplay {
   // Before any replay: the shards against their checksums, the checkpoints for non-finite values.
   void check_bundle() {
     const PhaseTimer timer(report_.timings, TimedPhase::kDataChecks);
-    for (const ChecksumMismatch& bad : bundle_.tokens().verify_checksums()) {
-      add({make_finding(FindingCode::kBundleChecksumMismatch,
-                        bad.shard + ": sha256 is " + bad.actual + ", the manifest says " + bad.expected,
-                        {{K::kShard, bad.shard}, {K::kExpected, bad.expected}, {K::kAfter, bad.actual}})});
+    const std::vector<Finding> found = triage_bundle({bundle_.tokens().verify_checksums(), &bundle_});
+    add(found);
+    for (const Finding& f : found) {
+      if (f.code == FindingCode::kCheckpointNonfinite) contaminated_.push_back(f);
     }
-    contaminated_ = checkpoint_nonfinite_findings(bundle_);
-    add(contaminated_);
     baseline_ = data_baseline(bundle_.tokens(), m_.data.seq_len, thresholds_.data.baseline_samples);
   }
 
@@ -107,8 +100,7 @@ class BundleReplay {
   // What the steps found together.
   void after_steps() {
     const PhaseTimer timer(report_.timings, TimedPhase::kDataChecks);
-    add(stray_token_findings(bundle_, batch_samples_));
-    add(fp8_scale_jump_findings(states_, thresholds_));
+    add(triage_window({bundle_, batch_samples_, states_}, thresholds_));
     if (first_) {
       report_.origin_tokens = origin_tokens(bundle_, *first_, origin_embedding(), thresholds_);
       if (first_->sample >= 0 && first_->sample < bundle_.num_samples()) {
@@ -128,13 +120,6 @@ class BundleReplay {
       const PhaseTimer timer(report_.timings, TimedPhase::kDeterminism);
       report_.determinism =
           check_determinism(bundle_, recheck_input(*files), report_.probes, placement_, deciding_pass());
-      if (!report_.determinism.identical) {
-        add({make_finding(FindingCode::kSystemNondeterministic,
-                          "replaying " + determinism_scope(report_.determinism) +
-                              " twice on this machine gave different values at " +
-                              report_.determinism.first_difference,
-                          difference_evidence(files->step, report_.determinism.where))});
-      }
     }
     if (options_.cross_check) {
       const PhaseTimer timer(report_.timings, TimedPhase::kCrossCheck);
@@ -144,22 +129,13 @@ class BundleReplay {
       report_.cross_check = check_across_devices(bundle_, recheck_input(*files), report_.probes, second,
                                                  options_.devices.front(),
                                                  options_.devices.back());
-      const CrossDeviceCheck& c = *report_.cross_check;
-      if (!c.identical) {
-        add({make_finding(FindingCode::kSystemDeviceMismatch,
-                          "step " + std::to_string(files->step) + " replayed on " + c.device_a + " and " +
-                              c.device_b + " from the same inputs differs first at " + c.first_difference +
-                              " (rank " + std::to_string(c.where.rank) + ", micro-batch " +
-                              std::to_string(c.where.micro_batch) + "): one of the two devices computes wrongly",
-                          difference_evidence(files->step, c.where).set(K::kBefore, c.max_abs_a).set(K::kAfter, c.max_abs_b))});
-      }
     }
+    add(triage_recheck({files->step, options_.check_determinism ? &report_.determinism : nullptr,
+                        report_.cross_check ? &*report_.cross_check : nullptr}));
   }
 
   ReplayReport finish(std::chrono::steady_clock::time_point started) {
-    settle_verdict(report_, thresholds_);
-    note_defaulted_values(report_);
-    annotate_original_samples(report_, m_);
+    triage_verdict(report_, thresholds_, m_);
     report_.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     return std::move(report_);
   }
@@ -182,20 +158,14 @@ class BundleReplay {
   // the next checkpoint read into the page cache meanwhile.
   struct HostStep {
     StepState logged;
-    std::vector<Finding> sampler;
     StepBatch batch;
-    std::vector<Finding> bad_tokens;
-    std::vector<Finding> profile;  // when the batch's tokens are all in range
+    HostStepFindings found;
   };
 
   HostStep prepare_host_step(const StepFiles& files) const {
     const StepEntry& entry = step_entry(m_, files.step);
-    HostStep host{bundle_.load_state(files), sampler_findings(bundle_, entry), {}, {}, {}};
-    host.batch = StepBatch{bundle_.sampler().samples_for(entry)};
-    host.bad_tokens = batch_token_findings(bundle_, files.step, host.batch);
-    if (host.bad_tokens.empty()) {
-      host.profile = batch_profile_findings(bundle_, files.step, host.batch, baseline_, thresholds_.data);
-    }
+    HostStep host{bundle_.load_state(files), StepBatch{bundle_.sampler().samples_for(entry)}, {}};
+    host.found = triage_host_step({bundle_, entry, host.batch, &baseline_, thresholds_.data});
     if (files.has_model && prepares_ahead()) read_ahead(files.model);
     return host;
   }
@@ -228,10 +198,10 @@ class BundleReplay {
     outcome.logged_loss = state.logged.loss;
     outcome.logged_grad_norm = state.logged.grad_norm;
     outcome.loss_scale = m_.precision.compute == Compute::kFp16 ? state.loss_scale : 1.0;
-    add(host.sampler);
+    add(host.found.sampler);
     const StepBatch& batch = host.batch;
     for (const auto& rank_samples : batch.samples) batch_samples_.insert(rank_samples.begin(), rank_samples.end());
-    const std::vector<Finding>& bad_tokens = host.bad_tokens;
+    const std::vector<Finding>& bad_tokens = host.found.bad_tokens;
     if (!bad_tokens.empty() || (outcome.derived && !trajectory_ok_)) {
       outcome.finite = false;
       outcome.not_replayed_reason = !bad_tokens.empty() ? "token id out of range in the batch"
@@ -242,7 +212,7 @@ class BundleReplay {
       loss_scales_.step_done(false);
       return;
     }
-    add(host.profile);
+    add(host.found.profile);
     data_timer.reset();
 
     ModelCheckpoint checkpoint = files.has_model ? ModelCheckpoint(files, m_.model) : trajectory_.checkpoint();
@@ -260,7 +230,7 @@ class BundleReplay {
     };
     StepResult step =
         replay_step({m_, bundle_.tokens(), files.step, state, batch}, checkpoint, placement_, request);
-    triage_step(files, state, checkpoint, step, outcome);
+    record_step(files, state, checkpoint, step, outcome);
     const bool last = report_.steps.size() + 1 == todo_.size();
     if (outcome.derived && ((last && !first_) || (first_ && first_->step == files.step))) {
       recheck_params_ = trajectory_.snapshot();  // the self-checks replay this step again
@@ -296,12 +266,12 @@ class BundleReplay {
     const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
     if (next->has_model && options_.check_updates && predictable) {
       const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
-      add(derived_update_findings(bundle_, files, *next, trajectory_.checkpoint(), *state.lr));
+      add(triage_update({bundle_, files, *next, trajectory_.checkpoint(), nullptr, *state.lr}));
     }
   }
 
-  // The step's outcome, whether it holds the origin, and its numeric and system findings.
-  void triage_step(const StepFiles& files, const StepState& state, const ModelCheckpoint& checkpoint,
+  // The step's outcome, whether it holds the origin, and its findings (triage_step, then the update check).
+  void record_step(const StepFiles& files, const StepState& state, const ModelCheckpoint& checkpoint,
                    const StepResult& step, StepOutcome& outcome) {
     outcome.replayed = true;
     outcome.loss = step.loss;
@@ -315,47 +285,25 @@ class BundleReplay {
     const StepJudgement judged = judge_step(step, m_.precision.compute);
     outcome.scaler_skipped = judged.scaler_skips;
     outcome.handled_overflow = judged.handled_overflow;
-    if (judged.handled_first != nullptr) add({loss_scale_overflow(*judged.handled_first, outcome)});
     if (judged.first != nullptr && !first_) {
       first_ = first_nonfinite_of(*judged.first);
       first_->contaminated_params = contaminated_params(files.step);
       report_.propagation = propagation_after(step.probes, *judged.first);
     }
-    add(overflow_findings(step.probes, files.step, judged.handled_overflow, m_.precision.compute, thresholds_));
-    add(zero_norm_findings(step.norm_checks));
-    outcome.expert_tokens = expert_token_counts(step.probes, files.step, m_.model);
-    if (m_.model.moe) {
-      add(router_collapse_findings(outcome.expert_tokens, files.step, *m_.model.moe,
-                                   layers_with_nonfinite_routing(step.probes, files.step)));
-    }
-    add(sample_loss_findings(step.sample_losses, files.step, thresholds_));
-    outcome.rank_norms_logged_global = rank_norms_logged_global(outcome, state, thresholds_);
-    add(rank_mismatch_findings(outcome, state, thresholds_));
-    if (state.skipped && m_.precision.compute == Compute::kFp16 && *state.skipped != outcome.scaler_skipped) {
-      add({make_finding(FindingCode::kSystemNotReproducible,
-                        "step " + std::to_string(files.step) + ": the job logged skipped=" +
-                            (*state.skipped ? "true" : "false") + " but the replay's gradients say the scaler " +
-                            (outcome.scaler_skipped ? "skips" : "does not skip") + " it",
-                        {{K::kStep, files.step}, {K::kExpected, outcome.scaler_skipped}, {K::kAfter, *state.skipped}})});
-    }
+    StepTriage triage = triage_step({outcome, state, step.probes, step.norm_checks, step.sample_losses,
+                                     judged.handled_first, m_.model, m_.precision.compute},
+                                    thresholds_);
+    add(triage.findings);
+    outcome.expert_tokens = std::move(triage.expert_tokens);
+    outcome.rank_norms_logged_global = triage.rank_norms_logged_global;
     // System layer: does the next checkpoint follow from this one by AdamW?
     const StepFiles* next = find_files(files.step + 1);
     const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
     if (options_.check_updates && next != nullptr && next->has_model && files.has_model && m_.optimizer && state.lr &&
         predictable && bundle_.has_optimizer(files)) {
       const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
-      add(update_findings(bundle_, {&files, next, &checkpoint, &step, *state.lr, outcome.scaler_skipped}));
+      add(triage_update({bundle_, files, *next, checkpoint, &step, *state.lr, outcome.scaler_skipped}));
     }
-  }
-
-  Finding loss_scale_overflow(const ProbeRecord& bad, const StepOutcome& outcome) const {
-    return make_finding(FindingCode::kNumericLossScaleOverflow,
-                        "step " + std::to_string(outcome.step) + ": the backward overflowed at " + probe_name(bad) +
-                            " with loss scale " + format_number(outcome.loss_scale) +
-                            "; the loss scaler skips this step and halves the scale (handled, not the incident)",
-                        {{K::kStep, outcome.step}, {K::kSite, probe_name(bad)}, {K::kHead, optional_index_value(bad.first_head)},
-                         {K::kExpert, optional_index_value(bad.first_expert)}, {K::kRank, bad.rank}, {K::kMicroBatch, bad.micro_batch}, {K::kBefore, outcome.loss_scale},
-                         {K::kAfter, outcome.loss_scale / 2}});
   }
 
   // Parameters already non-finite in `step`'s checkpoint: the origin only propagates them.

@@ -13,7 +13,7 @@
 #include "loaders/bundle/bundle.h"
 #include "reports/results/report.h"
 #include "replay/step/runtime.h"
-#include "reports/triage/triage_rules.h"
+#include "reports/results/triage_thresholds.h"
 
 namespace nanreplay {
 

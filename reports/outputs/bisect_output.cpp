@@ -102,6 +102,7 @@ nlohmann::json bisect_to_json(const BisectReport& r) {
                     {"site", r.site_replays},
                     {"samples", r.samples.replays},
                     {"what_if", r.what_if_replays()},
+                    {"checks", r.check_replays},
                     {"origin", r.origin_replays()},
                     {"total", r.total_replays()},
                     {"full_probe_pass", r.full_probe_pass_replays}};
@@ -111,6 +112,7 @@ nlohmann::json bisect_to_json(const BisectReport& r) {
   }
   out["not_replayed"] = skipped;
   out["logged_nonfinite_steps"] = r.logged_nonfinite_steps;
+  out["findings"] = findings_json(r.findings);
   if (r.what_if) out["what_if"] = what_if_json(*r.what_if);
   out["elapsed_seconds"] = r.elapsed_seconds;
   return out;
@@ -143,6 +145,11 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
   for (const BisectStepTest& t : r.step_tests) {
     if (!t.replayed) out << "  step " << t.step << " could not be replayed: " << printable(t.not_replayed_reason) << "\n";
   }
+  // What `run` would name too, from the checks bisect makes (bisect_report.h).
+  for (const Finding& f : r.findings) {
+    out << "  " << paint(style, f.severity == Severity::kError ? "1;31" : "1;33", f.name()) << "  "
+        << printable(f.message) << "\n";
+  }
 
   out << "\n  " << pad("stage", 10) << pad("replays", 9) << pad("probes", 16) << "found\n";
   out << "  " << pad("step", 10) << pad(std::to_string(r.step_replays()), 9) << pad("any-non-finite", 16)
@@ -170,6 +177,7 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
   out << "\n  replays: " << r.origin_replays() << (r.origin ? " to name the origin" : " to look for an origin");
   if (r.samples.replays) out << ", " << r.samples.replays << " for the samples";
   if (r.what_if_replays()) out << ", " << r.what_if_replays() << " for what-ifs";
+  if (r.check_replays) out << ", " << r.check_replays << " for the update check";
   out << "; the full probe pass (nanreplay run) replays " << r.full_probe_pass_replays << "\n";
   if (r.what_if) out << "\n" << render_what_ifs(*r.what_if, style);
   return out.str();

@@ -23,14 +23,20 @@ int64_t BisectReport::what_if_replays() const {
   return sum;
 }
 
-int64_t BisectReport::total_replays() const { return origin_replays() + samples.replays + what_if_replays(); }
+int64_t BisectReport::total_replays() const {
+  return origin_replays() + samples.replays + what_if_replays() + check_replays;
+}
 
 bool BisectReport::any_not_replayed() const {
   return std::any_of(step_tests.begin(), step_tests.end(), [](const BisectStepTest& t) { return !t.replayed; });
 }
 
 int bisect_exit_status(const BisectReport& report) {
-  return static_cast<int>(report.origin || report.any_not_replayed() ? ExitStatus::kFound : ExitStatus::kClean);
+  const bool not_reproduced = !report.origin && !report.logged_nonfinite_steps.empty();
+  const bool error_finding = std::any_of(report.findings.begin(), report.findings.end(),
+                                         [](const Finding& f) { return f.severity == Severity::kError; });
+  const bool found = report.origin || report.any_not_replayed() || not_reproduced || error_finding;
+  return static_cast<int>(found ? ExitStatus::kFound : ExitStatus::kClean);
 }
 
 }  // namespace nanreplay

@@ -68,6 +68,12 @@ struct BisectReport {
   // Steps whose logged loss (state.json) is non-finite: with no origin, the
   // job saw something this replay does not reproduce (`run` says why).
   std::vector<int64_t> logged_nonfinite_steps;
+  // What triage found in the evidence bisect has or cheaply gets (the same
+  // rules as `run`): shard checksums, recorded samples, token ids, and with
+  // no origin the last step's per-rank losses and the update into the last
+  // checkpoint (rolling forward: every step walked).
+  std::vector<Finding> findings;
+  int64_t check_replays = 0;  // passes replayed for those checks alone (the step before the last)
   double elapsed_seconds = 0.0;
 
   int64_t step_replays() const;
@@ -77,7 +83,9 @@ struct BisectReport {
   bool any_not_replayed() const;
 };
 
-// 1 when an origin was named or a tested step could not be replayed, else 0.
+// As `run` on the same bundle: 1 when an origin was named, a tested step
+// could not be replayed, the job logged a non-finite loss no tested step
+// reproduces (run's SYSTEM_NOT_REPRODUCIBLE), or triage found an error; else 0.
 int bisect_exit_status(const BisectReport& report);
 
 }  // namespace nanreplay

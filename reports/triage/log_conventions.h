@@ -4,7 +4,7 @@
 // or as one micro-batch's (nanoGPT and llama2.c print the last micro-batch's)
 // instead of the mean over micro-batches and ranks; the global gradient norm
 // (clip_grad_norm_'s) as every rank's own (rank_norms_logged_global in
-// triage_rules.h). Recognised conventions are said once each as
+// system/system_rules.h). Recognised conventions are said once each as
 // SYSTEM_LOG_CONVENTION (info); docs/triage.md lists them.
 #pragma once
 
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "reports/results/report.h"
-#include "reports/triage/triage_rules.h"
+#include "reports/results/triage_thresholds.h"
 
 namespace nanreplay {
 

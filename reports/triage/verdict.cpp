@@ -372,13 +372,6 @@ void calibrate_data_findings(ReplayReport& report) {
   }
 }
 
-bool is_embedding_outlier(double norm, double typical, double spread, const TriageThresholds& t) {
-  if (!std::isfinite(norm)) return true;
-  if (norm < t.embedding_outlier_ratio * typical) return false;
-  const double scale = 1.4826 * spread;
-  return scale > 0 ? (norm - typical) / scale >= t.embedding_outlier_z : norm > typical;
-}
-
 void token_findings(ReplayReport& report) {
   if (!report.first_nonfinite) return;
   const FirstNonfinite& origin = *report.first_nonfinite;

@@ -42,7 +42,5 @@ void calibrate_data_findings(ReplayReport& report);
 // DATA_TOKEN_EMBEDDING_OUTLIER for each outlier of report.origin_tokens.
 void token_findings(ReplayReport& report);
 
-// Whether a token's embedding row norm is an outlier of the matrix's rows.
-bool is_embedding_outlier(double norm, double typical, double spread, const TriageThresholds& thresholds);
 
 }  // namespace nanreplay

@@ -12,7 +12,8 @@
 #include "probes/data_checks.h"
 #include "replay/step/gradients.h"
 #include "reports/results/report.h"
-#include "reports/triage/triage_rules.h"
+#include "reports/results/triage_thresholds.h"
+#include "reports/triage/data/data_rules.h"
 
 namespace nanreplay {
 

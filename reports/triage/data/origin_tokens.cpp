@@ -8,7 +8,7 @@
 #include "loaders/formats/safetensors.h"
 #include "probes/sites.h"
 #include "replay/step/checkpoint.h"
-#include "reports/triage/verdict.h"
+#include "reports/triage/data/data_rules.h"
 
 namespace nanreplay {
 

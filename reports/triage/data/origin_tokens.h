@@ -10,7 +10,7 @@
 
 #include "loaders/bundle/bundle.h"
 #include "reports/results/report.h"
-#include "reports/triage/triage_rules.h"
+#include "reports/results/triage_thresholds.h"
 
 namespace nanreplay {
 

@@ -13,7 +13,6 @@
 #include "loaders/base/error.h"
 #include "replay/optim/adamw.h"
 #include "reports/results/number_text.h"
-#include "reports/triage/triage_rules.h"
 
 namespace nanreplay {
 
