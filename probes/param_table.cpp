@@ -29,6 +29,7 @@ Shape expert_out(const ModelConfig& m) { return {m.hidden_size, m.moe->intermedi
 Shape q_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead ? Shape{m.head_dim()} : q_width(m); }
 Shape k_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead ? Shape{m.head_dim()} : kv_width(m); }
 
+// Which model option brings a parameter (loaders/arch/llama_options.cpp's rows).
 bool with_attention_bias(const ModelConfig& m) { return m.attention_bias; }
 bool with_qk_norm(const ModelConfig& m) { return m.qk_norm != QkNorm::kNone; }
 bool untied_head(const ModelConfig& m) { return !m.tie_embeddings; }

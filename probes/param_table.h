@@ -13,38 +13,7 @@
 
 namespace nanreplay {
 
-enum class ParamRole : uint8_t {
-  kTokenEmbedding,
-  kPositionEmbedding,  // gpt2
-  kQBias,              // llama with attention_bias (Qwen2)
-  kKBias,
-  kVBias,
-  kQNorm,              // llama with qk_norm (Qwen3, OLMo 2)
-  kKNorm,
-  kAttnNorm,
-  kAttnNormBias,       // gpt2
-  kQProj,
-  kKProj,
-  kVProj,
-  kQkv,                // gpt2: q, k, v stacked along the output dimension
-  kQkvBias,
-  kOProj,
-  kOProjBias,
-  kMlpNorm,
-  kMlpNormBias,
-  kGateProj,           // llama
-  kUpProj,
-  kUpBias,
-  kDownProj,
-  kDownBias,
-  kRouter,             // llama with moe (Qwen3-MoE): the router's gate, then every expert's projections
-  kExpertGateProj,
-  kExpertUpProj,
-  kExpertDownProj,
-  kFinalNorm,
-  kFinalNormBias,
-  kLmHead,             // llama without tied embeddings
-};
+// ParamRole, the parameters a model may hold, is loaders/arch/model_config.h's.
 
 // Where a parameter sits: before the layers (embeddings), in every layer, after them.
 enum class ParamPlace : uint8_t { kBefore, kLayer, kAfter };
@@ -56,7 +25,9 @@ struct ParamDef {
   const char* key;
   ParamPlace place;
   std::vector<int64_t> (*shape)(const ModelConfig& m);
-  bool (*present)(const ModelConfig& m) = nullptr;  // null: always; else only when a model option says so
+  // null: always; else the model option that brings it (a row of
+  // loaders/arch/llama_options.cpp) or the dimension that decides it.
+  bool (*present)(const ModelConfig& m) = nullptr;
 };
 
 // Whether the model has this parameter (its options decide for some).

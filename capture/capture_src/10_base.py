@@ -272,7 +272,7 @@ def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
             return given[key]
         defaulted[key] = _SPEC_DEFAULTS[key]
         return _SPEC_DEFAULTS[key]
-    cfg = {k: v for k, v in given.items() if k not in LLAMA_OPTION_DEFAULTS and k != "moe"}
+    cfg = {k: v for k, v in given.items() if k not in LLAMA_OPTION_KEYS}
 
     def settle(key, inferred):
         if key in cfg and inferred is not None and cfg[key] != inferred:

@@ -9,6 +9,10 @@
 LLAMA_OPTION_DEFAULTS = {"rope_style": "rotate_half", "rope_scaling": None, "attention_bias": False,
                          "qk_norm": None, "attn_logit_softcap": None, "final_logit_softcap": None,
                          "sliding_window": None}
+# Every llama option key of the manifest's model object, in the order of nanreplay's option table
+# (loaders/arch/llama_options.cpp): those above, then the mixture of experts (MOE_KEYS below).
+# tests/test_arch_model_options.cpp checks this list against that table.
+LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe")
 _QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full"}
 # Qwen2Config has no attention_bias: Qwen2's q, k and v projections always carry one.
 _BIAS_BY_MODEL_TYPE = {"qwen2": True}

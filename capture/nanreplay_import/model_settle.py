@@ -286,6 +286,12 @@ def settle_activation(arch, naming, configs, args):
                               "the replay differs a little (pass --activation gelu_tanh if the run used the tanh form)")
 
 
+# The llama option keys this importer settles: model_options() those of the capture helper's
+# LLAMA_OPTION_DEFAULTS, _moe_config() "moe". tests/test_arch_model_options.cpp checks them against
+# nanreplay's option table (loaders/arch/llama_options.cpp).
+LLAMA_OPTION_KEYS = (*_capture.LLAMA_OPTION_DEFAULTS, "moe")
+
+
 def model_options(naming, configs, model, args):
     """llama's model options: the rotary convention (--rope-style, else the config, else the naming's),
     and what a Hugging Face style config says (through the capture helper's own reading of transformers

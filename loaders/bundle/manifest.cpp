@@ -7,13 +7,14 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <initializer_list>
 #include <limits>
 #include <utility>
 
-#include "loaders/bundle/bundle_paths.h"
+#include "loaders/arch/manifest_values.h"
+#include "loaders/arch/model_options.h"
 #include "loaders/base/error.h"
 #include "loaders/base/json_util.h"
+#include "loaders/bundle/bundle_paths.h"
 #include "loaders/bundle/provenance.h"
 
 namespace nanreplay {
@@ -26,43 +27,7 @@ std::string indexed(const std::string& path, size_t index) {
   return path + "[" + std::to_string(index) + "]";
 }
 
-std::string double_quoted(const std::string& text) { return "\"" + text + "\""; }
-
-// ---- value checks shared by every section ---------------------------------
-
-int64_t positive_integer(const JsonReader& reader, const std::string& key) {
-  const int64_t value = reader.integer(key);
-  if (value <= 0) {
-    throw InputError(reader.file(), reader.key_path(key),
-                     "expected a positive integer, got " + std::to_string(value));
-  }
-  return value;
-}
-
-int64_t optional_positive_integer(const JsonReader& reader, const std::string& key,
-                                  int64_t fallback) {
-  return reader.has(key) ? positive_integer(reader, key) : fallback;
-}
-
-// A model dimension (a width, a count of layers, heads or experts, a length):
-// no real model comes near 2^30, and up to it the element count of any
-// parameter tensor (two dimensions, gpt2's 4 * hidden_size included) fits 64 bits.
-constexpr int64_t kLargestDimension = int64_t{1} << 30;
-
-int64_t dimension(const JsonReader& reader, const std::string& key) {
-  const int64_t value = positive_integer(reader, key);
-  if (value > kLargestDimension) {
-    throw InputError(reader.file(), reader.key_path(key),
-                     "expected at most " + std::to_string(kLargestDimension) +
-                         " (larger than any model's; tensor sizes built from it would overflow), got " +
-                         std::to_string(value));
-  }
-  return value;
-}
-
-int64_t optional_dimension(const JsonReader& reader, const std::string& key, int64_t fallback) {
-  return reader.has(key) ? dimension(reader, key) : fallback;
-}
+// ---- value checks (those the model options share: loaders/arch/manifest_values.h)
 
 int64_t require_non_negative(int64_t value, const std::string& file,
                              const std::string& key_path) {
@@ -85,43 +50,6 @@ int64_t non_negative_integer(const JsonReader& reader, const std::string& key) {
 int64_t optional_non_negative_integer(const JsonReader& reader, const std::string& key,
                                       int64_t fallback) {
   return reader.has(key) ? non_negative_integer(reader, key) : fallback;
-}
-
-// Shortest round-trip text, "nan"/"inf" for non-finite values, "0" not "0.0".
-std::string exact_number_text(double value) {
-  if (!std::isfinite(value)) return std::isnan(value) ? "nan" : (value > 0 ? "inf" : "-inf");
-  std::string text = nlohmann::json(value).dump();
-  const std::string whole_suffix = ".0";
-  if (text.size() > whole_suffix.size() &&
-      text.compare(text.size() - whole_suffix.size(), whole_suffix.size(), whole_suffix) == 0) {
-    text.resize(text.size() - whole_suffix.size());
-  }
-  return text;
-}
-
-// A finite number with `lowest` as its bound (inclusive or not).
-double finite_number_above(const JsonReader& reader, const std::string& key, double lowest,
-                           bool inclusive) {
-  const double value = reader.number(key);
-  const bool in_range = inclusive ? value >= lowest : value > lowest;
-  if (!std::isfinite(value) || !in_range) {
-    throw InputError(reader.file(), reader.key_path(key),
-                     std::string("expected a finite number ") + (inclusive ? ">= " : "> ") +
-                         exact_number_text(lowest) + ", got " + exact_number_text(value));
-  }
-  return value;
-}
-
-std::string one_of(const JsonReader& reader, const std::string& key,
-                   std::initializer_list<const char*> choices) {
-  std::string value = reader.string(key);
-  std::string listed;
-  for (const char* choice : choices) {
-    if (value == choice) return value;
-    listed += (listed.empty() ? "" : " or ") + double_quoted(choice);
-  }
-  throw InputError(reader.file(), reader.key_path(key),
-                   "expected " + listed + ", got " + json_describe(nlohmann::json(value)));
 }
 
 int64_t checked_product(int64_t a, int64_t b, const std::string& file, const std::string& key,
@@ -162,10 +90,6 @@ void check_format_and_version(const JsonReader& root) {
 }
 
 // ---- model ----------------------------------------------------------------
-
-Arch parse_arch(const JsonReader& model) {
-  return one_of(model, "arch", {"llama", "gpt2"}) == "llama" ? Arch::kLlama : Arch::kGpt2;
-}
 
 void check_head_layout(const JsonReader& model, const ModelConfig& config) {
   if (config.hidden_size % config.num_heads != 0) {
@@ -215,86 +139,13 @@ void apply_gpt2_rules(const JsonReader& model, ModelConfig& config) {
   config.tie_embeddings = true;
 }
 
-// The llama family's options (docs/bundle-format.md, "Model options").
-// Absent and null both mean the default (JsonReader::has is false for null).
-const char* const kLlamaOptions[] = {"rope_style",         "rope_scaling",        "attention_bias", "qk_norm",
-                                     "attn_logit_softcap", "final_logit_softcap", "sliding_window", "moe"};
-
-RopeScaling parse_rope_scaling(const JsonReader& scaling) {
-  // Hugging Face's configs name the type "rope_type" (older ones "type").
-  const char* type_key = scaling.has("rope_type") || !scaling.has("type") ? "rope_type" : "type";
-  one_of(scaling, type_key, {"llama3"});
-  RopeScaling config;
-  config.factor = finite_number_above(scaling, "factor", 0, false);
-  config.low_freq_factor = finite_number_above(scaling, "low_freq_factor", 0, false);
-  config.high_freq_factor = finite_number_above(scaling, "high_freq_factor", 0, false);
-  if (!(config.high_freq_factor > config.low_freq_factor)) {
-    throw InputError(scaling.file(), scaling.key_path("high_freq_factor"),
-                     "expected more than low_freq_factor (" + exact_number_text(config.low_freq_factor) + "), got " +
-                         exact_number_text(config.high_freq_factor));
-  }
-  config.original_max_position_embeddings = positive_integer(scaling, "original_max_position_embeddings");
-  return config;
-}
-
-MoeConfig parse_moe(const JsonReader& moe, int64_t model_width) {
-  MoeConfig config;
-  config.num_experts = dimension(moe, "num_experts");
-  config.top_k = dimension(moe, "top_k");
-  if (config.top_k > config.num_experts) {
-    throw InputError(moe.file(), moe.key_path("top_k"),
-                     "expected at most num_experts (" + std::to_string(config.num_experts) + "), got " +
-                         std::to_string(config.top_k));
-  }
-  config.intermediate_size = optional_dimension(moe, "intermediate_size", model_width);
-  config.norm_topk_prob = moe.optional_boolean("norm_topk_prob").value_or(false);
-  if (moe.has("router_aux_loss_coef")) {
-    config.router_aux_loss_coef = finite_number_above(moe, "router_aux_loss_coef", 0, true);
-  }
-  if (moe.has("router_z_loss_coef")) {
-    config.router_z_loss_coef = finite_number_above(moe, "router_z_loss_coef", 0, true);
-  }
-  return config;
-}
-
-void parse_llama_options(const JsonReader& model, ModelConfig& config) {
-  if (model.has("rope_style")) {
-    config.rope_style = one_of(model, "rope_style", {"rotate_half", "interleaved"}) == "interleaved"
-                            ? RopeStyle::kInterleaved
-                            : RopeStyle::kRotateHalf;
-  }
-  if (model.has("rope_scaling")) config.rope_scaling = parse_rope_scaling(model.object("rope_scaling"));
-  config.attention_bias = model.optional_boolean("attention_bias").value_or(false);
-  if (model.has("qk_norm")) {
-    config.qk_norm = one_of(model, "qk_norm", {"head", "full"}) == "head" ? QkNorm::kHead : QkNorm::kFull;
-  }
-  if (model.has("attn_logit_softcap")) {
-    config.attn_logit_softcap = finite_number_above(model, "attn_logit_softcap", 0, false);
-  }
-  if (model.has("final_logit_softcap")) {
-    config.final_logit_softcap = finite_number_above(model, "final_logit_softcap", 0, false);
-  }
-  if (model.has("sliding_window")) config.sliding_window = dimension(model, "sliding_window");
-  if (model.has("moe")) config.moe = parse_moe(model.object("moe"), config.intermediate_size);
-}
-
-// gpt2 is nanoGPT's model: none of the llama family's options (a mixture of
-// experts included); a bundle that sets one describes another model than
-// the one this nanreplay would replay, so it is refused rather than replayed wrongly.
-void refuse_unsupported_options(const JsonReader& model, Arch arch) {
-  if (arch != Arch::kGpt2) return;
-  for (const char* key : kLlamaOptions) {
-    if (!model.has(key)) continue;
-    throw InputError(model.file(), model.key_path(key),
-                     std::string("is a llama-family option; gpt2 (nanoGPT's model) has none, got ") +
-                         json_describe(model.json().at(key)));
-  }
-}
-
+// The dimensions every model has, the family's own rules, then the family's
+// options row by row (loaders/arch/llama_options.cpp); another family's
+// option is refused by name before anything else is read.
 ModelConfig parse_model(const JsonReader& model) {
   ModelConfig config;
-  config.arch = parse_arch(model);
-  refuse_unsupported_options(model, config.arch);
+  config.arch = read_arch(model);
+  refuse_foreign_options(model, config.arch);
   config.vocab_size = dimension(model, "vocab_size");
   config.hidden_size = dimension(model, "hidden_size");
   config.num_layers = dimension(model, "num_layers");
@@ -309,10 +160,10 @@ ModelConfig parse_model(const JsonReader& model) {
   if (config.arch == Arch::kLlama) {
     config.intermediate_size = dimension(model, "intermediate_size");
     config.tie_embeddings = model.optional_boolean("tie_embeddings").value_or(false);
-    parse_llama_options(model, config);
   } else {
     apply_gpt2_rules(model, config);
   }
+  parse_model_options(model, config);
   return config;
 }
 
@@ -584,8 +435,6 @@ IncidentInfo parse_incident(const JsonReader& incident) {
 }
 
 }  // namespace
-
-const char* arch_name(Arch arch) { return arch == Arch::kLlama ? "llama" : "gpt2"; }
 
 const char* compute_name(Compute compute) {
   switch (compute) {

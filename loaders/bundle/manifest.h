@@ -9,66 +9,14 @@
 #include <string>
 #include <vector>
 
+#include "loaders/arch/model_config.h"
+
 namespace nanreplay {
 
-enum class Arch { kLlama, kGpt2 };
 enum class Compute { kFp32, kBf16, kFp16, kFp8 };
 enum class TokenDtype { kUint16, kUint32 };
 
-const char* arch_name(Arch arch);
 const char* compute_name(Compute compute);
-
-// The llama family's model options (docs/bundle-format.md, "Model options"),
-// each as the Hugging Face model it comes from.
-enum class RopeStyle { kRotateHalf, kInterleaved };  // interleaved: Meta, torchtitan, llama2.c
-enum class QkNorm { kNone, kHead, kFull };           // head: Qwen3; full: OLMo 2
-
-// Llama 3.1's rotary frequency scaling (rope_type "llama3").
-struct RopeScaling {
-  double factor = 8.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
-  int64_t original_max_position_embeddings = 8192;
-};
-
-// A mixture of experts in place of every layer's dense MLP, routed as Hugging
-// Face's Qwen3-MoE (docs/bundle-format.md, "Mixture of experts"); llama only.
-struct MoeConfig {
-  int64_t num_experts = 0;
-  int64_t top_k = 0;
-  int64_t intermediate_size = 0;  // each expert's width; the model's when absent
-  bool norm_topk_prob = false;    // renormalize the top-k probabilities to sum 1
-  double router_aux_loss_coef = 0.0;  // times load_balancing_loss_func over all layers
-  double router_z_loss_coef = 0.0;    // times the mean of logsumexp(router logits)^2
-};
-
-struct ModelConfig {
-  Arch arch = Arch::kLlama;
-  int64_t vocab_size = 0;
-  int64_t hidden_size = 0;
-  int64_t num_layers = 0;
-  int64_t num_heads = 0;
-  int64_t num_kv_heads = 0;       // defaults to num_heads
-  int64_t intermediate_size = 0;  // llama: required; gpt2: 4 * hidden_size
-  int64_t max_seq_len = 0;
-  double norm_eps = 1e-5;
-  double rope_theta = 10000.0;
-  bool tie_embeddings = false;    // gpt2: always true
-  // llama only:
-  RopeStyle rope_style = RopeStyle::kRotateHalf;
-  std::optional<RopeScaling> rope_scaling;
-  bool attention_bias = false;                // Qwen2: q, k, v projections carry a bias
-  QkNorm qk_norm = QkNorm::kNone;
-  std::optional<double> attn_logit_softcap;   // Gemma 2: c * tanh(scores / c)
-  std::optional<double> final_logit_softcap;  // Gemma 2: c * tanh(logits / c)
-  int64_t sliding_window = 0;                 // Mistral: 0 = full causal attention
-  std::optional<MoeConfig> moe;               // Qwen3-MoE: experts in place of the dense MLP
-  // Not a manifest key: the qk-norm what-if normalises q and k with unit
-  // weights, which no checkpoint holds.
-  bool qk_norm_unit_weights = false;
-
-  int64_t head_dim() const { return hidden_size / num_heads; }
-};
 
 struct Fp8Config {
   std::string fwd = "e4m3";

@@ -1,6 +1,8 @@
 // See manifest_writer.h. Keys appear as docs/bundle-format.md lists them.
 #include "loaders/bundle/manifest_writer.h"
 
+#include "loaders/arch/model_options.h"
+
 namespace nanreplay {
 
 namespace {
@@ -12,28 +14,7 @@ nlohmann::json model_json(const ModelConfig& m) {
                           {"max_seq_len", m.max_seq_len},   {"norm_eps", m.norm_eps},
                           {"rope_theta", m.rope_theta},     {"tie_embeddings", m.tie_embeddings}};
   if (m.arch == Arch::kLlama) model["intermediate_size"] = m.intermediate_size;
-  // The llama family's options, each only when it is not the default.
-  if (m.rope_style == RopeStyle::kInterleaved) model["rope_style"] = "interleaved";
-  if (m.rope_scaling) {
-    model["rope_scaling"] = {{"rope_type", "llama3"},
-                             {"factor", m.rope_scaling->factor},
-                             {"low_freq_factor", m.rope_scaling->low_freq_factor},
-                             {"high_freq_factor", m.rope_scaling->high_freq_factor},
-                             {"original_max_position_embeddings", m.rope_scaling->original_max_position_embeddings}};
-  }
-  if (m.attention_bias) model["attention_bias"] = true;
-  if (m.qk_norm != QkNorm::kNone) model["qk_norm"] = m.qk_norm == QkNorm::kHead ? "head" : "full";
-  if (m.attn_logit_softcap) model["attn_logit_softcap"] = *m.attn_logit_softcap;
-  if (m.final_logit_softcap) model["final_logit_softcap"] = *m.final_logit_softcap;
-  if (m.sliding_window > 0) model["sliding_window"] = m.sliding_window;
-  if (m.moe) {
-    model["moe"] = {{"num_experts", m.moe->num_experts},
-                    {"top_k", m.moe->top_k},
-                    {"intermediate_size", m.moe->intermediate_size},
-                    {"norm_topk_prob", m.moe->norm_topk_prob},
-                    {"router_aux_loss_coef", m.moe->router_aux_loss_coef},
-                    {"router_z_loss_coef", m.moe->router_z_loss_coef}};
-  }
+  write_model_options(m, model);  // each only when it is not the default
   return model;
 }
 

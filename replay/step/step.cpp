@@ -50,13 +50,7 @@ StepArithmetic::StepArithmetic(const Manifest& m, const StepState& state, const 
       fp8_scales(overrides.fp8_scales ? *overrides.fp8_scales : state.fp8_scales),
       numerics(step_numerics(m, &fp8_scales)),
       loss_scale(is_fp16(m) ? state.loss_scale : 1.0) {
-  if (overrides.norm_eps) model.norm_eps = *overrides.norm_eps;
-  if (overrides.qk_norm && model.qk_norm == QkNorm::kNone) {
-    model.qk_norm = QkNorm::kHead;
-    model.qk_norm_unit_weights = true;
-  }
-  if (overrides.attn_logit_softcap) model.attn_logit_softcap = overrides.attn_logit_softcap;
-  if (overrides.router_z_loss_coef && model.moe) model.moe->router_z_loss_coef = *overrides.router_z_loss_coef;
+  if (overrides.change_model) overrides.change_model(model);
   numerics.set_overrides(overrides.numerics);
   numerics.set_native(native);
 }

@@ -24,13 +24,13 @@
 
 namespace nanreplay {
 
-// What a what-if changes in a step's replay; default: nothing.
+// What a what-if changes in a step's replay; default: nothing. Each what-if
+// is a row of replay/workflows/what_if.cpp that fills these.
 struct StepOverrides {
   std::set<int64_t> dropped_samples;  // rows removed from their micro-batches
-  std::optional<double> norm_eps;     // replaces the model's norm_eps
-  bool qk_norm = false;               // q and k RMS-normalised per head, unit weights (when the model has none)
-  std::optional<double> attn_logit_softcap;  // replaces the model's attention soft cap
-  std::optional<double> router_z_loss_coef;  // replaces model.moe's (a mixture of experts only)
+  // Edits the model the step computes (a norm eps, a soft cap, QK-norm, a
+  // router loss coefficient), applied to a copy of the manifest's.
+  std::function<void(ModelConfig&)> change_model;
   NumericsOverrides numerics;
   std::optional<std::map<std::string, Fp8ModuleScales>> fp8_scales;  // replace the step's
 };

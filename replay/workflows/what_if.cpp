@@ -1,7 +1,8 @@
-// Parsing, checking and replaying what-ifs; see what_if.h. Each what-if is
-// turned into StepOverrides and the bad step is scanned whole with them (all
-// passes, so the loss is the step's), then located with full probes when it
-// is still non-finite.
+// Parsing, checking and replaying what-ifs; see what_if.h. Each what-if kind
+// is one row (what_if_rows: name, value, check, and the StepOverrides it
+// makes); the bad step is scanned whole with those overrides (all passes, so
+// the loss is the step's), then located with full probes when it is still
+// non-finite.
 #include "replay/workflows/what_if.h"
 
 #include <algorithm>
@@ -18,36 +19,6 @@
 namespace nanreplay {
 
 namespace {
-
-struct KindInfo {
-  WhatIf::Kind kind;
-  const char* name;
-  const char* example;
-  const char* meaning;
-};
-
-const std::vector<KindInfo>& kinds() {
-  static const std::vector<KindInfo> table = {
-      {WhatIf::Kind::kDropSamples, "drop-samples", "drop-samples=12,40",
-       "remove these samples (dataset indices) from the bad step's batch"},
-      {WhatIf::Kind::kFp32Layers, "fp32-layers", "fp32-layers=2,3 | fp32-layers=all",
-       "compute these layers entirely in fp32 (no rounding, no fp8)"},
-      {WhatIf::Kind::kNormEps, "norm-eps", "norm-eps=1e-5", "use this eps in every RMSNorm/LayerNorm"},
-      {WhatIf::Kind::kDampFp8Scale, "damp-fp8-scale", "damp-fp8-scale=3",
-       "clamp each fp8 scale to within 3x (default) of the previous step's"},
-      {WhatIf::Kind::kStableSoftmax, "stable-softmax", "stable-softmax",
-       "q k^T, scaling and softmax in fp32, never rounded (as a fused attention kernel)"},
-      {WhatIf::Kind::kQkNorm, "qk-norm", "qk-norm",
-       "q and k RMS-normalised per head with unit weights before rotary (Qwen3's QK-norm; llama only)"},
-      {WhatIf::Kind::kSoftcap, "softcap", "softcap=50",
-       "the attention scores soft-capped, c * tanh(s / c), before softmax (Gemma 2; llama only)"},
-      {WhatIf::Kind::kRouterFp32, "router-fp32", "router-fp32",
-       "a mixture of experts' router matmul and softmax in fp32, never rounded (model.moe only)"},
-      {WhatIf::Kind::kZLoss, "z-loss", "z-loss=1e-3",
-       "the router z-loss coefficient (ST-MoE: mean logsumexp(router logits)^2; model.moe only)"},
-  };
-  return table;
-}
 
 [[noreturn]] void bad_spec(const std::string& text, const std::string& why) {
   throw UsageError("--what-if '" + printable(text) + "': " + why);
@@ -169,60 +140,189 @@ std::string damp_fp8_scale(const WhatIf& w, const Bundle& bundle, const LoadedSt
                                std::to_string(previous->step) + "'s: " + list;
 }
 
-// The overrides one what-if makes on `step`, and a sentence saying what they change.
-StepOverrides overrides_for(const WhatIf& w, const Bundle& bundle, const LoadedStep& step, std::string& change) {
-  const Manifest& m = bundle.manifest();
-  StepOverrides overrides;
-  switch (w.kind) {
-    case WhatIf::Kind::kDropSamples:
-      change = drop_samples(w, step, overrides);
-      break;
-    case WhatIf::Kind::kFp32Layers:
-      change = fp32_layers(w, m, overrides);
-      break;
-    case WhatIf::Kind::kNormEps:
-      overrides.norm_eps = w.value;
-      change = "norm eps " + format_number(m.model.norm_eps) + " -> " + format_number(w.value);
-      if (w.value == m.model.norm_eps) change += " (no change)";
-      break;
-    case WhatIf::Kind::kDampFp8Scale:
-      change = damp_fp8_scale(w, bundle, step, overrides);
-      break;
-    case WhatIf::Kind::kStableSoftmax:
-      overrides.numerics.stable_softmax = true;
-      change = "attention q k^T, scaling and softmax kept in fp32";
-      if (m.precision.compute == Compute::kFp32 || m.precision.compute == Compute::kFp8) {
-        change += " (no change: this bundle's attention scores are fp32 already)";
-      }
-      break;
-    case WhatIf::Kind::kQkNorm:
-      overrides.qk_norm = true;
-      change = m.model.qk_norm != QkNorm::kNone ? "no change: the model normalises q and k already"
-                                                : "q and k RMS-normalised per head (unit weights, eps " +
-                                                      format_number(m.model.norm_eps) + ") before rotary";
-      break;
-    case WhatIf::Kind::kSoftcap:
-      overrides.attn_logit_softcap = w.value;
-      change = "attention scores soft-capped at " + format_number(w.value) +
-               (m.model.attn_logit_softcap ? " (instead of " + format_number(*m.model.attn_logit_softcap) + ")" : "");
-      break;
-    case WhatIf::Kind::kRouterFp32:
-      overrides.numerics.router_fp32 = true;
-      change = "router matmul and softmax kept in fp32";
-      if (m.precision.compute == Compute::kFp32) change += " (no change: the bundle computes in fp32)";
-      break;
-    case WhatIf::Kind::kZLoss:
-      if (!m.model.moe) bad_spec(w.text, "a mixture of experts' router only: this bundle's model has no model.moe");
-      overrides.router_z_loss_coef = w.value;
-      change = "router z-loss coefficient " + format_number(m.model.moe->router_z_loss_coef) + " -> " +
-               format_number(w.value) +
-               " (the loss and its gradient change; the forward values do not, so a forward overflow stays)";
-      if (w.value == m.model.moe->router_z_loss_coef) {
-        change = "no change: the router z-loss coefficient is already " + format_number(w.value);
-      }
-      break;
+// The attention what-ifs change a llama's attention; gpt2 has another layout.
+void llama_only(const WhatIf& w, const Manifest& m) {
+  if (m.model.arch != Arch::kLlama) bad_spec(w.text, "the llama family's attention only: this bundle's model is gpt2");
+}
+
+void experts_only(const WhatIf& w, const Manifest& m) {
+  if (!m.model.moe) bad_spec(w.text, "a mixture of experts' router only: this bundle's model has no model.moe");
+}
+
+void fp8_only(const WhatIf& w, const Manifest& m) {
+  if (m.precision.compute != Compute::kFp8) {
+    bad_spec(w.text, std::string("the bundle computes in ") + compute_name(m.precision.compute) +
+                         ": it has no fp8 scales to damp");
   }
-  return overrides;
+}
+
+void layers_in_model(const WhatIf& w, const Manifest& m) {
+  for (int layer : w.layers) {
+    if (layer >= m.model.num_layers) {
+      bad_spec(w.text, "layer " + std::to_string(layer) + " is out of range: the model has " +
+                           std::to_string(m.model.num_layers) + " layers (0-" + std::to_string(m.model.num_layers - 1) +
+                           ")");
+    }
+  }
+}
+
+void parse_layers(WhatIf& w, const std::string& value) {
+  if (value == "all") {
+    w.all_layers = true;
+    return;
+  }
+  for (int64_t layer : parse_index_list(w.text, value, "layer")) {
+    if (layer > 1000000) bad_spec(w.text, "layer " + std::to_string(layer) + " is out of range");
+    w.layers.push_back(static_cast<int>(layer));
+  }
+}
+
+// z-loss: the coefficient the router loss is taken with.
+std::string z_loss(const WhatIf& w, const Manifest& m, StepOverrides& overrides) {
+  experts_only(w, m);
+  overrides.change_model = [coef = w.value](ModelConfig& model) {
+    if (model.moe) model.moe->router_z_loss_coef = coef;
+  };
+  const double now = m.model.moe->router_z_loss_coef;
+  if (w.value == now) return "no change: the router z-loss coefficient is already " + format_number(w.value);
+  return "router z-loss coefficient " + format_number(now) + " -> " + format_number(w.value) +
+         " (the loss and its gradient change; the forward values do not, so a forward overflow stays)";
+}
+
+// A what-if's value after '=': none, required, or optional (with the row's default).
+enum class WhatIfValue { kNone, kRequired, kOptional };
+
+// What one what-if is applied to: the bad step of the bundle.
+struct WhatIfTarget {
+  const Bundle& bundle;
+  const LoadedStep& step;
+  const Manifest& manifest;
+};
+
+// One what-if kind, everything about it: its spec, how its value parses,
+// what the bundle must have for it, and what it changes in the step (its
+// StepOverrides, which replay_step reads) with the sentence that says so.
+struct WhatIfRow {
+  WhatIf::Kind kind;
+  const char* name;
+  const char* example;
+  const char* meaning;
+  WhatIfValue value;
+  // Reads the text after '=' into `w` (nullopt: an optional value left out). Null: no value.
+  void (*parse)(WhatIf& w, const std::optional<std::string>& value);
+  // Throws UsageError when the bundle cannot take it, before any replay. Null: any bundle can.
+  void (*check)(const WhatIf& w, const Manifest& m);
+  // Fills `overrides`; returns what they change, "no change: ..." when nothing.
+  std::string (*apply)(const WhatIf& w, const WhatIfTarget& at, StepOverrides& overrides);
+};
+
+using WhatIfText = const std::optional<std::string>&;
+using WhatIfAt = const WhatIfTarget&;
+
+double non_negative_value(const WhatIf& w, WhatIfText value, const char* what) {
+  const double number = parse_number(w.text, *value);
+  if (number < 0) bad_spec(w.text, std::string(what) + " must be >= 0");
+  return number;
+}
+
+// In --help's order.
+const std::vector<WhatIfRow>& what_if_rows() {
+  // Each row: kind, name, example; meaning; value rule, parse; check; apply.
+  static const std::vector<WhatIfRow> rows = {
+      {WhatIf::Kind::kDropSamples, "drop-samples", "drop-samples=12,40",
+       "remove these samples (dataset indices) from the bad step's batch",
+       WhatIfValue::kRequired, [](WhatIf& w, WhatIfText v) { w.samples = parse_index_list(w.text, *v, "sample"); },
+       nullptr,
+       [](const WhatIf& w, WhatIfAt at, StepOverrides& o) { return drop_samples(w, at.step, o); }},
+      {WhatIf::Kind::kFp32Layers, "fp32-layers", "fp32-layers=2,3 | fp32-layers=all",
+       "compute these layers entirely in fp32 (no rounding, no fp8)",
+       WhatIfValue::kRequired, [](WhatIf& w, WhatIfText v) { parse_layers(w, *v); },
+       layers_in_model,
+       [](const WhatIf& w, WhatIfAt at, StepOverrides& o) { return fp32_layers(w, at.manifest, o); }},
+      {WhatIf::Kind::kNormEps, "norm-eps", "norm-eps=1e-5",
+       "use this eps in every RMSNorm/LayerNorm",
+       WhatIfValue::kRequired, [](WhatIf& w, WhatIfText v) { w.value = non_negative_value(w, v, "eps"); },
+       nullptr,
+       [](const WhatIf& w, WhatIfAt at, StepOverrides& o) {
+         o.change_model = [eps = w.value](ModelConfig& model) { model.norm_eps = eps; };
+         const double now = at.manifest.model.norm_eps;
+         return "norm eps " + format_number(now) + " -> " + format_number(w.value) +
+                (w.value == now ? " (no change)" : "");
+       }},
+      {WhatIf::Kind::kDampFp8Scale, "damp-fp8-scale", "damp-fp8-scale=3",
+       "clamp each fp8 scale to within 3x (default) of the previous step's",
+       WhatIfValue::kOptional,
+       [](WhatIf& w, WhatIfText v) {
+         w.value = v ? parse_number(w.text, *v) : 3.0;
+         if (w.value < 1) bad_spec(w.text, "the factor must be >= 1 (1 keeps the previous step's scales)");
+       },
+       fp8_only,
+       [](const WhatIf& w, WhatIfAt at, StepOverrides& o) { return damp_fp8_scale(w, at.bundle, at.step, o); }},
+      {WhatIf::Kind::kStableSoftmax, "stable-softmax", "stable-softmax",
+       "q k^T, scaling and softmax in fp32, never rounded (as a fused attention kernel)",
+       WhatIfValue::kNone, nullptr,
+       nullptr,
+       [](const WhatIf&, WhatIfAt at, StepOverrides& o) {
+         o.numerics.stable_softmax = true;
+         const Compute compute = at.manifest.precision.compute;
+         return std::string("attention q k^T, scaling and softmax kept in fp32") +
+                (compute == Compute::kFp32 || compute == Compute::kFp8
+                     ? " (no change: this bundle's attention scores are fp32 already)"
+                     : "");
+       }},
+      {WhatIf::Kind::kQkNorm, "qk-norm", "qk-norm",
+       "q and k RMS-normalised per head with unit weights before rotary (Qwen3's QK-norm; llama only)",
+       WhatIfValue::kNone, nullptr,
+       llama_only,
+       [](const WhatIf&, WhatIfAt at, StepOverrides& o) {
+         // Unit weights: no checkpoint holds q_norm and k_norm weights for a model without them.
+         o.change_model = [](ModelConfig& model) {
+           if (model.qk_norm != QkNorm::kNone) return;
+           model.qk_norm = QkNorm::kHead;
+           model.qk_norm_unit_weights = true;
+         };
+         const ModelConfig& m = at.manifest.model;
+         return m.qk_norm != QkNorm::kNone ? std::string("no change: the model normalises q and k already")
+                                           : "q and k RMS-normalised per head (unit weights, eps " +
+                                                 format_number(m.norm_eps) + ") before rotary";
+       }},
+      {WhatIf::Kind::kSoftcap, "softcap", "softcap=50",
+       "the attention scores soft-capped, c * tanh(s / c), before softmax (Gemma 2; llama only)",
+       WhatIfValue::kRequired,
+       [](WhatIf& w, WhatIfText v) {
+         w.value = parse_number(w.text, *v);
+         if (!(w.value > 0) || !std::isfinite(w.value)) bad_spec(w.text, "the cap must be a finite number > 0");
+       },
+       llama_only,
+       [](const WhatIf& w, WhatIfAt at, StepOverrides& o) {
+         o.change_model = [cap = w.value](ModelConfig& model) { model.attn_logit_softcap = cap; };
+         const std::optional<double>& now = at.manifest.model.attn_logit_softcap;
+         return "attention scores soft-capped at " + format_number(w.value) +
+                (now ? " (instead of " + format_number(*now) + ")" : "");
+       }},
+      {WhatIf::Kind::kRouterFp32, "router-fp32", "router-fp32",
+       "a mixture of experts' router matmul and softmax in fp32, never rounded (model.moe only)",
+       WhatIfValue::kNone, nullptr,
+       experts_only,
+       [](const WhatIf&, WhatIfAt at, StepOverrides& o) {
+         o.numerics.router_fp32 = true;
+         return std::string("router matmul and softmax kept in fp32") +
+                (at.manifest.precision.compute == Compute::kFp32 ? " (no change: the bundle computes in fp32)" : "");
+       }},
+      {WhatIf::Kind::kZLoss, "z-loss", "z-loss=1e-3",
+       "the router z-loss coefficient (ST-MoE: mean logsumexp(router logits)^2; model.moe only)",
+       WhatIfValue::kRequired, [](WhatIf& w, WhatIfText v) { w.value = non_negative_value(w, v, "the coefficient"); },
+       experts_only,
+       [](const WhatIf& w, WhatIfAt at, StepOverrides& o) { return z_loss(w, at.manifest, o); }},
+  };
+  return rows;
+}
+
+const WhatIfRow& what_if_row(WhatIf::Kind kind) {
+  for (const WhatIfRow& row : what_if_rows()) {
+    if (row.kind == kind) return row;
+  }
+  throw std::logic_error("a what-if kind without its row");
 }
 
 }  // namespace
@@ -231,87 +331,34 @@ WhatIf parse_what_if(const std::string& text) {
   const size_t eq = text.find('=');
   const std::string name = text.substr(0, eq);
   const std::optional<std::string> value = eq == std::string::npos ? std::nullopt : std::optional(text.substr(eq + 1));
-  const auto info = std::find_if(kinds().begin(), kinds().end(), [&](const KindInfo& k) { return name == k.name; });
-  if (info == kinds().end()) {
+  const auto& rows = what_if_rows();
+  const auto row = std::find_if(rows.begin(), rows.end(), [&](const WhatIfRow& r) { return name == r.name; });
+  if (row == rows.end()) {
     std::string names;
-    for (const KindInfo& k : kinds()) names += std::string(names.empty() ? "" : ", ") + k.name;
+    for (const WhatIfRow& r : rows) names += std::string(names.empty() ? "" : ", ") + r.name;
     bad_spec(text, "unknown kind '" + name + "'; known: " + names);
   }
+  if (row->value == WhatIfValue::kNone && value) bad_spec(text, std::string(row->name) + " takes no value");
+  if (row->value == WhatIfValue::kRequired && (!value || value->empty())) {
+    bad_spec(text, "needs a value, e.g. " + std::string(row->example));
+  }
   WhatIf w;
-  w.kind = info->kind;
+  w.kind = row->kind;
   w.text = text;
-  const bool takes_value = w.kind != WhatIf::Kind::kStableSoftmax && w.kind != WhatIf::Kind::kQkNorm &&
-                           w.kind != WhatIf::Kind::kRouterFp32;
-  const bool value_optional = w.kind == WhatIf::Kind::kDampFp8Scale;
-  if (!takes_value && value) bad_spec(text, std::string(info->name) + " takes no value");
-  if (takes_value && !value_optional && (!value || value->empty())) {
-    bad_spec(text, "needs a value, e.g. " + std::string(info->example));
-  }
-  switch (w.kind) {
-    case WhatIf::Kind::kDropSamples:
-      w.samples = parse_index_list(text, *value, "sample");
-      break;
-    case WhatIf::Kind::kFp32Layers:
-      if (*value == "all") {
-        w.all_layers = true;
-      } else {
-        for (int64_t layer : parse_index_list(text, *value, "layer")) {
-          if (layer > 1000000) bad_spec(text, "layer " + std::to_string(layer) + " is out of range");
-          w.layers.push_back(static_cast<int>(layer));
-        }
-      }
-      break;
-    case WhatIf::Kind::kNormEps:
-      w.value = parse_number(text, *value);
-      if (w.value < 0) bad_spec(text, "eps must be >= 0");
-      break;
-    case WhatIf::Kind::kDampFp8Scale:
-      w.value = value ? parse_number(text, *value) : 3.0;
-      if (w.value < 1) bad_spec(text, "the factor must be >= 1 (1 keeps the previous step's scales)");
-      break;
-    case WhatIf::Kind::kSoftcap:
-      w.value = parse_number(text, *value);
-      if (!(w.value > 0) || !std::isfinite(w.value)) bad_spec(text, "the cap must be a finite number > 0");
-      break;
-    case WhatIf::Kind::kZLoss:
-      w.value = parse_number(text, *value);
-      if (w.value < 0) bad_spec(text, "the coefficient must be >= 0");
-      break;
-    case WhatIf::Kind::kStableSoftmax:
-    case WhatIf::Kind::kQkNorm:
-    case WhatIf::Kind::kRouterFp32:
-      break;
-  }
+  if (row->parse) row->parse(w, value);
   return w;
 }
 
 void check_what_if(const WhatIf& w, const Manifest& manifest) {
-  if (w.kind == WhatIf::Kind::kFp32Layers) {
-    for (int layer : w.layers) {
-      if (layer >= manifest.model.num_layers) {
-        bad_spec(w.text, "layer " + std::to_string(layer) + " is out of range: the model has " +
-                             std::to_string(manifest.model.num_layers) + " layers (0-" +
-                             std::to_string(manifest.model.num_layers - 1) + ")");
-      }
-    }
-  }
-  if ((w.kind == WhatIf::Kind::kQkNorm || w.kind == WhatIf::Kind::kSoftcap) && manifest.model.arch != Arch::kLlama) {
-    bad_spec(w.text, "the llama family's attention only: this bundle's model is gpt2");
-  }
-  if ((w.kind == WhatIf::Kind::kRouterFp32 || w.kind == WhatIf::Kind::kZLoss) && !manifest.model.moe) {
-    bad_spec(w.text, "a mixture of experts' router only: this bundle's model has no model.moe");
-  }
-  if (w.kind == WhatIf::Kind::kDampFp8Scale && manifest.precision.compute != Compute::kFp8) {
-    bad_spec(w.text, std::string("the bundle computes in ") + compute_name(manifest.precision.compute) +
-                         ": it has no fp8 scales to damp");
-  }
+  const WhatIfRow& row = what_if_row(w.kind);
+  if (row.check) row.check(w, manifest);
 }
 
 std::string what_if_help() {
   std::ostringstream out;
   out << "what-ifs (repeatable; each replays the first non-finite step once with one change):\n";
-  for (const KindInfo& k : kinds()) {
-    out << "  " << std::left << std::setw(36) << k.example << k.meaning << "\n";
+  for (const WhatIfRow& row : what_if_rows()) {
+    out << "  " << std::left << std::setw(36) << row.example << row.meaning << "\n";
   }
   return out.str();
 }
@@ -343,7 +390,8 @@ std::vector<WhatIfOutcome> evaluate_what_ifs(const Bundle& bundle, const std::op
     outcome.what_if = w.text;
     outcome.step = origin->step;
     outcome.before = origin;
-    overrides.push_back(overrides_for(w, bundle, step, outcome.change));
+    overrides.emplace_back();
+    outcome.change = what_if_row(w.kind).apply(w, WhatIfTarget{bundle, step, bundle.manifest()}, overrides.back());
     outcomes.push_back(outcome);
   }
   const std::vector<std::string> contaminated = step.nonfinite_params();

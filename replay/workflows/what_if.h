@@ -17,6 +17,8 @@
 namespace nanreplay {
 
 struct WhatIf {
+  // Each kind is one row of what_if.cpp's what_if_rows(): its name, value,
+  // check against the bundle and the StepOverrides it makes.
   enum class Kind {
     kDropSamples,    // drop-samples=12,40: remove these samples from the step's batch
     kFp32Layers,     // fp32-layers=2,3 | all: compute these layers entirely in fp32

@@ -1,0 +1,140 @@
+// The model option table (loaders/arch/model_options.h), row by row: every
+// llama option is read and written back exactly, written only when it is not
+// the default, refused by name on gpt2, and known by the same key to the
+// capture helper (capture/nanreplay_capture.py) and to the importer
+// (capture/nanreplay_import/). A new row fails here until it has an example
+// value below and both Python helpers list its key.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "loaders/arch/model_options.h"
+#include "loaders/base/error.h"
+#include "loaders/bundle/manifest.h"
+#include "loaders/bundle/manifest_writer.h"
+#include "tests/cli_harness.h"
+
+namespace {
+
+using nlohmann::json;
+
+// One value other than the default per llama option, in the form the writer writes it.
+const std::map<std::string, json>& option_examples() {
+  static const std::map<std::string, json> examples = {
+      {"rope_style", "interleaved"},
+      {"rope_scaling",
+       {{"rope_type", "llama3"},
+        {"factor", 8.0},
+        {"low_freq_factor", 1.0},
+        {"high_freq_factor", 4.0},
+        {"original_max_position_embeddings", 32}}},
+      {"attention_bias", true},
+      {"qk_norm", "full"},
+      {"attn_logit_softcap", 30.5},
+      {"final_logit_softcap", 15.0},
+      {"sliding_window", 4},
+      {"moe",
+       {{"num_experts", 4},
+        {"top_k", 2},
+        {"intermediate_size", 24},
+        {"norm_topk_prob", true},
+        {"router_aux_loss_coef", 0.01},
+        {"router_z_loss_coef", 0.001}}},
+  };
+  return examples;
+}
+
+std::vector<std::string> table_keys(nanreplay::Arch arch) {
+  std::vector<std::string> keys;
+  for (const nanreplay::ModelOption& option : nanreplay::model_family(arch).options) keys.push_back(option.key);
+  return keys;
+}
+
+json options_test_manifest(const std::string& arch) {
+  json manifest = R"({
+    "format": "nanreplay.bundle", "version": 1,
+    "model": { "vocab_size": 32, "hidden_size": 16, "num_layers": 1,
+               "num_heads": 2, "max_seq_len": 8 },
+    "data": { "shards": [ { "path": "data/a.bin", "dtype": "uint32", "tokens": 100 } ],
+              "seq_len": 8, "micro_batch_size": 2,
+              "sampler": { "kind": "randperm", "seed": 0 } },
+    "steps": [ { "step": 0, "dir": "steps/0" } ]
+  })"_json;
+  manifest["model"]["arch"] = arch;
+  if (arch == "llama") manifest["model"]["intermediate_size"] = 40;
+  return manifest;
+}
+
+// The model object parse_manifest reads and manifest_json writes back.
+json model_round_trip(const json& manifest) {
+  const nanreplay::Manifest parsed = nanreplay::parse_manifest(manifest.dump(), "bundle/manifest.json");
+  return nanreplay::manifest_json(parsed)["model"];
+}
+
+// The keys a Python helper lists, by the expression that gives them.
+std::vector<std::string> python_option_keys(const std::string& expression) {
+  nanreplay_test::ScratchDir dir("option-keys");
+  const std::string capture = std::string(NANREPLAY_SOURCE_DIR) + "/capture";
+  std::ofstream(dir / "keys.py") << "import json, sys\nsys.path.insert(0, " << json(capture).dump()
+                                 << ")\nimport nanreplay_capture\nimport nanreplay_import\nprint(json.dumps(list("
+                                 << expression << ")))\n";
+  const std::string cmd = std::string(NANREPLAY_PYTHON) + " " +
+                          nanreplay_test::shell_quote((dir / "keys.py").string()) +
+                          " > " + nanreplay_test::shell_quote((dir / "keys.json").string());
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  return json::parse(nanreplay_test::slurp(dir / "keys.json")).get<std::vector<std::string>>();
+}
+
+}  // namespace
+
+TEST_CASE("every llama option has an example here", "[arch][options]") {
+  std::vector<std::string> examples;
+  for (const auto& [key, value] : option_examples()) examples.push_back(key);
+  std::vector<std::string> keys = table_keys(nanreplay::Arch::kLlama);
+  std::sort(keys.begin(), keys.end());
+  CHECK(keys == examples);
+  CHECK(table_keys(nanreplay::Arch::kGpt2).empty());
+}
+
+TEST_CASE("each llama option is read and written back as given, and not written at its default",
+          "[arch][options]") {
+  const json plain = model_round_trip(options_test_manifest("llama"));
+  for (const std::string& key : table_keys(nanreplay::Arch::kLlama)) {
+    INFO(key);
+    CHECK_FALSE(plain.contains(key));
+    json manifest = options_test_manifest("llama");
+    manifest["model"][key] = option_examples().at(key);
+    CHECK(model_round_trip(manifest)[key] == option_examples().at(key));
+    manifest["model"][key] = nullptr;  // null is the default, as absent
+    CHECK_FALSE(model_round_trip(manifest).contains(key));
+  }
+  json all = options_test_manifest("llama");
+  for (const auto& [key, value] : option_examples()) all["model"][key] = value;
+  const json written = model_round_trip(all);
+  for (const auto& [key, value] : option_examples()) CHECK(written[key] == value);
+}
+
+TEST_CASE("gpt2 refuses each llama option by its key", "[arch][options]") {
+  for (const std::string& key : table_keys(nanreplay::Arch::kLlama)) {
+    INFO(key);
+    json manifest = options_test_manifest("gpt2");
+    manifest["model"][key] = option_examples().at(key);
+    const std::string expected = "bundle/manifest.json: model." + key +
+                                 ": is a llama-family option; gpt2 (nanoGPT's model) has none, got " +
+                                 nanreplay::json_describe(option_examples().at(key));
+    CHECK_THROWS_WITH(model_round_trip(manifest), expected);
+  }
+}
+
+TEST_CASE("the capture helper and the importer know every llama option by its key", "[arch][options][capture]") {
+  const std::vector<std::string> keys = table_keys(nanreplay::Arch::kLlama);
+  CHECK(python_option_keys("nanreplay_capture.LLAMA_OPTION_KEYS") == keys);
+  CHECK(python_option_keys("nanreplay_import.model_settle.LLAMA_OPTION_KEYS") == keys);
+}
