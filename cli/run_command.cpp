@@ -2,6 +2,7 @@
 // report.md, report.html and trace.h5 into --out as one set, print the verdict.
 #include "cli/run_command.h"
 
+#include <cmath>
 #include <csignal>
 #include <optional>
 #include <cstdlib>
@@ -18,6 +19,7 @@
 #include "reports/outputs/report_json.h"
 #include "reports/outputs/run_outputs.h"
 #include "reports/outputs/terminal_text.h"
+#include "reports/results/number_text.h"
 
 namespace nanreplay {
 
@@ -99,11 +101,44 @@ cxxopts::Options run_options() {
       ("steps", "only these steps, e.g. 104,105 or 100-105 (or 100:105)", cxxopts::value<std::string>()->default_value(""))
       ("no-probes", "loss and gradient norm only (faster, no trace detail)")
       ("timings", "print where the time went (load, data checks, each step, self-checks, each output) "
-                  "to stderr; report.json has it always");
+                  "to stderr; report.json has it always")
+      ("incident-kind", "spike or nonfinite: what the incident is, over the manifest's incident.kind "
+                        "(unset: a logged spike with nothing non-finite logged is a spike)", cxxopts::value<std::string>())
+      ("spike-loss-ratio", "a loss spikes at this many times its trend (default 1.5)", cxxopts::value<double>())
+      ("spike-grad-ratio", "a gradient norm spikes at this many times its trend (default 4)", cxxopts::value<double>())
+      ("spike-z", "... and this robust z-score above it (default 6)", cxxopts::value<double>())
+      ("spike-site-z", "a site leaves its trajectory at this robust z-score (default 6)", cxxopts::value<double>());
   add_replay_flags(options, "print report.json to stdout instead of the verdict", true);
   options.parse_positional({"bundle"});
   options.positional_help("BUNDLE");
   return options;
+}
+
+// A spike threshold from the command line: finite and above `floor`.
+std::optional<double> spike_flag(const cxxopts::ParseResult& parsed, const std::string& name, double floor) {
+  if (!parsed.count(name)) return std::nullopt;
+  const double value = parsed[name].as<double>();
+  if (!(std::isfinite(value) && value > floor)) {
+    throw UsageError("run: --" + name + " must be a finite number above " + format_number(floor) + ", got " +
+                     format_number(value));
+  }
+  return value;
+}
+
+SpikeOverrides parse_spike_flags(const cxxopts::ParseResult& parsed) {
+  SpikeOverrides spike;
+  if (parsed.count("incident-kind")) {
+    const std::string kind = parsed["incident-kind"].as<std::string>();
+    if (kind != "spike" && kind != "nonfinite") {
+      throw UsageError("run: --incident-kind must be spike or nonfinite, got '" + kind + "'");
+    }
+    spike.spike = kind == "spike";
+  }
+  spike.loss_ratio = spike_flag(parsed, "spike-loss-ratio", 1.0);
+  spike.grad_norm_ratio = spike_flag(parsed, "spike-grad-ratio", 1.0);
+  spike.zscore = spike_flag(parsed, "spike-z", 0.0);
+  spike.site_zscore = spike_flag(parsed, "spike-site-z", 0.0);
+  return spike;
 }
 
 void print_run_help(const cxxopts::Options& options, CommandIo& io) {
@@ -171,6 +206,7 @@ int run_command(const CommandArgs& args, CommandIo& io) {
   settings.quiet = flags.quiet;
   settings.progress = flags.progress;
   settings.timings = parsed.count("timings") > 0;
+  settings.incident.spike = parse_spike_flags(parsed);
   const double memory = static_cast<double>(settings.incident.max_memory->bytes);
   return run_launched(flags.launch, args, memory, [&](bool rank_zero) {
     if (!rank_zero) return replay_without_outputs(settings);

@@ -10,6 +10,9 @@
 #include "cli/command_table.h"
 #include "loaders/bundle/bundle.h"
 #include "loaders/base/error.h"
+#include "loaders/base/json_util.h"
+#include "loaders/bundle/optimizer_manifest.h"
+#include "loaders/bundle/step_state.h"
 
 namespace nanreplay {
 
@@ -30,6 +33,11 @@ cxxopts::Options synth_options() {
        cxxopts::value<std::string>(), "FILE")
       ("checkpoint-every", "roll forward: a full checkpoint only every N steps from the first (and where the "
        "fault edits one); the steps between hold only state.json", cxxopts::value<int64_t>(), "N")
+      ("optimizer", "train with the manifest \"optimizer\" section in FILE (docs/optimizers.md) instead of the "
+       "preset's AdamW", cxxopts::value<std::string>(), "FILE")
+      ("lr", "the learning rate of every step: a number, or a JSON object of optimizer group names "
+       "(\"default\": the top level)", cxxopts::value<std::string>(), "LR")
+      ("steps", "train N steps (default: the preset's)", cxxopts::value<int64_t>(), "N")
       ("json", "what was planted, as one JSON object (synth always prints it so; accepted as every command takes it)")
       ("h,help", "show this help");
   options.parse_positional({"preset", "dir"});
@@ -78,6 +86,26 @@ nlohmann::json planted_json(const fs::path& dir, const SyntheticSpec& spec, cons
           {"fault_expert", spec.fault.expert}};
 }
 
+// --optimizer FILE, --lr and --steps: the run trained with another optimizer.
+void read_training_flags(const cxxopts::ParseResult& parsed, SyntheticSpec& spec) {
+  if (parsed.count("optimizer")) {
+    const std::string path = parsed["optimizer"].as<std::string>();
+    const nlohmann::json section = parse_json_guarded(read_text_file(path, path, size_t{1} << 20), path);
+    spec.optimizer = parse_optimizer_config(JsonReader(section, path, ""));
+  }
+  if (parsed.count("lr")) {
+    const std::string text = parsed["lr"].as<std::string>();
+    const nlohmann::json state = {{"step", 0}, {"lr", parse_json_guarded(text, "--lr")}};
+    const StepState parsed_lr = parse_step_state(state.dump(), "--lr");
+    spec.lr = parsed_lr.lr.value_or(spec.lr);
+    spec.lr_by_group = parsed_lr.lr_by_group;
+  }
+  if (parsed.count("steps")) {
+    spec.num_steps = parsed["steps"].as<int64_t>();
+    if (spec.num_steps < 1 || spec.num_steps > 1000) throw UsageError("synth: --steps must be in [1, 1000]");
+  }
+}
+
 }  // namespace
 
 void refuse_inside_a_bundle(const fs::path& dir) {
@@ -112,6 +140,7 @@ int synth_command(const CommandArgs& args, CommandIo& io) {
   if (!parsed.count("preset") || !parsed.count("dir")) throw UsageError("synth: need PRESET and DIR");
   SyntheticSpec spec = preset_spec(parsed["preset"].as<std::string>());
   if (parsed.count("corpus")) read_corpus(parsed["corpus"].as<std::string>(), spec);
+  read_training_flags(parsed, spec);
   if (parsed.count("checkpoint-every")) {
     spec.checkpoint_every = parsed["checkpoint-every"].as<int64_t>();
     if (spec.checkpoint_every < 1) throw UsageError("synth: --checkpoint-every must be at least 1");

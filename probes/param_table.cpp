@@ -14,6 +14,9 @@ Shape hidden(const ModelConfig& m) { return {m.hidden_size}; }
 Shape square(const ModelConfig& m) { return {m.hidden_size, m.hidden_size}; }
 Shape vocab_rows(const ModelConfig& m) { return {m.vocab_size, m.hidden_size}; }
 Shape kv_rows(const ModelConfig& m) { return {m.num_kv_heads * m.head_dim(), m.hidden_size}; }
+// An explicit head_dim (Qwen3, Gemma 3) makes q_proj [heads * head_dim, hidden] and o_proj its transpose.
+Shape q_rows(const ModelConfig& m) { return {m.num_heads * m.head_dim(), m.hidden_size}; }
+Shape o_cols(const ModelConfig& m) { return {m.hidden_size, m.num_heads * m.head_dim()}; }
 Shape mlp_in(const ModelConfig& m) { return {m.intermediate_size, m.hidden_size}; }
 Shape mlp_out(const ModelConfig& m) { return {m.hidden_size, m.intermediate_size}; }
 Shape qkv(const ModelConfig& m) { return {3 * m.hidden_size, m.hidden_size}; }
@@ -35,6 +38,8 @@ bool with_qk_norm(const ModelConfig& m) { return m.qk_norm != QkNorm::kNone; }
 bool untied_head(const ModelConfig& m) { return !m.tie_embeddings; }
 bool dense_mlp(const ModelConfig& m) { return !m.moe; }
 bool experts(const ModelConfig& m) { return m.moe.has_value(); }
+bool pre_norms(const ModelConfig& m) { return m.norm_layout == NormLayout::kPre; }
+bool post_norms(const ModelConfig& m) { return m.norm_layout == NormLayout::kPost; }
 
 void fill(std::string& text, const char* field, int value) {
   const size_t at = text.find(field);
@@ -53,18 +58,18 @@ std::string with_layer(const char* key, int layer, int expert) {
 const std::vector<ParamDef>& param_table(Arch arch) {
   static const std::vector<ParamDef> llama = {
       {R::kTokenEmbedding, "model.embed_tokens.weight", ParamPlace::kBefore, vocab_rows},
-      {R::kAttnNorm, "model.layers.{i}.input_layernorm.weight", ParamPlace::kLayer, hidden},
+      {R::kAttnNorm, "model.layers.{i}.input_layernorm.weight", ParamPlace::kLayer, hidden, pre_norms},
       // Hugging Face's module order: a bias after its weight, q_norm and k_norm after o_proj.
-      {R::kQProj, "model.layers.{i}.self_attn.q_proj.weight", ParamPlace::kLayer, square},
+      {R::kQProj, "model.layers.{i}.self_attn.q_proj.weight", ParamPlace::kLayer, q_rows},
       {R::kQBias, "model.layers.{i}.self_attn.q_proj.bias", ParamPlace::kLayer, q_width, with_attention_bias},
       {R::kKProj, "model.layers.{i}.self_attn.k_proj.weight", ParamPlace::kLayer, kv_rows},
       {R::kKBias, "model.layers.{i}.self_attn.k_proj.bias", ParamPlace::kLayer, kv_width, with_attention_bias},
       {R::kVProj, "model.layers.{i}.self_attn.v_proj.weight", ParamPlace::kLayer, kv_rows},
       {R::kVBias, "model.layers.{i}.self_attn.v_proj.bias", ParamPlace::kLayer, kv_width, with_attention_bias},
-      {R::kOProj, "model.layers.{i}.self_attn.o_proj.weight", ParamPlace::kLayer, square},
+      {R::kOProj, "model.layers.{i}.self_attn.o_proj.weight", ParamPlace::kLayer, o_cols},
       {R::kQNorm, "model.layers.{i}.self_attn.q_norm.weight", ParamPlace::kLayer, q_norm, with_qk_norm},
       {R::kKNorm, "model.layers.{i}.self_attn.k_norm.weight", ParamPlace::kLayer, k_norm, with_qk_norm},
-      {R::kMlpNorm, "model.layers.{i}.post_attention_layernorm.weight", ParamPlace::kLayer, hidden},
+      {R::kMlpNorm, "model.layers.{i}.post_attention_layernorm.weight", ParamPlace::kLayer, hidden, pre_norms},
       {R::kGateProj, "model.layers.{i}.mlp.gate_proj.weight", ParamPlace::kLayer, mlp_in, dense_mlp},
       {R::kUpProj, "model.layers.{i}.mlp.up_proj.weight", ParamPlace::kLayer, mlp_in, dense_mlp},
       {R::kDownProj, "model.layers.{i}.mlp.down_proj.weight", ParamPlace::kLayer, mlp_out, dense_mlp},
@@ -73,6 +78,10 @@ const std::vector<ParamDef>& param_table(Arch arch) {
       {R::kExpertGateProj, "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", ParamPlace::kLayer, expert_in, experts},
       {R::kExpertUpProj, "model.layers.{i}.mlp.experts.{e}.up_proj.weight", ParamPlace::kLayer, expert_in, experts},
       {R::kExpertDownProj, "model.layers.{i}.mlp.experts.{e}.down_proj.weight", ParamPlace::kLayer, expert_out, experts},
+      // OLMo 2's post-norms (Olmo2DecoderLayer's order: after the MLP). Hugging Face names the
+      // attention output's norm post_attention_layernorm, the key llama's pre-MLP norm has.
+      {R::kAttnPostNorm, "model.layers.{i}.post_attention_layernorm.weight", ParamPlace::kLayer, hidden, post_norms},
+      {R::kMlpPostNorm, "model.layers.{i}.post_feedforward_layernorm.weight", ParamPlace::kLayer, hidden, post_norms},
       {R::kFinalNorm, "model.norm.weight", ParamPlace::kAfter, hidden},
       {R::kLmHead, "lm_head.weight", ParamPlace::kAfter, vocab_rows, untied_head},
   };

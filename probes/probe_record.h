@@ -41,6 +41,10 @@ struct ProbeRecord {
   int64_t position = -1;             // token position, -1: n/a
   int first_head = -1;               // head of the first element for per-head sites
   int first_expert = -1;             // expert of the first element for per-expert sites
+  // The element of largest finite |x| (a spike's origin names it), located
+  // only when the replay asks (BatchContext::locate_largest); -1: not located.
+  int64_t largest_sample = -1;
+  int64_t largest_position = -1;
   // log2(dtype max / max |x|): how many doublings the largest finite value of
   // this site could take before it overflows the type it is held in (+inf
   // when the site is all zero). Near zero means a near miss.

@@ -16,7 +16,7 @@ const std::vector<SiteDef>& site_table() {
   static const std::vector<SiteDef> table = {
       {SiteId::kEmbed, "embed", false, L::kTokens, false, true, true},
       {SiteId::kInput, "input", true, L::kTokens, false, true, true},
-      {SiteId::kAttnNorm, "attn_norm", true, L::kTokens, false, true, true},
+      {SiteId::kAttnNorm, "attn_norm", true, L::kTokens, false, true, true, M::kAny, NormLayout::kPre},
       {SiteId::kAttnQ, "attn.q", true, L::kTokens, false, true, true},
       {SiteId::kAttnK, "attn.k", true, L::kTokens, false, true, true},
       {SiteId::kAttnV, "attn.v", true, L::kTokens, false, true, true},
@@ -24,8 +24,9 @@ const std::vector<SiteDef>& site_table() {
       {SiteId::kAttnProbs, "attn.probs", true, L::kHeadsSquare, true, true, true},
       {SiteId::kAttnContext, "attn.context", true, L::kHeadsDim, false, true, true},
       {SiteId::kAttnOut, "attn.out", true, L::kTokens, false, true, true},
+      {SiteId::kAttnPostNorm, "attn.post_norm", true, L::kTokens, false, true, false, M::kAny, NormLayout::kPost},
       {SiteId::kAttnResidual, "attn_residual", true, L::kTokens, false, true, true},
-      {SiteId::kMlpNorm, "mlp_norm", true, L::kTokens, false, true, true},
+      {SiteId::kMlpNorm, "mlp_norm", true, L::kTokens, false, true, true, M::kAny, NormLayout::kPre},
       {SiteId::kMlpGate, "mlp.gate", true, L::kTokens, false, true, false, M::kDense},
       {SiteId::kMlpUp, "mlp.up", true, L::kTokens, false, true, true, M::kDense},
       {SiteId::kMlpAct, "mlp.act", true, L::kTokens, false, true, true, M::kDense},
@@ -37,6 +38,7 @@ const std::vector<SiteDef>& site_table() {
       {SiteId::kMlpExpertAct, "mlp.expert.act", true, L::kExperts, false, true, false, M::kExperts},
       {SiteId::kMlpExpertDown, "mlp.expert.down", true, L::kExperts, false, true, false, M::kExperts},
       {SiteId::kMlpCombine, "mlp.combine", true, L::kTokens, false, true, false, M::kExperts},
+      {SiteId::kMlpPostNorm, "mlp.post_norm", true, L::kTokens, false, true, false, M::kAny, NormLayout::kPost},
       {SiteId::kOutput, "output", true, L::kTokens, false, true, true},
       {SiteId::kFinalNorm, "final_norm", false, L::kTokens, false, true, true},
       {SiteId::kLogits, "logits", false, L::kTokens, false, true, true},
@@ -56,6 +58,7 @@ bool is_per_expert(SiteId id) { return site_def(id).layout == SiteLayout::kExper
 
 bool site_present(const SiteDef& def, const ModelConfig& model) {
   if (!(model.arch == Arch::kLlama ? def.llama : def.gpt2)) return false;
+  if (def.norms && *def.norms != model.norm_layout) return false;
   return def.mlp == MlpKind::kAny || (def.mlp == MlpKind::kExperts) == model.moe.has_value();
 }
 

@@ -23,6 +23,7 @@ enum class SiteId : uint8_t {
   kAttnProbs,
   kAttnContext,
   kAttnOut,
+  kAttnPostNorm,     // norm_layout post (OLMo 2): the norm of attn.out, added to the stream
   kAttnResidual,
   kMlpNorm,
   kMlpGate,
@@ -36,6 +37,7 @@ enum class SiteId : uint8_t {
   kMlpExpertAct,
   kMlpExpertDown,
   kMlpCombine,
+  kMlpPostNorm,      // norm_layout post: the norm of the MLP's output
   kOutput,
   kFinalNorm,
   kLogits,
@@ -64,6 +66,7 @@ struct SiteDef {
   bool llama;        // present in the llama forward
   bool gpt2;         // present in the gpt2 forward
   MlpKind mlp = MlpKind::kAny;  // dense: not with model.moe; experts: only with it
+  std::optional<NormLayout> norms = std::nullopt;  // set: only in models whose norms sit so (pre or post)
 };
 
 const std::vector<SiteDef>& site_table();

@@ -16,10 +16,11 @@
 
 #include "loaders/bundle/manifest_writer.h"
 #include "probes/param_table.h"
+#include "probes/site_stats_summary.h"
 #include "loaders/formats/safetensors.h"
 #include "loaders/bundle/sampler.h"
 #include "loaders/bundle/token_shards.h"
-#include "replay/optim/adamw.h"
+#include "replay/optim/optimizer.h"
 #include "replay/step/step.h"
 #include "reports/results/report.h"
 
@@ -96,7 +97,8 @@ std::vector<uint32_t> initial_tokens(const SyntheticSpec& spec) {
 bool plants_token(const FaultSpec& f) {
   return f.kind == FaultKind::kHeadOverflow || f.kind == FaultKind::kGlitchToken ||
          f.kind == FaultKind::kZeroEmbedding || f.kind == FaultKind::kRepeatRun ||
-         f.kind == FaultKind::kRouterOverflow || f.kind == FaultKind::kExpertOverflow;
+         f.kind == FaultKind::kRouterOverflow || f.kind == FaultKind::kExpertOverflow ||
+         f.kind == FaultKind::kSpikeToken;
 }
 
 // Where the planted token goes at the fault step: (sample, position) pairs.
@@ -109,6 +111,10 @@ std::vector<TokenSite> planted_sites(const SyntheticSpec& spec, const std::vecto
   const FaultSpec& f = spec.fault;
   const std::vector<int64_t>& list = batch.at(static_cast<size_t>(f.rank));
   std::vector<TokenSite> sites;
+  if (f.kind == FaultKind::kSpikeToken) {  // every other position from 1: each one's next token is another
+    for (int64_t i = 1; i < spec.seq_len; i += 2) sites.push_back({list.at(0), i});
+    return sites;
+  }
   if (f.kind == FaultKind::kRepeatRun) {  // half the window, from position 4
     for (int64_t i = 4; i < 4 + spec.seq_len / 2; ++i) sites.push_back({list.at(0), i});
     return sites;
@@ -260,6 +266,25 @@ void amplify_token_in_experts(const SyntheticSpec& spec, ParamMap& params, int64
   weight(R::kExpertUpProj, f.layer, f.expert)[0][kFeature] = overflowing;
 }
 
+// A token the model has never read, whose embedding row points along hidden
+// feature 0 with norm `embedding_value` (typical rows: 0.16), and whose own
+// lm_head row points the same way with norm kSpikeHeadGain: where it is
+// read, the final norm hands the head ~sqrt(hidden) along feature 0, so the
+// model predicts the token itself with a logit near 8 * 5 = 40 and the loss
+// there is ~40 nats, finite; everywhere else its logit is ~N(0, 25), too
+// small to move a loss of ln(vocab). Needs an untied head.
+constexpr double kSpikeHeadGain = 5.0;
+
+void plant_spike_token(const SyntheticSpec& spec, ParamMap& params, int64_t token) {
+  if (spec.model.tie_embeddings) throw std::invalid_argument("the spike token needs an untied lm_head");
+  torch::Tensor row = params.at(embedding_key(spec.model))[token];
+  row.zero_();
+  row[0].fill_(spec.fault.embedding_value);
+  torch::Tensor head = params.at(param_key(spec.model.arch, ParamRole::kLmHead))[token];
+  head.zero_();
+  head[0].fill_(kSpikeHeadGain);
+}
+
 // Faults of the model that predate the captured window (in memory, before the
 // first checkpoint): AdamW carries them from checkpoint to checkpoint.
 void plant_in_model(const SyntheticSpec& spec, ParamMap& params, int64_t token) {
@@ -273,6 +298,7 @@ void plant_in_model(const SyntheticSpec& spec, ParamMap& params, int64_t token) 
   }
   if (f.kind == FaultKind::kRouterCollapse) params.at(param_key(spec.model.arch, ParamRole::kRouter, f.layer)).zero_();
   if (f.kind == FaultKind::kGlitchToken) params.at(embedding_key(spec.model))[token].fill_(f.embedding_value);
+  if (f.kind == FaultKind::kSpikeToken) plant_spike_token(spec, params, token);
   if (f.kind == FaultKind::kZeroEmbedding) params.at(embedding_key(spec.model))[token].zero_();
 }
 
@@ -294,7 +320,7 @@ int64_t inject_bit_flip(ParamMap& params, const FaultSpec& f) {
   for (int64_t i = 0; i < t.numel(); ++i) {
     uint32_t bits;
     std::memcpy(&bits, data + i, 4);
-    if (((bits >> 23) & 0xff) == 127) {
+    if (((bits >> 23) & 0xff) == static_cast<uint32_t>(f.flip_exponent)) {
       chosen = i;
       break;
     }
@@ -352,7 +378,7 @@ struct Trainer {
   SyntheticOutcome& outcome;
   std::vector<std::string> order;
   ParamMap params;
-  AdamWMoments moments;
+  OptimizerMoments moments;
   std::map<std::string, Fp8ModuleScales> fp8_scales;
   double loss_scale;
 
@@ -361,24 +387,60 @@ struct Trainer {
     for (const std::string& name : order) values.push_back(params.at(name));
     write_tensors(step_dir / "model.safetensors", order, as_stored(spec, order, values), std::nullopt);
     if (!spec.write_optimizer) return;
+    std::vector<ParamState> states = moments.params;
+    if (states.empty()) {  // before the first update: the state PyTorch would create
+      for (size_t i = 0; i < order.size(); ++i) states.push_back(zero_state(*rule_of_param(*m.optimizer, order[i]).rule, values[i]));
+    }
+    stored_layout_of_state(states);
     std::vector<std::string> names;
     std::vector<torch::Tensor> state;
-    const std::vector<torch::Tensor> avg = as_stored(spec, order, moments.exp_avg.empty() ? values : moments.exp_avg);
-    const std::vector<torch::Tensor> avg_sq =
-        as_stored(spec, order, moments.exp_avg_sq.empty() ? values : moments.exp_avg_sq);
     for (size_t i = 0; i < order.size(); ++i) {
-      names.push_back(order[i] + ".exp_avg");
-      state.push_back(moments.exp_avg.empty() ? torch::zeros_like(values[i]) : avg[i]);
-      names.push_back(order[i] + ".exp_avg_sq");
-      state.push_back(moments.exp_avg_sq.empty() ? torch::zeros_like(values[i]) : avg_sq[i]);
+      for (const auto& [key, tensor] : states[i].tensors) {
+        names.push_back(order[i] + "." + key);
+        state.push_back(tensor);
+      }
     }
-    write_tensors(step_dir / "optimizer.safetensors", names, state, moments.step);
+    write_tensors(step_dir / "optimizer.safetensors", names, state, states.front().step);
+  }
+
+  // A state kept per element (Adam's moments, Muon's buffer) in the layout
+  // the checkpoint stores its parameters in (mislabel_rope).
+  void stored_layout_of_state(std::vector<ParamState>& states) const {
+    if (!spec.mislabel_rope) return;
+    for (const std::string key : {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"}) {
+      std::vector<torch::Tensor> values;
+      for (size_t i = 0; i < order.size(); ++i) {
+        const auto found = states[i].tensors.find(key);
+        if (found == states[i].tensors.end()) break;
+        values.push_back(found->second);
+      }
+      if (values.size() != order.size()) continue;
+      values = as_stored(spec, order, values);
+      for (size_t i = 0; i < order.size(); ++i) states[i].tensors[key] = values[i];
+    }
   }
 
   bool has_checkpoint(int64_t s) const {
     const FaultKind kind = spec.fault.kind;
     const bool edited = s == spec.fault.step && (kind == FaultKind::kBitFlip || kind == FaultKind::kMlpOverflow);
     return edited || (s - spec.first_step) % std::max<int64_t>(1, spec.checkpoint_every) == 0;
+  }
+
+  // What a run with light per-step site records logs; the mismatch fault
+  // logs one site as another machine computed it (its max |x| 1.5x).
+  nlohmann::json logged_site_stats(int64_t s, const StepResult& grads) const {
+    auto pair = [](const LoggedSiteStat& p) { return nlohmann::json{{"max_abs", p.max_abs}, {"rms", p.rms}}; };
+    nlohmann::json sites = nlohmann::json::object();
+    for (auto& [name, stats] : summarize_forward_sites(grads.probes)) {
+      if (s == spec.fault.step && spec.fault.kind == FaultKind::kSiteStatsMismatch && name == spec.fault.site) {
+        stats.whole.max_abs *= 1.5;
+      }
+      nlohmann::json site = pair(stats.whole);
+      for (const LoggedSiteStat& h : stats.per_head) site["per_head"].push_back(pair(h));
+      for (const LoggedSiteStat& e : stats.per_expert) site["per_expert"].push_back(pair(e));
+      sites[name] = site;
+    }
+    return sites;
   }
 
   nlohmann::json logged_values(int64_t s, const StepResult& grads) const {
@@ -392,6 +454,7 @@ struct Trainer {
       logged["rank_losses"][1] = grads.rank_losses[1] * 1.5;
     }
     if (s == fault.step && fault.kind == FaultKind::kNotReproducible) logged["loss"] = "nan";
+    if (spec.log_site_stats) logged["site_stats"] = logged_site_stats(s, grads);
     for (double v : grads.rank_grad_norms) logged["rank_grad_norms"].push_back(json_number(v));
     return logged;
   }
@@ -429,11 +492,12 @@ struct Trainer {
     replayed_state.loss_scale = step_scale;
     replayed_state.fp8_scales = fp8_scales;
     StepRequest request;
-    request.probes = ProbeLevel::kOff;
+    request.probes = spec.log_site_stats ? ProbeLevel::kFull : ProbeLevel::kOff;
     const StepResult grads = replay_step({m, tokens, s, replayed_state, batch}, params, order, request);
     outcome.losses.push_back(grads.loss);
     const bool skipped = spec.compute == Compute::kFp16 && !std::isfinite(grads.grad_norm);
     nlohmann::json state = {{"step", s}, {"lr", spec.lr}, {"logged", logged_values(s, grads)}};
+    if (!spec.lr_by_group.empty()) state["lr"] = spec.lr_by_group;
     if (spec.compute == Compute::kFp16) {
       state["loss_scale"] = step_scale;
       state["skipped"] = skipped;
@@ -449,7 +513,12 @@ struct Trainer {
     }
     std::vector<torch::Tensor> plain;
     for (const std::string& name : order) plain.push_back(params.at(name).detach());
-    adamw_update(plain, grads.grads.all(), grads.grad_norm, moments, spec.lr, spec.optimizer, order);
+    const GroupLr lr_of = [this](const std::string& group) {
+      const auto found = spec.lr_by_group.find(group);
+      return found != spec.lr_by_group.end() ? found->second : spec.lr;
+    };
+    optimizer_update(plain, grads.grads.all(), grads.grad_norm, moments, lr_of, spec.optimizer, order, m.model,
+                     grads.attn_logit_max);
   }
 };
 
@@ -512,8 +581,16 @@ void claim_in_manifest(Manifest& m, const SyntheticSpec& spec) {
   const FaultSpec& fault = spec.fault;
   if (spec.manifest_sampler_seed) m.data.sampler.seed = *spec.manifest_sampler_seed;
   if (fault.kind != FaultKind::kNone) {
-    m.incident = IncidentInfo{fault.step, fault.kind == FaultKind::kRouterCollapse ? "loss plateau, one expert busy" : "loss=nan"};
+    m.incident.emplace();
+    m.incident->step = fault.step;
+    m.incident->symptom = fault.kind == FaultKind::kRouterCollapse ? "loss plateau, one expert busy" : "loss=nan";
   }
+  if (spec.incident_kind) {
+    if (!m.incident) m.incident.emplace();
+    m.incident->kind = spec.incident_kind;
+    if (*spec.incident_kind == IncidentKind::kSpike) m.incident->symptom = "loss spike";
+  }
+  if (fault.kind == FaultKind::kSiteStatsMismatch) m.incident->symptom = "logged site statistics";
   if (spec.compute == Compute::kFp8) m.precision.fp8 = Fp8Config{};
 }
 
@@ -708,6 +785,32 @@ const std::vector<PresetDef>& preset_table() {
          s.fault.kind = FaultKind::kRouterCollapse;
          s.fault.step = s.first_step;
          s.fault.layer = 0;
+       }},
+      // Spikes that never go non-finite (docs/spikes.md).
+      {{"clean-site-stats", "nothing, every step logging its forward sites' max |x| and rms (logged.site_stats)"},
+       [](SyntheticSpec& s) { s.log_site_stats = true; }},
+      {{"site-mismatch", "logged site statistics where the last step's layers.1.attn.out was computed differently "
+                         "(SYSTEM_SITE_MISMATCH, nothing non-finite)"},
+       [](SyntheticSpec& s) {
+         s.log_site_stats = true;
+         fault_at_last(s, FaultKind::kSiteStatsMismatch);
+         s.fault.site = "layers.1.attn.out";
+       }},
+      {{"spike-token", "fp32: a rare token with a large but finite embedding row, which the model predicts after "
+                       "itself with a logit near 40, at every other position of one sample at the last step: the "
+                       "loss spikes, nothing goes non-finite"},
+       [](SyntheticSpec& s) {
+         fault_at_last(s, FaultKind::kSpikeToken);
+         s.fault.embedding_value = 1.0;
+       }},
+      {{"spike-bit-flip", "fp32: a flipped exponent bit makes one weight of the last checkpoint large but finite; "
+                          "the incident is declared a spike"},
+       [](SyntheticSpec& s) {
+         fault_at_last(s, FaultKind::kBitFlip);
+         s.fault.param = "model.layers.1.self_attn.q_proj.weight";
+         s.fault.flip_exponent = 119;
+         s.fault.bit = 26;
+         s.incident_kind = IncidentKind::kSpike;
        }},
       {{"clean-gpt2", "nothing, nanoGPT's gpt2 (LayerNorm, biases, learned positions, tied head)"},
        [](SyntheticSpec& s) {

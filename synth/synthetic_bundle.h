@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,6 +44,9 @@ enum class FaultKind {
   kRouterOverflow,    // a layer's router amplifies a rare token until its logits overflow fp16
   kExpertOverflow,    // a layer's router sends a rare token to one expert, whose projections overflow fp16 on it
   kRouterCollapse,    // a layer's router weights are zero: every token ties and goes to the lowest experts
+  // Spikes that never go non-finite (docs/spikes.md):
+  kSpikeToken,        // a rare token whose (tied) embedding row is large but finite, at every other position of one sample
+  kSiteStatsMismatch, // the logged site statistics of one site differ from what the step computes
 };
 
 struct FaultSpec {
@@ -53,6 +57,8 @@ struct FaultSpec {
   int expert = 0;         // expert overflow (router overflow and collapse: the layer only)
   std::string param;      // bit flip: parameter key
   int bit = 30;           // bit flip: bit of the fp32 encoding (30 = exponent MSB)
+  int flip_exponent = 127;  // bit flip: the exponent field of the element flipped (127: |x| in [1, 2))
+  std::string site;       // site stats mismatch: the site whose logged statistics differ
   int64_t position = 5;   // planted token: position in the sample
   int rank = 0;           // planted token: the rank reading the sample
   int slot = 0;           // planted token: the sample's index in that rank's list for the step
@@ -79,6 +85,9 @@ struct SyntheticSpec {
   int64_t first_step = 100;
   int64_t num_steps = 4;
   double lr = 3e-3;
+  // Per optimizer group ("default": the top level): written as state.json's
+  // lr object and used by each group's update; empty: `lr` for every group.
+  std::map<std::string, double> lr_by_group;
   double loss_scale = 1024.0;   // fp16 only
   OptimizerConfig optimizer;
   bool record_samples = true;   // write explicit samples into each step entry too
@@ -97,6 +106,9 @@ struct SyntheticSpec {
   bool mislabel_rope = false;
   double attention_init_std = 0.02;  // q/k weights at initialisation (others: 0.02)
   std::optional<uint64_t> manifest_sampler_seed;
+  // Each state.json also logs every forward site's max |x| and rms (logged.site_stats).
+  bool log_site_stats = false;
+  std::optional<IncidentKind> incident_kind;  // the manifest's incident.kind
   FaultSpec fault;
 };
 

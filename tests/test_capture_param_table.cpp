@@ -51,13 +51,20 @@ TEST_CASE("the capture helper's parameter list is the parameter table's", "[capt
   nanreplay::ModelConfig olmo2 = tied;
   olmo2.qk_norm = nanreplay::QkNorm::kFull;
   olmo2.attention_bias = true;
-  for (const nanreplay::ModelConfig& m : {llama, tied, gpt2, qwen2, qwen3, olmo2}) {
+  // Qwen3's own head width (q_proj [H*D, C], o_proj [C, H*D]); OLMo 2's post-norms after the MLP.
+  nanreplay::ModelConfig wide_heads = qwen3;
+  wide_heads.explicit_head_dim = 12;
+  nanreplay::ModelConfig post_norm = olmo2;
+  post_norm.norm_layout = nanreplay::NormLayout::kPost;
+  for (const nanreplay::ModelConfig& m : {llama, tied, gpt2, qwen2, qwen3, olmo2, wide_heads, post_norm}) {
     nlohmann::json cfg = {{"hidden_size", m.hidden_size}, {"vocab_size", m.vocab_size},
                           {"num_layers", m.num_layers},   {"num_heads", m.num_heads},
                           {"num_kv_heads", m.num_kv_heads}, {"intermediate_size", m.intermediate_size},
                           {"max_seq_len", m.max_seq_len}, {"tie_embeddings", m.tie_embeddings}};
     if (m.attention_bias) cfg["attention_bias"] = true;
     if (m.qk_norm != nanreplay::QkNorm::kNone) cfg["qk_norm"] = m.qk_norm == nanreplay::QkNorm::kHead ? "head" : "full";
+    if (m.explicit_head_dim > 0) cfg["head_dim"] = m.explicit_head_dim;
+    if (m.norm_layout == nanreplay::NormLayout::kPost) cfg["norm_layout"] = "post";
     nlohmann::json ours = nlohmann::json::array();
     for (const nanreplay::ParamSpec& p : nanreplay::expected_parameters(m)) ours.push_back({p.name, p.shape});
     INFO(cfg.dump());

@@ -73,7 +73,7 @@ def expected_parameters(arch, cfg):
     C, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_layers"]
     out = []
     if arch == "llama":
-        H, D = cfg["num_heads"], C // cfg["num_heads"]
+        H, D = cfg["num_heads"], cfg.get("head_dim") or C // cfg["num_heads"]  # Qwen3: a head_dim of its own
         kv = cfg["num_kv_heads"] * D
         ffn = cfg["intermediate_size"]
         bias = bool(cfg.get("attention_bias", False))
@@ -96,19 +96,24 @@ def expected_parameters(arch, cfg):
         out.append(("model.embed_tokens.weight", (V, C)))
         for i in range(L):
             p = f"model.layers.{i}."
-            out.append((p + "input_layernorm.weight", (C,)))
+            post = cfg.get("norm_layout") == "post"  # OLMo 2: norms of the sublayers' outputs, after the MLP
+            if not post:
+                out.append((p + "input_layernorm.weight", (C,)))
             # Hugging Face's module order, which the replay's parameter table follows: a bias right
             # after its weight, q_norm and k_norm after o_proj.
-            for proj, rows in (("q", C), ("k", kv), ("v", kv)):
+            for proj, rows in (("q", H * D), ("k", kv), ("v", kv)):
                 out.append((f"{p}self_attn.{proj}_proj.weight", (rows, C)))
                 if bias:
                     out.append((f"{p}self_attn.{proj}_proj.bias", (rows,)))
-            out.append((p + "self_attn.o_proj.weight", (C, C)))
+            out.append((p + "self_attn.o_proj.weight", (C, H * D)))
             if qk_norm is not None:
                 out += [(p + "self_attn.q_norm.weight", norm_shapes["q"]),
                         (p + "self_attn.k_norm.weight", norm_shapes["k"])]
-            out.append((p + "post_attention_layernorm.weight", (C,)))
+            if not post:
+                out.append((p + "post_attention_layernorm.weight", (C,)))
             out += [(p + name, shape) for name, shape in mlp]
+            if post:
+                out += [(p + "post_attention_layernorm.weight", (C,)), (p + "post_feedforward_layernorm.weight", (C,))]
         out.append(("model.norm.weight", (C,)))
         if not cfg["tie_embeddings"]:
             out.append(("lm_head.weight", (V, C)))
@@ -297,7 +302,7 @@ def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
     if arch == "llama":
         V, C = shape("model.embed_tokens.weight")
         layers = 0
-        while f"model.layers.{layers}.input_layernorm.weight" in named:
+        while f"model.layers.{layers}.self_attn.q_proj.weight" in named:  # every layout has it (OLMo 2: no input_layernorm)
             layers += 1
         settle("vocab_size", V)
         settle("hidden_size", C)
@@ -308,7 +313,9 @@ def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
         else:  # no dense MLP to read it off: model.config's (Qwen3-MoE keeps one), else the experts' width
             width = _config_attr(getattr(model, "config", None) or {}, "intermediate_size")
             cfg.setdefault("intermediate_size", width if _is_number(width) and width >= 1 else moe["intermediate_size"])
-        head_dim = C // cfg["num_heads"]
+        said_dim = _config_attr(getattr(model, "config", None) or {}, "head_dim")
+        head_dim = (given.get("head_dim") or (said_dim if isinstance(said_dim, int) and said_dim > 0 else None)
+                    or C // cfg["num_heads"])
         settle("num_kv_heads", shape("model.layers.0.self_attn.k_proj.weight")[0] // head_dim if layers else None)
         head = named.get("lm_head.weight")
         settle("tie_embeddings", head is None or head is named["model.embed_tokens.weight"])
@@ -339,8 +346,10 @@ def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
         if head is not None and head is not named["transformer.wte.weight"]:
             raise CaptureError("gpt2 in bundle v1 ties the output head to transformer.wte.weight, "
                                "but lm_head.weight is a separate tensor")
-    if cfg["hidden_size"] % cfg["num_heads"] or cfg["num_heads"] % cfg["num_kv_heads"]:
-        raise CaptureError("num_heads must divide hidden_size and num_kv_heads must divide num_heads")
+    own_head_dim = given.get("head_dim") or _config_attr(getattr(model, "config", None) or {}, "head_dim")
+    if (cfg["hidden_size"] % cfg["num_heads"] and not isinstance(own_head_dim, int)) or cfg["num_heads"] % cfg["num_kv_heads"]:
+        raise CaptureError("num_heads must divide hidden_size (unless the model has a head_dim of its own) and "
+                           "num_kv_heads must divide num_heads")
     if seq_len > cfg["max_seq_len"]:
         raise CaptureError(f"data seq_len {seq_len} exceeds model max_seq_len {cfg['max_seq_len']}")
     if arch != "llama" and given.get("moe") is not None:

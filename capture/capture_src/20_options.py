@@ -8,12 +8,17 @@
 
 LLAMA_OPTION_DEFAULTS = {"rope_style": "rotate_half", "rope_scaling": None, "attention_bias": False,
                          "qk_norm": None, "attn_logit_softcap": None, "final_logit_softcap": None,
-                         "sliding_window": None}
+                         "sliding_window": None, "head_dim": None, "partial_rotary_factor": 1.0,
+                         "attention_mask": "exclude", "norm_layout": "pre"}
+# model.attention_mask: how the causal mask reaches the softmax (they differ where a masked score is not finite).
+ATTENTION_MASKS = ("exclude", "additive_neg_inf", "additive_finfo_min", "fill_finfo_min")
 # Every llama option key of the manifest's model object, in the order of nanreplay's option table
 # (loaders/arch/llama_options.cpp): those above, then the mixture of experts (MOE_KEYS below).
 # tests/test_arch_model_options.cpp checks this list against that table.
 LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe")
 _QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full"}
+# OLMo 2 normalises each sublayer's output (post_attention_layernorm, post_feedforward_layernorm).
+_NORM_LAYOUT_BY_MODEL_TYPE = {"olmo2": "post"}
 # Qwen2Config has no attention_bias: Qwen2's q, k and v projections always carry one.
 _BIAS_BY_MODEL_TYPE = {"qwen2": True}
 # Models whose window applies to every other layer only, which bundle v1 cannot express.
@@ -72,7 +77,18 @@ def _option_value(key, value, where):
     if key == "sliding_window" and (value is None or (isinstance(value, int) and not isinstance(value, bool)
                                                       and value >= 1)):
         return value
+    if key == "head_dim" and (value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                                and value >= 1)):
+        return value
+    if key == "partial_rotary_factor" and _is_number(value) and 0 < value <= 1:
+        return float(value)
+    if key == "attention_mask" and value in ATTENTION_MASKS:
+        return value
+    if key == "norm_layout" and value in ("pre", "post"):
+        return value
     allowed = {"rope_style": "'rotate_half' or 'interleaved'", "attention_bias": "True or False",
+               "head_dim": "None or an integer >= 1", "partial_rotary_factor": "a number in (0, 1]",
+               "attention_mask": " or ".join(repr(m) for m in ATTENTION_MASKS), "norm_layout": "'pre' or 'post'",
                "qk_norm": "None, 'head' or 'full'", "attn_logit_softcap": "None or a number > 0",
                "final_logit_softcap": "None or a number > 0", "sliding_window": "None or an integer >= 1"}
     raise CaptureError(f"{where} must be {allowed[key]}, got {value!r}")
@@ -131,6 +147,8 @@ def _options_from_config(config, num_layers):
         said["attention_bias"] = (_BIAS_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
     elif _config_attr(config, "attention_bias") is not _MISSING:
         said["attention_bias"] = (bool(_config_attr(config, "attention_bias")), "model.config.attention_bias")
+    if model_type in _NORM_LAYOUT_BY_MODEL_TYPE:
+        said["norm_layout"] = (_NORM_LAYOUT_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
     if model_type in _QK_NORM_BY_MODEL_TYPE:
         said["qk_norm"] = (_QK_NORM_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
     for key, attr in (("attn_logit_softcap", "attn_logit_softcapping"),
@@ -138,6 +156,23 @@ def _options_from_config(config, num_layers):
         value = _config_attr(config, attr)
         if value is not _MISSING:
             said[key] = (_option_value(key, value, f"model.config.{attr}"), f"model.config.{attr}")
+    head_dim = _config_attr(config, "head_dim")  # Qwen3, Gemma 3: a head width of its own
+    hidden, heads = _config_attr(config, "hidden_size"), _config_attr(config, "num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and head_dim == hidden / heads:
+        head_dim = _MISSING  # bundle v1's own hidden_size / num_heads: nothing to say
+    if head_dim is not _MISSING and head_dim is not None:
+        said["head_dim"] = (_option_value("head_dim", head_dim, "model.config.head_dim"), "model.config.head_dim")
+    factor = _config_attr(config, "partial_rotary_factor")  # Phi, GLM, StableLM; transformers 5: in rope_parameters
+    params = _config_attr(config, "rope_parameters")
+    if factor is _MISSING and isinstance(params, dict) and "partial_rotary_factor" in params:
+        factor = params["partial_rotary_factor"]
+    if factor is not _MISSING and factor is not None:
+        said["partial_rotary_factor"] = (_option_value("partial_rotary_factor", factor,
+                                                       "model.config.partial_rotary_factor"),
+                                         "model.config.partial_rotary_factor")
+    if _config_attr(config, "_attn_implementation") == "eager":  # a live model: its own code path
+        said["attention_mask"] = ("additive_finfo_min", "model.config._attn_implementation 'eager' (Hugging Face's "
+                                                        "eager attention adds finfo.min at masked keys)")
     window = _config_window(config, model_type, num_layers)
     if window is not _MISSING:
         said["sliding_window"] = (_option_value("sliding_window", window, "model.config.sliding_window"),
@@ -157,10 +192,6 @@ def _model_options(arch, model, named, given, cfg):
     config = getattr(model, "config", None)
     said = {}
     if config is not None:
-        head_dim = _config_attr(config, "head_dim")
-        if isinstance(head_dim, int) and head_dim != cfg["hidden_size"] // cfg["num_heads"]:
-            raise CaptureError(f"model.config.head_dim = {head_dim}, but bundle v1's head_dim is hidden_size / "
-                               f"num_heads = {cfg['hidden_size'] // cfg['num_heads']}")
         said = _options_from_config(config, cfg["num_layers"])
     out = {}
     for key, default in LLAMA_OPTION_DEFAULTS.items():
@@ -346,6 +377,10 @@ def _option_needing(name, cfg):
         return ", with attention_bias=True"
     if _QK_NORM_PARAM.fullmatch(name):
         return f", with qk_norm={cfg.get('qk_norm')!r}"
+    if cfg.get("head_dim") and re.fullmatch(r"model\.layers\.\d+\.self_attn\.[qkvo]_proj\.weight", name):
+        return f", with head_dim={cfg['head_dim']!r}"
+    if cfg.get("norm_layout") == "post" and re.fullmatch(r"model\.layers\.\d+\.post_\w+layernorm\.weight", name):
+        return ", with norm_layout='post' (OLMo 2's norms of each sublayer's output)"
     return ""
 
 

@@ -82,10 +82,12 @@ def reference_loss(cfg, p, inputs, targets, gelu="tanh"):
             x = x + lin(F.gelu(lin(ln(x, pre + "ln_2"), pre + "mlp.c_fc"), approximate=gelu), pre + "mlp.c_proj")
         logits = F.linear(ln(x, "transformer.ln_f"), w["transformer.wte.weight"])
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    G, D = cfg.get("num_kv_heads", H), cfg["hidden_size"] // H
+    G, D = cfg.get("num_kv_heads", H), cfg.get("head_dim") or cfg["hidden_size"] // H
+    R = int(D * cfg.get("partial_rotary_factor", 1.0))  # the rotary width (Phi, GLM: part of each head)
     style, qk_norm = cfg.get("rope_style") or "rotate_half", cfg.get("qk_norm")
     bias = bool(cfg.get("attention_bias"))
-    inv = _ref_inv_freq(D, cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"), inputs.device)
+    post = cfg.get("norm_layout") == "post"  # OLMo 2: each sublayer's output normalised before the residual add
+    inv = _ref_inv_freq(R, cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"), inputs.device)
     moe, router = cfg.get("moe"), []
 
     def norm(x, weight):
@@ -97,24 +99,27 @@ def reference_loss(cfg, p, inputs, targets, gelu="tanh"):
             t = norm(t.view(B, T, heads, D), w[pre + f"self_attn.{name}_norm.weight"]).reshape(B, T, heads * D)
         elif qk_norm == "full":
             t = norm(t, w[pre + f"self_attn.{name}_norm.weight"])
-        return _ref_rope(t.view(B, T, heads, D).transpose(1, 2), inv, style).transpose(1, 2).reshape(B, T, heads * D)
+        t = t.view(B, T, heads, D).transpose(1, 2)
+        t = torch.cat((_ref_rope(t[..., :R], inv, style), t[..., R:]), -1)
+        return t.transpose(1, 2).reshape(B, T, heads * D)
 
     x = w["model.embed_tokens.weight"][inputs]
     for i in range(cfg["num_layers"]):
         pre = f"model.layers.{i}."
-        h = norm(x, w[pre + "input_layernorm.weight"])
+        h = x if post else norm(x, w[pre + "input_layernorm.weight"])
         v = F.linear(h, w[pre + "self_attn.v_proj.weight"], w[pre + "self_attn.v_proj.bias"] if bias else None)
         att = _ref_attention(q_or_k(h, pre, "q", H), q_or_k(h, pre, "k", G), v, H, G,
                              cfg.get("attn_logit_softcap"), cfg.get("sliding_window"))
-        x = x + F.linear(att, w[pre + "self_attn.o_proj.weight"])
-        h = norm(x, w[pre + "post_attention_layernorm.weight"])
+        out = F.linear(att, w[pre + "self_attn.o_proj.weight"])
+        x = x + (norm(out, w[pre + "post_attention_layernorm.weight"]) if post else out)
+        h = x if post else norm(x, w[pre + "post_attention_layernorm.weight"])
         if moe:
-            mixed, logits = _ref_moe(moe, w, pre, h)
+            out, logits = _ref_moe(moe, w, pre, h)
             router.append(logits)
-            x = x + mixed
-            continue
-        x = x + F.linear(F.silu(F.linear(h, w[pre + "mlp.gate_proj.weight"])) * F.linear(h, w[pre + "mlp.up_proj.weight"]),
-                         w[pre + "mlp.down_proj.weight"])
+        else:
+            out = F.linear(F.silu(F.linear(h, w[pre + "mlp.gate_proj.weight"])) * F.linear(h, w[pre + "mlp.up_proj.weight"]),
+                           w[pre + "mlp.down_proj.weight"])
+        x = x + (norm(out, w[pre + "post_feedforward_layernorm.weight"]) if post else out)
     x = norm(x, w["model.norm.weight"])
     logits = F.linear(x, w["model.embed_tokens.weight"] if cfg.get("tie_embeddings") else w["lm_head.weight"])
     if cfg.get("final_logit_softcap") is not None:

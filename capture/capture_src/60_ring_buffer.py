@@ -13,6 +13,7 @@ class _StepSlot:
         self.params = [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for p in params] if full else []
         self.exp_avg = [None] * len(self.params)      # host buffers, allocated on first AdamW state
         self.exp_avg_sq = [None] * len(self.params)
+        self.state_bufs = {}                          # (entry, i): host buffer, for classes beyond AdamW
         self.pin = pin
         self._steps = None
         self.reset()
@@ -20,6 +21,7 @@ class _StepSlot:
     def reset(self):
         self.step = None
         self.has_moments = [False] * len(self.params)
+        self.entries = [[] for _ in self.params]   # per parameter: the state entries copied (beyond AdamW)
         self.adam_steps = []       # AdamW's per-parameter "step" values held on the host
         self.device_steps = None   # ... and those copied from CUDA tensors (capturable/fused AdamW)
         self.lr = None
@@ -43,4 +45,9 @@ class _StepSlot:
             bufs[i] = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin)
         return bufs[i]
 
-
+    def state_buffer(self, entry, i, like):
+        buf = self.state_bufs.get((entry, i))
+        if buf is None or buf.dtype != like.dtype or buf.shape != like.shape:
+            buf = self.state_bufs[(entry, i)] = torch.empty(like.shape, dtype=like.dtype, device="cpu",
+                                                            pin_memory=self.pin)
+        return buf

@@ -1,7 +1,7 @@
 ## Part of capture/nanreplay_capture.py: Recorder, the API a training loop calls.
 ## scripts/gen_capture.py joins capture/capture_src/*.py in name order into that one file (these '##'
 ## lines dropped); edit here, then run it. Names used here may be defined in the other parts.
-class Recorder:
+class Recorder(_OptimizerByName):
     """Keeps the last `window` training steps and writes them as a nanreplay bundle.
 
     On the first step it captures with a finite loss, end_step() proves the bundle: the bundle's
@@ -201,8 +201,19 @@ class Recorder:
 
     def _check_optimizer(self):
         opt = self.optimizer
-        if not isinstance(opt, torch.optim.AdamW):
-            raise CaptureError(f"bundle v1 replays torch.optim.AdamW; got {type(opt).__name__}")
+        cls = f"{type(opt).__module__}.{type(opt).__qualname__}"
+        self._opt_kind = "adamw" if isinstance(opt, torch.optim.AdamW) else _OPTIMIZER_KINDS.get(cls)
+        if self._opt_kind is None:
+            raise CaptureError(f"the replay follows {', '.join(sorted(_OPTIMIZER_KINDS))}; got {cls}")
+        if self._opt_kind != "adamw":
+            if self._sharded is not None:
+                raise CaptureError(f"under FSDP the recorder gathers torch.optim.AdamW's state only; got {cls}")
+            for g, group in enumerate(opt.param_groups):
+                for k in group:
+                    if k not in _KIND_HYPER[self._opt_kind] and k not in _OPTIMIZER_PLUMBING:
+                        raise CaptureError(f"optimizer param_groups[{g}] has {k!r}, which the replay's "
+                                           f"{self._opt_kind} does not know (it reads "
+                                           f"{', '.join(_KIND_HYPER[self._opt_kind])})")
         if self._sharded is not None:  # it holds shards (or flat parameters): names are checked at each gather
             if any(g.get("amsgrad") or g.get("maximize") for g in opt.param_groups):
                 raise CaptureError("AdamW with amsgrad or maximize is not what bundle v1 replays")
@@ -210,7 +221,7 @@ class Recorder:
         wanted = {id(p): i for i, p in enumerate(self.params)}
         seen = set()
         for g, group in enumerate(opt.param_groups):
-            if group.get("amsgrad") or group.get("maximize"):
+            if self._opt_kind == "adamw" and (group.get("amsgrad") or group.get("maximize")):
                 raise CaptureError("AdamW with amsgrad or maximize is not what bundle v1 replays")
             for p in group["params"]:
                 if id(p) not in wanted:
@@ -222,6 +233,8 @@ class Recorder:
             raise CaptureError(f"parameters the optimizer does not update: {missing[:6]}")
 
     def _optimizer_manifest(self):
+        if self._opt_kind != "adamw":
+            return self._optimizer_manifest_by_name()
         groups = self.optimizer.param_groups
         betas = {tuple(float(b) for b in g["betas"]) for g in groups}
         eps = {float(g["eps"]) for g in groups}
@@ -426,11 +439,18 @@ class Recorder:
         device_steps = []
         for i, p in enumerate(self.params):
             st = self.optimizer.state.get(p)
-            if not st or "exp_avg" not in st:
+            if self._opt_kind != "adamw":  # the class's state entries by name
+                entries = [k for k in _KIND_STATE[self._opt_kind] if isinstance((st or {}).get(k), torch.Tensor)]
+                slot.entries[i] = entries
+                pairs += [(slot.state_buffer(k, i, st[k]), st[k]) for k in entries]
+                if not st or "step" not in st:
+                    continue
+            elif not st or "exp_avg" not in st:
                 continue
-            pairs.append((slot.moment_buffer("exp_avg", i, st["exp_avg"]), st["exp_avg"]))
-            pairs.append((slot.moment_buffer("exp_avg_sq", i, st["exp_avg_sq"]), st["exp_avg_sq"]))
-            slot.has_moments[i] = True
+            else:
+                pairs.append((slot.moment_buffer("exp_avg", i, st["exp_avg"]), st["exp_avg"]))
+                pairs.append((slot.moment_buffer("exp_avg_sq", i, st["exp_avg_sq"]), st["exp_avg_sq"]))
+                slot.has_moments[i] = True
             step = st.get("step", 0)  # AdamW bumps it in place: keep its value, not the tensor
             if isinstance(step, torch.Tensor) and step.is_cuda:
                 device_steps.append(step.detach().reshape(()).double())
@@ -631,6 +651,9 @@ class Recorder:
         write_safetensors(step_dir / "model.safetensors", list(zip(self.names, slot.params)))
         tensors = []
         for i, name in enumerate(self.names):
+            if self._opt_kind != "adamw":
+                tensors += self._state_by_name(slot, i, name)
+                continue
             for which, bufs in (("exp_avg", slot.exp_avg), ("exp_avg_sq", slot.exp_avg_sq)):
                 if slot.has_moments[i]:
                     tensors.append((f"{name}.{which}", bufs[i]))

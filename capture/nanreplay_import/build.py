@@ -16,7 +16,7 @@ from .inputs import _read_json
 from .model_settle import (FLAGS_WHERE, _FLOAT_TYPES, _kind_of, _moe_config, check_parameters, flag_config, model_options,
                            normalize_config, required_values, settle_activation, settle_model)
 from .naming import Mapper, detect_naming, strip_prefix, unstack_megatron_layers
-from .optimizer import read_optimizer
+from .optimizer import _unflatten_optimizer, infer_kind, merge_aux, optimizer_kind, read_optimizer, read_optimizer_general, step_entries
 from .outcome import BadInput, say, warn
 from .provenance import (_hyper_provenance, _provenance_entry, check_first, check_incident_window, checkpoint_counters,
                          hf_trainer_file)
@@ -101,6 +101,22 @@ def settle_model_section(args, arch, naming, sd, configs):
     return mapper, model, params, provenance
 
 
+def _optimizer_kind(opt, cls, flag, where):
+    """The manifest's kind: the class flag's, checked against what the state's names say; else those names."""
+    kind = optimizer_kind(cls, where, flag) if cls is not None else None
+    if isinstance(opt, dict) and "state" not in opt and any(isinstance(k, str) and k.startswith("state.") for k in opt):
+        opt = _unflatten_optimizer(opt)  # flatten_optimizer_state_dict's layout: its names say the class too
+    if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict) and isinstance(opt.get("param_groups"), list)):
+        return kind or "adamw"  # a flattened (DCP) layout: AdamW's reader names what it lacks
+    inferred, why = infer_kind(opt["state"], opt["param_groups"], where)
+    if kind is None:
+        say(f"optimizer class: {why}")
+        return inferred
+    if inferred != kind and not (kind == "adam" and inferred == "adamw"):  # Adam's names are AdamW's
+        raise BadInput(where, "param_groups", f"the state's names say {why}, not {flag} {cls}")
+    return kind
+
+
 def build(args):
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -146,7 +162,48 @@ def build(args):
         if opt is not None:
             opt_where = f"{args.checkpoint} ({key or 'top level'})"
     first, last = args.first, args.last
+    opt_kind, opt_tensors, section = "adamw", None, None
     if opt is not None:
+        opt_kind = _optimizer_kind(opt, args.optimizer_class, "--optimizer-class", optimizer_path or args.checkpoint)
+    elif args.optimizer_class is not None:
+        optimizer_kind(args.optimizer_class, args.checkpoint)  # an unknown class is refused even without state
+    if args.aux_optimizer is not None and opt is None:
+        raise BadInput("command line", "--aux-optimizer", "needs the run's first optimizer state (--optimizer)")
+    by_name = isinstance(opt, dict) and (opt_kind != "adamw" or args.aux_optimizer is not None or any(
+        isinstance(g, dict) and (g.get("amsgrad") or g.get("maximize")) for g in opt.get("param_groups") or []))
+    if by_name:  # AdamW with amsgrad or maximize too: the manifest says them
+        opt_tensors, step_values, section, every, opt_notes = read_optimizer_general(
+            opt, opt_kind, optimizer_path or args.checkpoint, source_sd, mapper, model, args)
+        if args.aux_optimizer is not None:
+            aux_path = Path(args.aux_optimizer)
+            if not aux_path.is_file():
+                raise BadInput(aux_path, "--aux-optimizer", "is not a torch.save file")
+            aux, _ = find_optimizer_state(_torch_load(aux_path, aux_path))
+            if aux is None:
+                raise BadInput(aux_path, "optimizer", "no optimizer state ('state' and 'param_groups') in it")
+            aux_kind = _optimizer_kind(aux, args.aux_optimizer_class, "--aux-optimizer-class", aux_path)
+            aux_tensors, aux_steps, _, aux_every, aux_notes = read_optimizer_general(
+                aux, aux_kind, aux_path, source_sd, mapper, model, args)
+            section = merge_aux(section, every, aux_kind, aux_every, aux_path)
+            opt_tensors += aux_tensors
+            step_values = dict(step_values, **aux_steps)
+            opt_where += f" and {aux_path} ({aux_kind})"
+            opt_notes += [f"second optimizer {aux_kind}: " + "; ".join(aux_notes)]
+        lrs = {}
+        for o, w in ((opt, optimizer_path or args.checkpoint), (aux if args.aux_optimizer is not None else None, args.aux_optimizer)):
+            for g in (o or {}).get("param_groups", []):
+                if isinstance(g, dict) and isinstance(g.get("lr"), (int, float, torch.Tensor)):
+                    lrs.setdefault(float(g["lr"]), w)
+        if len(lrs) > 1:
+            raise BadInput(list(lrs.values())[-1], "param_groups.lr",
+                           f"the param groups' learning rates differ ({sorted(lrs)}); --log gives one lr per step "
+                           "for all of them, and their ratio under the schedule is not guessed")
+        adam_step, per_param_steps = step_entries(step_values)
+        opt_tensors += per_param_steps
+        moments, hyper = None, {}
+        say(f"optimizer: {opt_kind} state from {opt_where}, {opt_notes[0]}; "
+            f"step count {adam_step}; " + "; ".join(opt_notes[1:]))
+    elif opt is not None:
         moments, adam_step, hyper, opt_notes = read_optimizer(opt, optimizer_path or args.checkpoint, source_sd,
                                                               mapper, model, args)
         say(f"optimizer: AdamW state of {len(moments or params)} parameters from {opt_where}, {opt_notes[0]}; "
@@ -206,7 +263,16 @@ def build(args):
         d.mkdir(parents=True)
         if step == first:
             _capture.write_safetensors(d / "model.safetensors", params)
-            if opt is not None:
+            if opt_tensors is not None:
+                tensors = []
+                for name, t in opt_tensors:
+                    t = t.float() if t.dtype == torch.float64 else t
+                    if t.dtype not in _FLOAT_TYPES and not name.endswith(".step"):
+                        raise BadInput(optimizer_path or args.checkpoint, f"state.{name}", f"is {t.dtype}")
+                    tensors.append((name, t.contiguous()))
+                tensors.append(("step", torch.tensor(adam_step or 0, dtype=torch.int64)))
+                _capture.write_safetensors(d / "optimizer.safetensors", tensors)
+            elif opt is not None:
                 tensors = []
                 for key, p in params:
                     m, v = moments[key] if moments is not None else (torch.zeros_like(p), torch.zeros_like(p))
@@ -237,7 +303,7 @@ def build(args):
             entry["original_offsets"] = extra[step]
         steps.append(entry)
 
-    optimizer = dict({"kind": "adamw"}, **hyper)
+    optimizer = section if section is not None else dict({"kind": "adamw"}, **hyper)
     if args.grad_clip is not None:
         optimizer["grad_clip"] = args.grad_clip
     manifest = {

@@ -14,6 +14,7 @@ from .build import build
 from .formats import FORMATS
 from .inputs import _check_regular
 from .naming import NAMINGS
+from .optimizer import optimizer_kind
 from .outcome import BadInput, _write_outcome, fail
 from .window import _TOKEN_WIDTH
 
@@ -25,6 +26,15 @@ def _parser(kind=argparse.ArgumentParser):
                                                         "torch.save file, or torch.distributed.checkpoint directory")
     ap.add_argument("--optimizer", help="AdamW state: a torch.save file or DCP directory (default: the checkpoint's own, "
                                         "when it holds one, or HF Trainer's optimizer.pt beside the weights)")
+    ap.add_argument("--optimizer-class", metavar="CLASS",
+                    help="the optimizer's class, module and name (torch.optim.AdamW, torch.optim.Adam, "
+                         "torch.optim.Adafactor, transformers.Adafactor, torch.optim.Muon); default: from the state's "
+                         "entry and param_group names where they say it, AdamW for exp_avg/exp_avg_sq")
+    ap.add_argument("--aux-optimizer", metavar="PATH",
+                    help="a second optimizer's torch.save'd state of the same run, over the parameters the first does "
+                         "not take (a torch.optim.Muon run's AdamW for embeddings, norms and the head)")
+    ap.add_argument("--aux-optimizer-class", metavar="CLASS",
+                    help="--aux-optimizer's class (default: from its state's names, as --optimizer-class)")
     ap.add_argument("--format", default="auto", choices=FORMATS)
     ap.add_argument("--naming", default="auto", choices=NAMINGS)
     ap.add_argument("--config", help="model config JSON (HF config.json, Meta params.json, nanoGPT/llama2.c model_args, "
@@ -103,7 +113,8 @@ def parse_args(argv):
         raise BadInput("command line", "--token-dtype", f"given {len(dtypes)} times for {len(args.data)} --data shards: "
                                                         "give it once for all of them, or once per shard")
     args.token_dtypes = dtypes * len(args.data) if len(dtypes) == 1 else dtypes
-    for flag, value in (("--checkpoint", args.checkpoint), ("--optimizer", args.optimizer), ("--config", args.config),
+    for flag, value in (("--checkpoint", args.checkpoint), ("--optimizer", args.optimizer),
+                        ("--aux-optimizer", args.aux_optimizer), ("--config", args.config),
                         ("--log", args.log), ("--samples", args.samples), *(("--data", d) for d in args.data)):
         if value is not None and os.path.exists(value):  # missing ones are named where they are read
             _check_regular(value, flag)
@@ -138,6 +149,9 @@ def parse_args(argv):
         raise BadInput("command line", "--rope-theta", "must be a finite number > 0")
     if args.tie_embeddings is not None:
         args.tie_embeddings = args.tie_embeddings == "true"
+    for flag, cls in (("--optimizer-class", args.optimizer_class), ("--aux-optimizer-class", args.aux_optimizer_class)):
+        if cls is not None:
+            optimizer_kind(cls, "command line", flag)  # an unknown class is refused before anything is read
     return args
 
 

@@ -25,6 +25,7 @@ _ALIASES = {  # manifest key: source keys in order of preference
     "norm_eps": ("norm_eps", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon",
                  "layernorm_epsilon"),
     "rope_theta": ("rope_theta", "rotary_base", "rope_base"),
+    "head_dim": ("head_dim",),  # Qwen3, Gemma 3: the shapes below read it; model.head_dim is an option
 }
 
 
@@ -213,8 +214,10 @@ def _settle_llama(sd, cfg, origin, prov, model, settle, need, H, args):
     if embed is None:
         raise BadInput(src, "model.embed_tokens.weight", "missing (after the naming preset)")
     V, C = embed.shape
+    # Layers counted by their first norm: input_layernorm, or OLMo 2's post_feedforward_layernorm (post-norm).
+    norm = "input_layernorm" if "model.layers.0.post_feedforward_layernorm.weight" not in sd else "post_feedforward_layernorm"
     L = 0
-    while f"model.layers.{L}.input_layernorm.weight" in sd:
+    while f"model.layers.{L}.{norm}.weight" in sd:
         L += 1
     if L == 0:
         raise BadInput(src, "model.layers.0.input_layernorm.weight", "missing (after the naming preset)")
@@ -222,13 +225,16 @@ def _settle_llama(sd, cfg, origin, prov, model, settle, need, H, args):
     settle("hidden_size", int(C), "embedding width")
     settle("num_layers", L, "layers")
     model["num_heads"] = H
-    if C % H:
+    head_dim = cfg.get("head_dim")  # a config's own head width (model_options() writes it as model.head_dim)
+    if C % H and head_dim is None:
         where, name = origin["num_heads"]
-        raise BadInput(FLAG_OF["num_heads"] if where == FLAGS_WHERE else where, name, f"{H} does not divide hidden_size {C}")
+        raise BadInput(FLAG_OF["num_heads"] if where == FLAGS_WHERE else where, name, f"{H} does not divide hidden_size {C}"
+                       + " and no config gives head_dim")
+    head_dim = head_dim or C // H
     k = sd.get("model.layers.0.self_attn.k_proj.weight")
     if k is None:
         raise BadInput(src, "model.layers.0.self_attn.k_proj.weight", "missing (after the naming preset)")
-    settle("num_kv_heads", int(k.shape[0]) // (C // H), "k_proj rows / head_dim")
+    settle("num_kv_heads", int(k.shape[0]) // head_dim, "k_proj rows / head_dim")
     gate = sd.get("model.layers.0.mlp.gate_proj.weight")
     if gate is not None:
         settle("intermediate_size", int(gate.shape[0]), "gate_proj rows")
@@ -340,10 +346,10 @@ def model_options(naming, configs, model, args):
                     continue  # a Meta-layout checkpoint next to an HF config: the weights decide
                 if value != _capture.LLAMA_OPTION_DEFAULTS[key] and key not in opts:
                     opts[key], notes[key] = value, (kind, f"{where}: {why.replace('model.config', 'config')}")
-            head_dim = raw.get("head_dim")
-            if isinstance(head_dim, int) and head_dim != model["hidden_size"] // model["num_heads"]:
-                raise BadInput(where, "head_dim", f"{head_dim}, but bundle v1's head_dim is hidden_size / num_heads = "
-                                                  f"{model['hidden_size'] // model['num_heads']}")
+    if "attention_mask" not in opts and not any("attention_mask" in raw for raw, _ in configs):
+        mask, why = _mask_convention(naming)
+        if mask != "exclude":  # exclude is the bundle's default: nothing to write or note
+            opts["attention_mask"], notes["attention_mask"] = mask, ("naming", why)
     if args.rope_style is not None:
         if args.rope_style == "interleaved":
             opts["rope_style"] = "interleaved"
@@ -352,6 +358,20 @@ def model_options(naming, configs, model, args):
         notes["rope_style"] = ("flag", "--rope-style" + (f" (overrides {notes['rope_style'][1]})"
                                                          if notes.get("rope_style") else ""))
     return opts, notes
+
+
+def _mask_convention(naming):
+    """(model.attention_mask, why) a checkpoint's naming implies where no config says: how its framework's
+    eager attention masks the scores. They differ only where a masked score is not finite (docs/import.md)."""
+    if naming == "meta":
+        return "additive_neg_inf", ("meta naming: llama2.c's and Meta's reference attention add a -inf mask to the "
+                                    "scores (a run through a fused causal kernel excludes instead: give "
+                                    "attention_mask 'exclude' in --config)")
+    if naming == "hf":
+        return "additive_finfo_min", ("hf naming: Hugging Face's eager attention adds finfo.min at masked keys (a run "
+                                      "with sdpa or flash attention on a GPU excludes instead: give attention_mask "
+                                      "'exclude' in --config)")
+    return "exclude", f"{naming} naming: its fused causal attention leaves masked keys out"
 
 
 def expected_parameters(model):

@@ -71,6 +71,32 @@ std::optional<double> positive_softcap(const JsonReader& model, const char* key)
   return finite_number_above(model, key, 0, false);
 }
 
+// Phi, GLM, StableLM: the share of each head's dimensions that rotary turns, in (0, 1].
+double rotary_fraction(const JsonReader& model) {
+  const double factor = finite_number_above(model, "partial_rotary_factor", 0, false);
+  if (factor > 1) {
+    throw InputError(model.file(), model.key_path("partial_rotary_factor"),
+                     "expected at most 1 (rotary on part of each head), got " + exact_number_text(factor));
+  }
+  return factor;
+}
+
+// The manifest's names of the ways a causal mask reaches the softmax, in AttentionMask's order.
+const std::vector<const char*>& attention_mask_names() {
+  static const std::vector<const char*> names = {"exclude", "additive_neg_inf", "additive_finfo_min",
+                                                 "fill_finfo_min"};
+  return names;
+}
+
+AttentionMask parse_attention_mask(const JsonReader& model) {
+  const std::string name = one_of(model, "attention_mask", attention_mask_names());
+  const auto& names = attention_mask_names();
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (name == names[i]) return static_cast<AttentionMask>(i);
+  }
+  throw std::logic_error("one_of returned a mask no row has");
+}
+
 }  // namespace
 
 // In the order they are parsed (and refused on gpt2): the first bad key is the one reported.
@@ -118,6 +144,32 @@ const std::vector<ModelOption>& llama_options() {
        [](const JsonReader& r, M& m) { m.sliding_window = dimension(r, "sliding_window"); },
        [](const M& m, J& j) {
          if (m.sliding_window > 0) j["sliding_window"] = m.sliding_window;
+       }},
+      // Qwen3, Gemma 3, GPT-OSS: a head width of its own (q_proj [heads * head_dim, hidden]);
+      // hidden_size / num_heads when absent. The head layout is checked after every option.
+      {"head_dim",
+       [](const JsonReader& r, M& m) { m.explicit_head_dim = dimension(r, "head_dim"); },
+       [](const M& m, J& j) {
+         if (m.explicit_head_dim > 0) j["head_dim"] = m.explicit_head_dim;
+       }},
+      {"partial_rotary_factor",
+       [](const JsonReader& r, M& m) { m.partial_rotary_factor = rotary_fraction(r); },
+       [](const M& m, J& j) {
+         if (m.partial_rotary_factor != 1.0) j["partial_rotary_factor"] = m.partial_rotary_factor;
+       }},
+      {"attention_mask",
+       [](const JsonReader& r, M& m) { m.attention_mask = parse_attention_mask(r); },
+       [](const M& m, J& j) {
+         if (m.attention_mask != AttentionMask::kExclude) {
+           j["attention_mask"] = attention_mask_names().at(static_cast<size_t>(m.attention_mask));
+         }
+       }},
+      {"norm_layout",
+       [](const JsonReader& r, M& m) {
+         m.norm_layout = one_of(r, "norm_layout", {"pre", "post"}) == "post" ? NormLayout::kPost : NormLayout::kPre;
+       },
+       [](const M& m, J& j) {
+         if (m.norm_layout == NormLayout::kPost) j["norm_layout"] = "post";
        }},
       // Each expert's width defaults to the model's intermediate_size, read before the options.
       {"moe",

@@ -16,6 +16,20 @@ const char* arch_name(Arch arch);
 // The llama family's model options, each as the Hugging Face model it comes from.
 enum class RopeStyle { kRotateHalf, kInterleaved };  // interleaved: Meta, torchtitan, llama2.c
 enum class QkNorm { kNone, kHead, kFull };           // head: Qwen3; full: OLMo 2
+// How the causal mask reaches the softmax. They differ only where a masked
+// score is not finite: excluded, a +inf or NaN at a future key is dropped;
+// added, it makes the query's whole row NaN (inf + -inf), as PyTorch computes.
+enum class AttentionMask : uint8_t {
+  kExclude,           // masked keys take no part (nanoGPT's masked_fill(-inf), fused causal kernels)
+  kAdditiveNegInf,    // scores + (-inf) at masked keys (llama2.c, Meta's llama, PyTorch's math SDPA)
+  kAdditiveFinfoMin,  // scores + fp32's finfo.min at masked keys (Hugging Face eager attention)
+  kFillFinfoMin,      // masked scores replaced by finfo.min of their type (Hugging Face GPT-2 eager)
+};
+
+// Where a block's norms sit. Pre: each sublayer reads a norm of the stream
+// (llama). Post (OLMo 2): each sublayer reads the stream itself and its output
+// is normalised before the residual add, h = x + norm(attn(x)).
+enum class NormLayout : uint8_t { kPre, kPost };
 
 // Llama 3.1's rotary frequency scaling (rope_type "llama3").
 struct RopeScaling {
@@ -57,11 +71,19 @@ struct ModelConfig {
   std::optional<double> final_logit_softcap;  // Gemma 2: c * tanh(logits / c)
   int64_t sliding_window = 0;                 // Mistral: 0 = full causal attention
   std::optional<MoeConfig> moe;               // Qwen3-MoE: experts in place of the dense MLP
+  int64_t explicit_head_dim = 0;              // Qwen3, Gemma 3: 0 = hidden_size / num_heads
+  double partial_rotary_factor = 1.0;         // Phi, GLM: rotary on the first int(head_dim * factor) dims
+  AttentionMask attention_mask = AttentionMask::kExclude;
+  NormLayout norm_layout = NormLayout::kPre;      // OLMo 2: post
   // Not a manifest key: the qk-norm what-if normalises q and k with unit
   // weights, which no checkpoint holds.
   bool qk_norm_unit_weights = false;
 
-  int64_t head_dim() const { return hidden_size / num_heads; }
+  int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_heads; }
+  // As Hugging Face computes it: int(head_dim * partial_rotary_factor), the product in double.
+  int64_t rotary_dim() const {
+    return static_cast<int64_t>(static_cast<double>(head_dim()) * partial_rotary_factor);
+  }
 };
 
 // The parameters a model may hold, by what they do. Their keys and shapes, and
@@ -87,6 +109,8 @@ enum class ParamRole : uint8_t {
   kOProjBias,
   kMlpNorm,
   kMlpNormBias,
+  kAttnPostNorm,       // llama with norm_layout post (OLMo 2): attention's output, then the MLP's
+  kMlpPostNorm,
   kGateProj,           // llama
   kUpProj,
   kUpBias,

@@ -15,6 +15,7 @@
 #include "loaders/base/error.h"
 #include "loaders/base/json_util.h"
 #include "loaders/bundle/bundle_paths.h"
+#include "loaders/bundle/optimizer_manifest.h"
 #include "loaders/bundle/provenance.h"
 
 namespace nanreplay {
@@ -91,12 +92,20 @@ void check_format_and_version(const JsonReader& root) {
 
 // ---- model ----------------------------------------------------------------
 
+// After the options: an explicit head_dim frees hidden_size from num_heads,
+// and partial_rotary_factor sets how many dimensions rotary turns.
 void check_head_layout(const JsonReader& model, const ModelConfig& config) {
-  if (config.hidden_size % config.num_heads != 0) {
+  if (config.explicit_head_dim == 0 && config.hidden_size % config.num_heads != 0) {
     throw InputError(model.file(), model.key_path("hidden_size"),
                      "expected a multiple of model.num_heads (" +
                          std::to_string(config.num_heads) + "), got " +
                          std::to_string(config.hidden_size));
+  }
+  // q_proj is [num_heads * head_dim, hidden_size]: kept to a dimension, so its element count fits 64 bits.
+  if (config.explicit_head_dim > 0 && config.num_heads * config.explicit_head_dim > kLargestDimension) {
+    throw InputError(model.file(), model.key_path("head_dim"),
+                     "expected num_heads * head_dim of at most 2^30, got " + std::to_string(config.num_heads) +
+                         " * " + std::to_string(config.explicit_head_dim));
   }
   if (config.num_heads % config.num_kv_heads != 0) {
     throw InputError(model.file(), model.key_path("num_kv_heads"),
@@ -104,7 +113,20 @@ void check_head_layout(const JsonReader& model, const ModelConfig& config) {
                          std::to_string(config.num_heads) + "), got " +
                          std::to_string(config.num_kv_heads));
   }
-  if (config.arch == Arch::kLlama && config.head_dim() % 2 != 0) {
+  if (config.arch == Arch::kLlama && config.partial_rotary_factor != 1.0 &&
+      (config.rotary_dim() < 2 || config.rotary_dim() % 2 != 0)) {
+    throw InputError(model.file(), model.key_path("partial_rotary_factor"),
+                     "expected int(head_dim * partial_rotary_factor) to be even and at least 2 (rotary turns "
+                     "pairs of dimensions), got int(" + std::to_string(config.head_dim()) + " * " +
+                         exact_number_text(config.partial_rotary_factor) + ") = " +
+                         std::to_string(config.rotary_dim()));
+  }
+  if (config.arch == Arch::kLlama && config.partial_rotary_factor == 1.0 && config.head_dim() % 2 != 0) {
+    if (config.explicit_head_dim > 0) {
+      throw InputError(model.file(), model.key_path("head_dim"),
+                       "expected an even head_dim for llama's rotary embeddings, got " +
+                           std::to_string(config.explicit_head_dim));
+    }
     throw InputError(model.file(), model.key_path("hidden_size"),
                      "expected an even head_dim (hidden_size / num_heads) for llama's rotary "
                      "embeddings, got " + std::to_string(config.hidden_size) + " / " +
@@ -156,7 +178,6 @@ ModelConfig parse_model(const JsonReader& model) {
   if (model.has("rope_theta")) {
     config.rope_theta = finite_number_above(model, "rope_theta", 0, false);
   }
-  check_head_layout(model, config);
   if (config.arch == Arch::kLlama) {
     config.intermediate_size = dimension(model, "intermediate_size");
     config.tie_embeddings = model.optional_boolean("tie_embeddings").value_or(false);
@@ -164,6 +185,7 @@ ModelConfig parse_model(const JsonReader& model) {
     apply_gpt2_rules(model, config);
   }
   parse_model_options(model, config);
+  check_head_layout(model, config);
   return config;
 }
 
@@ -200,51 +222,7 @@ PrecisionConfig parse_precision(const std::optional<JsonReader>& precision) {
 
 // ---- optimizer ------------------------------------------------------------
 
-double beta_at(const nlohmann::json& betas, size_t index, const std::string& file,
-               const std::string& key) {
-  const std::string path = indexed(key, index);
-  const double beta = number_from_json(betas[index], file, path);
-  if (!(beta >= 0.0 && beta < 1.0)) {
-    throw InputError(file, path, "expected a number in [0, 1), got " + exact_number_text(beta));
-  }
-  return beta;
-}
-
-std::vector<std::string> parse_string_list(const JsonReader& reader, const std::string& key) {
-  std::vector<std::string> strings;
-  const nlohmann::json& list = reader.array(key);
-  for (size_t i = 0; i < list.size(); ++i) {
-    if (!list[i].is_string()) {
-      throw InputError(reader.file(), indexed(reader.key_path(key), i),
-                       "expected a string, got " + json_describe(list[i]));
-    }
-    strings.push_back(list[i].get<std::string>());
-  }
-  return strings;
-}
-
-OptimizerConfig parse_optimizer(const JsonReader& optimizer) {
-  if (optimizer.has("kind")) one_of(optimizer, "kind", {"adamw"});
-  OptimizerConfig config;
-  if (optimizer.has("betas")) {
-    const nlohmann::json& betas = optimizer.array("betas");
-    if (betas.size() != 2) {
-      throw InputError(optimizer.file(), optimizer.key_path("betas"),
-                       "expected an array of 2 numbers, got " + std::to_string(betas.size()));
-    }
-    config.beta1 = beta_at(betas, 0, optimizer.file(), optimizer.key_path("betas"));
-    config.beta2 = beta_at(betas, 1, optimizer.file(), optimizer.key_path("betas"));
-  }
-  if (optimizer.has("eps")) config.eps = finite_number_above(optimizer, "eps", 0, false);
-  if (optimizer.has("weight_decay")) {
-    config.weight_decay = finite_number_above(optimizer, "weight_decay", 0, true);
-  }
-  if (optimizer.has("grad_clip")) {
-    config.grad_clip = finite_number_above(optimizer, "grad_clip", 0, false);
-  }
-  if (optimizer.has("no_decay")) config.no_decay = parse_string_list(optimizer, "no_decay");
-  return config;
-}
+OptimizerConfig parse_optimizer(const JsonReader& optimizer) { return parse_optimizer_config(optimizer); }
 
 // ---- data -----------------------------------------------------------------
 
@@ -431,6 +409,14 @@ IncidentInfo parse_incident(const JsonReader& incident) {
   IncidentInfo info;
   if (incident.has("step")) info.step = non_negative_integer(incident, "step");
   info.symptom = incident.optional_string("symptom").value_or("");
+  if (const std::optional<std::string> kind = incident.optional_string("kind")) {
+    if (*kind != "spike" && *kind != "nonfinite") {
+      throw InputError(incident.file(), incident.key_path("kind"),
+                       "expected \"spike\" or \"nonfinite\", got " + json_describe(nlohmann::json(*kind)));
+    }
+    info.kind = *kind == "spike" ? IncidentKind::kSpike : IncidentKind::kNonfinite;
+  }
+  if (auto spike = incident.optional_object("spike")) info.spike = parse_spike_thresholds(*spike);
   return info;
 }
 

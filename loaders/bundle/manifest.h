@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "loaders/arch/model_config.h"
+#include "loaders/bundle/spike_settings.h"
 
 namespace nanreplay {
 
@@ -30,15 +31,61 @@ struct PrecisionConfig {
   std::optional<Fp8Config> fp8;  // present when compute == kFp8
 };
 
-// AdamW as PyTorch's torch.optim.AdamW; absent keys take PyTorch's defaults.
-struct OptimizerConfig {
+// The update rule of optimizer.kind (docs/optimizers.md), each its class's.
+enum class OptimizerKind { kAdamW, kAdam, kAdafactor, kAdafactorHf, kMuon };
+
+// One parameter group's rule and hyper-parameters, under the class's own
+// keyword names; absent keys take that class's defaults (set by the parser
+// per kind: the defaults below are AdamW's).
+struct OptimizerRule {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  // Adam, AdamW: betas, eps, weight_decay, amsgrad, maximize; Adam's
+  // decoupled_weight_decay (torch >= 2.7) makes it AdamW.
   double beta1 = 0.9;
   double beta2 = 0.999;
-  double eps = 1e-8;
+  double eps = 1e-8;  // Adam/AdamW/Muon eps; Adafactor's pair below
   double weight_decay = 0.01;
+  bool amsgrad = false;
+  bool maximize = false;
+  bool decoupled_weight_decay = false;
+  // torch.optim.Adafactor: eps = (eps1, eps2), eps1 None = finfo(fp32).eps.
+  double beta2_decay = -0.8;
+  double d = 1.0;
+  std::optional<double> eps1;
+  double eps2 = 1e-3;
+  // transformers Adafactor: eps = (eps1, eps2) (1e-30, 1e-3), beta1 None = no first moment.
+  double clip_threshold = 1.0;
+  double decay_rate = -0.8;
+  std::optional<double> hf_beta1;
+  bool relative_step = true;
+  bool scale_parameter = true;
+  bool warmup_init = false;
+  // torch.optim.Muon (its eps is `eps` above, 1e-7 by default).
+  double momentum = 0.95;
+  bool nesterov = true;
+  double ns_a = 3.4445, ns_b = -4.7750, ns_c = 2.0315;
+  int64_t ns_steps = 5;
+  std::string adjust_lr_fn = "original";  // or "match_rms_adamw"
+  bool use_addmm = false;
+  // MuonClip: a muon group's qk_clip.tau.
+  std::optional<double> qk_clip_tau;
+};
+
+// optimizer.groups[i]: parameters matching one of `params` (first group wins).
+struct OptimizerGroup {
+  std::string name;
+  std::vector<std::string> params;  // fnmatch-style globs over keys
+  OptimizerRule rule;
+};
+
+// The run's optimizer: the top-level rule (parameters in no group), then groups.
+struct OptimizerConfig : OptimizerRule {
   std::optional<double> grad_clip;      // none: no clipping
   std::vector<std::string> no_decay;    // fnmatch-style globs over keys
+  std::vector<OptimizerGroup> groups;   // in the manifest's order
 };
+
+const char* optimizer_kind_name(OptimizerKind kind);
 
 struct ShardSpec {
   std::string path;  // as the manifest lists it (relative to the bundle)
@@ -82,6 +129,10 @@ struct StepEntry {
 struct IncidentInfo {
   std::optional<int64_t> step;
   std::string symptom;
+  // "kind": "spike" | "nonfinite"; absent: a window whose log spikes with
+  // nothing non-finite logged is taken as a spike (docs/spikes.md).
+  std::optional<IncidentKind> kind;
+  std::optional<SpikeThresholds> spike;  // "spike": the thresholds, where given
 };
 
 // A bundle `nanreplay minimize` wrote (docs/minimize.md): the bundle it was

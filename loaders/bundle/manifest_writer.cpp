@@ -2,6 +2,7 @@
 #include "loaders/bundle/manifest_writer.h"
 
 #include "loaders/arch/model_options.h"
+#include "loaders/bundle/optimizer_manifest.h"
 
 namespace nanreplay {
 
@@ -28,12 +29,7 @@ nlohmann::json precision_json(const PrecisionConfig& p) {
   return precision;
 }
 
-nlohmann::json optimizer_json(const OptimizerConfig& o) {
-  nlohmann::json optimizer = {{"kind", "adamw"}, {"betas", {o.beta1, o.beta2}}, {"eps", o.eps},
-                              {"weight_decay", o.weight_decay}, {"no_decay", o.no_decay}};
-  if (o.grad_clip) optimizer["grad_clip"] = *o.grad_clip;
-  return optimizer;
-}
+nlohmann::json optimizer_json(const OptimizerConfig& o) { return optimizer_config_json(o); }
 
 nlohmann::json data_json(const DataConfig& d) {
   nlohmann::json shards = nlohmann::json::array();
@@ -77,6 +73,8 @@ nlohmann::json manifest_json(const Manifest& m) {
   if (m.incident) {
     nlohmann::json incident = {{"symptom", m.incident->symptom}};
     if (m.incident->step) incident["step"] = *m.incident->step;
+    if (m.incident->kind) incident["kind"] = incident_kind_name(*m.incident->kind);
+    if (m.incident->spike) incident["spike"] = spike_thresholds_json(*m.incident->spike);
     out["incident"] = incident;
   }
   if (m.minimized) {

@@ -7,6 +7,7 @@
 // with the file and key, as are wrong types and a missing `step`.
 #include "loaders/bundle/step_state.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "loaders/base/error.h"
@@ -36,13 +37,37 @@ std::string number_text(double value) {
   return nlohmann::json(value).dump();
 }
 
-std::optional<double> parse_lr(const JsonReader& root) {
-  const std::optional<double> lr = root.optional_number("lr");
-  if (lr && !(*lr > 0 && *lr <= kMaxLearningRate)) {
-    throw InputError(root.file(), "lr",
-                     "expected a learning rate in (0, 1e3], got " + number_text(*lr) +
+double checked_lr(double lr, const std::string& file, const std::string& key) {
+  if (!(lr > 0 && lr <= kMaxLearningRate)) {
+    throw InputError(file, key,
+                     "expected a learning rate in (0, 1e3], got " + number_text(lr) +
                          " (a run cannot have trained with it; the file is corrupt or was written wrongly)");
   }
+  return lr;
+}
+
+// lr as an object: one learning rate per optimizer group name.
+std::map<std::string, double> parse_lr_by_group(const JsonReader& root) {
+  std::map<std::string, double> by_group;
+  if (!root.has("lr") || !root.json().at("lr").is_object()) return by_group;
+  const JsonReader lr = root.object("lr");
+  for (const auto& item : root.json().at("lr").items()) {
+    by_group[item.key()] = checked_lr(lr.number(item.key()), root.file(), lr.key_path(item.key()));
+  }
+  if (by_group.empty()) throw InputError(root.file(), "lr", "expected a number or a non-empty object of group names");
+  return by_group;
+}
+
+std::optional<double> parse_lr(const JsonReader& root, const std::map<std::string, double>& by_group) {
+  if (!by_group.empty()) {
+    const auto it = by_group.find("default");
+    if (it != by_group.end()) return it->second;
+    double largest = 0;
+    for (const auto& [group, lr] : by_group) largest = std::max(largest, lr);
+    return largest;
+  }
+  const std::optional<double> lr = root.optional_number("lr");
+  if (lr) checked_lr(*lr, root.file(), "lr");
   return lr;
 }
 
@@ -76,6 +101,45 @@ std::map<std::string, Fp8ModuleScales> parse_fp8_scales(const std::optional<Json
   return scales;
 }
 
+// A statistic of a site: finite and >= 0 (max |x| and rms are magnitudes of
+// finite elements, so anything else is a corrupt file, not a fault to replay).
+double site_statistic(const JsonReader& pair, const std::string& key) {
+  const double value = pair.number(key);
+  if (!(std::isfinite(value) && value >= 0)) {
+    throw InputError(pair.file(), pair.key_path(key),
+                     "expected a finite number >= 0 (a statistic of the finite elements), got " + number_text(value));
+  }
+  return value;
+}
+
+LoggedSiteStat site_stat_pair(const JsonReader& pair) {
+  return {site_statistic(pair, "max_abs"), site_statistic(pair, "rms")};
+}
+
+std::vector<LoggedSiteStat> site_stat_list(const JsonReader& site, const std::string& key) {
+  std::vector<LoggedSiteStat> pairs;
+  if (!site.has(key)) return pairs;
+  const nlohmann::json& list = site.array(key);
+  for (size_t i = 0; i < list.size(); ++i) {
+    pairs.push_back(site_stat_pair(JsonReader(list[i], site.file(), site.key_path(key) + "[" + std::to_string(i) + "]")));
+  }
+  return pairs;
+}
+
+std::map<std::string, LoggedSiteStats> parse_site_stats(const std::optional<JsonReader>& stats) {
+  std::map<std::string, LoggedSiteStats> sites;
+  if (!stats) return sites;
+  for (const auto& [name, value] : stats->json().items()) {
+    // Site names contain dots, so the key path quotes them.
+    const std::string path = "logged.site_stats[\"" + name + "\"]";
+    if (name.empty()) throw InputError(stats->file(), path, "expected a site name, got \"\"");
+    const JsonReader site(value, stats->file(), path);
+    sites[name] = LoggedSiteStats{site_stat_pair(site), site_stat_list(site, "per_head"),
+                                  site_stat_list(site, "per_expert")};
+  }
+  return sites;
+}
+
 LoggedMetrics parse_logged(const std::optional<JsonReader>& logged) {
   LoggedMetrics metrics;
   if (!logged) return metrics;
@@ -83,6 +147,7 @@ LoggedMetrics parse_logged(const std::optional<JsonReader>& logged) {
   metrics.grad_norm = logged->optional_number("grad_norm");
   metrics.rank_losses = number_list(*logged, "rank_losses");
   metrics.rank_grad_norms = number_list(*logged, "rank_grad_norms");
+  metrics.site_stats = parse_site_stats(logged->optional_object("site_stats"));
   return metrics;
 }
 
@@ -98,7 +163,8 @@ StepState parse_step_state(const std::string& json_text, const std::string& file
     throw InputError(file_label, "step",
                      "expected a non-negative integer, got " + std::to_string(state.step));
   }
-  state.lr = parse_lr(root);
+  state.lr_by_group = parse_lr_by_group(root);
+  state.lr = parse_lr(root, state.lr_by_group);
   state.loss_scale = parse_loss_scale(root);
   state.loss_scale_given = root.has("loss_scale");
   state.fp8_scales = parse_fp8_scales(root.optional_object("fp8_scales"));

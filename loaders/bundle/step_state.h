@@ -16,7 +16,22 @@ struct Fp8ModuleScales {
   std::optional<double> grad_output;
 };
 
+// What the run logged of one forward site: the largest finite |x| and the
+// root mean square of its finite elements over the step's micro-batches and
+// ranks, and the same pair per head or per expert where the site has them.
+struct LoggedSiteStat {
+  double max_abs = 0.0;
+  double rms = 0.0;
+};
+struct LoggedSiteStats {
+  LoggedSiteStat whole;
+  std::vector<LoggedSiteStat> per_head;
+  std::vector<LoggedSiteStat> per_expert;
+};
+
 struct LoggedMetrics {
+  // logged.site_stats, keyed by site name ("layers.1.attn.scores").
+  std::map<std::string, LoggedSiteStats> site_stats;
   std::optional<double> loss;
   std::optional<double> grad_norm;
   std::vector<double> rank_losses;
@@ -25,7 +40,19 @@ struct LoggedMetrics {
 
 struct StepState {
   int64_t step = 0;
+  // lr: a number for every group; or an object keyed by optimizer group name
+  // ("default": the top level), kept in lr_by_group, with `lr` its "default"
+  // entry or else its largest (only a tolerance and a presence mark: every
+  // update reads lr_of its parameter's group).
   std::optional<double> lr;
+  std::map<std::string, double> lr_by_group;
+  // The lr of optimizer group `group`; none when state.json gives none for it.
+  std::optional<double> lr_of(const std::string& group) const {
+    if (lr_by_group.empty()) return lr;
+    const auto it = lr_by_group.find(group);
+    if (it == lr_by_group.end()) return std::nullopt;
+    return it->second;
+  }
   double loss_scale = 1.0;
   bool loss_scale_given = false;  // state.json names it (a rolled-forward step otherwise carries the scale on)
   std::map<std::string, Fp8ModuleScales> fp8_scales;  // key: module prefix

@@ -12,6 +12,7 @@
 #include "probes/param_table.h"
 #include "replay/probing/device_stats.h"
 #include "replay/arch/experts.h"
+#include "replay/arch/head_logit_max.h"
 
 namespace nanreplay {
 
@@ -79,18 +80,59 @@ torch::Tensor llama3_scaled(const torch::Tensor& inv_freq, const RopeScaling& s)
   return torch::where(medium, smoothed, scaled);
 }
 
-// cos and sin tables (T, D) with frequencies theta^(-2i/D) (scaled for
+// cos and sin tables (T, R) with frequencies theta^(-2i/R) (scaled for
 // rope_scaling), computed as Hugging Face's LlamaRotaryEmbedding does in fp32.
+// R is the rotary width: head_dim, or its first int(head_dim * factor) dims
+// with partial_rotary_factor (Hugging Face's Phi: the frequencies over R).
 std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t seq, const ModelConfig& m, const torch::Device& device) {
-  const int64_t head_dim = m.head_dim();
+  const int64_t rotary_dim = m.rotary_dim();
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
   torch::Tensor inv_freq =
-      1.0 / torch::pow(m.rope_theta, torch::arange(0, head_dim, 2, f32) / static_cast<double>(head_dim));
+      1.0 / torch::pow(m.rope_theta, torch::arange(0, rotary_dim, 2, f32) / static_cast<double>(rotary_dim));
   if (m.rope_scaling) inv_freq = llama3_scaled(inv_freq, *m.rope_scaling);
   const torch::Tensor freqs = torch::outer(torch::arange(seq, f32), inv_freq);
   const torch::Tensor angles = m.rope_style == RopeStyle::kInterleaved ? freqs.repeat_interleave(2, -1)
                                                                         : torch::cat({freqs, freqs}, -1);
   return {angles.cos(), angles.sin()};
+}
+
+// Rotary on the first `rotary_dim` dims of x: (B, heads, T, D), the rest
+// passed through (Hugging Face's Phi: cat(rotated q_rot, q_pass)).
+torch::Tensor apply_partial_rotary(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                   RopeStyle style, int64_t rotary_dim) {
+  const int64_t D = x.size(-1);
+  if (rotary_dim == D) return apply_rotary(x, cos, sin, style);
+  return torch::cat({apply_rotary(x.narrow(-1, 0, rotary_dim), cos, sin, style), x.narrow(-1, rotary_dim, D - rotary_dim)},
+                    -1);
+}
+
+// The softmax's input: the (capped) scores with the causal mask applied as
+// the run applied it (model.attention_mask). Excluded keys are filled with
+// -inf whatever their score; an additive mask adds -inf or fp32's finfo.min,
+// so a +inf or NaN score at a future key turns its query's row NaN, as in
+// PyTorch; fill_finfo_min puts the smallest value of the type the scores are
+// held in (`held_in`) at masked keys.
+torch::Tensor apply_attention_mask(const torch::Tensor& scores, const torch::Tensor& visible, AttentionMask mask,
+                                   torch::ScalarType held_in) {
+  switch (mask) {
+    case AttentionMask::kExclude:
+      return scores.masked_fill(visible.logical_not(), -std::numeric_limits<float>::infinity());
+    case AttentionMask::kAdditiveNegInf:
+    case AttentionMask::kAdditiveFinfoMin: {
+      const double masked = mask == AttentionMask::kAdditiveNegInf ? -std::numeric_limits<float>::infinity()
+                                                                   : std::numeric_limits<float>::lowest();
+      const torch::Tensor additive = torch::zeros(visible.sizes(), scores.options().requires_grad(false))
+                                         .masked_fill(visible.logical_not(), masked);  // (T, T) fp32
+      return scores + additive;
+    }
+    case AttentionMask::kFillFinfoMin: {
+      const double lowest = held_in == torch::kBFloat16 ? -3.3895313892515355e38
+                            : held_in == torch::kHalf   ? -65504.0
+                                                        : static_cast<double>(std::numeric_limits<float>::lowest());
+      return scores.masked_fill(visible.logical_not(), lowest);
+    }
+  }
+  throw std::logic_error("unknown attention mask");
 }
 
 // Gemma 2's soft cap c * tanh(x / c), in fp32 from the (rounded) input.
@@ -120,10 +162,16 @@ torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, 
   // The scores site is before any soft cap: the cap hides how close they came to overflowing.
   const torch::Tensor scores =
       probes.site({SiteId::kAttnScores, layer}, numerics.attention_scores(q, k));  // (B, H, T, T)
-  const torch::Tensor visible_not = visible_keys(T, m.sliding_window, scores.device()).logical_not();
+  const torch::Tensor visible = visible_keys(T, m.sliding_window, scores.device());
+  HeadLogitRecorder::record(layer, scores, visible.logical_not());  // MuonClip's per-head maxima, when asked for
+  // The type the softmax's input is held in: the compute type's, unless a cap made it fp32.
+  const bool rounded = numerics.reduced() && numerics.rounds_site({SiteId::kAttnScores, layer});
+  const torch::ScalarType held_in =
+      rounded && !m.attn_logit_softcap ? numerics.low_type() : torch::kFloat32;
   const torch::Tensor probs = probes.site(
       {SiteId::kAttnProbs, layer},
-      torch::softmax(soft_capped(scores, m.attn_logit_softcap).masked_fill(visible_not, -std::numeric_limits<float>::infinity()), -1));
+      torch::softmax(apply_attention_mask(soft_capped(scores, m.attn_logit_softcap), visible, m.attention_mask, held_in),
+                     -1));
   const torch::Tensor context =
       probes.site({SiteId::kAttnContext, layer}, numerics.matmul(probs, v));  // (B, H, T, D)
   return context.transpose(1, 2).reshape({B, T, H * D});
@@ -181,10 +229,17 @@ torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor
   const ModelConfig& m = m_;
   ProbeSession& probes = probes_;
   const int64_t B = x.size(0), T = x.size(1), H = m.num_heads, G = m.num_kv_heads, D = m.head_dim();
+  const int64_t rotary_dim = m.rotary_dim();
   using R = ParamRole;
   const Weights w{p, Arch::kLlama};
   // With the layers split across devices, the activations follow the layer's weights.
-  const torch::Device device = w(R::kAttnNorm, layer).device();
+  const torch::Device device = w(R::kQProj, layer).device();
+  // Pre-norm (llama): each sublayer reads a norm of the stream. Post-norm (OLMo 2): it reads the
+  // stream itself, and its output is normalised before the residual add.
+  const bool post_norm = m.norm_layout == NormLayout::kPost;
+  auto sublayer_norm = [&](const torch::Tensor& in, R weight, SiteId site) {
+    return probes.site({site, layer}, rms_norm(in, w(weight, layer), m.norm_eps, probes, {site, layer}));
+  };
   if (x.device() != device) x = x.to(device);
   if (!cos_.defined()) std::tie(cos_, sin_) = rotary_tables(T, m, device);
   if (cos_.device() != device) {
@@ -193,7 +248,7 @@ torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor
   }
   auto rope = [&](const torch::Tensor& in, int64_t heads) {
     const torch::Tensor per_head = in.view({B, T, heads, D}).transpose(1, 2);  // (B, heads, T, D)
-    return apply_rotary(per_head, cos_, sin_, m.rope_style).transpose(1, 2).reshape({B, T, heads * D});
+    return apply_partial_rotary(per_head, cos_, sin_, m.rope_style, rotary_dim).transpose(1, 2).reshape({B, T, heads * D});
   };
   const Numerics block = numerics_.in_layer(layer);  // what-ifs may run a layer in fp32
   auto proj = [&](const torch::Tensor& in, R role, std::optional<R> bias = std::nullopt) {
@@ -214,9 +269,7 @@ torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor
             : rms_norm(in, scale, m.norm_eps, probes, ref);
     return rounded(normed);
   };
-  const torch::Tensor h = probes.site(
-      {SiteId::kAttnNorm, layer},
-      rms_norm(x, w(R::kAttnNorm, layer), m.norm_eps, probes, {SiteId::kAttnNorm, layer}));
+  const torch::Tensor h = post_norm ? x : sublayer_norm(x, R::kAttnNorm, SiteId::kAttnNorm);
   AttentionInputs attn;
   attn.q = probes.site({SiteId::kAttnQ, layer},
                        rope(qk_normed(proj(h, R::kQProj, with_bias(R::kQBias)), R::kQNorm, SiteId::kAttnQ, H), H));
@@ -224,11 +277,10 @@ torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor
                        rope(qk_normed(proj(h, R::kKProj, with_bias(R::kKBias)), R::kKNorm, SiteId::kAttnK, G), G));
   attn.v = probes.site({SiteId::kAttnV, layer}, proj(h, R::kVProj, with_bias(R::kVBias)));
   const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
-  const torch::Tensor attn_out = probes.site({SiteId::kAttnOut, layer}, proj(context, R::kOProj));
+  torch::Tensor attn_out = probes.site({SiteId::kAttnOut, layer}, proj(context, R::kOProj));
+  if (post_norm) attn_out = sublayer_norm(attn_out, R::kAttnPostNorm, SiteId::kAttnPostNorm);
   x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
-  const torch::Tensor h2 = probes.site(
-      {SiteId::kMlpNorm, layer},
-      rms_norm(x, w(R::kMlpNorm, layer), m.norm_eps, probes, {SiteId::kMlpNorm, layer}));
+  const torch::Tensor h2 = post_norm ? x : sublayer_norm(x, R::kMlpNorm, SiteId::kMlpNorm);
   torch::Tensor mlp_out;
   if (m.moe) {
     mlp_out = experts_mlp(m, p, h2, layer, block, probes, router_);
@@ -238,6 +290,7 @@ torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor
     const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, F::silu(gate) * up);  // (B, T, F)
     mlp_out = probes.site({SiteId::kMlpDown, layer}, proj(act, R::kDownProj));
   }
+  if (post_norm) mlp_out = sublayer_norm(mlp_out, R::kMlpPostNorm, SiteId::kMlpPostNorm);
   return probes.site({SiteId::kOutput, layer}, x + mlp_out);
 }
 

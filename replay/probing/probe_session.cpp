@@ -19,6 +19,7 @@
 #include "kernels/tensor_stats.h"
 #include "replay/probing/cuda_probe_stats.h"
 #include "replay/probing/device_stats.h"
+#include "replay/probing/largest_element.h"
 
 namespace nanreplay {
 
@@ -285,12 +286,17 @@ struct ProbeSession::State {
              const std::shared_ptr<const ExpertRouting>& routing = nullptr) {
     const SiteDef& def = site_def(ref.id);
     const bool deferred = scope.level == ProbeLevel::kFull && (!tensor.device().is_cpu() || defer_host);
+    const bool locate = context.locate_largest && phase == Phase::kForward && scope.level == ProbeLevel::kFull;
     if (routing && !deferred && scope.level == ProbeLevel::kFull) {
-      add(describe_host_experts(tensor, *routing, context.sample_ids), ref, phase);
+      std::vector<ProbeRecord> records = describe_host_experts(tensor, *routing, context.sample_ids);
+      if (locate) locate_largest_routed(records, tensor, *routing, context.sample_ids);
+      add(std::move(records), ref, phase);
       return;
     }
     if (!deferred) {
-      add(describe(tensor, def), ref, phase);
+      std::vector<ProbeRecord> records = describe(tensor, def);
+      if (locate) locate_largest(records, tensor, def, context.sample_ids, attention_window);
+      add(std::move(records), ref, phase);
       return;
     }
     const bool per_head = !routing && probed_per_head(tensor, &def);

@@ -27,6 +27,9 @@ struct BatchContext {
   int micro_batch = 0;
   int rank = 0;
   std::vector<int64_t> sample_ids;  // dataset index of each batch row
+  // Forward records of host tensors also name the sample and position of
+  // their largest finite |x| (a spike incident's origin; largest_element.h).
+  bool locate_largest = false;
 };
 
 // Statistics of a tensor laid out as `ref` says, decoded into a record (plus

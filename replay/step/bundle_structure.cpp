@@ -3,12 +3,15 @@
 // `inspect` and `run` name the same file and key for the same fault.
 #include "replay/step/bundle_structure.h"
 
+#include <algorithm>
 #include <sstream>
 #include <vector>
 
 #include "loaders/base/error.h"
 #include "loaders/base/message_text.h"
+#include "loaders/bundle/optimizer_manifest.h"
 #include "probes/sites.h"
+#include "replay/optim/state_layout.h"
 #include "replay/step/memory_estimate.h"
 
 namespace nanreplay {
@@ -100,24 +103,74 @@ void check_checkpoint_matches_model(const SafetensorsFile& checkpoint, const Mod
   }
 }
 
-void check_optimizer_state(const SafetensorsFile& optimizer, const ModelConfig& model) {
-  const TensorInfo& step = optimizer.at("step");
-  if ((step.dtype != DType::kI64 && step.dtype != DType::kF32) || step.numel() != 1) {
-    throw InputError(optimizer.label(), "step", "expected an I64 or F32 scalar");
-  }
+void check_optimizer_state(const SafetensorsFile& optimizer, const ModelConfig& model, const OptimizerConfig& config) {
   for (const ParamSpec& spec : parameters_backed_by(optimizer, model)) {
-    for (const char* moment : {".exp_avg", ".exp_avg_sq"}) {
-      const TensorInfo& info = optimizer.at(spec.name + moment);
+    const OptimizerRule& rule = *rule_of_param(config, spec.name).rule;
+    const TensorInfo* own_step = optimizer.find(spec.name + ".step");
+    const bool counted = own_step != nullptr || optimizer.find("step") != nullptr;
+    if (counted || rule.kind != OptimizerKind::kMuon) {  // Muon keeps no step count
+      const TensorInfo& step = own_step != nullptr ? *own_step : optimizer.at("step");
+      if ((step.dtype != DType::kI64 && step.dtype != DType::kF32 && step.dtype != DType::kF64) || step.numel() != 1) {
+        throw InputError(optimizer.label(), step.name, "expected an I64, F32 or F64 scalar");
+      }
+    }
+    for (const auto& [key, shape] : state_layout(rule, spec.shape)) {
+      const TensorInfo& info = optimizer.at(spec.name + "." + key);
       if (!is_parameter_dtype(info.dtype)) {
         throw InputError(optimizer.label(), info.name,
                          std::string("dtype ") + dtype_name(info.dtype) + " is not a moment type (expected F32, "
                                                                             "BF16 or F16)");
       }
-      if (info.shape != spec.shape) {
+      // torch's Adafactor factors may be saved without their kept dimension: same elements, accepted.
+      int64_t elements = 1;
+      for (int64_t d : shape) elements *= d;
+      const bool same = info.shape == shape || (rule.kind == OptimizerKind::kAdafactor && info.numel() == elements);
+      if (!same) {
         throw InputError(optimizer.label(), info.name,
-                         "has shape " + bracketed_list(info.shape) + ", expected " + bracketed_list(spec.shape) +
-                             " (the parameter's)");
+                         "has shape " + bracketed_list(info.shape) + ", expected " + bracketed_list(shape) + " (" +
+                             optimizer_class_name(rule.kind) + " state of a parameter of shape " +
+                             bracketed_list(spec.shape) + ")");
       }
+    }
+  }
+}
+
+void check_optimizer_state(const SafetensorsFile& optimizer, const ModelConfig& model) {
+  check_optimizer_state(optimizer, model, OptimizerConfig{});
+}
+
+// Muon takes matrices only (its class refuses anything else), and MuonClip
+// rescales the q_proj and k_proj heads of the llama family's attention.
+void check_optimizer_fits_model(const Manifest& m) {
+  if (!m.optimizer) return;
+  const OptimizerConfig& config = *m.optimizer;
+  const bool muon = config.kind == OptimizerKind::kMuon ||
+                    std::any_of(config.groups.begin(), config.groups.end(),
+                                [](const OptimizerGroup& g) { return g.rule.kind == OptimizerKind::kMuon; });
+  if (!muon) return;
+  for (const ParamSpec& spec : expected_parameters(m.model)) {
+    const ParamRule owner = rule_of_param(config, spec.name);
+    if (owner.rule->kind == OptimizerKind::kMuon && spec.shape.size() != 2) {
+      throw InputError("manifest.json", owner.group == "default" ? "optimizer.kind" : "optimizer.groups",
+                       "torch.optim.Muon takes 2-D parameters only; " + spec.name + " has shape " +
+                           bracketed_list(spec.shape) + " (give it a group of another kind)");
+    }
+  }
+  if (uses_qk_clip(config) && m.model.arch != Arch::kLlama) {
+    throw InputError("manifest.json", "optimizer.qk_clip",
+                     "MuonClip rescales q_proj and k_proj heads (the llama family); this model has no separate ones");
+  }
+}
+
+// Each step whose update the replay derives needs the lr of every group with parameters.
+void check_group_lrs(const Bundle& bundle, const StepFiles& files) {
+  const StepState state = bundle.load_state(files);
+  if (state.lr_by_group.empty()) return;
+  for (const ParamSpec& spec : expected_parameters(bundle.manifest().model)) {
+    const std::string group = rule_of_param(*bundle.manifest().optimizer, spec.name).group;
+    if (!state.lr_of(group)) {
+      throw InputError(files.label("state.json"), "lr." + group,
+                       "required: optimizer group " + group + " holds " + spec.name + " (\"default\": the top level)");
     }
   }
 }
@@ -152,11 +205,16 @@ void check_roll_forward(const Bundle& bundle) {
                        "required: step " + std::to_string(steps[i].step) +
                            " has no checkpoint and starts from this step's update");
     }
+    check_group_lrs(bundle, previous);
   }
 }
 
 void validate_bundle_structure(const Bundle& bundle) {
   const ModelConfig& model = bundle.manifest().model;
+  // Before the optimizer files are read: a Muon group over a vector is the manifest's fault, named there.
+  // (It lists the parameters only when a Muon rule exists: absurd model sizes are refused by the
+  // checkpoint check, which counts before listing, and that runs after.)
+  check_optimizer_fits_model(bundle.manifest());
   check_roll_forward(bundle);
   for (const StepFiles& files : bundle.steps()) {
     (void)bundle.load_state(files);
@@ -165,7 +223,7 @@ void validate_bundle_structure(const Bundle& bundle) {
                                    model);
     if (bundle.has_optimizer(files)) {
       check_optimizer_state(SafetensorsFile::open(files.optimizer.string(), files.label("optimizer.safetensors")),
-                            model);
+                            model, bundle.manifest().optimizer.value_or(OptimizerConfig{}));
     }
   }
   check_samples(bundle);

@@ -26,5 +26,8 @@ void check_checkpoint_matches_model(const SafetensorsFile& checkpoint, const Mod
 // parameter `<name>.exp_avg` and `<name>.exp_avg_sq` with its shape and a
 // floating-point dtype.
 void check_optimizer_state(const SafetensorsFile& optimizer, const ModelConfig& model);
+// The same under `config`: each parameter's state as its group's rule keeps it
+// (docs/optimizers.md), its update count `<param>.step` or `step`.
+void check_optimizer_state(const SafetensorsFile& optimizer, const ModelConfig& model, const OptimizerConfig& config);
 
 }  // namespace nanreplay

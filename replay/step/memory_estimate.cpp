@@ -72,7 +72,7 @@ ParamCount count_parameters(const ModelConfig& model, const Dims& d) {
   if (model.arch == Arch::kLlama) {
     const double kv = d.G * d.D;
     const ParamCount mlp = model.moe ? moe_parameters(*model.moe, d) : ParamCount{3 * d.F * d.C, 3};
-    const double per_layer = 2 * d.C + 2 * d.C * d.C + 2 * kv * d.C + mlp.elements;
+    const double per_layer = 2 * d.C + 2 * d.H * d.D * d.C + 2 * kv * d.C + mlp.elements;  // q and o: heads x head_dim
     const double head = model.tie_embeddings ? 0 : d.V * d.C;
     return {d.V * d.C + d.L * per_layer + d.C + head, 2 + (6 + mlp.tensors) * d.L + (model.tie_embeddings ? 0 : 1)};
   }

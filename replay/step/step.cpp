@@ -7,9 +7,12 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 
 #include <torch/torch.h>
 
+#include "replay/arch/head_logit_max.h"
+#include "replay/optim/optimizer.h"
 #include "replay/probing/cuda_probe_stats.h"
 #include "replay/probing/device_stats.h"
 #include "replay/step/step_model.h"
@@ -88,7 +91,7 @@ void run_pass(const PassLoop& loop, int rank, int micro, StepResult& result, int
   if (pass.rows.empty()) return;
   if (request.before_pass) request.before_pass(rank, micro, "forward");
   const torch::Tensor window = sample_windows(loop.in.tokens, pass.rows, data.seq_len);
-  pass.probes = std::make_unique<ProbeSession>(BatchContext{loop.in.step, micro, rank, pass.rows},
+  pass.probes = std::make_unique<ProbeSession>(BatchContext{loop.in.step, micro, rank, pass.rows, request.locate_largest},
                                                loop.arithmetic.numerics, ProbeScope{request.probes, {}},
                                                loop.arithmetic.model, request.defer_host_probes);
   pass.probes->share_kernel(loop.kernel);
@@ -215,8 +218,13 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
                       request.stop_at_first_bad && request.probes == ProbeLevel::kFlags};
   StepResult result;
   std::vector<PendingPass> passes;
+  std::optional<HeadLogitRecorder> logit_max;  // MuonClip reads the step's per-head maxima
+  if (in.manifest.optimizer && uses_qk_clip(*in.manifest.optimizer)) {
+    logit_max.emplace(arithmetic.model.num_layers, arithmetic.model.num_heads);
+  }
   const std::vector<torch::Tensor> rank_norms = run_passes(loop, result, passes);
   read_back_step(loop, passes, rank_norms, result);
+  if (logit_max) result.attn_logit_max = logit_max->maxima();
   if (result.complete) {
     // The system checks read the gradients on the host; a cheap pass only
     // looks for non-finite ones, where they are.

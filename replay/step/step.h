@@ -60,6 +60,9 @@ struct StepRequest {
   // Probe host tensors as device ones are (statistics left where they are,
   // read back once at the step's end): the tests' way to that path on a CPU.
   bool defer_host_probes = false;
+  // A spike incident: forward records also name their largest element's
+  // sample and position (replay/probing/largest_element.h).
+  bool locate_largest = false;
   PassProgress before_pass;
   // A layer-streamed replay: called before each block of each pass,
   // (rank, micro-batch, layer, "forward" | "backward"). May throw to stop.
@@ -85,6 +88,9 @@ struct StepResult {
   int64_t passes = 0;
   bool complete = true;  // every pass ran: loss, gradients and grad_norm hold
   std::map<std::pair<int, int>, std::vector<int64_t>> rows_of_pass;  // (micro-batch, rank) -> samples
+  // [layer][query head]: the largest scaled pre-softmax logit over every pass,
+  // recorded only when the optimizer asks for MuonClip (qk_clip).
+  std::vector<std::vector<double>> attn_logit_max;
 };
 
 // The step's arithmetic under overrides: model config, fp8 scales, numerics, loss scale.

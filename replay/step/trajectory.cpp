@@ -7,24 +7,15 @@
 #include <torch/torch.h>
 
 #include "loaders/base/error.h"
+#include "loaders/bundle/optimizer_manifest.h"
 #include "loaders/formats/safetensors.h"
+#include "replay/optim/clipping.h"
+#include "replay/optim/optimizer_state_file.h"
 #include "replay/step/step_scan.h"
 
 namespace nanreplay {
 
 namespace {
-
-int64_t updates_applied(const SafetensorsFile& optimizer) {
-  const TensorInfo& step = optimizer.at("step");
-  if (step.dtype == DType::kI64) {
-    int64_t value = 0;
-    std::memcpy(&value, step.data, 8);
-    return value;
-  }
-  float value = 0;
-  std::memcpy(&value, step.data, 4);
-  return static_cast<int64_t>(value);
-}
 
 // The host, streamed or not as `placement` is: rolling forward replays on the host.
 ComputePlacement host_only(const ComputePlacement& placement) {
@@ -38,69 +29,101 @@ ComputePlacement host_only(const ComputePlacement& placement) {
 void Trajectory::start(const Bundle& bundle, const StepFiles& files, std::shared_ptr<StreamScratch> scratch) {
   torch::NoGradGuard no_grad;
   manifest_ = &bundle.manifest();
+  const OptimizerConfig& config = *manifest_->optimizer;
   const ModelCheckpoint checkpoint(files, bundle.manifest().model);
   params_.clear();
   order_ = checkpoint.order();
-  const std::string label = files.label("optimizer.safetensors");
-  const SafetensorsFile optimizer = SafetensorsFile::open(files.optimizer.string(), label);
-  moments_ = AdamWMoments{};
-  moments_.step = updates_applied(optimizer);
+  const SafetensorsFile optimizer =
+      SafetensorsFile::open(files.optimizer.string(), files.label("optimizer.safetensors"));
+  moments_ = OptimizerMoments{};
   scratch_ = std::move(scratch);
+  std::vector<std::vector<int64_t>> shapes;
+  for (const ParamSpec& spec : expected_parameters(bundle.manifest().model)) shapes.push_back(spec.shape);
   if (scratch_) {
-    std::vector<std::vector<int64_t>> shapes;
-    for (const ParamSpec& spec : expected_parameters(bundle.manifest().model)) shapes.push_back(spec.shape);
     params_file_ = std::make_shared<ScratchTensors>(scratch_, "derived-parameters", shapes);
-    exp_avg_file_ = std::make_shared<ScratchTensors>(scratch_, "exp-avg", shapes);
-    exp_avg_sq_file_ = std::make_shared<ScratchTensors>(scratch_, "exp-avg-sq", shapes);
+    state_files_.clear();
+    scratch_steps_.assign(order_.size(), 0);
   }
   for (size_t i = 0; i < order_.size(); ++i) {
     const std::string& name = order_[i];
-    if (scratch_) {
-      params_file_->write(i, checkpoint.param(name));
-      checkpoint.release(name);
-    } else {
+    const OptimizerRule& rule = *rule_of_param(config, name).rule;
+    ParamState state = read_param_state(optimizer, name, shapes[i], rule);
+    if (!scratch_) {
       params_.emplace(name, checkpoint.params().at(name).detach().clone().requires_grad_(true));
+      moments_.params.push_back(std::move(state));
+      continue;
     }
-    for (const char* moment : {".exp_avg", ".exp_avg_sq"}) {
-      const TensorInfo& info = optimizer.at(name + moment);
-      torch::Tensor value = tensor_from_safetensors(info, label);
-      const bool average = std::string(moment) == ".exp_avg";
-      if (scratch_) {
-        (average ? exp_avg_file_ : exp_avg_sq_file_)->write(i, value);
-      } else {
-        (average ? moments_.exp_avg : moments_.exp_avg_sq).push_back(value.clone());
-      }
-      optimizer.release(info);
-    }
+    params_file_->write(i, checkpoint.param(name));
+    checkpoint.release(name);
+    scratch_steps_[i] = state.step;
+    for (const auto& [key, tensor] : state.tensors) state_file(key).write(i, tensor);
   }
+}
+
+// The scratch file of state `key`, made on first use with every parameter's
+// shape under its rule (a parameter without that state: an empty slot).
+ScratchTensors& Trajectory::state_file(const std::string& key) {
+  auto found = state_files_.find(key);
+  if (found != state_files_.end()) return *found->second;
+  std::vector<std::vector<int64_t>> shapes;
+  const std::vector<ParamSpec> specs = expected_parameters(manifest_->model);
+  for (const ParamSpec& spec : specs) {
+    std::vector<int64_t> shape{0};
+    for (const auto& [name, layout_shape] : state_layout(*rule_of_param(*manifest_->optimizer, spec.name).rule, spec.shape)) {
+      if (name == key) shape = layout_shape;
+    }
+    shapes.push_back(shape);
+  }
+  auto file = std::make_shared<ScratchTensors>(scratch_, "state-" + key, shapes);
+  return *state_files_.emplace(key, file).first->second;
+}
+
+ParamState Trajectory::scratch_state(size_t i) const {
+  ParamState state;
+  state.step = scratch_steps_.at(i);
+  for (const auto& [key, file] : state_files_) {
+    if (file->holds(i)) state.tensors[key] = file->read(i);
+  }
+  return state;
 }
 
 void Trajectory::advance(const StepResult& result, const StepState& state, bool scaler_skipped) {
   if (scaler_skipped) return;  // GradScaler: no update
-  if (!state.lr) throw std::logic_error("Trajectory::advance without lr (the structure check requires it)");
-  if (scratch_) return advance_on_scratch(result, *state.lr);
+  const std::string label = "step " + std::to_string(state.step);
+  const GroupLr lr_of = [&state, label](const std::string& group) {
+    const std::optional<double> lr = state.lr_of(group);
+    if (!lr) throw std::logic_error("Trajectory::advance without the lr of group " + group + " at " + label);
+    return *lr;
+  };
+  if (scratch_) return advance_on_scratch(result, lr_of);
   std::vector<torch::Tensor> plain, grads;
   for (size_t i = 0; i < order_.size(); ++i) {
     plain.push_back(params_.at(order_[i]).detach());
     grads.push_back(result.grads.at(i).to(plain.back().device()));  // a replay on a device: masters stay on the host
   }
-  adamw_update(plain, std::move(grads), result.grad_norm, moments_, *state.lr, *manifest_->optimizer, order_);
+  optimizer_update(plain, grads, result.grad_norm, moments_, lr_of, *manifest_->optimizer, order_,
+                   manifest_->model, result.attn_logit_max);
 }
 
-// adamw_update's arithmetic, one parameter at a time through the scratch files.
-void Trajectory::advance_on_scratch(const StepResult& result, double lr) {
+// optimizer_update's arithmetic, one parameter at a time through the scratch files.
+void Trajectory::advance_on_scratch(const StepResult& result, const GroupLr& lr_of) {
   torch::NoGradGuard no_grad;
   const OptimizerConfig& config = *manifest_->optimizer;
   const torch::Tensor coef = clip_coefficient(result.grad_norm, config);
   for (size_t i = 0; i < order_.size(); ++i) {
-    torch::Tensor param = params_file_->read(i), exp_avg = exp_avg_file_->read(i), exp_avg_sq = exp_avg_sq_file_->read(i);
-    adamw_step_one(param, result.grads[i] * coef, exp_avg, exp_avg_sq, moments_.step, lr, config,
-                   !excluded_from_decay(config, order_[i]));
+    const ParamRule owner = rule_of_param(config, order_[i]);
+    torch::Tensor param = params_file_->read(i);
+    ParamState state = scratch_state(i);
+    update_param(param, result.grads[i] * coef, state, lr_of(owner.group), *owner.rule,
+                 !excluded_from_decay(config, order_[i]));
     params_file_->write(i, param);
-    exp_avg_file_->write(i, exp_avg);
-    exp_avg_sq_file_->write(i, exp_avg_sq);
+    for (const auto& [key, tensor] : state.tensors) state_file(key).write(i, tensor);
+    scratch_steps_[i] = state.step;
   }
-  moments_.step += 1;
+  if (!uses_qk_clip(config)) return;
+  apply_qk_clip(config, manifest_->model, result.attn_logit_max, order_,
+                [this](size_t i) { return params_file_->read(i); },
+                [this](size_t i, const torch::Tensor& value) { params_file_->write(i, value); });
 }
 
 ModelCheckpoint Trajectory::checkpoint() const {
@@ -108,14 +131,10 @@ ModelCheckpoint Trajectory::checkpoint() const {
   return ModelCheckpoint([file = params_file_](size_t i) { return file->read(i); }, order_);
 }
 
-AdamWMoments Trajectory::moments() const {
+OptimizerMoments Trajectory::moments() const {
   if (!scratch_) return moments_;
-  AdamWMoments whole;
-  whole.step = moments_.step;
-  for (size_t i = 0; i < order_.size(); ++i) {
-    whole.exp_avg.push_back(exp_avg_file_->read(i));
-    whole.exp_avg_sq.push_back(exp_avg_sq_file_->read(i));
-  }
+  OptimizerMoments whole;
+  for (size_t i = 0; i < order_.size(); ++i) whole.params.push_back(scratch_state(i));
   return whole;
 }
 
@@ -173,7 +192,7 @@ RolledStart roll_to(const Bundle& bundle, int64_t step, const ComputePlacement& 
     trajectory.advance(result, state, skipped);
   }
   const StepState logged = bundle.load_state(*target);
-  std::optional<AdamWMoments> moments;
+  std::optional<OptimizerMoments> moments;
   if (!target->has_model) moments = trajectory.moments();
   return {target->has_model ? ModelCheckpoint(*target, m.model) : trajectory.checkpoint(),
           with_loss_scale(logged, scales.of(logged)), std::move(moments)};

@@ -1,20 +1,22 @@
-// Rolling forward from one checkpoint: the parameters and AdamW state a
+// Rolling forward from one checkpoint: the parameters and optimizer state a
 // replay carries from a step to the next when the next has no checkpoint of
-// its own. It holds one step's worth (parameters, both moments, the step
-// count, the fp16 loss scale) and updates them in place with the step's
-// replayed gradients, exactly as "the update between two steps" of the
-// bundle format says (clip_grad_norm_, then PyTorch's AdamW; an fp16 step the
-// scaler skips changes nothing and halves the scale). A layer-streamed
+// its own. It holds one step's worth (parameters, each one's optimizer state
+// and update count, the fp16 loss scale) and updates them in place with the
+// step's replayed gradients, exactly as "the update between two steps" of the
+// bundle format says (clip_grad_norm_, then each parameter group's rule with
+// its lr, then MuonClip; docs/optimizers.md; an fp16 step the scaler skips
+// changes nothing and halves the scale). A layer-streamed
 // replay keeps them on scratch files instead, one tensor at a time in memory.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "loaders/bundle/bundle.h"
-#include "replay/optim/adamw.h"
+#include "replay/optim/optimizer.h"
 #include "replay/step/checkpoint.h"
 #include "replay/step/layer_stream.h"
 #include "replay/step/step.h"
@@ -37,20 +39,26 @@ class Trajectory {
   // A copy of the current parameters that later updates leave alone.
   ModelCheckpoint snapshot() const;
   const std::vector<std::string>& order() const { return order_; }
-  // The AdamW state the next update starts from (minimize writes it as a
+  // The optimizer state the next update starts from (minimize writes it as a
   // derived step's optimizer.safetensors); read whole from scratch files.
-  AdamWMoments moments() const;
+  OptimizerMoments moments() const;
 
  private:
-  void advance_on_scratch(const StepResult& result, double lr);
+  void advance_on_scratch(const StepResult& result, const GroupLr& lr_of);
+  ScratchTensors& state_file(const std::string& key);
+  ParamState scratch_state(size_t i) const;
 
   const Manifest* manifest_ = nullptr;
   ParamMap params_;
   std::vector<std::string> order_;
-  AdamWMoments moments_;
-  // On scratch instead (a layer-streamed replay): parameters, exp_avg, exp_avg_sq.
+  OptimizerMoments moments_;
+  // On scratch instead (a layer-streamed replay): the parameters, one file
+  // per state name (a parameter without that state leaves its slot empty),
+  // and each parameter's update count.
   std::shared_ptr<StreamScratch> scratch_;
-  std::shared_ptr<ScratchTensors> params_file_, exp_avg_file_, exp_avg_sq_file_;
+  std::shared_ptr<ScratchTensors> params_file_;
+  std::map<std::string, std::shared_ptr<ScratchTensors>> state_files_;
+  std::vector<int64_t> scratch_steps_;
 };
 
 // fp16's loss scale along a rolled-forward window: a step's state.json
@@ -79,9 +87,9 @@ StepState with_loss_scale(StepState state, double loss_scale);
 struct RolledStart {
   ModelCheckpoint checkpoint;
   StepState state;
-  // A derived step's AdamW state (its parameters' moments and step count);
-  // none when the step has a checkpoint of its own.
-  std::optional<AdamWMoments> moments;
+  // A derived step's optimizer state (each parameter's state tensors and
+  // update count); none when the step has a checkpoint of its own.
+  std::optional<OptimizerMoments> moments;
 };
 // `placement`: where the steps before it replay (streamed: their parameters
 // and moments on scratch files too).

@@ -46,6 +46,7 @@ struct IncidentSettings {
   // bundle's data-parallel ranks; unset: the ranks when the bundle has
   // several and the model fits each process's memory, else the layers.
   std::optional<ProcessSplit> split;
+  SpikeOverrides spike;  // run's --incident-kind and --spike-* (docs/spikes.md)
 };
 
 // What the incident is opened for. A replay keeps every step's probe records

@@ -28,6 +28,7 @@
 #include "replay/step/bundle_structure.h"
 #include "replay/workflows/replay_engine.h"
 #include "replay/step/step_scan.h"
+#include "replay/optim/optimizer_state_file.h"
 #include "replay/step/trajectory.h"
 #include "reports/results/number_text.h"
 
@@ -394,13 +395,16 @@ class Minimizer {
     }
     if (next_kept) {  // the update to the next kept step is checked: its optimizer state goes too
       if (files.has_model && bundle_.has_optimizer(files)) {
-        std::vector<std::string> moments{"step"};
+        // Every kept parameter's state, whatever its optimizer names it (docs/optimizers.md).
+        const SafetensorsFile optimizer = SafetensorsFile::open(files.optimizer.string(), files.label("optimizer.safetensors"));
+        std::vector<std::string> moments;
+        if (optimizer.find("step") != nullptr) moments.push_back("step");
         for (const std::string& k : keep) {
-          moments.push_back(k + ".exp_avg");
-          moments.push_back(k + ".exp_avg_sq");
+          for (const TensorInfo& t : optimizer.tensors()) {
+            if (t.name.rfind(k + ".", 0) == 0) moments.push_back(t.name);
+          }
         }
-        copy_tensors(SafetensorsFile::open(files.optimizer.string(), files.label("optimizer.safetensors")), moments,
-                     dir / "optimizer.safetensors");
+        copy_tensors(optimizer, moments, dir / "optimizer.safetensors");
       } else if (start && start->moments) {
         write_moments(start->checkpoint.order(), *start->moments, dir / "optimizer.safetensors");
       }
@@ -418,6 +422,7 @@ class Minimizer {
   nlohmann::json state_json(const Plan& plan, const StepState& s) const {
     nlohmann::json j = {{"step", s.step}};
     if (s.lr) j["lr"] = *s.lr;
+    if (!s.lr_by_group.empty()) j["lr"] = s.lr_by_group;  // per optimizer group, as the run gave it
     double scale = s.loss_scale;
     if (!plan.original_layout && m_.precision.compute == Compute::kFp16) scale /= static_cast<double>(m_.data.grad_accum_steps);
     j["loss_scale"] = number_or_string(scale);
@@ -470,13 +475,13 @@ class Minimizer {
     writer.write(path.string());
   }
 
-  static void write_moments(const std::vector<std::string>& order, const AdamWMoments& moments, const fs::path& path) {
+  // Each parameter's state under its own names and its own `<param>.step`
+  // (the bundle format's per-parameter form), plus the scalar `step` of the
+  // first, which every reader of the AdamW-only format expects.
+  static void write_moments(const std::vector<std::string>& order, const OptimizerMoments& moments, const fs::path& path) {
     SafetensorsWriter writer;
-    for (size_t i = 0; i < order.size(); ++i) {
-      add_f32(writer, order[i] + ".exp_avg", moments.exp_avg.at(i));
-      add_f32(writer, order[i] + ".exp_avg_sq", moments.exp_avg_sq.at(i));
-    }
-    writer.add("step", DType::kI64, {}, &moments.step, sizeof(int64_t));
+    for (size_t i = 0; i < order.size(); ++i) add_param_state(writer, order[i], moments.params.at(i));
+    if (!moments.params.empty()) writer.add("step", DType::kI64, {}, &moments.params.front().step, sizeof(int64_t));
     writer.write(path.string());
   }
 

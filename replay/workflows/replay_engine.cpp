@@ -28,6 +28,7 @@
 #include "replay/step/trajectory.h"
 #include "reports/triage/data/origin_tokens.h"
 #include "reports/triage/numeric/numeric_rules.h"
+#include "reports/triage/spike_origin.h"
 #include "reports/triage/system/self_checks.h"
 #include "reports/triage/triage.h"
 
@@ -78,6 +79,7 @@ class BundleReplay {
     for (const StepFiles& files : bundle.steps()) {
       if (!options.only_steps || options.only_steps->count(files.step)) todo_.push_back(&files);
     }
+    plan_spike_incident();
   }
 
   // Before any replay: the shards against their checksums, the checkpoints for non-finite values.
@@ -110,6 +112,8 @@ class BundleReplay {
     }
     report_.first_nonfinite = first_;
     report_.reproduced = first_.has_value();
+    report_.spike = judge_spike(spike_plan_, report_.steps,
+                                spike_locator_ ? spike_locator_->origin() : std::optional<SpikeOrigin>{});
   }
 
   // The failing step (or the last one) replayed again: on this machine, and on the second device.
@@ -141,6 +145,15 @@ class BundleReplay {
   }
 
  private:
+  // A spike incident is known from the manifest and the logged series before any
+  // replay: its steps then also locate each site's largest element.
+  void plan_spike_incident() {
+    std::vector<StepState> logged;
+    for (const StepFiles* files : todo_) logged.push_back(bundle_.load_state(*files));
+    spike_plan_ = plan_spike(m_.incident, logged, options_.spike);
+    if (spike_plan_.active) spike_locator_.emplace(spike_plan_.thresholds);
+  }
+
   void add(const std::vector<Finding>& more) { report_.findings.insert(report_.findings.end(), more.begin(), more.end()); }
 
   void replay_one(const StepFiles& files, size_t index) {
@@ -228,8 +241,10 @@ class BundleReplay {
         options_.on_progress({index, todo_.size(), files.step, rank, micro, phase, layer, static_cast<int>(m_.model.num_layers)});
       }
     };
+    request.locate_largest = spike_locator_.has_value();
     StepResult step =
         replay_step({m_, bundle_.tokens(), files.step, state, batch}, checkpoint, placement_, request);
+    if (spike_locator_) spike_locator_->step_done(files.step, step.probes, spike_plan_.step);
     record_step(files, state, checkpoint, step, outcome);
     const bool last = report_.steps.size() + 1 == todo_.size();
     if (outcome.derived && ((last && !first_) || (first_ && first_->step == files.step))) {
@@ -378,6 +393,8 @@ class BundleReplay {
   std::optional<ModelCheckpoint> recheck_params_;
   ProbeRetention retention_{report_.probes};  // with on_step_probes
   std::future<HostStep> next_host_step_;  // prepare_ahead: the next step's host share
+  SpikePlan spike_plan_;
+  std::optional<SpikeLocator> spike_locator_;  // a spike incident only
 };
 
 }  // namespace

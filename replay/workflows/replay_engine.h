@@ -35,6 +35,7 @@ struct ReplayOptions {
   std::function<bool()> should_stop;  // polled between micro-batches; true: throws Interrupted
   std::string tool_version;
   std::optional<TriageThresholds> thresholds;  // default: for the bundle's precision
+  SpikeOverrides spike;  // run's --spike-* flags and --incident-kind (docs/spikes.md)
   bool check_updates = true;      // model(s+1) against AdamW(model(s)): flipped bits
   bool check_determinism = true;  // one step replayed twice, compared bitwise
   // "cpu", "cuda:N", or two devices: the layers split across them, or with

@@ -18,6 +18,7 @@
 #include "reports/triage/numeric/expert_load.h"
 #include "reports/outputs/html_charts.h"
 #include "reports/outputs/next_step.h"
+#include "reports/outputs/spike_output.h"
 #include "reports/outputs/terminal_text.h"
 
 namespace nanreplay {
@@ -258,6 +259,11 @@ std::string render_origin_chart(const ReplayReport& report) {
 
 std::string render_verdict(const ReplayReport& report) {
   std::ostringstream out;
+  if (report.spike) {  // not reproduced: before anything else
+    out << "<section class=\"verdict bad\" id=\"spike\">"
+        << "<div class=\"site\">" << (report.spike->reproduced ? "SPIKE" : "SPIKE NOT REPRODUCED") << "</div>"
+        << "<div class=\"coords\">" << escape_html(spike_sentence(*report.spike)) << "</div></section>";
+  }
   const ReproductionCheck& r = report.reproduction;
   if (r.reproduces && !*r.reproduces) {
     out << "<section class=\"verdict bad\" id=\"reproduction\"><div class=\"site\">DOES NOT REPRODUCE THE RUN</div>"

@@ -10,6 +10,7 @@
 #include "loaders/base/error.h"
 #include "reports/triage/numeric/expert_load.h"
 #include "reports/outputs/next_step.h"
+#include "reports/outputs/spike_output.h"
 #include "reports/outputs/terminal_text.h"
 
 namespace nanreplay {
@@ -84,8 +85,16 @@ void write_next_step(std::ostringstream& out, const ReplayReport& report) {
   out << "\n";
 }
 
+// A spike incident: not reproduced leads the page; reproduced follows the reproduction check.
+void write_spike(std::ostringstream& out, const ReplayReport& report, bool reproduced) {
+  if (!report.spike || report.spike->reproduced != reproduced) return;
+  out << "**" << escape_markdown(spike_sentence(*report.spike)) << "**\n\n";
+}
+
 void write_verdict(std::ostringstream& out, const ReplayReport& report) {
+  write_spike(out, report, false);
   write_reproduction(out, report);
+  write_spike(out, report, true);
   write_trajectory(out, report);
   if (report.first_nonfinite) {
     const FirstNonfinite& f = *report.first_nonfinite;

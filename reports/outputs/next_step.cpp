@@ -145,6 +145,13 @@ Kind clean_kind(const ReplayReport& report) {
   return Kind::kWorthALook;
 }
 
+bool rolled_forward_divergence(const ReplayReport& report) {
+  return std::any_of(report.findings.begin(), report.findings.end(), [](const Finding& f) {
+    return f.code == FindingCode::kSystemTrajectoryDiverged &&
+           f.evidence.text(EvidenceKey::kReplayedFrom) != std::optional<std::string>("checkpoint");
+  });
+}
+
 Kind next_step_kind(const ReplayReport& report) {
   // What the bundle or the machine did comes before anything the replay shows.
   static const std::vector<std::pair<FindingCode, Kind>> overriding = {
@@ -153,12 +160,15 @@ Kind next_step_kind(const ReplayReport& report) {
       {FindingCode::kSystemBitFlip, Kind::kMachine},
       {FindingCode::kSystemRankMismatch, Kind::kMachine},
       {FindingCode::kSystemDeviceMismatch, Kind::kMachine},
+      {FindingCode::kSystemSiteMismatch, Kind::kMachine},
       {FindingCode::kCheckpointNonfinite, Kind::kCheckpoint},
       {FindingCode::kSystemTrajectoryDiverged, Kind::kReplayNearer},
       {FindingCode::kSystemNotReproducible, Kind::kNotReproduced},
       {FindingCode::kDataTokenOutOfRange, Kind::kBadData},
   };
   for (const auto& [code, kind] : overriding) {
+    // A checkpoint step off the log needs no nearer checkpoint: it started from one.
+    if (code == FindingCode::kSystemTrajectoryDiverged && !rolled_forward_divergence(report)) continue;
     if (has_code(report, code) && (kind != Kind::kNotReproduced || verdict_names_a_cause(report))) return kind;
   }
   return report.first_nonfinite ? origin_kind(report) : clean_kind(report);

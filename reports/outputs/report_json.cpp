@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "reports/outputs/next_step.h"
+#include "reports/outputs/spike_output.h"
 
 namespace nanreplay {
 
@@ -189,6 +190,8 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   out["precision"] = compute_name(report.precision);
   out["reproduced"] = report.reproduced;
   out["first_nonfinite"] = first_nonfinite_json(report.first_nonfinite);
+  out["spike"] = spike_json(report.spike);
+  out["spike_check"] = spike_check_json(report.spike);
   out["reproduction"] = reproduction_json(report.reproduction);
   out["origin_tokens"] = origin_tokens_json(report.origin_tokens);
   nlohmann::json steps = nlohmann::json::array();

@@ -9,6 +9,7 @@
 
 #include "loaders/base/error.h"
 #include "reports/outputs/next_step.h"
+#include "reports/outputs/spike_output.h"
 
 namespace nanreplay {
 
@@ -143,9 +144,18 @@ std::string verdict_close(const ReplayReport& report, const TextStyle& style) {
 
 std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
   std::ostringstream out;
+  // A spike the replay does not reproduce is said before anything else.
+  if (report.spike && !report.spike->reproduced) {
+    out << paint(style, "1;31", "SPIKE NOT REPRODUCED") << "  "
+        << printable(spike_sentence(*report.spike).substr(std::string("SPIKE NOT REPRODUCED: ").size())) << "\n";
+  }
   out << "bundle  " << printable(report.bundle) << "  (" << arch_name(report.arch) << ", "
       << compute_name(report.precision) << ", " << report.steps.size() << " steps)\n";
   out << reproduction_line(report, style);
+  if (report.spike && report.spike->reproduced) {
+    out << paint(style, "1;33", "SPIKE") << "  "
+        << printable(spike_sentence(*report.spike).substr(std::string("SPIKE: ").size())) << "\n";
+  }
   if (report.first_nonfinite) {
     const FirstNonfinite& f = *report.first_nonfinite;
     out << paint(style, "1;31", "REPRODUCED") << "  first non-finite value: step " << f.step << ", "

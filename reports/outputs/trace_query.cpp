@@ -15,8 +15,8 @@
 
 namespace nanreplay {
 
-// The fnmatch-style glob of replay/optim/adamw.h (`*` any run, `?` one character),
-// declared here so this file stays free of LibTorch headers.
+// The fnmatch-style glob of loaders/bundle/optimizer_manifest.h (`*` any run, `?` one character),
+// declared here as before (the header is torch-free too).
 bool glob_match(const std::string& pattern, const std::string& name);
 
 std::optional<Phase> parse_phase(const std::string& name) {

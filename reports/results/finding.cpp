@@ -76,6 +76,8 @@ const std::vector<FindingCodeDef>& finding_code_table() {
        "the job logged a per-rank number by another convention than the bundle's; compared by the job's"},
       {C::kNumericRouterCollapse, "NUMERIC_ROUTER_COLLAPSE", L::kNumeric, S::kWarning,
        "a mixture of experts' layer sent far more than its share of tokens to one expert, or none to one"},
+      {C::kSystemSiteMismatch, "SYSTEM_SITE_MISMATCH", L::kSystem, S::kError,
+       "a forward site's replayed max |x| or rms differs from what the run logged for it beyond rounding"},
   };
   return table;
 }
@@ -114,6 +116,7 @@ const std::vector<EvidenceKeyDef>& evidence_key_table() {
       {K::kOriginalOffset, "original_offset", false},
       {K::kLayer, "layer", false},      {K::kShare, "share", false},
       {K::kTokens, "tokens", false},
+      {K::kStatistic, "statistic", false}, {K::kReplayedFrom, "replayed_from", false},
   };
   return table;
 }

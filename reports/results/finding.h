@@ -47,6 +47,7 @@ enum class FindingCode : uint8_t {
   kSystemTrajectoryDiverged,
   kSystemLogConvention,
   kNumericRouterCollapse,
+  kSystemSiteMismatch,
 };
 
 struct FindingCodeDef {
@@ -68,6 +69,7 @@ enum class EvidenceKey : uint8_t {
   kPhase, kSamples, kZ, kHeadroomBits, kSteps, kLastStep, kConsequence, kLastCleanStep, kParams,
   kImplicated, kTypical, kSiteLength, kNorm, kTypicalNorm, kGaps, kCauses, kCheckedSteps, kTolerance,
   kMaxRelativeGap, kRelative, kOriginalSample, kOriginalOffset, kLayer, kShare, kTokens,
+  kStatistic, kReplayedFrom,
 };
 
 struct EvidenceKeyDef {

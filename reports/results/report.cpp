@@ -88,7 +88,9 @@ int exit_status_for(const ReplayReport& report) {
   for (const Finding& finding : report.findings) {
     error_finding = error_finding || finding.severity == Severity::kError;
   }
-  return static_cast<int>(report.reproduced || error_finding ? ExitStatus::kFound : ExitStatus::kClean);
+  const bool spike_named = report.spike && report.spike->origin.has_value();
+  return static_cast<int>(report.reproduced || error_finding || spike_named ? ExitStatus::kFound
+                                                                            : ExitStatus::kClean);
 }
 
 }  // namespace nanreplay

@@ -14,6 +14,7 @@
 #include "loaders/bundle/manifest.h"
 #include "probes/probe_record.h"
 #include "reports/results/finding.h"
+#include "reports/results/spike.h"
 #include "reports/results/timings.h"
 
 namespace nanreplay {
@@ -234,6 +235,8 @@ struct ReplayReport {
   ReproductionCheck reproduction;
   double elapsed_seconds = 0.0;
   PhaseTimings timings;
+  // A spike incident (docs/spikes.md); none for any other bundle.
+  std::optional<SpikeReport> spike;
   // `run --what-if`: one outcome per what-if, in the order given.
   std::optional<std::vector<WhatIfOutcome>> what_if;
 };

@@ -5,6 +5,8 @@
 #include "reports/triage/data/data_findings.h"
 #include "reports/triage/numeric/expert_load.h"
 #include "reports/triage/provenance_note.h"
+#include "reports/triage/spike_origin.h"
+#include "reports/triage/system/site_mismatch.h"
 #include "reports/triage/triage_rules.h"
 #include "reports/triage/verdict.h"
 
@@ -50,6 +52,7 @@ StepTriage triage_step(const StepEvidence& e, const TriageThresholds& t) {
   triage.rank_norms_logged_global = rank_norms_logged_global(outcome, e.state, t);
   append_findings(findings, rank_mismatch_findings(outcome, e.state, t, triage.rank_norms_logged_global));
   append_findings(findings, scaler_skip_findings(outcome, e.state, e.compute));
+  append_findings(findings, site_mismatch_findings(outcome.step, e.state, e.probes, e.model, e.compute));
   return triage;
 }
 
@@ -73,6 +76,7 @@ std::vector<Finding> triage_recheck(const RecheckEvidence& e) {
 
 void triage_verdict(ReplayReport& report, const TriageThresholds& thresholds, const Manifest& manifest) {
   settle_verdict(report, thresholds);
+  name_spike_as_cause(report);
   note_defaulted_values(report);
   annotate_original_samples(report, manifest);
 }

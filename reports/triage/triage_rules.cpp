@@ -51,6 +51,14 @@ const std::vector<RootCauseRule>& root_cause_rules() {
                 std::to_string(f.evidence.integer(K::kStep).value_or(-1)) +
                 "): silent data corruption, not the model or the data";
        }},
+      // The machine computed something else than the replay at a site, at or before the failure.
+      {C::kSystemSiteMismatch, W::kAlways,
+       [](const Finding& f, const ReplayReport& r) {
+         return !r.first_nonfinite || f.evidence.integer(K::kStep).value_or(0) <= r.first_nonfinite->step;
+       },
+       [](const Finding& f, const ReplayReport&) {
+         return "the training machine computed something else than the replay: " + f.message;
+       }},
       {C::kCheckpointNonfinite, W::kAlways, is_error,
        [](const Finding& f, const ReplayReport&) {
          return "the checkpoint itself already holds non-finite values (" + f.message + "): the replay only propagates them";
@@ -58,6 +66,8 @@ const std::vector<RootCauseRule>& root_cause_rules() {
       // A roll-forward that left the run before the failure explains nothing about the run's failure.
       {C::kSystemTrajectoryDiverged, W::kAlways,
        [](const Finding& f, const ReplayReport& r) {
+         // A checkpoint step off the log is a warning beside the verdict, not a roll-forward that left the run.
+         if (f.evidence.text(K::kReplayedFrom) == std::optional<std::string>("checkpoint")) return false;
          return !r.first_nonfinite || f.evidence.integer(K::kStep).value_or(0) <= r.first_nonfinite->step;
        },
        [](const Finding& f, const ReplayReport&) {

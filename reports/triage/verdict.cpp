@@ -240,6 +240,45 @@ const char* implicated_by(const ReplayReport& report, const Finding& f) {
   return nullptr;
 }
 
+// A replayed step's loss or gradient norm against the logged one (SYSTEM_TRAJECTORY_DIVERGED).
+struct TrajectoryGap {
+  int64_t step = 0;
+  const char* tensor = "loss";  // "loss" or "grad_norm"
+  double logged = 0.0, replayed = 0.0, relative = 0.0, tolerance = 0.0;
+};
+
+// The step's finite logged values against its replay (the loss as the log's convention says it was logged).
+std::vector<TrajectoryGap> trajectory_gaps(const StepOutcome& s, const LossConvention& convention) {
+  std::vector<TrajectoryGap> gaps;
+  if (s.logged_loss && std::isfinite(*s.logged_loss) && std::isfinite(s.loss)) {
+    const double replayed = replayed_as_logged(s, convention);
+    if (std::isfinite(replayed)) gaps.push_back({s.step, "loss", *s.logged_loss, replayed, logged_gap(*s.logged_loss, replayed)});
+  }
+  if (s.logged_grad_norm && std::isfinite(*s.logged_grad_norm) && std::isfinite(s.grad_norm) && !s.scaler_skipped) {
+    gaps.push_back({s.step, "grad_norm", *s.logged_grad_norm, s.grad_norm, logged_gap(*s.logged_grad_norm, s.grad_norm)});
+  }
+  return gaps;
+}
+
+Finding trajectory_finding(const TrajectoryGap& g, bool derived) {
+  const std::string what = std::string(g.tensor) == "loss" ? "loss " : "gradient norm ";
+  const std::string how = derived ? " (rolled forward from an earlier checkpoint)" : " (from its own checkpoint)";
+  const std::string why =
+      derived ? ": from here on the replay follows its own trajectory, not the run's. Causes: a fault in the run "
+                "between the checkpoints (a flipped bit, a nondeterministic step), optimizer settings other than the "
+                "manifest's, or rounding compounded over many steps; replay from a checkpoint nearer the failure"
+              : ": the run left the replay here although it started from the same parameters. Causes: the machine "
+                "computed something else (silent data corruption), a nondeterministic kernel, or a batch other than "
+                "the bundle's";
+  return make_finding(
+      FindingCode::kSystemTrajectoryDiverged, Severity::kWarning,
+      "step " + std::to_string(g.step) + how + " replays to " + what + format_number(g.replayed) +
+          " where the job logged " + format_number(g.logged) + " (relative " + format_number(g.relative) +
+          ", tolerance " + format_number(g.tolerance) + ")" + why,
+      {{K::kStep, g.step}, {K::kExpected, g.logged}, {K::kAfter, g.replayed}, {K::kTensor, g.tensor},
+       {K::kRelative, g.relative}, {K::kTolerance, g.tolerance}, {K::kReplayedFrom, derived ? "derived" : "checkpoint"}});
+}
+
 }  // namespace
 
 void judge_reproduction(ReplayReport& report, const TriageThresholds& t) {
@@ -289,32 +328,27 @@ void judge_reproduction(ReplayReport& report, const TriageThresholds& t) {
 void judge_trajectory(ReplayReport& report, const TriageThresholds& t, const LossConvention& convention) {
   std::optional<ReproductionCheck::Trajectory>& trajectory = report.reproduction.trajectory;
   trajectory.reset();
-  const StepOutcome* diverged = nullptr;
+  // A checkpoint step off the log is judged here only while the window as a
+  // whole replays the run; otherwise BUNDLE_DOES_NOT_REPRODUCE says it all.
+  const bool judge_checkpoints = report.reproduction.reproduces.value_or(true);
+  std::optional<TrajectoryGap> first_checkpoint, first_derived;
   for (const StepOutcome& s : report.steps) {
-    if (!s.derived) continue;
-    if (!trajectory) trajectory = ReproductionCheck::Trajectory{0, t.trajectory_rel_tol, 0.0, std::nullopt};
-    if (!s.replayed || !s.logged_loss || !std::isfinite(*s.logged_loss) || !std::isfinite(s.loss)) continue;
-    const double replayed = replayed_as_logged(s, convention);
-    if (!std::isfinite(replayed)) continue;
-    ++trajectory->checked_steps;
-    const double gap = logged_gap(*s.logged_loss, replayed);
-    trajectory->max_gap = std::max(trajectory->max_gap, gap);
-    if (gap > t.trajectory_rel_tol && diverged == nullptr) diverged = &s;
+    if (s.derived && !trajectory) trajectory = ReproductionCheck::Trajectory{0, t.trajectory_rel_tol, 0.0, std::nullopt};
+    if (!s.replayed || (!s.derived && !judge_checkpoints)) continue;
+    const double tolerance = s.derived ? t.trajectory_rel_tol : t.loss_rel_tol;
+    std::optional<TrajectoryGap>& first = s.derived ? first_derived : first_checkpoint;
+    for (TrajectoryGap gap : trajectory_gaps(s, convention)) {
+      if (s.derived && std::string(gap.tensor) == "loss") {
+        ++trajectory->checked_steps;
+        trajectory->max_gap = std::max(trajectory->max_gap, gap.relative);
+      }
+      gap.tolerance = tolerance;
+      if (gap.relative > tolerance && !first) first = gap;
+    }
   }
-  if (diverged == nullptr) return;
-  const StepOutcome& s = *diverged;
-  const double replayed = replayed_as_logged(s, convention);
-  trajectory->diverged_at = s.step;
-  report.findings.push_back(make_finding(
-      FindingCode::kSystemTrajectoryDiverged, Severity::kWarning,
-      "step " + std::to_string(s.step) + " (rolled forward from an earlier checkpoint) replays to loss " +
-          format_number(replayed) + " where the job logged " + format_number(*s.logged_loss) + " (relative " +
-          format_number(logged_gap(*s.logged_loss, replayed)) + ", tolerance " + format_number(t.trajectory_rel_tol) +
-          "): from here on the replay follows its own trajectory, not the run's. Causes: a fault in the run "
-          "between the checkpoints (a flipped bit, a nondeterministic step), optimizer settings other than the "
-          "manifest's, or rounding compounded over many steps; replay from a checkpoint nearer the failure",
-      {{K::kStep, s.step}, {K::kExpected, *s.logged_loss}, {K::kAfter, replayed},
-       {K::kRelative, logged_gap(*s.logged_loss, replayed)}, {K::kTolerance, t.trajectory_rel_tol}}));
+  if (first_derived) trajectory->diverged_at = first_derived->step;
+  if (first_checkpoint) report.findings.push_back(trajectory_finding(*first_checkpoint, false));
+  if (first_derived) report.findings.push_back(trajectory_finding(*first_derived, true));
 }
 
 void fold_consequences(ReplayReport& report) {

@@ -176,9 +176,13 @@ def qk_norm_from_config(work):
     check_parameters_written("qwen3", manifest, bundle,
                              [(f"model.layers.{i}.self_attn.{w}_norm.weight", (HEAD_DIM,))
                               for i in range(LLAMA["num_layers"]) for w in "qk"])
+    # OLMo 2's config also means its post-norm layout, which this pre-norm test model lacks: refused by
+    # the norm it misses (tests/py/test_family_olmo2.py imports a real one); qk_norm 'full' given instead.
     olmo2 = SimpleNamespace(model_type="olmo2", attention_bias=False, rope_scaling=None)
-    manifest, bundle = record(work, make_model(olmo2, qk_norm="full"), steps=1)
-    check(options_of(manifest) == {"qk_norm": "full"}, f"olmo2 config: qk_norm 'full' {options_of(manifest)}")
+    raises("an olmo2 config on a pre-norm model", lambda: record(work, make_model(olmo2, qk_norm="full"), steps=1),
+           "post_feedforward_layernorm")
+    manifest, bundle = record(work, make_model(qk_norm="full"), dict(qk_norm="full"), steps=1)
+    check(options_of(manifest) == {"qk_norm": "full"}, f"qk_norm 'full' given: {options_of(manifest)}")
     check_parameters_written("olmo2", manifest, bundle,
                              [("model.layers.0.self_attn.q_norm.weight", (LLAMA["hidden_size"],)),
                               ("model.layers.0.self_attn.k_norm.weight", (KV_WIDTH,))])
@@ -295,9 +299,9 @@ def refusals(work):
     raises("llama3 rope_scaling missing a key",
            lambda: record(work, make_model(), dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), steps=1),
            "low_freq_factor")
-    raises("a config head_dim other than hidden_size / num_heads",
+    raises("a config head_dim the model's projections do not have",
            lambda: record(work, make_model(SimpleNamespace(model_type="qwen3", head_dim=16), qk_norm="head"), steps=1),
-           "head_dim")
+           "q_proj", "head_dim=16")
 
     def gpt2_option():
         model = torch_models.GPT2(dict(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4,

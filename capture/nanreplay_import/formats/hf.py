@@ -111,7 +111,19 @@ def detect(path):
     return None
 
 
+def text_model_config(config, where):
+    """(config, where) of the text model a config.json describes: a multimodal model's (Gemma 3, Llama 4)
+    nests it as "text_config", whose model_type ("gemma3_text") and dimensions are the ones replayed; the
+    outer config's own keys (its vision tower's) would only mislead."""
+    text = config.get("text_config") if isinstance(config, dict) else None
+    if text is None:
+        return config, where
+    if not isinstance(text, dict):
+        raise BadInput(where, "text_config", f"not a JSON object, got {type(text).__name__}")
+    return text, f"{where}: text_config"
+
+
 def read(path):
     sd, config, files = read_hf(path)
-    configs = [] if config is None else [(config, str(path / "config.json"))]
+    configs = [] if config is None else [text_model_config(config, str(path / "config.json"))]
     return sd, None, configs, f"{len(files)} file(s)"

@@ -11,7 +11,10 @@
 
 #include "kernels/tensor_stats.h"
 #include "loaders/base/error.h"
-#include "replay/optim/adamw.h"
+#include "loaders/bundle/optimizer_manifest.h"
+#include "replay/optim/clipping.h"
+#include "replay/optim/optimizer.h"
+#include "replay/optim/optimizer_state_file.h"
 #include "reports/results/number_text.h"
 
 namespace nanreplay {
@@ -105,8 +108,11 @@ using SlicePrediction = std::function<torch::Tensor(int64_t row, int64_t count)>
 
 // Compares the prediction with the stored model(s+1), slice by slice of rows
 // (the update is elementwise, so slicing changes nothing).
+// `step_floor`: the smallest deviation that counts; Adam's normalized step
+// moves an element by at most a few lr, so 8 lr unless a rule whose steps are
+// not normalized per element (Adafactor, Muon) gives its own.
 Deviations compare_with_stored(const SlicePrediction& predict, const TensorInfo& actual_info,
-                               const std::string& label, double lr) {
+                               const std::string& label, double lr, double step_floor = -1) {
   Deviations out;
   const int64_t numel = actual_info.numel();
   const int64_t rows = actual_info.shape.empty() ? 1 : actual_info.shape[0];
@@ -121,7 +127,7 @@ Deviations compare_with_stored(const SlicePrediction& predict, const TensorInfo&
     const torch::Tensor actual = tensor_from_safetensors(rows_of(actual_info, row, count), label).reshape(expected.sizes());
     // Far more than rounding: beyond what any sign noise in a near-zero
     // gradient could move Adam's normalized step (a few lr), and 0.1%.
-    const torch::Tensor threshold = torch::clamp_min(expected.abs() * 1e-3, 8.0 * lr);
+    const torch::Tensor threshold = torch::clamp_min(expected.abs() * 1e-3, step_floor >= 0 ? step_floor : 8.0 * lr);
     const torch::Tensor deviant =
         torch::isfinite(expected) & (((actual - expected).abs() > threshold) | ~torch::isfinite(actual));
     const torch::Tensor where = deviant.reshape({-1}).nonzero().reshape({-1}).contiguous();
@@ -145,6 +151,7 @@ struct UpdateContext {
   int64_t current_step, next_step;
   std::string next_label;
   double lr;
+  std::string optimizer = "AdamW";  // the rule the prediction applied, as messages name it
 };
 
 std::vector<Finding> deviation_findings(const std::string& name, const Deviations& deviations,
@@ -157,8 +164,8 @@ std::vector<Finding> deviation_findings(const std::string& name, const Deviation
     // Too many to be flipped bits: the update itself differs (lr, betas, a different optimizer).
     findings.push_back(make_finding(FindingCode::kSystemUpdateMismatch, Severity::kWarning,
         name + ": " + std::to_string(count) + " of " + std::to_string(numel) + " elements of " + at.next_label +
-            " differ from AdamW applied to step " + std::to_string(at.current_step) +
-            ": the recorded update is not the bundle format's AdamW",
+            " differ from " + at.optimizer + " applied to step " + std::to_string(at.current_step) +
+            ": the recorded update is not the bundle format's " + at.optimizer,
         {{K::kStep, at.next_step}, {K::kParam, name}, {K::kLength, count}}));
     return findings;
   }
@@ -189,7 +196,7 @@ std::vector<Finding> deviation_findings(const std::string& name, const Deviation
     const double after = decode(bits, actual_info.dtype);
     flips.push_back(make_finding(FindingCode::kSystemBitFlip, Severity::kError,
         name + " element " + std::to_string(flat) + " in " + at.next_label + ": bit " + std::to_string(best_bit) +
-            " flipped, " + format_number(before) + " became " + format_number(after) + " (AdamW from step " +
+            " flipped, " + format_number(before) + " became " + format_number(after) + " (" + at.optimizer + " from step " +
             std::to_string(at.current_step) + " predicts " + format_number(want) + ")",
         {{K::kStep, at.next_step}, {K::kParam, name}, {K::kIndex, unravel(flat, actual_info.shape)},
          {K::kBit, best_bit}, {K::kBefore, before}, {K::kAfter, after}, {K::kExpected, want}}));
@@ -206,7 +213,7 @@ std::vector<Finding> deviation_findings(const std::string& name, const Deviation
   if (!unexplained.empty()) {
     findings.push_back(make_finding(FindingCode::kSystemUpdateMismatch, Severity::kWarning,
         name + ": " + std::to_string(deviating) + " element(s) of " + at.next_label +
-            " differ from AdamW applied to step " + std::to_string(at.current_step) +
+            " differ from " + at.optimizer + " applied to step " + std::to_string(at.current_step) +
             " by more than rounding, and no single flipped bit explains them",
         {{K::kStep, at.next_step}, {K::kParam, name}, {K::kLength, deviating},
          {K::kIndex, unravel(unexplained.front(), actual_info.shape)}}));
@@ -264,6 +271,42 @@ std::vector<Finding> checkpoint_nonfinite_findings(const Bundle& bundle) {
   return findings;
 }
 
+namespace {
+
+// The optimizer as the findings name it: "AdamW" (the bundle format's own), else its class.
+std::string optimizer_label_of(const OptimizerRule& rule) {
+  return rule.kind == OptimizerKind::kAdamW ? "AdamW" : optimizer_class_name(rule.kind);
+}
+
+// The lr of parameter `name`'s group at step `current`: a per-group lr object
+// must name the group.
+double update_group_lr(const Bundle& bundle, const StepFiles& current, const std::string& group, double lr) {
+  const StepState state = bundle.load_state(current);
+  if (state.lr_by_group.empty()) return lr;
+  const std::optional<double> own = state.lr_of(group);
+  if (!own) throw InputError(current.label("state.json"), "lr." + group, "required: optimizer group " + group + " has parameters");
+  return *own;
+}
+
+// A whole parameter's update by a rule that reads all of it (Adafactor's norms,
+// Muon's orthogonalisation), MuonClip after it; slices are cut from it.
+torch::Tensor whole_update_prediction(const Bundle& bundle, const UpdateCheckInput& in, const SafetensorsFile& optimizer,
+                               size_t i, const torch::Tensor& coef, double lr, const OptimizerRule& rule) {
+  const OptimizerConfig& config = *bundle.manifest().optimizer;
+  const std::string& name = in.checkpoint->order()[i];
+  torch::Tensor expected = in.checkpoint->param(name).detach().clone();
+  ParamState state = read_param_state(optimizer, name, expected.sizes().vec(), rule);
+  update_param(expected, in.grads->grads[i].reshape(expected.sizes()) * coef, state, lr, rule,
+               !excluded_from_decay(config, name));
+  if (uses_qk_clip(config)) {
+    apply_qk_clip(config, bundle.manifest().model, in.grads->attn_logit_max, {name},
+                  [&](size_t) { return expected; }, [](size_t, const torch::Tensor&) {});
+  }
+  return expected;
+}
+
+}  // namespace
+
 std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInput& in) {
   torch::NoGradGuard no_grad;
   const Manifest& m = bundle.manifest();
@@ -271,46 +314,52 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
   const std::string optimizer_label = in.current->label("optimizer.safetensors");
   const SafetensorsFile optimizer = SafetensorsFile::open(in.current->optimizer.string(), optimizer_label);
   const SafetensorsFile next = SafetensorsFile::open(in.next->model.string(), in.next->label("model.safetensors"));
-  const TensorInfo& step_info = optimizer.at("step");
-  int64_t updates_before = 0;
-  if (step_info.dtype == DType::kI64) {
-    std::memcpy(&updates_before, step_info.data, 8);
-  } else if (step_info.dtype == DType::kF32) {
-    float value;
-    std::memcpy(&value, step_info.data, 4);
-    updates_before = static_cast<int64_t>(value);
-  } else {
-    throw InputError(optimizer_label, "step", "expected an I64 or F32 scalar");
-  }
   const torch::Tensor coef = clip_coefficient(in.grads->grad_norm, config);
   const std::vector<std::string>& names = in.checkpoint->order();
-  const UpdateContext at{in.current->step, in.next->step, next.label(), in.lr};
   std::vector<Finding> findings;
   for (size_t i = 0; i < names.size(); ++i) {
     const std::string& name = names[i];
+    const ParamRule owner = rule_of_param(config, name);
+    const OptimizerRule& rule = *owner.rule;
+    const double lr = update_group_lr(bundle, *in.current, owner.group, in.lr);
+    const UpdateContext at{in.current->step, in.next->step, next.label(), lr, optimizer_label_of(rule)};
     const TensorInfo& actual_info = next.at(name);
-    // The next checkpoint and the moments are read one slice at a time and
+    // The next checkpoint and the state are read one slice at a time and
     // their pages dropped after each parameter, so the check holds one slice's
     // temporaries and no whole file resident beyond what the replay holds.
+    // Rules that read the whole parameter predict it whole, then slice.
     const ReleaseWhenDone release_actual{next, actual_info};
     const torch::Tensor param = in.checkpoint->param(name).detach().reshape({actual_info.shape.empty() ? 1 : actual_info.shape[0], -1});
     const torch::Tensor grad = in.grads->grads[i].reshape(param.sizes());
     const bool decay = !excluded_from_decay(config, name);
+    const int64_t updates_before = stored_update_count(optimizer, name);
+    if (updates_before < 0 && elementwise_rule(rule)) (void)optimizer.at("step");  // missing: the error names it
+    torch::Tensor whole;
+    if (!in.skipped_by_scaler && !elementwise_rule(rule)) {
+      whole = whole_update_prediction(bundle, in, optimizer, i, coef, lr, rule).reshape(param.sizes());
+    }
+    const StateLayout layout = state_layout(rule, actual_info.shape);
     const SlicePrediction predict = [&](int64_t row, int64_t count) {
+      if (in.skipped_by_scaler) return param.narrow(0, row, count).clone();  // no update: model(s+1) = model(s)
+      if (whole.defined()) return whole.narrow(0, row, count).clone();
       torch::Tensor expected = param.narrow(0, row, count).clone();
-      if (in.skipped_by_scaler) return expected;  // no update: model(s+1) = model(s)
-      const TensorInfo& avg = optimizer.at(name + ".exp_avg");
-      const TensorInfo& avg_sq = optimizer.at(name + ".exp_avg_sq");
-      torch::Tensor exp_avg = tensor_from_safetensors(rows_of(avg, row, count), optimizer_label).clone().reshape(expected.sizes());
-      torch::Tensor exp_avg_sq = tensor_from_safetensors(rows_of(avg_sq, row, count), optimizer_label).clone().reshape(expected.sizes());
-      adamw_step_one(expected, grad.narrow(0, row, count) * coef, exp_avg, exp_avg_sq, updates_before, in.lr, config,
-                     decay);
+      ParamState state;
+      state.step = updates_before;
+      for (const auto& [key, shape] : layout) {
+        (void)shape;
+        const TensorInfo& info = optimizer.at(name + "." + key);
+        state.tensors[key] = tensor_from_safetensors(rows_of(info, row, count), optimizer_label).clone().reshape(expected.sizes());
+      }
+      update_param(expected, grad.narrow(0, row, count) * coef, state, lr, rule, decay);
       return expected;
     };
-    const Deviations deviations = compare_with_stored(predict, actual_info, next.label(), in.lr);
+    // A whole-tensor rule: 8 times the RMS of its own step of this parameter (for Muon 8 lr would
+    // hide a flipped bit that its orthogonalized step of about lr / sqrt(width) would not explain).
+    const double own_step = whole.defined() ? 8.0 * (whole - param).pow(2).mean().sqrt().item<double>() : -1;
+    const double step_floor = std::isfinite(own_step) ? own_step : -1;
+    const Deviations deviations = compare_with_stored(predict, actual_info, next.label(), lr, step_floor);
     if (!in.skipped_by_scaler) {
-      optimizer.release(optimizer.at(name + ".exp_avg"));
-      optimizer.release(optimizer.at(name + ".exp_avg_sq"));
+      for (const auto& [key, shape] : layout) optimizer.release(optimizer.at(name + "." + key));
     }
     in.checkpoint->release(name);  // a streamed replay's checkpoint is larger than memory
     const std::vector<Finding> found = deviation_findings(name, deviations, actual_info, at);
@@ -322,11 +371,11 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
 std::vector<Finding> derived_update_findings(const Bundle& bundle, const StepFiles& current, const StepFiles& next,
                                              const ModelCheckpoint& predicted, double lr) {
   torch::NoGradGuard no_grad;
-  (void)bundle;
   const SafetensorsFile stored = SafetensorsFile::open(next.model.string(), next.label("model.safetensors"));
-  const UpdateContext at{current.step, next.step, stored.label(), lr};
   std::vector<Finding> findings;
   for (const std::string& name : predicted.order()) {
+    const OptimizerRule& rule = *rule_of_param(*bundle.manifest().optimizer, name).rule;
+    const UpdateContext at{current.step, next.step, stored.label(), lr, optimizer_label_of(rule)};
     const TensorInfo& actual_info = stored.at(name);
     const ReleaseWhenDone release_actual{stored, actual_info};
     const torch::Tensor value =
