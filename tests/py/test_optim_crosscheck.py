@@ -31,12 +31,17 @@ scores. Run by CTest with Debian's /usr/bin/python3 (python3-torch).
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import torch
+# Muon's bf16 Newton-Schulz grows a one-ulp gradient difference, and the BLAS's
+# summation order follows its thread count: the reference and the CLI both run
+# on the two threads CTest gives every test, also when this runs by hand.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_model  # noqa: E402
