@@ -91,6 +91,19 @@ def _recover_ids(opt, source_names, shapes, where):
                                           "optimizer keyed by name (get_optimizer_state_dict)")
 
 
+def _source_parameters(source_sd):
+    """Source names of the floating-point parameters in model order, aliases (tied weights) dropped, and their shapes."""
+    seen, source_names = {}, []
+    for name, t in source_sd.items():
+        if _IGNORED.fullmatch(name) or not t.is_floating_point():
+            continue
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if t.numel() and key in seen:
+            continue
+        seen[key] = name
+        source_names.append(name)
+    return source_names, {n: tuple(source_sd[n].shape) for n in source_names}
+
 def read_optimizer(opt, where, source_sd, mapper, model, args):
     """(moments {bundle key: (exp_avg, exp_avg_sq)}, AdamW step count, hyper-parameters, notes)."""
     if not isinstance(opt, dict):
@@ -103,16 +116,7 @@ def read_optimizer(opt, where, source_sd, mapper, model, args):
     notes = []
     # Source names of the parameters, in model order, aliases (tied weights) dropped.
     source_sd = strip_prefix(source_sd, mapper.naming)
-    seen, source_names = {}, []
-    for name, t in source_sd.items():
-        if _IGNORED.fullmatch(name) or not t.is_floating_point():
-            continue
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        if t.numel() and key in seen:
-            continue
-        seen[key] = name
-        source_names.append(name)
-    shapes = {n: tuple(source_sd[n].shape) for n in source_names}
+    source_names, shapes = _source_parameters(source_sd)
     if all(isinstance(k, int) for k in state) and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
         mapping, label = _recover_ids(opt, source_names, shapes, where)
         notes.append(f"integer ids, {label}")
@@ -325,16 +329,7 @@ def read_optimizer_general(opt, kind, where, source_sd, mapper, model, args):
             raise BadInput("command line", flag, f"applies to AdamW's state only; the {kind} state's param_groups say it")
     notes = []
     source_sd = strip_prefix(source_sd, mapper.naming)
-    seen, source_names = {}, []
-    for name, t in source_sd.items():
-        if _IGNORED.fullmatch(name) or not t.is_floating_point():
-            continue
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        if t.numel() and key in seen:
-            continue
-        seen[key] = name
-        source_names.append(name)
-    shapes = {n: tuple(source_sd[n].shape) for n in source_names}
+    source_names, shapes = _source_parameters(source_sd)
     if all(isinstance(k, int) for k in state) and all(isinstance(i, int) for g in groups for i in g.get("params", [])):
         mapping, label = _recover_ids(opt, source_names, shapes, where)
         notes.append(f"integer ids, {label}")
