@@ -11,6 +11,7 @@
 #   6. OpenBLAS on OpenMP / on pthreads, replay step and whole run            (bench_blas.sh)
 #   7. layer-streamed run: peak RSS 64 / 4 layers, time in memory / streamed   (bench_stream.py)
 #   8. run across 2 processes (split by layers, by ranks) / one process         (bench_distributed.py)
+#   9. bisect / run: replays and wall time, rolled-forward and per-step windows (bench_bisect.py)
 # The first run writes the bundles of a hidden-512, 8-layer llama (~4 GB) and
 # a 1-step bundle of its MoE twin (~1 GB) into the work directory and
 # reuses them afterwards.
@@ -40,3 +41,6 @@ echo "== layer by layer: peak RSS against depth, time against the in-memory repl
 /usr/bin/python3 "$root/bench/bench_stream.py" --nanreplay "$build/nanreplay" --work "$work/stream" \
   --reps "$(( reps < 5 ? reps : 5 ))" --threads "$threads"
 echo; echo "== split across 2 local processes, by layers and by data-parallel ranks, against one (hidden 512, 8 layers, 4 ranks, 3 steps; the cores shared evenly)"; /usr/bin/python3 "$root/bench/bench_distributed.py" --nanreplay "$build/nanreplay" --work "$work/distributed" --reps "$(( reps < 5 ? reps : 5 ))"
+echo; echo "== bisect against run, rolled forward from one checkpoint and per step (synthetic presets; $threads threads)"
+/usr/bin/python3 "$root/bench/bench_bisect.py" --nanreplay "$build/nanreplay" --work "$work/bisect" \
+  --reps "$(( reps < 5 ? reps : 5 ))" --threads "$threads"

@@ -77,8 +77,10 @@ def expected_parameters(arch, cfg):
         ffn = cfg["intermediate_size"]
         bias = bool(cfg.get("attention_bias", False))
         qk_norm = cfg.get("qk_norm")
-        if qk_norm not in (None, "head", "full"):
-            raise CaptureError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
+        if qk_norm not in (None, "head", "full", "l2"):
+            raise CaptureError(f"qk_norm must be None, 'head', 'full' or 'l2', got {qk_norm!r}")
+        if qk_norm == "l2":  # Llama 4's L2 norm has no weight
+            qk_norm = None
         # Qwen3 normalises each head (head_dim weights), OLMo 2 the whole projection.
         norm_shapes = {"q": (D,) if qk_norm == "head" else (H * D,), "k": (D,) if qk_norm == "head" else (kv,)}
         moe = cfg.get("moe")
@@ -96,21 +98,29 @@ def expected_parameters(arch, cfg):
         for i in range(L):
             p = f"model.layers.{i}."
             post = cfg.get("norm_layout") == "post"  # OLMo 2: norms of the sublayers' outputs, after the MLP
+            sandwich = cfg.get("norm_layout") == "sandwich"  # Gemma 3: both, after the MLP in Gemma3DecoderLayer's order
             if not post:
                 out.append((p + "input_layernorm.weight", (C,)))
             # Hugging Face's module order, which the replay's parameter table follows: a bias right
-            # after its weight, q_norm and k_norm after o_proj.
+            # after its weight, q_norm and k_norm after o_proj; GPT-OSS's sinks before the projections.
+            if cfg.get("attention_sinks"):
+                out.append((p + "self_attn.sinks", (H,)))
             for proj, rows in (("q", H * D), ("k", kv), ("v", kv)):
                 out.append((f"{p}self_attn.{proj}_proj.weight", (rows, C)))
                 if bias:
                     out.append((f"{p}self_attn.{proj}_proj.bias", (rows,)))
             out.append((p + "self_attn.o_proj.weight", (C, H * D)))
+            if cfg.get("o_proj_bias"):
+                out.append((p + "self_attn.o_proj.bias", (C,)))
             if qk_norm is not None:
                 out += [(p + "self_attn.q_norm.weight", norm_shapes["q"]),
                         (p + "self_attn.k_norm.weight", norm_shapes["k"])]
-            if not post:
+            if not post and not sandwich:
                 out.append((p + "post_attention_layernorm.weight", (C,)))
             out += [(p + name, shape) for name, shape in mlp]
+            if sandwich:
+                out += [(p + name + "_layernorm.weight", (C,)) for name in ("post_attention", "pre_feedforward",
+                                                                           "post_feedforward")]
             if post:
                 out += [(p + "post_attention_layernorm.weight", (C,)), (p + "post_feedforward_layernorm.weight", (C,))]
         out.append(("model.norm.weight", (C,)))
@@ -365,23 +375,41 @@ def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
 # a parameter only an option explains, with that option off, is an error: never a guess.
 
 LLAMA_OPTION_DEFAULTS = {"rope_style": "rotate_half", "rope_scaling": None, "attention_bias": False,
+                         "o_proj_bias": False, "attention_sinks": False, "no_rope_layers": None,
+                         "attn_temperature_tuning": None, "attention_chunk_size": None,
                          "qk_norm": None, "attn_logit_softcap": None, "final_logit_softcap": None,
                          "sliding_window": None, "head_dim": None, "partial_rotary_factor": 1.0,
-                         "attention_mask": "exclude", "norm_layout": "pre"}
+                         "attention_mask": "exclude", "norm_layout": "pre", "layer_types": None,
+                         "rope_local_base_freq": None, "rms_norm_offset": False, "scale_embeddings": False,
+                         "query_pre_attn_scalar": None, "hidden_act": "silu"}
+# model.layer_types: each layer's attention kind, as Hugging Face's config.layer_types names them.
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+# Gemma 3's text model: norms before and after both sublayers, each scaling by (1 + weight) in fp32,
+# embeddings times sqrt(hidden_size), a per-head QK-norm (Gemma3Attention's q_norm / k_norm).
+_GEMMA3_TYPES = ("gemma3_text", "gemma3")
+# Hugging Face's class defaults for layer_types, where a config leaves it out (Gemma3TextConfig:
+# every sliding_window_pattern-th layer full, the pattern 6 by default; Olmo3Config: every 4th).
+_LAYER_PATTERN_BY_MODEL_TYPE = {"gemma3_text": ("sliding_window_pattern", 6), "gemma3": ("sliding_window_pattern", 6),
+                                "olmo3": (None, 4)}
 # model.attention_mask: how the causal mask reaches the softmax (they differ where a masked score is not finite).
 ATTENTION_MASKS = ("exclude", "additive_neg_inf", "additive_finfo_min", "fill_finfo_min")
 # Every llama option key of the manifest's model object, in the order of nanreplay's option table
 # (loaders/arch/llama_options.cpp): those above, then the mixture of experts (MOE_KEYS below).
 # tests/test_arch_model_options.cpp checks this list against that table.
 LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe")
-_QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full"}
+_QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "olmo3": "full",
+                          "gemma3_text": "head", "gemma3": "head"}
 # OLMo 2 normalises each sublayer's output (post_attention_layernorm, post_feedforward_layernorm).
-_NORM_LAYOUT_BY_MODEL_TYPE = {"olmo2": "post"}
+_NORM_LAYOUT_BY_MODEL_TYPE = {"olmo2": "post", "olmo3": "post", "gemma3_text": "sandwich", "gemma3": "sandwich"}
 # Qwen2Config has no attention_bias: Qwen2's q, k and v projections always carry one.
 _BIAS_BY_MODEL_TYPE = {"qwen2": True}
 # Models whose window applies to every other layer only, which bundle v1 cannot express.
-_ALTERNATING_WINDOW_TYPES = ("gemma2", "gemma3", "gemma3_text", "cohere2")
+_ALTERNATING_WINDOW_TYPES = ("gemma2", "cohere2")
 _LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# YaRN's optional keys and Hugging Face's _compute_yarn_parameters defaults (None: absent, as HF reads them).
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+_YARN_OPTIONAL = ("mscale", "mscale_all_dim", "attention_factor")
+_SINKS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.sinks")
 _BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.bias")
 _QK_NORM_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_(?:norm|layernorm)\.weight")
 _O_BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.o_proj\.bias")
@@ -392,9 +420,47 @@ def _is_number(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _rope_scaling(value, where):
-    """A rope_scaling dict (Hugging Face's, or model_config's) in the manifest's form: None, or
-    Llama 3.1's llama3 scaling. Any other scaling would be replayed wrong, so it is refused."""
+def _yarn_scaling(value, where, max_position_embeddings=None):
+    """YaRN's rope_scaling in the manifest's form: HF's defaults written out (beta_fast 32, beta_slow 1,
+    truncate True); original_max_position_embeddings, when the config leaves it out, is the config's
+    max_position_embeddings, as transformers reads it. factor is taken as given (transformers >= 5)."""
+    out = {"rope_type": "yarn"}
+    factor = value.get("factor")
+    if not _is_number(factor) or factor <= 0:
+        raise CaptureError(f"{where}['factor'] must be a number > 0, got {factor!r}")
+    out["factor"] = float(factor)
+    original = value.get("original_max_position_embeddings", max_position_embeddings)
+    if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+        if not (_is_number(original) and original == int(original) and original >= 1):
+            raise CaptureError(f"{where}['original_max_position_embeddings'] must be an integer >= 1 (or the "
+                               f"config's max_position_embeddings), got {original!r}")
+    out["original_max_position_embeddings"] = int(original)
+    for key, default in _YARN_DEFAULTS.items():
+        v = value.get(key)
+        if key == "truncate":
+            if v is not None and not isinstance(v, bool):
+                raise CaptureError(f"{where}['truncate'] must be True or False, got {v!r}")
+            out[key] = default if v is None else v
+        elif v is None or v == 0:  # HF: `get(key) or default`
+            out[key] = default
+        elif not _is_number(v) or v < 0:
+            raise CaptureError(f"{where}[{key!r}] must be a number > 0, got {v!r}")
+        else:
+            out[key] = float(v)
+    for key in _YARN_OPTIONAL:
+        v = value.get(key)
+        if v is None or (v == 0 and key != "attention_factor"):  # HF tests `mscale and mscale_all_dim`
+            continue
+        if not _is_number(v) or v <= 0:
+            raise CaptureError(f"{where}[{key!r}] must be a number > 0, got {v!r}")
+        out[key] = float(v)
+    return out
+
+
+def _rope_scaling(value, where, max_position_embeddings=None):
+    """A rope_scaling dict (Hugging Face's, or model_config's) in the manifest's form: None, Llama
+    3.1's llama3 scaling (Llama 4's with equal low and high frequency factors too) or YaRN. Any other
+    scaling would be replayed wrong, so it is refused."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -402,9 +468,16 @@ def _rope_scaling(value, where):
     kind = value.get("rope_type", value.get("type"))
     if kind == "default":  # transformers' spelling of "no scaling"
         return None
+    if kind == "yarn":
+        return _yarn_scaling(value, where, max_position_embeddings)
+    if kind == "linear":  # HF's _compute_linear_scaling_rope_parameters: inv_freq / factor
+        factor = value.get("factor")
+        if not _is_number(factor) or factor <= 0:
+            raise CaptureError(f"{where}['factor'] must be a number > 0, got {factor!r}")
+        return {"rope_type": "linear", "factor": float(factor)}
     if kind != "llama3":
-        raise CaptureError(f"{where} has rope_type {kind!r}; bundle v1 replays only 'llama3' "
-                           "(Llama 3.1) frequency scaling")
+        raise CaptureError(f"{where} has rope_type {kind!r}; bundle v1 replays 'llama3' (Llama 3.1, "
+                           "Llama 4), 'yarn' and 'linear' frequency scaling only")
     out = {"rope_type": "llama3"}
     for key in _LLAMA3_SCALING_KEYS:
         v = value.get(key)
@@ -414,9 +487,9 @@ def _rope_scaling(value, where):
     if out["original_max_position_embeddings"] != int(out["original_max_position_embeddings"]):
         raise CaptureError(f"{where}['original_max_position_embeddings'] must be an integer")
     out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
-    if out["high_freq_factor"] <= out["low_freq_factor"]:
-        raise CaptureError(f"{where}: high_freq_factor must exceed low_freq_factor "
-                           "(llama3 divides by their difference)")
+    if out["high_freq_factor"] < out["low_freq_factor"]:
+        raise CaptureError(f"{where}: high_freq_factor must be at least low_freq_factor "
+                           "(equal: Llama 4, no blended band)")
     return out
 
 
@@ -426,9 +499,20 @@ def _option_value(key, value, where):
         return _rope_scaling(value, where)
     if key == "rope_style" and value in ("rotate_half", "interleaved"):
         return value
-    if key == "attention_bias" and isinstance(value, bool):
+    if key in ("attention_bias", "o_proj_bias", "attention_sinks") and isinstance(value, bool):
         return value
-    if key == "qk_norm" and (value is None or value in ("head", "full")):
+    if key == "qk_norm" and (value is None or value in ("head", "full", "l2")):
+        return value
+    if key == "no_rope_layers" and (value is None or (isinstance(value, (list, tuple)) and value
+                                                      and all(v in (0, 1) and not isinstance(v, bool) for v in value))):
+        return None if value is None else [int(v) for v in value]
+    if key == "attn_temperature_tuning" and (value is None or (
+            isinstance(value, dict) and set(value) == {"floor_scale", "attn_scale"}
+            and _is_number(value["floor_scale"]) and value["floor_scale"] > 0
+            and _is_number(value["attn_scale"]) and value["attn_scale"] >= 0)):
+        return None if value is None else {k: float(v) for k, v in value.items()}
+    if key == "attention_chunk_size" and (value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                                            and value >= 1)):
         return value
     if key.endswith("_softcap") and (value is None or (_is_number(value) and value > 0)):
         return None if value is None else float(value)
@@ -442,12 +526,29 @@ def _option_value(key, value, where):
         return float(value)
     if key == "attention_mask" and value in ATTENTION_MASKS:
         return value
-    if key == "norm_layout" and value in ("pre", "post"):
+    if key == "norm_layout" and value in ("pre", "post", "sandwich"):
+        return value
+    if key == "layer_types" and (value is None or (isinstance(value, (list, tuple)) and value
+                                                   and all(v in ATTENTION_KINDS for v in value))):
+        return None if value is None else list(value)
+    if key in ("rope_local_base_freq", "query_pre_attn_scalar") and (value is None or (_is_number(value) and value > 0)):
+        return None if value is None else float(value)
+    if key in ("rms_norm_offset", "scale_embeddings") and isinstance(value, bool):
+        return value
+    if key == "hidden_act" and value in ("silu", "gelu_pytorch_tanh"):
         return value
     allowed = {"rope_style": "'rotate_half' or 'interleaved'", "attention_bias": "True or False",
+               "o_proj_bias": "True or False", "attention_sinks": "True or False",
+               "no_rope_layers": "None or a list of 1 (rotary) and 0 (NoPE), one per layer",
+               "attn_temperature_tuning": "None or {'floor_scale': > 0, 'attn_scale': >= 0}",
+               "attention_chunk_size": "None or an integer >= 1",
                "head_dim": "None or an integer >= 1", "partial_rotary_factor": "a number in (0, 1]",
-               "attention_mask": " or ".join(repr(m) for m in ATTENTION_MASKS), "norm_layout": "'pre' or 'post'",
-               "qk_norm": "None, 'head' or 'full'", "attn_logit_softcap": "None or a number > 0",
+               "attention_mask": " or ".join(repr(m) for m in ATTENTION_MASKS), "norm_layout": "'pre', 'post' or 'sandwich'",
+               "layer_types": "None or a list of 'full_attention' / 'sliding_attention', one per layer",
+               "rope_local_base_freq": "None or a number > 0", "query_pre_attn_scalar": "None or a number > 0",
+               "rms_norm_offset": "True or False", "scale_embeddings": "True or False",
+               "hidden_act": "'silu' or 'gelu_pytorch_tanh'",
+               "qk_norm": "None, 'head', 'full' or 'l2'", "attn_logit_softcap": "None or a number > 0",
                "final_logit_softcap": "None or a number > 0", "sliding_window": "None or an integer >= 1"}
     raise CaptureError(f"{where} must be {allowed[key]}, got {value!r}")
 
@@ -468,12 +569,8 @@ def _config_window(config, model_type, num_layers):
              "applies to every layer (alternating window layers, as Gemma 2's, are not supported)")
     layer_types = _config_attr(config, "layer_types")  # newer transformers spell it out per layer
     if isinstance(layer_types, (list, tuple)) and layer_types:
-        kinds = set(layer_types)
-        if kinds == {"full_attention"}:
-            return None
-        if kinds == {"sliding_attention"}:
-            return window
-        raise CaptureError(mixed.format(f"layer_types {sorted(kinds)}"))
+        # model.layer_types (_layer_options) says which layers slide: the window is theirs.
+        return None if set(layer_types) == {"full_attention"} else window
     if model_type in _ALTERNATING_WINDOW_TYPES and window is not None:
         raise CaptureError(mixed.format(f"{model_type} alternates, sliding_window={window}"))
     use = _config_attr(config, "use_sliding_window")  # Qwen2: sliding_window is inert unless this is set
@@ -488,6 +585,78 @@ def _config_window(config, model_type, num_layers):
     return window
 
 
+def _layered_rope(config):
+    """(full-attention layers' rope dict, sliding layers' or None) where a config keeps rope_parameters
+    per layer type (transformers >= 5: {"full_attention": {...}, "sliding_attention": {...}}); else None."""
+    params = _config_attr(config, "rope_parameters")
+    if not isinstance(params, dict) or not params or not set(params) <= set(ATTENTION_KINDS):
+        return None
+    if not all(isinstance(v, dict) for v in params.values()):
+        raise CaptureError(f"model.config.rope_parameters per layer type must hold dicts, got {params!r}")
+    return params.get("full_attention", {}), params.get("sliding_attention")
+
+
+def _layer_options(config, model_type, num_layers, layered):
+    """{option: (value, where)}: layer_types (the config's, or its class's documented pattern), Gemma 3's
+    local rotary base, norms, embedding scale, score scale and activation."""
+    said = {}
+    types = _config_attr(config, "layer_types")
+    if isinstance(types, (list, tuple)) and types:
+        if len(types) != num_layers:
+            raise CaptureError(f"model.config.layer_types has {len(types)} entries for {num_layers} layers")
+        odd = [t for t in types if t not in ATTENTION_KINDS]
+        if odd:
+            raise CaptureError(f"model.config.layer_types has {odd[0]!r}; bundle v1 replays "
+                               f"{' and '.join(map(repr, ATTENTION_KINDS))} layers")
+        said["layer_types"] = (list(types), "model.config.layer_types")
+    elif model_type in _LAYER_PATTERN_BY_MODEL_TYPE and _config_attr(config, "sliding_window") not in (_MISSING, None):
+        attr, default = _LAYER_PATTERN_BY_MODEL_TYPE[model_type]
+        every = _config_attr(config, attr) if attr else _MISSING
+        why = (f"model.config.{attr}" if every is not _MISSING else
+               f"{model_type}'s class default: every {default}th layer full, the others sliding")
+        every = default if every is _MISSING else every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise CaptureError(f"model.config.{attr} must be an integer >= 1, got {every!r}")
+        said["layer_types"] = (["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)],
+                               why)
+    for attr in ("hidden_activation", "hidden_act"):  # Gemma's name first: its hidden_act is a legacy alias
+        act = _config_attr(config, attr)
+        if act == "gelu_pytorch_tanh":
+            said["hidden_act"] = (act, f"model.config.{attr}")
+        if act is not _MISSING and act is not None:
+            break
+    if model_type not in _GEMMA3_TYPES:
+        return said
+    why = f"model.config.model_type {model_type!r}"
+    said["rms_norm_offset"] = (True, why + " (Gemma3RMSNorm scales by 1 + weight, in fp32)")
+    said["scale_embeddings"] = (True, why + " (Gemma3TextScaledWordEmbedding: times sqrt(hidden_size))")
+    local = _MISSING
+    if layered is not None and layered[1] is not None:
+        sliding = layered[1]
+        if sliding.get("rope_type", "default") != "default":
+            raise CaptureError("model.config.rope_parameters['sliding_attention'] has rope_type "
+                               f"{sliding.get('rope_type')!r}; bundle v1's sliding layers take an unscaled rotary")
+        local, where = sliding.get("rope_theta", _MISSING), "model.config.rope_parameters['sliding_attention']['rope_theta']"
+    else:
+        local, where = _config_attr(config, "rope_local_base_freq"), "model.config.rope_local_base_freq"
+    if local is _MISSING or local is None:
+        local, where = 10000.0, "Gemma3TextConfig's default rope_local_base_freq (10000), which the config leaves out"
+    said["rope_local_base_freq"] = (_option_value("rope_local_base_freq", local, where), where)
+    scalar = _config_attr(config, "query_pre_attn_scalar")
+    where = "model.config.query_pre_attn_scalar"
+    if scalar is _MISSING or scalar is None:
+        scalar, where = 256, "Gemma3TextConfig's default query_pre_attn_scalar (256), which the config leaves out"
+    said["query_pre_attn_scalar"] = (_option_value("query_pre_attn_scalar", scalar, where), where)
+    act = _config_attr(config, "hidden_activation")
+    if act not in (_MISSING, None, "gelu_pytorch_tanh"):
+        raise CaptureError(f"model.config.hidden_activation is {act!r}; bundle v1's Gemma 3 MLP computes "
+                           "'gelu_pytorch_tanh' (GeGLU) only")
+    if "hidden_act" not in said and act in (_MISSING, None):
+        said["hidden_act"] = ("gelu_pytorch_tanh", "Gemma3TextConfig's default hidden_activation, which the config "
+                                                   "leaves out")
+    return said
+
+
 def _options_from_config(config, num_layers):
     """{option: (value, where it was read)} for what a Hugging Face style config object says;
     options it is silent on are left out (model_config, or the default, then decides)."""
@@ -496,10 +665,17 @@ def _options_from_config(config, num_layers):
     if isinstance(model_type, str):  # every transformers PretrainedConfig has one
         said["rope_style"] = ("rotate_half", f"model.config (Hugging Face {model_type or 'model'}, "
                                              "whose rotary embeddings rotate halves)")
+    layered = _layered_rope(config)  # transformers >= 5, Gemma 3: rope_parameters per layer type
     for attr in ("rope_scaling", "rope_parameters"):  # transformers >= 5 names it rope_parameters
         value = _config_attr(config, attr)
+        if attr == "rope_parameters" and layered is not None:
+            value = layered[0]  # the full-attention layers'; the sliding ones' is rope_local_base_freq below
+            attr = "rope_parameters['full_attention']"
         if value is not _MISSING:
-            said["rope_scaling"] = (_rope_scaling(value, f"model.config.{attr}"), f"model.config.{attr}")
+            max_positions = _config_attr(config, "max_position_embeddings")
+            said["rope_scaling"] = (_rope_scaling(value, f"model.config.{attr}",
+                                                  None if max_positions is _MISSING else max_positions),
+                                    f"model.config.{attr}")
             break
     if model_type in _BIAS_BY_MODEL_TYPE:
         said["attention_bias"] = (_BIAS_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
@@ -531,6 +707,7 @@ def _options_from_config(config, num_layers):
     if _config_attr(config, "_attn_implementation") == "eager":  # a live model: its own code path
         said["attention_mask"] = ("additive_finfo_min", "model.config._attn_implementation 'eager' (Hugging Face's "
                                                         "eager attention adds finfo.min at masked keys)")
+    said.update(_layer_options(config, model_type, num_layers, layered))
     window = _config_window(config, model_type, num_layers)
     if window is not _MISSING:
         said["sliding_window"] = (_option_value("sliding_window", window, "model.config.sliding_window"),
@@ -576,10 +753,13 @@ def _check_option_parameters(named, options):
             raise CaptureError(f"the model has {name}, but qk_norm is not set: pass model_config=dict(qk_norm="
                                "'head', ...) for a norm over each head (Qwen3) or qk_norm='full' for one over "
                                "the whole projection (OLMo 2)")
-        if _O_BIAS_PARAM.fullmatch(name):
+        if _O_BIAS_PARAM.fullmatch(name) and not options.get("o_proj_bias"):
             raise CaptureError(f"the model has {name}: bundle v1's attention_bias puts biases on q, k and v only, "
-                               "as Qwen2 does (Hugging Face Llama's attention_bias=True also biases o_proj, "
-                               "which bundle v1 does not replay)")
+                               "as Qwen2 does (Hugging Face Llama's and GPT-OSS's attention_bias=True also biases "
+                               "o_proj: pass model_config=dict(o_proj_bias=True, ...) as well)")
+        if _SINKS_PARAM.fullmatch(name) and not options.get("attention_sinks"):
+            raise CaptureError(f"the model has {name}: GPT-OSS's attention sinks, pass "
+                               "model_config=dict(attention_sinks=True, ...)")
 
 
 # ---------------------------------------------------------------------------
@@ -757,10 +937,40 @@ _SELF_CHECK_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2, "fp8": 1e-2} 
 _SELF_CHECK_ROUNDING = {"fp32": 1e-6}
 
 
+def _ref_yarn_inv_freq(D, theta, s, device):
+    """YaRN (HF _compute_yarn_parameters): interpolated and extrapolated frequencies blended by a ramp."""
+    def dim_of(rotations):
+        return D * math.log(s["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(s.get("beta_fast", 32)), dim_of(s.get("beta_slow", 1))
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    high = high + 0.001 if low == high else high
+    ramp = torch.clamp((torch.arange(D // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    pos = theta ** (torch.arange(0, D, 2, device=device).float() / D)
+    return (1.0 / (s["factor"] * pos)) * ramp + (1.0 / pos) * (1 - ramp)
+
+
+def _ref_rope_factor(scaling):
+    """YaRN's attention factor on cos and sin (1 for anything else)."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    f, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return get_mscale(f, m) / get_mscale(f, m_all) if m and m_all else get_mscale(f)
+
+
 def _ref_inv_freq(D, theta, scaling, device):
     inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=device).float() / D))
     if not scaling:
         return inv
+    if scaling.get("rope_type") == "yarn":
+        return _ref_yarn_inv_freq(D, theta, scaling, device)
+    if scaling.get("rope_type") == "linear":  # Gemma 3's full-attention layers
+        return inv / scaling["factor"]
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -783,19 +993,22 @@ def _ref_rope(x, inv_freq, style):
     return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
 
 
-def _ref_attention(q, k, v, H, G, softcap=None, window=None):
+def _ref_attention(q, k, v, H, G, softcap=None, window=None, sinks=None, scalar=None):
     B, T, _ = q.shape
     D = q.shape[-1] // H
     q = q.view(B, T, H, D).transpose(1, 2)
     k = k.reshape(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
     v = v.reshape(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
-    s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(D) if scalar is None else (q @ k.transpose(-2, -1)) * scalar ** -0.5
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=q.device), 1)
     if window is not None:
         mask |= torch.tril(torch.ones(T, T, dtype=torch.bool, device=q.device), -window)
-    p = torch.softmax(s.masked_fill(mask, float("-inf")), -1)
+    s = s.masked_fill(mask, float("-inf"))
+    if sinks is not None:  # GPT-OSS: each head's sink logit is one more key column, dropped after the softmax
+        s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(B, -1, T, -1)], -1)
+    p = torch.softmax(s, -1)[..., :T]
     return (p @ v).transpose(1, 2).reshape(B, T, H * D)
 
 
@@ -828,39 +1041,66 @@ def reference_loss(cfg, p, inputs, targets, gelu="tanh"):
     style, qk_norm = cfg.get("rope_style") or "rotate_half", cfg.get("qk_norm")
     bias = bool(cfg.get("attention_bias"))
     post = cfg.get("norm_layout") == "post"  # OLMo 2: each sublayer's output normalised before the residual add
+    sandwich = cfg.get("norm_layout") == "sandwich"  # Gemma 3: before and after both sublayers
+    kinds = cfg.get("layer_types") or ["full_attention"] * cfg["num_layers"]
     inv = _ref_inv_freq(R, cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"), inputs.device)
+    local = cfg.get("rope_local_base_freq")  # Gemma 3: sliding layers' unscaled rotary base
+    inv_local = _ref_inv_freq(R, local, None, inputs.device) if local else inv
+    rope_factor = _ref_rope_factor(cfg.get("rope_scaling"))
     moe, router = cfg.get("moe"), []
 
     def norm(x, weight):
+        if cfg.get("rms_norm_offset"):  # Gemma3RMSNorm
+            return x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
-    def q_or_k(h, pre, name, heads):
+    def q_or_k(h, pre, name, heads, layer):
         t = F.linear(h, w[pre + f"self_attn.{name}_proj.weight"], w[pre + f"self_attn.{name}_proj.bias"] if bias else None)
+        rotary = not cfg.get("no_rope_layers") or cfg["no_rope_layers"][layer]  # Llama 4: 0 is a NoPE layer
+        if not rotary:
+            t = t.view(B, T, heads, D)
+            tuning = cfg.get("attn_temperature_tuning")
+            if tuning and name == "q":  # Llama 4's temperature tuning of NoPE layers' queries
+                pos = torch.arange(T, device=t.device).float()
+                t = t * (torch.log(torch.floor((pos + 1.0) / tuning["floor_scale"]) + 1.0)
+                         * tuning["attn_scale"] + 1.0).view(1, T, 1, 1)
+            return t.reshape(B, T, heads * D)
         if qk_norm == "head":
             t = norm(t.view(B, T, heads, D), w[pre + f"self_attn.{name}_norm.weight"]).reshape(B, T, heads * D)
         elif qk_norm == "full":
             t = norm(t, w[pre + f"self_attn.{name}_norm.weight"])
         t = t.view(B, T, heads, D).transpose(1, 2)
-        t = torch.cat((_ref_rope(t[..., :R], inv, style), t[..., R:]), -1)
+        sliding_local = local and kinds[layer] == "sliding_attention"
+        t = torch.cat((_ref_rope(t[..., :R], inv_local if sliding_local else inv, style)
+                       * (1.0 if sliding_local else rope_factor), t[..., R:]), -1)
+        if qk_norm == "l2":  # Llama 4: after rotary, no weight
+            t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
         return t.transpose(1, 2).reshape(B, T, heads * D)
 
     x = w["model.embed_tokens.weight"][inputs]
+    if cfg.get("scale_embeddings"):  # Gemma3TextScaledWordEmbedding
+        x = x * torch.tensor(cfg["hidden_size"] ** 0.5).to(x.dtype)
+    act = (lambda g: F.gelu(g, approximate="tanh")) if cfg.get("hidden_act") == "gelu_pytorch_tanh" else F.silu
     for i in range(cfg["num_layers"]):
         pre = f"model.layers.{i}."
+        window = cfg.get("sliding_window") if kinds[i] == "sliding_attention" or not cfg.get("layer_types") else None
         h = x if post else norm(x, w[pre + "input_layernorm.weight"])
         v = F.linear(h, w[pre + "self_attn.v_proj.weight"], w[pre + "self_attn.v_proj.bias"] if bias else None)
-        att = _ref_attention(q_or_k(h, pre, "q", H), q_or_k(h, pre, "k", G), v, H, G,
-                             cfg.get("attn_logit_softcap"), cfg.get("sliding_window"))
-        out = F.linear(att, w[pre + "self_attn.o_proj.weight"])
-        x = x + (norm(out, w[pre + "post_attention_layernorm.weight"]) if post else out)
-        h = x if post else norm(x, w[pre + "post_attention_layernorm.weight"])
+        att = _ref_attention(q_or_k(h, pre, "q", H, i), q_or_k(h, pre, "k", G, i), v, H, G,
+                             cfg.get("attn_logit_softcap"), window,
+                             w[pre + "self_attn.sinks"] if cfg.get("attention_sinks") else None,
+                             cfg.get("query_pre_attn_scalar"))
+        out = F.linear(att, w[pre + "self_attn.o_proj.weight"],
+                       w[pre + "self_attn.o_proj.bias"] if cfg.get("o_proj_bias") else None)
+        x = x + (norm(out, w[pre + "post_attention_layernorm.weight"]) if post or sandwich else out)
+        h = x if post else norm(x, w[pre + ("pre_feedforward" if sandwich else "post_attention") + "_layernorm.weight"])
         if moe:
             out, logits = _ref_moe(moe, w, pre, h)
             router.append(logits)
         else:
-            out = F.linear(F.silu(F.linear(h, w[pre + "mlp.gate_proj.weight"])) * F.linear(h, w[pre + "mlp.up_proj.weight"]),
+            out = F.linear(act(F.linear(h, w[pre + "mlp.gate_proj.weight"])) * F.linear(h, w[pre + "mlp.up_proj.weight"]),
                            w[pre + "mlp.down_proj.weight"])
-        x = x + (norm(out, w[pre + "post_feedforward_layernorm.weight"]) if post else out)
+        x = x + (norm(out, w[pre + "post_feedforward_layernorm.weight"]) if post or sandwich else out)
     x = norm(x, w["model.norm.weight"])
     logits = F.linear(x, w["model.embed_tokens.weight"] if cfg.get("tie_embeddings") else w["lm_head.weight"])
     if cfg.get("final_logit_softcap") is not None:
@@ -1574,6 +1814,27 @@ _KIND_HYPER = {"adam": ("betas", "eps", "weight_decay", "amsgrad", "maximize", "
                         "use_addmm")}
 # param_groups keys that change no math the replay derives (the lr is recorded per step).
 _OPTIMIZER_PLUMBING = ("params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name")
+# AdamW's hyper-parameters, written for an AdamW beside another optimizer (its groups are then groups of
+# their own kind, which start from the class's defaults: every setting is written).
+_ADAMW_HYPER = ("betas", "eps", "weight_decay")
+
+
+def join_optimizer_groups(section, taken, kind, groups, prefix):
+    """The manifest's optimizer `section` of a run's first optimizer, joined by another optimizer of the
+    same run (torch.optim.Muon's runs give the embeddings, norms and head to an AdamW): each of the
+    other's param groups, [(bundle keys, settings)], becomes an entry of `groups` of its own `kind`,
+    named `{prefix}{kind}{i}`. `taken`: the keys the section's optimizer updates. A key that two
+    optimizers update raises CaptureError naming it. Shared with `nanreplay import --aux-optimizer`."""
+    taken, out = set(taken), list(section.get("groups", []))
+    for i, (keys, settings) in enumerate(groups):
+        if not keys:
+            continue
+        both = sorted(taken & set(keys))
+        if both:
+            raise CaptureError(f"{both[0]} is in both optimizers' groups")
+        taken |= set(keys)
+        out.append(dict({"name": f"{prefix}{kind}{i}", "params": list(keys), "kind": kind}, **settings))
+    return dict(section, groups=out)
 
 
 def _json_hyper(v):
@@ -1586,33 +1847,61 @@ def _json_hyper(v):
 
 
 class _OptimizerByName:
-    """Recorder's manifest section and state for the classes beyond AdamW (docs/capture.md)."""
+    """Recorder's optimizers: their check, the manifest section, the lr and the state of the classes
+    beyond AdamW, for one optimizer or a run's several
+    optimizers (docs/capture.md)."""
+
+    def _param_owner(self, i):
+        """(optimizer, kind) that updates parameter i."""
+        j = self._owner[i]
+        return self.optimizers[j], self._opt_kinds[j]
+
+    def _group_settings(self, j):
+        """Optimizer j's param groups as [(bundle keys, settings under the class's own names)]."""
+        opt, kind = self.optimizers[j], self._opt_kinds[j]
+        index = {id(p): i for i, p in enumerate(self.params)}
+        return [([self.names[index[id(p)]] for p in g["params"]],
+                 {k: _json_hyper(g[k]) for k in _KIND_HYPER.get(kind, _ADAMW_HYPER) if k in g})
+                for g in opt.param_groups]
 
     def _optimizer_manifest_by_name(self):
         """A class beyond AdamW: each group's hyper-parameters under the class's own names; the first
         group's at the top level, each group that differs in `groups` with its parameters' exact keys."""
-        kind, groups = self._opt_kind, self.optimizer.param_groups
+        kind, groups = self._opt_kinds[0], self.optimizers[0].param_groups
         if len({_as_float(g["lr"]) for g in groups if g.get("lr") is not None}) > 1:
             raise CaptureError("the param groups' learning rates differ; the bundle records one lr per step")
-        index = {id(p): i for i, p in enumerate(self.params)}
-        settings = [{k: _json_hyper(g[k]) for k in _KIND_HYPER[kind] if k in g} for g in groups]
+        every = self._group_settings(0)
+        settings = [st for _, st in every]
         out = dict({"kind": kind}, **settings[0])
-        extra = [{"name": f"{kind}{n}", "params": [self.names[index[id(p)]] for p in g["params"]], **st}
-                 for n, (g, st) in enumerate(zip(groups, settings)) if n and st != settings[0] and g["params"]]
+        extra = [{"name": f"{kind}{n}", "params": keys, **st}
+                 for n, (keys, st) in enumerate(every) if n and st != settings[0] and keys]
         if extra:
             out["groups"] = extra
         if self.grad_clip is not None:
             out["grad_clip"] = float(self.grad_clip)
         return out
 
+    def _join_other_optimizers(self, section):
+        """The first optimizer's section joined by the run's other optimizers, each param group a group of
+        its own kind (join_optimizer_groups); self._lr_owner: group name -> the optimizer whose lr it takes."""
+        self._lr_owner = {"default": 0}
+        self._lr_owner.update({g["name"]: 0 for g in section.get("groups", [])})
+        for j in range(1, len(self.optimizers)):
+            taken = {self.names[i] for i in range(len(self.params)) if self._owner[i] != j}
+            before = len(section.get("groups", []))
+            section = join_optimizer_groups(section, taken, self._opt_kinds[j], self._group_settings(j),
+                                            "aux_" if j == 1 else f"aux{j}_")
+            self._lr_owner.update({g["name"]: j for g in section["groups"][before:]})
+        return section
+
     def _state_by_name(self, slot, i, name):
         """A class beyond AdamW: its state entries under their own names; before the parameter's first
         update, the zeros each class starts from."""
         if slot.entries[i]:
             return [(f"{name}.{k}", slot.state_bufs[(k, i)]) for k in slot.entries[i]]
-        p, group = slot.params[i], next(g for g in self.optimizer.param_groups
-                                        if any(q is self.params[i] for q in g["params"]))
-        shape, kind = tuple(p.shape), self._opt_kind
+        opt, kind = self._param_owner(i)
+        p, group = slot.params[i], next(g for g in opt.param_groups if any(q is self.params[i] for q in g["params"]))
+        shape = tuple(p.shape)
         if kind == "adam":
             shapes = {"exp_avg": shape, "exp_avg_sq": shape}
             if group.get("amsgrad"):
@@ -1628,6 +1917,102 @@ class _OptimizerByName:
             if group.get("beta1") is not None:
                 shapes["exp_avg"] = shape
         return [(f"{name}.{k}", ("zeros", p.dtype, sh)) for k, sh in shapes.items()]
+
+    def _check_optimizer(self):
+        """Each optimizer known by class name, with param_groups keys its class has; every bundle
+        parameter updated by exactly one of them (self._owner[i]: which)."""
+        self._opt_kinds = []
+        for j, opt in enumerate(self.optimizers):
+            cls = f"{type(opt).__module__}.{type(opt).__qualname__}"
+            kind = "adamw" if isinstance(opt, torch.optim.AdamW) else _OPTIMIZER_KINDS.get(cls)
+            if kind is None:
+                raise CaptureError(f"the replay follows {', '.join(sorted(_OPTIMIZER_KINDS))}; got {cls}")
+            if kind != "adamw" and self._sharded is not None:
+                raise CaptureError(f"under FSDP the recorder gathers torch.optim.AdamW's state only; got {cls}")
+            for g, group in enumerate(opt.param_groups):
+                if kind == "adamw" and (group.get("amsgrad") or group.get("maximize")):
+                    raise CaptureError("AdamW with amsgrad or maximize is not what bundle v1 replays")
+                for k in group if kind != "adamw" else ():
+                    if k not in _KIND_HYPER[kind] and k not in _OPTIMIZER_PLUMBING:
+                        raise CaptureError(f"optimizer param_groups[{g}] has {k!r}, which the replay's "
+                                           f"{kind} does not know (it reads {', '.join(_KIND_HYPER[kind])})")
+            self._opt_kinds.append(kind)
+        self._opt_kind = self._opt_kinds[0]
+        if self._sharded is not None:  # it holds shards (or flat parameters): names are checked at each gather
+            self._owner = [0] * len(self.params)
+            return
+        wanted = {id(p): i for i, p in enumerate(self.params)}
+        owner = {}
+        for j, opt in enumerate(self.optimizers):
+            label = f"optimizer {j} ({type(opt).__qualname__}) " if len(self.optimizers) > 1 else "optimizer "
+            for g, group in enumerate(opt.param_groups):
+                for p in group["params"]:
+                    if id(p) not in wanted:
+                        raise CaptureError(f"{label}param_groups[{g}] holds a tensor that is not one of the "
+                                           "model's bundle parameters")
+                    if id(p) in owner and owner[id(p)] != j:
+                        raise CaptureError(f"{self.names[wanted[id(p)]]} is updated by two optimizers "
+                                           f"({type(self.optimizers[owner[id(p)]]).__qualname__} and "
+                                           f"{type(opt).__qualname__}); each parameter has one")
+                    owner[id(p)] = j
+        missing = [self.names[i] for pid, i in wanted.items() if pid not in owner]
+        if missing:
+            raise CaptureError(f"parameters the optimizer does not update: {missing[:6]}"
+                               + (" (none of the optimizers given updates them)" if len(self.optimizers) > 1 else ""))
+        self._owner = [owner[id(p)] for p in self.params]
+
+    def _optimizer_manifest(self):
+        """The manifest's optimizer section: the first optimizer at the top level, the others' param
+        groups as groups of their own kind (_join_other_optimizers)."""
+        section = self._optimizer_manifest_by_name() if self._opt_kind != "adamw" else self._adamw_manifest()
+        return self._join_other_optimizers(section)
+
+    def _adamw_manifest(self):
+        groups = self.optimizer.param_groups
+        betas = {tuple(float(b) for b in g["betas"]) for g in groups}
+        eps = {float(g["eps"]) for g in groups}
+        if len(betas) != 1 or len(eps) != 1:
+            raise CaptureError("bundle v1 has one AdamW betas/eps for all parameters; the param groups differ")
+        decays = {float(g["weight_decay"]) for g in groups}
+        nonzero = decays - {0.0}
+        if len(nonzero) > 1:
+            raise CaptureError(f"bundle v1 expresses one weight decay plus no_decay globs; groups use {sorted(decays)}")
+        decay = nonzero.pop() if nonzero else 0.0
+        index = {id(p): i for i, p in enumerate(self.params)}
+        if self._sharded is not None:  # the optimizer holds the sharded tensors: map them by name
+            index = {pid: self.names.index(n) for pid, n in self._sharded_names.items() if n in self.names}
+            if decay and any(id(p) not in index for g in groups if float(g["weight_decay"]) == 0.0
+                             for p in g["params"]):
+                raise CaptureError("under FSDP with flat parameters (use_orig_params=False) the recorder cannot "
+                                   "tell which parameters a weight_decay=0 group holds; use one weight decay")
+        no_decay = sorted(self.names[index[id(p)]] for g in groups if float(g["weight_decay"]) == 0.0 and decay
+                          for p in g["params"])
+        out = {"kind": "adamw", "betas": list(betas.pop()), "eps": eps.pop(), "weight_decay": decay}
+        if no_decay:
+            out["no_decay"] = no_decay  # exact keys are globs that match only themselves
+        if self.grad_clip is not None:
+            out["grad_clip"] = float(self.grad_clip)
+        return out
+
+    def _optimizer_lr(self, given=None):
+        """The step's lr: one number, or with several optimizers whose lrs differ one per optimizer (the
+        state.json object keyed by group name, _step_state). `given`: begin_step's lr=, a number (every
+        group) or one per optimizer."""
+        if given is not None and isinstance(given, (list, tuple)):
+            if len(given) != len(self.optimizers):
+                raise CaptureError(f"lr= gives {len(given)} learning rates for {len(self.optimizers)} optimizers")
+            per = [_as_float(v) for v in given]
+        elif given is not None:
+            return _as_float(given)
+        else:
+            per = []
+            for opt in self.optimizers:
+                lrs = {_as_float(g["lr"]) for g in opt.param_groups}
+                if len(lrs) != 1:
+                    raise CaptureError(f"param groups use different learning rates {sorted(lrs)}; bundle v1 has one "
+                                       "lr per step and optimizer: pass lr= to begin_step if one of them is the real one")
+                per.append(lrs.pop())
+        return per[0] if len(set(per)) == 1 else per
 class Recorder(_OptimizerByName):
     """Keeps the last `window` training steps and writes them as a nanreplay bundle.
 
@@ -1643,9 +2028,11 @@ class Recorder(_OptimizerByName):
         optimizer.step(); scheduler.step()
 
     Arguments:
-      model, optimizer: the module being trained and its torch.optim.AdamW. A DDP / DataParallel /
-        torch.compile wrapper is unwrapped; an FSDP model is gathered onto the recording rank at each
-        full snapshot (needs snapshot_every).
+      model, optimizer: the module being trained and its torch.optim.AdamW (or another class the replay
+        follows, known by class name), or a list of the run's optimizers when it has several (a Muon
+        run: [torch.optim.Muon over the hidden matrices, AdamW over the rest]); every parameter in
+        exactly one of them. A DDP / DataParallel / torch.compile wrapper is unwrapped; an FSDP model
+        is gathered onto the recording rank at each full snapshot (needs snapshot_every).
       out_dir: where automatic dumps go (`<out_dir>/incident-step<step>`).
       arch: "llama" or "gpt2" (bundle v1 architectures).
       model_config: manifest model keys; shapes are read off the parameters; `num_heads`, `norm_eps`
@@ -1701,7 +2088,15 @@ class Recorder(_OptimizerByName):
             raise CaptureError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
         if data_copy not in ("auto", "whole", "window"):
             raise CaptureError(f"data_copy must be 'auto', 'whole' or 'window', got {data_copy!r}")
+        # Several optimizers (a Muon run's Muon and AdamW): the first is the manifest's top level.
+        self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if not self.optimizers:
+            raise CaptureError("optimizer: an empty list (give the run's optimizer, or its optimizers)")
+        optimizer = self.optimizers[0]
         model = self._setup_distributed(model, optimizer, distributed, record_rank)  # unwraps DDP, compile, FSDP
+        if self._sharded is not None and len(self.optimizers) > 1:
+            raise CaptureError("under FSDP the recorder gathers one torch.optim.AdamW's state; got "
+                               f"{len(self.optimizers)} optimizers")
         self.model, self.optimizer = model, optimizer
         self.out_dir = Path(out_dir)
         self.window, self.precision, self.grad_clip = int(window), precision, grad_clip
@@ -1751,8 +2146,9 @@ class Recorder(_OptimizerByName):
         self._ring = collections.deque()                 # slots in step order, oldest first
         self._copying = None                             # the full slot whose copies may be in flight
         self._copy_stream = None
-        if self._async and hasattr(optimizer, "register_step_pre_hook"):
-            optimizer.register_step_pre_hook(self._order_update_after_copies)
+        for opt in self.optimizers:
+            if self._async and hasattr(opt, "register_step_pre_hook"):
+                opt.register_step_pre_hook(self._order_update_after_copies)
         self.incident_path = None
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self._norms, self._norms_from, self._norms_warned = None, None, False
@@ -1826,68 +2222,6 @@ class Recorder(_OptimizerByName):
                                "epoch_start_step": int(sampler.get("epoch_start_step", 0))}
         return data
 
-    def _check_optimizer(self):
-        opt = self.optimizer
-        cls = f"{type(opt).__module__}.{type(opt).__qualname__}"
-        self._opt_kind = "adamw" if isinstance(opt, torch.optim.AdamW) else _OPTIMIZER_KINDS.get(cls)
-        if self._opt_kind is None:
-            raise CaptureError(f"the replay follows {', '.join(sorted(_OPTIMIZER_KINDS))}; got {cls}")
-        if self._opt_kind != "adamw":
-            if self._sharded is not None:
-                raise CaptureError(f"under FSDP the recorder gathers torch.optim.AdamW's state only; got {cls}")
-            for g, group in enumerate(opt.param_groups):
-                for k in group:
-                    if k not in _KIND_HYPER[self._opt_kind] and k not in _OPTIMIZER_PLUMBING:
-                        raise CaptureError(f"optimizer param_groups[{g}] has {k!r}, which the replay's "
-                                           f"{self._opt_kind} does not know (it reads "
-                                           f"{', '.join(_KIND_HYPER[self._opt_kind])})")
-        if self._sharded is not None:  # it holds shards (or flat parameters): names are checked at each gather
-            if any(g.get("amsgrad") or g.get("maximize") for g in opt.param_groups):
-                raise CaptureError("AdamW with amsgrad or maximize is not what bundle v1 replays")
-            return
-        wanted = {id(p): i for i, p in enumerate(self.params)}
-        seen = set()
-        for g, group in enumerate(opt.param_groups):
-            if self._opt_kind == "adamw" and (group.get("amsgrad") or group.get("maximize")):
-                raise CaptureError("AdamW with amsgrad or maximize is not what bundle v1 replays")
-            for p in group["params"]:
-                if id(p) not in wanted:
-                    raise CaptureError(f"optimizer param_groups[{g}] holds a tensor that is not one of the "
-                                       "model's bundle parameters")
-                seen.add(id(p))
-        missing = [self.names[i] for pid, i in wanted.items() if pid not in seen]
-        if missing:
-            raise CaptureError(f"parameters the optimizer does not update: {missing[:6]}")
-
-    def _optimizer_manifest(self):
-        if self._opt_kind != "adamw":
-            return self._optimizer_manifest_by_name()
-        groups = self.optimizer.param_groups
-        betas = {tuple(float(b) for b in g["betas"]) for g in groups}
-        eps = {float(g["eps"]) for g in groups}
-        if len(betas) != 1 or len(eps) != 1:
-            raise CaptureError("bundle v1 has one AdamW betas/eps for all parameters; the param groups differ")
-        decays = {float(g["weight_decay"]) for g in groups}
-        nonzero = decays - {0.0}
-        if len(nonzero) > 1:
-            raise CaptureError(f"bundle v1 expresses one weight decay plus no_decay globs; groups use {sorted(decays)}")
-        decay = nonzero.pop() if nonzero else 0.0
-        index = {id(p): i for i, p in enumerate(self.params)}
-        if self._sharded is not None:  # the optimizer holds the sharded tensors: map them by name
-            index = {pid: self.names.index(n) for pid, n in self._sharded_names.items() if n in self.names}
-            if decay and any(id(p) not in index for g in groups if float(g["weight_decay"]) == 0.0
-                             for p in g["params"]):
-                raise CaptureError("under FSDP with flat parameters (use_orig_params=False) the recorder cannot "
-                                   "tell which parameters a weight_decay=0 group holds; use one weight decay")
-        no_decay = sorted(self.names[index[id(p)]] for g in groups if float(g["weight_decay"]) == 0.0 and decay
-                          for p in g["params"])
-        out = {"kind": "adamw", "betas": list(betas.pop()), "eps": eps.pop(), "weight_decay": decay}
-        if no_decay:
-            out["no_decay"] = no_decay  # exact keys are globs that match only themselves
-        if self.grad_clip is not None:
-            out["grad_clip"] = float(self.grad_clip)
-        return out
-
     # -- the per-step hot path ------------------------------------------------
 
     @property
@@ -1914,7 +2248,8 @@ class Recorder(_OptimizerByName):
         offsets: instead of samples, the first token (in the concatenated stream) of each row's
           seq_len + 1 window, for loaders that read at arbitrary offsets (e.g. nanoGPT's get_batch).
         Neither: derived from data.sampler (randperm).
-        lr: the step's learning rate (default: the optimizer's param_groups lr).
+        lr: the step's learning rate (default: the optimizer's param_groups lr); with several
+          optimizers a number for all or one per optimizer (default: each one's param_groups lr).
         loss_scale: GradScaler.get_scale() for fp16.
         """
         step = int(step)
@@ -2036,7 +2371,8 @@ class Recorder(_OptimizerByName):
         offsets: instead of samples, the first token (in the concatenated stream) of each row's
           seq_len + 1 window, for loaders that read at arbitrary offsets (e.g. nanoGPT's get_batch).
         Neither: derived from data.sampler (randperm).
-        lr: the step's learning rate (default: the optimizer's param_groups lr).
+        lr: the step's learning rate (default: the optimizer's param_groups lr); with several
+          optimizers a number for all or one per optimizer (default: each one's param_groups lr).
         loss_scale: GradScaler.get_scale() for fp16.
         """
         step = int(step)
@@ -2048,7 +2384,7 @@ class Recorder(_OptimizerByName):
         slot.step = step
         slot.sampler = self.sampler
         slot.rows, slot.rows_are_samples = self._rows(step, samples, offsets)
-        slot.lr = _as_float(lr) if lr is not None else self._optimizer_lr()
+        slot.lr = self._optimizer_lr(lr)
         slot.loss_scale = _as_float(loss_scale)
         if slot.full:
             self._snapshot(slot)
@@ -2065,9 +2401,10 @@ class Recorder(_OptimizerByName):
         pairs = list(zip(slot.params, self.params))
         device_steps = []
         for i, p in enumerate(self.params):
-            st = self.optimizer.state.get(p)
-            if self._opt_kind != "adamw":  # the class's state entries by name
-                entries = [k for k in _KIND_STATE[self._opt_kind] if isinstance((st or {}).get(k), torch.Tensor)]
+            opt, kind = self._param_owner(i)
+            st = opt.state.get(p)
+            if kind != "adamw":  # the class's state entries by name
+                entries = [k for k in _KIND_STATE[kind] if isinstance((st or {}).get(k), torch.Tensor)]
                 slot.entries[i] = entries
                 pairs += [(slot.state_buffer(k, i, st[k]), st[k]) for k in entries]
                 if not st or "step" not in st:
@@ -2169,13 +2506,6 @@ class Recorder(_OptimizerByName):
         slot.reset()
         return slot
 
-    def _optimizer_lr(self):
-        lrs = {_as_float(g["lr"]) for g in self.optimizer.param_groups}
-        if len(lrs) != 1:
-            raise CaptureError(f"param groups use different learning rates {sorted(lrs)}; bundle v1 has one "
-                               "lr per step: pass lr= to begin_step if one of them is the real one")
-        return lrs.pop()
-
     def _rows(self, step, samples, offsets):
         d = self.data
         world, per_rank = d["world_size"], d["micro_batch_size"] * d["grad_accum_steps"]
@@ -2232,6 +2562,7 @@ class Recorder(_OptimizerByName):
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             (tmp / "data").mkdir(parents=True)
+            optimizer = self._optimizer_manifest()  # before the steps: their lr objects use its group names
             data_manifest, step_samples, step_extra = self._write_data(tmp, slots, data_copy or self.data_copy)
             steps = []
             for slot, samples, extra in zip(slots, step_samples, step_extra):
@@ -2243,7 +2574,7 @@ class Recorder(_OptimizerByName):
                 "version": 1,
                 "model": self.model_config,
                 "precision": {"compute": self.precision},
-                "optimizer": self._optimizer_manifest(),
+                "optimizer": optimizer,
                 "data": data_manifest,
                 "steps": steps,
                 "incident": {"step": slots[-1].step if incident_step is None else incident_step,
@@ -2278,7 +2609,7 @@ class Recorder(_OptimizerByName):
         write_safetensors(step_dir / "model.safetensors", list(zip(self.names, slot.params)))
         tensors = []
         for i, name in enumerate(self.names):
-            if self._opt_kind != "adamw":
+            if self._param_owner(i)[1] != "adamw":
                 tensors += self._state_by_name(slot, i, name)
                 continue
             for which, bufs in (("exp_avg", slot.exp_avg), ("exp_avg_sq", slot.exp_avg_sq)):
@@ -2295,9 +2626,13 @@ class Recorder(_OptimizerByName):
         tensors.append(("step", torch.tensor(adam_steps[0] if adam_steps else 0, dtype=torch.int64)))
         write_safetensors(step_dir / "optimizer.safetensors", tensors)
 
-    @staticmethod
-    def _step_state(slot):
-        state = {"step": slot.step, "lr": _json_number(slot.lr)}
+    def _step_state(self, slot):
+        lr = slot.lr
+        if isinstance(lr, list):  # several optimizers at their own lrs: one per group name (docs/optimizers.md)
+            lr = {name: _json_number(lr[j]) for name, j in self._lr_owner.items()}
+        else:
+            lr = _json_number(lr)
+        state = {"step": slot.step, "lr": lr}
         if slot.loss_scale is not None:
             state["loss_scale"] = _json_number(slot.loss_scale)
         if slot.skipped is not None:

@@ -46,10 +46,12 @@ cxxopts::Options synth_options() {
 }
 
 std::string preset_listing() {
+  size_t width = 0;  // the longest name, so every description starts in one column
+  for (const SyntheticPreset& p : synthetic_presets()) width = std::max(width, std::string(p.name).size());
   std::string listing;
   for (const SyntheticPreset& p : synthetic_presets()) {
-    listing += "  " + std::string(p.name) + std::string(std::max<size_t>(2, 21 - std::string(p.name).size()), ' ') +
-               p.plants + "\n";
+    const std::string name(p.name);
+    listing += "  " + name + std::string(width + 2 - name.size(), ' ') + p.plants + "\n";
   }
   return listing;
 }

@@ -15,6 +15,8 @@
 #include <cstring>
 #include <limits>
 
+#include "probes/robust_stats.h"
+
 namespace nanreplay {
 
 namespace {
@@ -127,17 +129,6 @@ SampleProfile profile_with(TokenHistogram& histogram, const Token* tokens, int64
   p.run_position = longest_end - longest + 1;
   p.run_token = static_cast<int64_t>(tokens[longest_end]);
   return p;
-}
-
-double median_of(std::vector<double>& values) {
-  if (values.empty()) return 0.0;
-  const size_t mid = values.size() / 2;
-  std::nth_element(values.begin(), values.begin() + static_cast<long>(mid), values.end());
-  double m = values[mid];
-  if (values.size() % 2 == 0) {
-    m = (m + *std::max_element(values.begin(), values.begin() + static_cast<long>(mid))) / 2;
-  }
-  return m;
 }
 
 // Calls fn(mapping, first byte, byte count) for each shard's part of the
@@ -260,7 +251,7 @@ SampleProfile profile_sample(const TokenStream& stream, int64_t sample, int64_t 
 }
 
 double RobustBaseline::z_below(double value) const {
-  const double scale = 1.4826 * mad;
+  const double scale = kMadToSigma * mad;
   const double gap = median - value;
   if (gap <= 0) return 0.0;
   return scale > 0 ? gap / scale : std::numeric_limits<double>::infinity();

@@ -41,7 +41,7 @@ struct RobustBaseline {
   double mad = 0.0;  // median absolute deviation (unscaled)
   int64_t samples = 0;
   // Robust z-scores of how far `value` lies below / above the median
-  // (1.4826 * MAD scale; infinite past a zero MAD).
+  // (kMadToSigma x MAD, probes/robust_stats.h; infinite past a zero MAD).
   double z_below(double value) const;
   double z_above(double value) const;
 };

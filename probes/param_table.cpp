@@ -34,12 +34,18 @@ Shape k_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead ? Shape{m
 
 // Which model option brings a parameter (loaders/arch/llama_options.cpp's rows).
 bool with_attention_bias(const ModelConfig& m) { return m.attention_bias; }
-bool with_qk_norm(const ModelConfig& m) { return m.qk_norm != QkNorm::kNone; }
+// Llama 4's L2 QK-norm has no weight.
+bool with_qk_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead || m.qk_norm == QkNorm::kFull; }
+bool with_o_proj_bias(const ModelConfig& m) { return m.o_proj_bias; }
+bool with_sinks(const ModelConfig& m) { return m.attention_sinks; }
+Shape per_head(const ModelConfig& m) { return {m.num_heads}; }
 bool untied_head(const ModelConfig& m) { return !m.tie_embeddings; }
 bool dense_mlp(const ModelConfig& m) { return !m.moe; }
 bool experts(const ModelConfig& m) { return m.moe.has_value(); }
 bool pre_norms(const ModelConfig& m) { return m.norm_layout == NormLayout::kPre; }
-bool post_norms(const ModelConfig& m) { return m.norm_layout == NormLayout::kPost; }
+bool sandwich_norms(const ModelConfig& m) { return m.norm_layout == NormLayout::kSandwich; }
+bool norm_before_sublayer(const ModelConfig& m) { return m.norm_layout != NormLayout::kPost; }
+bool norm_after_sublayer(const ModelConfig& m) { return m.norm_layout != NormLayout::kPre; }
 
 void fill(std::string& text, const char* field, int value) {
   const size_t at = text.find(field);
@@ -58,8 +64,10 @@ std::string with_layer(const char* key, int layer, int expert) {
 const std::vector<ParamDef>& param_table(Arch arch) {
   static const std::vector<ParamDef> llama = {
       {R::kTokenEmbedding, "model.embed_tokens.weight", ParamPlace::kBefore, vocab_rows},
-      {R::kAttnNorm, "model.layers.{i}.input_layernorm.weight", ParamPlace::kLayer, hidden, pre_norms},
-      // Hugging Face's module order: a bias after its weight, q_norm and k_norm after o_proj.
+      {R::kAttnNorm, "model.layers.{i}.input_layernorm.weight", ParamPlace::kLayer, hidden, norm_before_sublayer},
+      // Hugging Face's module order: a bias after its weight, q_norm and k_norm after o_proj;
+      // GPT-OSS's sinks, the attention module's own parameter, before its projections.
+      {R::kSinks, "model.layers.{i}.self_attn.sinks", ParamPlace::kLayer, per_head, with_sinks},
       {R::kQProj, "model.layers.{i}.self_attn.q_proj.weight", ParamPlace::kLayer, q_rows},
       {R::kQBias, "model.layers.{i}.self_attn.q_proj.bias", ParamPlace::kLayer, q_width, with_attention_bias},
       {R::kKProj, "model.layers.{i}.self_attn.k_proj.weight", ParamPlace::kLayer, kv_rows},
@@ -67,6 +75,7 @@ const std::vector<ParamDef>& param_table(Arch arch) {
       {R::kVProj, "model.layers.{i}.self_attn.v_proj.weight", ParamPlace::kLayer, kv_rows},
       {R::kVBias, "model.layers.{i}.self_attn.v_proj.bias", ParamPlace::kLayer, kv_width, with_attention_bias},
       {R::kOProj, "model.layers.{i}.self_attn.o_proj.weight", ParamPlace::kLayer, o_cols},
+      {R::kOProjBias, "model.layers.{i}.self_attn.o_proj.bias", ParamPlace::kLayer, hidden, with_o_proj_bias},
       {R::kQNorm, "model.layers.{i}.self_attn.q_norm.weight", ParamPlace::kLayer, q_norm, with_qk_norm},
       {R::kKNorm, "model.layers.{i}.self_attn.k_norm.weight", ParamPlace::kLayer, k_norm, with_qk_norm},
       {R::kMlpNorm, "model.layers.{i}.post_attention_layernorm.weight", ParamPlace::kLayer, hidden, pre_norms},
@@ -80,8 +89,10 @@ const std::vector<ParamDef>& param_table(Arch arch) {
       {R::kExpertDownProj, "model.layers.{i}.mlp.experts.{e}.down_proj.weight", ParamPlace::kLayer, expert_out, experts},
       // OLMo 2's post-norms (Olmo2DecoderLayer's order: after the MLP). Hugging Face names the
       // attention output's norm post_attention_layernorm, the key llama's pre-MLP norm has.
-      {R::kAttnPostNorm, "model.layers.{i}.post_attention_layernorm.weight", ParamPlace::kLayer, hidden, post_norms},
-      {R::kMlpPostNorm, "model.layers.{i}.post_feedforward_layernorm.weight", ParamPlace::kLayer, hidden, post_norms},
+      // Gemma 3's sandwich (Gemma3DecoderLayer's order): input, post-attention, pre- and post-feedforward.
+      {R::kAttnPostNorm, "model.layers.{i}.post_attention_layernorm.weight", ParamPlace::kLayer, hidden, norm_after_sublayer},
+      {R::kMlpPreNorm, "model.layers.{i}.pre_feedforward_layernorm.weight", ParamPlace::kLayer, hidden, sandwich_norms},
+      {R::kMlpPostNorm, "model.layers.{i}.post_feedforward_layernorm.weight", ParamPlace::kLayer, hidden, norm_after_sublayer},
       {R::kFinalNorm, "model.norm.weight", ParamPlace::kAfter, hidden},
       {R::kLmHead, "lm_head.weight", ParamPlace::kAfter, vocab_rows, untied_head},
   };

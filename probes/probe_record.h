@@ -5,11 +5,13 @@
 
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <string>
 #include <vector>
 
 #include "kernels/tensor_stats.h"
+#include "probes/damage_shape.h"
 #include "probes/sites.h"
 
 namespace nanreplay {
@@ -45,6 +47,11 @@ struct ProbeRecord {
   // only when the replay asks (BatchContext::locate_largest); -1: not located.
   int64_t largest_sample = -1;
   int64_t largest_position = -1;
+  // Where the bad elements of this site's tensor lie (damage_shape.h): the
+  // first non-finite forward site of a pass, every forward site of a spike
+  // incident; host tensors only, shared by the site's records, not sent
+  // between processes. Null: not taken.
+  std::shared_ptr<const DamageShape> damage;
   // log2(dtype max / max |x|): how many doublings the largest finite value of
   // this site could take before it overflows the type it is held in (+inf
   // when the site is all zero). Near zero means a near miss.

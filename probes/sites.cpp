@@ -10,6 +10,10 @@
 
 namespace nanreplay {
 
+namespace {
+bool with_attention_sinks(const ModelConfig& m) { return m.attention_sinks; }
+}  // namespace
+
 const std::vector<SiteDef>& site_table() {
   using L = SiteLayout;
   using M = MlpKind;
@@ -22,6 +26,9 @@ const std::vector<SiteDef>& site_table() {
       {SiteId::kAttnV, "attn.v", true, L::kTokens, false, true, true},
       {SiteId::kAttnScores, "attn.scores", true, L::kHeadsSquare, true, true, true},
       {SiteId::kAttnProbs, "attn.probs", true, L::kHeadsSquare, true, true, true},
+      // (B, H, T, 1): the share of each query's attention the head's sink takes (forward only).
+      {SiteId::kAttnSink, "attn.sink", true, L::kHeadsDim, false, true, false, M::kAny, std::nullopt,
+       with_attention_sinks},
       {SiteId::kAttnContext, "attn.context", true, L::kHeadsDim, false, true, true},
       {SiteId::kAttnOut, "attn.out", true, L::kTokens, false, true, true},
       {SiteId::kAttnPostNorm, "attn.post_norm", true, L::kTokens, false, true, false, M::kAny, NormLayout::kPost},
@@ -58,7 +65,9 @@ bool is_per_expert(SiteId id) { return site_def(id).layout == SiteLayout::kExper
 
 bool site_present(const SiteDef& def, const ModelConfig& model) {
   if (!(model.arch == Arch::kLlama ? def.llama : def.gpt2)) return false;
-  if (def.norms && *def.norms != model.norm_layout) return false;
+  if (def.option && !def.option(model)) return false;
+  // Sandwich norms (Gemma 3) have both the pre-norm and the post-norm sites.
+  if (def.norms && *def.norms != model.norm_layout && model.norm_layout != NormLayout::kSandwich) return false;
   return def.mlp == MlpKind::kAny || (def.mlp == MlpKind::kExperts) == model.moe.has_value();
 }
 

@@ -21,6 +21,7 @@ enum class SiteId : uint8_t {
   kAttnV,
   kAttnScores,
   kAttnProbs,
+  kAttnSink,         // model.attention_sinks (GPT-OSS): each head's sink probability per query
   kAttnContext,
   kAttnOut,
   kAttnPostNorm,     // norm_layout post (OLMo 2): the norm of attn.out, added to the stream
@@ -66,7 +67,8 @@ struct SiteDef {
   bool llama;        // present in the llama forward
   bool gpt2;         // present in the gpt2 forward
   MlpKind mlp = MlpKind::kAny;  // dense: not with model.moe; experts: only with it
-  std::optional<NormLayout> norms = std::nullopt;  // set: only in models whose norms sit so (pre or post)
+  std::optional<NormLayout> norms = std::nullopt;  // set: only in models whose norms sit so (pre or post; sandwich has both)
+  bool (*option)(const ModelConfig&) = nullptr;  // set: only in models with this option on
 };
 
 const std::vector<SiteDef>& site_table();

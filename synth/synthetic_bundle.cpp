@@ -172,9 +172,11 @@ ParamMap init_params(const SyntheticSpec& spec, std::vector<std::string>& order)
     // The options' extra parameters start away from their neutral values, so
     // a replay that ignored or misplaced one would not match the run.
     const bool attention_extra = p.name.find("self_attn.") != std::string::npos && (bias || norm);
-    torch::Tensor t = attention_extra ? (bias ? torch::randn(p.shape) * 0.1 : 1 + torch::randn(p.shape) * 0.1)
+    // Gemma's norms scale by 1 + weight: theirs start near 0 (a replay without the offset would double them).
+    const double unit = spec.model.rms_norm_offset ? 0.0 : 1.0;
+    torch::Tensor t = attention_extra ? (bias ? torch::randn(p.shape) * 0.1 : unit + torch::randn(p.shape) * 0.1)
                       : bias          ? torch::zeros(p.shape)
-                      : norm          ? torch::ones(p.shape)
+                      : norm          ? (spec.model.rms_norm_offset ? torch::randn(p.shape) * 0.1 : torch::ones(p.shape))
                                       : torch::randn(p.shape) * (qk ? spec.attention_init_std : 0.02);
     t.requires_grad_(true);
     params.emplace(p.name, t);
@@ -192,6 +194,28 @@ std::string embedding_key(const ModelConfig& m) { return expected_parameters(m).
 // (zero moments, zero update, decay of zero) and the head's scores stay 0.
 // For the token, q k^T exceeds fp16's range many times over wherever the token
 // meets itself (the diagonal first: rotary leaves q_i . k_i as is).
+// With a per-head QK-norm (Qwen3, Gemma 3) q and k are normalised per head,
+// so a gain on the projections alone cancels: the head's dimension 0 reads
+// the token's feature (so the token's normalised q and k lie along it, at
+// sqrt(D)) and the layer's q_norm and k_norm weights are large there, while
+// every other head's dimension 0 is zero (the norms' weights are shared by
+// the heads). The token's q k^T at itself is then 4x fp16's maximum.
+void amplify_through_head_norm(const SyntheticSpec& spec, ParamMap& params, int64_t feature) {
+  const ModelConfig& m = spec.model;
+  const FaultSpec& f = spec.fault;
+  const int64_t D = m.head_dim();
+  using R = ParamRole;
+  auto weight = [&](R role) -> torch::Tensor& { return params.at(param_key(m.arch, role, f.layer)); };
+  const int64_t kv_head = f.head / (m.num_heads / m.num_kv_heads);
+  for (const auto& [proj, heads, planted] : {std::tuple{R::kQProj, m.num_heads, static_cast<int64_t>(f.head)}, std::tuple{R::kKProj, m.num_kv_heads, kv_head}}) {
+    for (int64_t h = 0; h < heads; ++h) weight(proj)[h * D].zero_();
+    weight(proj)[planted * D][feature] = 1000.0;  // the token's q and k: along dimension 0 only
+  }
+  const double scaling = m.query_pre_attn_scalar ? std::pow(*m.query_pre_attn_scalar, -0.5) : 1.0 / std::sqrt(static_cast<double>(D));
+  const double gain = std::sqrt(4.0 * 65504.0 / (static_cast<double>(D) * scaling));  // (D * gain^2) * scaling
+  for (R norm : {R::kQNorm, R::kKNorm}) weight(norm)[0] = m.rms_norm_offset ? gain - 1.0 : gain;
+}
+
 void amplify_token_in_head(const SyntheticSpec& spec, ParamMap& params, int64_t token) {
   const ModelConfig& m = spec.model;
   const FaultSpec& f = spec.fault;
@@ -207,6 +231,7 @@ void amplify_token_in_head(const SyntheticSpec& spec, ParamMap& params, int64_t 
       weight(reader, layer).select(1, kFeature).zero_();
     }
     for (R writer : {R::kOProj, R::kDownProj}) weight(writer, layer)[kFeature].zero_();
+    if (m.o_proj_bias) weight(R::kOProjBias, layer)[kFeature].zero_();  // GPT-OSS: a bias writes every token
   }
   if (!m.tie_embeddings) weight(R::kLmHead, -1).select(1, kFeature).zero_();
   // At a normalized value of 1 (the token's is larger) q k^T is 4x fp16's maximum.
@@ -214,6 +239,10 @@ void amplify_token_in_head(const SyntheticSpec& spec, ParamMap& params, int64_t 
   const torch::Tensor reads_feature = torch::zeros({D, C});
   reads_feature.select(1, kFeature).fill_(c);
   const int64_t kv_head = f.head / (m.num_heads / m.num_kv_heads);
+  if (m.qk_norm == QkNorm::kHead) {
+    amplify_through_head_norm(spec, params, kFeature);
+    return;
+  }
   weight(R::kQProj, f.layer).narrow(0, f.head * D, D).copy_(reads_feature);
   weight(R::kKProj, f.layer).narrow(0, kv_head * D, D).copy_(reads_feature);
   if (m.attention_bias) {  // the head's own biases would meet the amplified feature in every sample
@@ -342,6 +371,12 @@ void edit_checkpoint(const SyntheticSpec& spec, ParamMap& params, SyntheticOutco
     outcome.fault_param = f.param;
     outcome.fault_element = inject_bit_flip(params, f);
   }
+  if (f.kind == FaultKind::kRewrittenWeights) {
+    for (ParamRole role : {ParamRole::kQProj, ParamRole::kKProj}) {
+      params.at(param_key(spec.model.arch, role, f.layer)).mul_(f.weight_scale);
+    }
+    outcome.fault_param = param_key(spec.model.arch, ParamRole::kQProj, f.layer);
+  }
 }
 
 // Meta's interleaved-rotary layout of a q or k projection stored as Hugging
@@ -422,7 +457,8 @@ struct Trainer {
 
   bool has_checkpoint(int64_t s) const {
     const FaultKind kind = spec.fault.kind;
-    const bool edited = s == spec.fault.step && (kind == FaultKind::kBitFlip || kind == FaultKind::kMlpOverflow);
+    const bool edited = s == spec.fault.step && (kind == FaultKind::kBitFlip || kind == FaultKind::kMlpOverflow ||
+                                                 kind == FaultKind::kRewrittenWeights || kind == FaultKind::kBadUpdate);
     return edited || (s - spec.first_step) % std::max<int64_t>(1, spec.checkpoint_every) == 0;
   }
 
@@ -517,8 +553,15 @@ struct Trainer {
       const auto found = spec.lr_by_group.find(group);
       return found != spec.lr_by_group.end() ? found->second : spec.lr;
     };
+    const bool bad_update = fault.kind == FaultKind::kBadUpdate && s + 1 == fault.step;
+    const torch::Tensor before = bad_update ? params.at(fault.param).detach().clone() : torch::Tensor();
     optimizer_update(plain, grads.grads.all(), grads.grad_norm, moments, lr_of, spec.optimizer, order, m.model,
                      grads.attn_logit_max);
+    if (bad_update) {  // the update into the fault step's checkpoint, applied weight_scale times over
+      torch::NoGradGuard no_grad;
+      torch::Tensor p = params.at(fault.param);
+      p.copy_(before + (p - before) * fault.weight_scale);
+    }
   }
 };
 
@@ -718,11 +761,86 @@ void gemma2_attention(SyntheticSpec& spec) {
   spec.attention_init_std = 0.3;
 }
 
+// Gemma 3's text model: sandwich norms scaling by 1 + weight, embeddings
+// times sqrt(hidden), a per-head QK-norm, query_pre_attn_scalar, a GeGLU MLP,
+// a tied head, and layer 0 sliding (window 8, the local rotary base) before a
+// full-attention layer 1 (the global base, linearly scaled).
+void gemma3_text(SyntheticSpec& spec) {
+  ModelConfig& m = spec.model;
+  m.norm_layout = NormLayout::kSandwich;
+  m.rms_norm_offset = true;
+  m.scale_embeddings = true;
+  m.qk_norm = QkNorm::kHead;
+  m.num_kv_heads = 2;
+  m.explicit_head_dim = 24;
+  m.query_pre_attn_scalar = 32.0;
+  m.hidden_act = HiddenAct::kGeluTanh;
+  m.tie_embeddings = true;
+  m.norm_eps = 1e-6;
+  m.sliding_window = 8;
+  m.layer_types = {AttentionKind::kSliding, AttentionKind::kFull};
+  m.rope_theta = 1e6;
+  m.rope_local_base_freq = 10000.0;
+  RopeScaling linear;
+  linear.type = RopeScalingType::kLinear;
+  linear.factor = 4.0;
+  m.rope_scaling = linear;
+  spec.attention_init_std = 0.3;
+}
+
+// GPT-OSS's attention on a dense llama block: sink logits, q/k/v and o_proj
+// biases, a head_dim of its own, grouped-query attention, YaRN over an
+// original context of 256 (its ramp spans the first 5 of 12 frequencies), and
+// layer_types alternating a sliding window of 8 with full attention, layer 0
+// sliding, as GptOssConfig's default layer_types.
+void gpt_oss_attention(SyntheticSpec& spec) {
+  ModelConfig& m = spec.model;
+  m.attention_sinks = true;
+  m.attention_bias = true;
+  m.o_proj_bias = true;
+  m.explicit_head_dim = 24;
+  m.num_kv_heads = 2;
+  RopeScaling yarn;
+  yarn.type = RopeScalingType::kYarn;
+  yarn.factor = 8.0;
+  yarn.original_max_position_embeddings = 256;
+  m.rope_scaling = yarn;
+  m.sliding_window = 8;
+  m.layer_types = {AttentionKind::kSliding, AttentionKind::kFull};
+  spec.attention_init_std = 0.3;
+}
+
+// Llama 4's text attention on a dense llama block: its complex (interleaved)
+// rotary with llama3 scaling of equal low and high frequency factors, the L2
+// QK-norm after rotary on the rotary layer 0, layer 1 NoPE with attention
+// temperature tuning (floor_scale 4, so the scale changes within 32
+// positions), and a chunk size no sequence exceeds (chunking changes nothing).
+void llama4_attention(SyntheticSpec& spec) {
+  ModelConfig& m = spec.model;
+  m.rope_style = RopeStyle::kInterleaved;
+  RopeScaling equal_factors;  // llama3 with low_freq_factor == high_freq_factor, as Llama 4's
+  equal_factors.factor = 16.0;
+  equal_factors.low_freq_factor = 1.0;
+  equal_factors.high_freq_factor = 1.0;
+  equal_factors.original_max_position_embeddings = 32;
+  m.rope_scaling = equal_factors;
+  m.qk_norm = QkNorm::kL2;
+  m.no_rope_layers = {1, 0};
+  m.attn_temperature_tuning = ModelConfig::TemperatureTuning{4.0, 0.1};
+  m.attention_chunk_size = 64;
+  spec.attention_init_std = 0.3;
+}
+
 // Meta's interleaved rotary and Llama 3.1's scaling with a short original
 // context, so the 32-position window spans all three frequency bands.
 void llama3_rotary(SyntheticSpec& spec) {
   spec.model.rope_style = RopeStyle::kInterleaved;
-  spec.model.rope_scaling = RopeScaling{8.0, 1.0, 4.0, 32};
+  RopeScaling llama3;
+  llama3.factor = 8.0;
+  llama3.low_freq_factor = 1.0;
+  llama3.high_freq_factor = 4.0;
+  llama3.original_max_position_embeddings = 32;
+  spec.model.rope_scaling = llama3;
   spec.attention_init_std = 0.3;  // attention that depends on positions, so the rotary matters
 }
 
@@ -754,6 +872,21 @@ const std::vector<PresetDef>& preset_table() {
        [](SyntheticSpec& s) { s.model.qk_norm = QkNorm::kFull; }},
       {{"clean-gemma2", "nothing, Gemma 2's attention and final soft caps, and a sliding window of 8"}, gemma2_attention},
       {{"clean-llama3", "nothing, Meta's interleaved rotary with Llama 3.1's frequency scaling"}, llama3_rotary},
+      {{"clean-gemma3", "nothing, Gemma 3's text model: sandwich norms (1 + weight), scaled embeddings, GeGLU, "
+                        "a sliding layer (window 8, local rotary base) then a full one (linearly scaled rotary)"},
+       gemma3_text},
+      {{"gemma3-local-overflow", "fp16 Gemma 3: head 1 of the sliding layer 0 overflows q k^T on a rare token "
+                                      "through its QK-norm weights, at the last step"},
+       [](SyntheticSpec& s) {
+         gemma3_text(s);
+         head_overflow(s);
+         s.fault.layer = 0;
+         s.fault.head = 1;
+         // The planted norm gains pass every token's gradient through the head's dimension 0: the backward
+         // overflows fp16 at the preset's loss scale, so the scaler skips the steps before the fault
+         // (NUMERIC_LOSS_SCALE_OVERFLOW, handled) and nothing trains the other heads' dimension 0 away
+         // from zero; a run whose updates went through reaches the overflow earlier, on other tokens.
+       }},
       {{"clean-combined", "nothing, every llama-family option at once (the full QK-norm), grouped-query attention"},
        [](SyntheticSpec& s) {
          llama3_rotary(s);
@@ -812,6 +945,20 @@ const std::vector<PresetDef>& preset_table() {
          s.fault.bit = 26;
          s.incident_kind = IncidentKind::kSpike;
        }},
+      {{"rewritten-weights", "fp32: layer 1's q_proj and k_proj multiplied by 1e20 outside the optimizer before "
+                             "the last step, whose attention scores overflow (SYSTEM_UPDATE_MISMATCH, then NaN)"},
+       [](SyntheticSpec& s) {
+         fault_at_last(s, FaultKind::kRewrittenWeights);
+         s.fault.layer = 1;
+       }},
+      {{"spike-bad-update", "fp32: the update of lm_head into the last checkpoint applied 100 times over, outside "
+                            "the optimizer; the loss spikes, nothing goes non-finite; declared a spike"},
+       [](SyntheticSpec& s) {
+         fault_at_last(s, FaultKind::kBadUpdate);
+         s.fault.param = "lm_head.weight";
+         s.fault.weight_scale = 100.0;
+         s.incident_kind = IncidentKind::kSpike;
+       }},
       {{"clean-gpt2", "nothing, nanoGPT's gpt2 (LayerNorm, biases, learned positions, tied head)"},
        [](SyntheticSpec& s) {
          s.model.arch = Arch::kGpt2;
@@ -825,6 +972,27 @@ const std::vector<PresetDef>& preset_table() {
        [](SyntheticSpec& s) {
          head_overflow(s);
          s.model.attention_bias = true;
+       }},
+      {{"clean-gpt-oss-attn", "nothing, GPT-OSS's attention (sinks, q/k/v/o biases, head_dim 24, YaRN, sliding and "
+                              "full layers) on a dense MLP"},
+       gpt_oss_attention},
+      {{"clean-llama4-attn", "nothing, Llama 4's text attention (interleaved rotary, llama3 scaling with equal factors, "
+                             "L2 QK-norm on the rotary layer, a NoPE layer with temperature tuning) on a dense MLP"},
+       llama4_attention},
+      {{"llama4-nope-overflow", "fp16 Llama 4 attention: head 2 of layer 1, a NoPE layer (no rotary, no QK-norm), "
+                                "amplifies a rare token at the last step"},
+       [](SyntheticSpec& s) {
+         llama4_attention(s);
+         head_overflow(s);
+       }},
+      {{"gpt-oss-head-overflow", "fp16 GPT-OSS attention: head 2 of layer 1 (full attention) amplifies a rare token "
+                                 "at the last step; its scores overflow before the sink joins the softmax"},
+       [](SyntheticSpec& s) {
+         gpt_oss_attention(s);
+         head_overflow(s);
+         // One kv head per query head: a kv head shared with another query head would pass that
+         // head's gradient into the planted rows, and the feature would reach other tokens.
+         s.model.num_kv_heads = s.model.num_heads;
        }},
       {{"bit-flip", "a flipped exponent bit in a norm weight of the last checkpoint (NaN)"},
        [](SyntheticSpec& s) {

@@ -47,6 +47,9 @@ enum class FaultKind {
   // Spikes that never go non-finite (docs/spikes.md):
   kSpikeToken,        // a rare token whose (tied) embedding row is large but finite, at every other position of one sample
   kSiteStatsMismatch, // the logged site statistics of one site differ from what the step computes
+  // Weights rewritten outside the optimizer (an edit between two checkpoints):
+  kRewrittenWeights,  // layer `layer`'s q_proj and k_proj multiplied by `weight_scale` before the step
+  kBadUpdate,         // the update of `param` into the step's checkpoint applied `weight_scale` times over
 };
 
 struct FaultSpec {
@@ -64,6 +67,7 @@ struct FaultSpec {
   int slot = 0;           // planted token: the sample's index in that rank's list for the step
   int occurrences = 1;    // glitch token: samples holding it (slots slot, slot + 1, ...)
   double embedding_value = 1e5;  // glitch token: every element of its embedding row
+  double weight_scale = 1e20;    // rewritten weights, bad update: the factor
   // Repeat run: one head of `layer` also amplifies the repeated token, so
   // the poisoned sample holds the first non-finite value.
   bool trigger_head = false;

@@ -59,8 +59,12 @@ inline nlohmann::json check_bisect_agrees_with_run(const std::filesystem::path& 
   const bool not_reproducible = !origin.is_object() && !bisect["logged_nonfinite_steps"].empty();
   bool error_finding = false;
   for (const auto& f : bisect["findings"]) error_finding = error_finding || f["severity"] == "error";
+  // A spike origin, named by run's own full pass in bisect (bisect_verdict.h), exits 1 as in run.
+  const bool spike_origin = bisect["spike"].is_object() && !bisect["spike"]["site"].is_null();
+  CHECK(bisect["spike"] == run_report["spike"]);
   CHECK(result.status ==
-        (origin.is_object() || !bisect["not_replayed"].empty() || not_reproducible || error_finding ? 1 : 0));
+        (origin.is_object() || !bisect["not_replayed"].empty() || not_reproducible || error_finding || spike_origin
+             ? 1 : 0));
   // The step search saw what run saw: a step is bad exactly where run's
   // replay of it holds a non-finite value the loss scaler does not absorb.
   std::map<int64_t, bool> bad_by_run;

@@ -82,6 +82,11 @@ TEST_CASE("a head layout that cannot be replayed is refused by its key", "[arch]
                 "expected num_heads * head_dim of at most 2^30, got 4 * 536870912");
 }
 
+TEST_CASE("a mixture of experts with Gemma's GeGLU is refused: its experts apply silu", "[arch][families]") {
+  check_refused({{"hidden_act", "gelu_pytorch_tanh"}, {"moe", {{"num_experts", 4}, {"top_k", 2}}}}, "moe",
+                "the experts apply silu; hidden_act gelu_pytorch_tanh with moe is not replayed");
+}
+
 TEST_CASE("partial_rotary_factor turns int(head_dim * factor) dimensions, an even number", "[arch][families]") {
   CHECK(family_model(json::object()).rotary_dim() == 8);
   CHECK(family_model({{"partial_rotary_factor", 0.5}}).rotary_dim() == 4);
@@ -148,5 +153,71 @@ TEST_CASE("norm_layout post is OLMo 2's block: its norms, in its module order, a
     CHECK(s.id != nanreplay::SiteId::kAttnPostNorm);
     CHECK(s.id != nanreplay::SiteId::kMlpPostNorm);
   }
-  check_refused({{"norm_layout", "sandwich"}}, "norm_layout", "expected \"pre\" or \"post\", got \"sandwich\"");
+  check_refused({{"norm_layout", "both"}}, "norm_layout", "expected \"pre\" or \"post\" or \"sandwich\", got \"both\"");
+}
+
+TEST_CASE("norm_layout sandwich is Gemma 3's block: four norms in Gemma3DecoderLayer's order, both sites of each kind",
+          "[arch][families]") {
+  const nanreplay::ModelConfig gemma3 = family_model({{"norm_layout", "sandwich"}, {"qk_norm", "head"}});
+  std::vector<std::string> norms;
+  for (const nanreplay::ParamSpec& p : nanreplay::expected_parameters(gemma3)) {
+    if (p.name.rfind("model.layers.0.", 0) == 0 && p.name.find("layernorm") != std::string::npos) {
+      norms.push_back(p.name.substr(15));
+    }
+  }
+  CHECK(norms == std::vector<std::string>{"input_layernorm.weight", "post_attention_layernorm.weight",
+                                          "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"});
+  std::vector<std::string> sites;
+  for (const nanreplay::SiteRef& s : nanreplay::forward_sites(gemma3)) {
+    if (s.layer == 0 && nanreplay::site_name(s).find("norm") != std::string::npos) sites.push_back(nanreplay::site_name(s));
+  }
+  CHECK(sites == std::vector<std::string>{"layers.0.attn_norm", "layers.0.attn.post_norm", "layers.0.mlp_norm",
+                                          "layers.0.mlp.post_norm"});
+}
+
+TEST_CASE("layer_types gives each layer its attention kind; sliding layers take the window and the local rotary",
+          "[arch][families]") {
+  using nanreplay::AttentionKind;
+  const json two = {{"num_layers", 2}, {"sliding_window", 4}, {"rope_local_base_freq", 10000.0},
+                    {"layer_types", {"sliding_attention", "full_attention"}}};
+  const nanreplay::ModelConfig m = family_model(two);
+  CHECK(m.attention_kind(0) == AttentionKind::kSliding);
+  CHECK(m.attention_kind(1) == AttentionKind::kFull);
+  CHECK(m.window_of(0) == 4);
+  CHECK(m.window_of(1) == 0);
+  CHECK(m.local_rotary(0));
+  CHECK_FALSE(m.local_rotary(1));
+  const nanreplay::ModelConfig mistral = family_model({{"sliding_window", 4}});  // no layer_types: every layer
+  CHECK(mistral.window_of(0) == 4);
+  const json written = nanreplay::manifest_json(nanreplay::parse_manifest(family_manifest(two).dump(), "m.json"));
+  CHECK(written["model"]["layer_types"] == json({"sliding_attention", "full_attention"}));
+  check_refused({{"num_layers", 2}, {"sliding_window", 4}, {"layer_types", {"full_attention"}}}, "layer_types",
+                "expected one entry per layer (2), got 1");
+  check_refused({{"layer_types", {"chunked"}}}, "layer_types[0]", "expected \"full_attention\" or \"sliding_attention\"");
+  check_refused({{"layer_types", {"sliding_attention"}}}, "layer_types[0]", "a sliding_attention layer needs model.sliding_window");
+  check_refused({{"hidden_act", "gelu"}}, "hidden_act", "expected \"silu\" or \"gelu_pytorch_tanh\"");
+  check_refused({{"rope_scaling", {{"rope_type", "linear"}}}}, "rope_scaling.factor", "");
+}
+
+TEST_CASE("attention_sinks brings one logit per head and the attn.sink site; o_proj_bias o_proj's bias",
+          "[arch][families]") {
+  const nanreplay::ModelConfig plain = family_model(json::object());
+  const nanreplay::ModelConfig m = family_model({{"attention_sinks", true}, {"o_proj_bias", true}});
+  CHECK(shape_of(m, "model.layers.0.self_attn.sinks") == std::vector<int64_t>{2});
+  CHECK(shape_of(m, "model.layers.0.self_attn.o_proj.bias") == std::vector<int64_t>{16});
+  CHECK(nanreplay::expected_parameters(m).size() == nanreplay::expected_parameters(plain).size() + 2);
+  const auto has_sink_site = [](const nanreplay::ModelConfig& model) {
+    for (const nanreplay::SiteRef& ref : nanreplay::forward_sites(model)) {
+      if (ref.id == nanreplay::SiteId::kAttnSink) return true;
+    }
+    return false;
+  };
+  CHECK(has_sink_site(m));
+  CHECK_FALSE(has_sink_site(plain));
+  CHECK(nanreplay::forward_sites(m).size() == nanreplay::forward_sites(plain).size() + 1);
+  const auto parsed = nanreplay::parse_site_name("layers.0.attn.sink");
+  REQUIRE(parsed);
+  CHECK(parsed->id == nanreplay::SiteId::kAttnSink);
+  CHECK(nanreplay::is_per_head(nanreplay::SiteId::kAttnSink));
+  check_refused({{"attention_sinks", "yes"}}, "attention_sinks", "");
 }

@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <map>
@@ -36,6 +37,11 @@ const std::map<std::string, json>& option_examples() {
         {"high_freq_factor", 4.0},
         {"original_max_position_embeddings", 32}}},
       {"attention_bias", true},
+      {"o_proj_bias", true},
+      {"attention_sinks", true},
+      {"no_rope_layers", json::array({0})},
+      {"attn_temperature_tuning", {{"floor_scale", 8192.0}, {"attn_scale", 0.1}}},
+      {"attention_chunk_size", 8},
       {"qk_norm", "full"},
       {"attn_logit_softcap", 30.5},
       {"final_logit_softcap", 15.0},
@@ -44,6 +50,12 @@ const std::map<std::string, json>& option_examples() {
       {"partial_rotary_factor", 0.5},
       {"attention_mask", "additive_neg_inf"},
       {"norm_layout", "post"},
+      {"layer_types", json::array({"full_attention"})},
+      {"rope_local_base_freq", 10000.0},
+      {"rms_norm_offset", true},
+      {"scale_embeddings", true},
+      {"query_pre_attn_scalar", 24.0},
+      {"hidden_act", "gelu_pytorch_tanh"},
       {"moe",
        {{"num_experts", 4},
         {"top_k", 2},
@@ -119,10 +131,40 @@ TEST_CASE("each llama option is read and written back as given, and not written 
     manifest["model"][key] = nullptr;  // null is the default, as absent
     CHECK_FALSE(model_round_trip(manifest).contains(key));
   }
+  // Every option at once, but Gemma's GeGLU: the mixture of experts refuses it (its experts are silu).
   json all = options_test_manifest("llama");
-  for (const auto& [key, value] : option_examples()) all["model"][key] = value;
+  for (const auto& [key, value] : option_examples()) {
+    if (key != "hidden_act") all["model"][key] = value;
+  }
   const json written = model_round_trip(all);
-  for (const auto& [key, value] : option_examples()) CHECK(written[key] == value);
+  for (const auto& [key, value] : option_examples()) CHECK(written.value(key, json()) == (key == "hidden_act" ? json() : value));
+}
+
+TEST_CASE("rope_scaling yarn is written back with Hugging Face's defaults filled; llama3 takes equal factors",
+          "[arch][options]") {
+  json manifest = options_test_manifest("llama");
+  manifest["model"]["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 32.0}, {"original_max_position_embeddings", 4096}};
+  const json written = model_round_trip(manifest)["rope_scaling"];
+  CHECK(written == json{{"rope_type", "yarn"}, {"factor", 32.0}, {"original_max_position_embeddings", 4096},
+                        {"beta_fast", 32.0}, {"beta_slow", 1.0}, {"truncate", true}});
+  manifest["model"]["rope_scaling"] = {{"type", "yarn"}, {"factor", 40.0}, {"original_max_position_embeddings", 4096},
+                                       {"mscale", 1.0}, {"mscale_all_dim", 1.0}, {"truncate", false}};
+  const json deepseek = model_round_trip(manifest)["rope_scaling"];
+  CHECK(deepseek["mscale"] == 1.0);
+  CHECK(deepseek["truncate"] == false);
+  nanreplay::RopeScaling yarn;
+  yarn.type = nanreplay::RopeScalingType::kYarn;
+  yarn.factor = 32.0;
+  CHECK(nanreplay::yarn_attention_factor(yarn) == Approx(0.1 * std::log(32.0) + 1.0).epsilon(1e-15));
+  yarn.mscale = 1.0;
+  yarn.mscale_all_dim = 1.0;  // DeepSeek-V3: the two cancel
+  CHECK(nanreplay::yarn_attention_factor(yarn) == 1.0);
+  yarn.attention_factor = 0.5;
+  CHECK(nanreplay::yarn_attention_factor(yarn) == 0.5);
+  // Llama 4: low_freq_factor == high_freq_factor, no blended band.
+  manifest["model"]["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 16.0}, {"low_freq_factor", 1.0},
+                                       {"high_freq_factor", 1.0}, {"original_max_position_embeddings", 8192}};
+  CHECK(model_round_trip(manifest)["rope_scaling"]["high_freq_factor"] == 1.0);
 }
 
 TEST_CASE("gpt2 refuses each llama option by its key", "[arch][options]") {

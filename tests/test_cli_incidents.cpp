@@ -55,6 +55,14 @@ TEST_CASE("run names a single attention head's fp16 score overflow", "[cli][inci
   CHECK(first["position"] == 0);
   CHECK(r.verdict.find("REPRODUCED") != std::string::npos);
   CHECK(r.verdict.find("layers.1.attn.scores") != std::string::npos);
+  // The shape of the damage: at the first step only the token's own query-key pair overflows, in head 2.
+  const auto& damage = first["damage"];
+  REQUIRE(damage.is_object());
+  CHECK(damage["pattern"] == "single_element");
+  CHECK(damage["head"] == r.planted["fault_head"]);
+  CHECK(damage["sample"] == r.planted["first_sample"]);
+  CHECK(damage["map"]["cells"].size() <= 16);
+  CHECK(r.verdict.find("Damage at layers.1.attn.scores") != std::string::npos);
   // Steps before the fault are clean.
   for (const auto& step : r.report["steps"]) {
     if (step["step"] != r.planted["fault_step"]) CHECK(step["finite"] == true);
@@ -77,6 +85,10 @@ TEST_CASE("run names a weight with one flipped exponent bit", "[cli][incident]")
   CHECK(first["sample"] == r.planted["first_sample"]);
   CHECK(first["position"] == 0);
   CHECK(first["index"][2] == r.planted["fault_element"]);
+  // The flipped gain's feature, at every token: a weight, not a token.
+  CHECK(first["damage"]["pattern"] == "feature");
+  CHECK(first["damage"]["column"] == r.planted["fault_element"]);
+  CHECK(first["damage"]["rows_hit"] == first["shape"][0].get<int64_t>() * first["shape"][1].get<int64_t>());
 }
 
 TEST_CASE("run names a zero embedding row under norm_eps = 0", "[cli][incident]") {
@@ -92,6 +104,10 @@ TEST_CASE("run names a zero embedding row under norm_eps = 0", "[cli][incident]"
   CHECK(first["head"].is_null());
   CHECK(first["sample"] == r.planted["first_sample"]);
   CHECK(first["position"] == r.planted["zero_position"]);
+  // One token's row of the norm's output: the data.
+  CHECK(first["damage"]["pattern"] == "token_row");
+  CHECK(first["damage"]["position"] == r.planted["zero_position"]);
+  CHECK(first["damage"]["sample"] == r.planted["first_sample"]);
 }
 
 TEST_CASE("clean bundles replay with nothing non-finite and exit 0", "[cli][clean]") {

@@ -50,7 +50,10 @@ TEST_CASE("every model option's preset replays its own run: reproduced, clean, t
       {"clean-qwen3", {"qk_norm"}},
       {"clean-olmo2", {"qk_norm"}},
       {"clean-gemma2", {"sliding_window", "attn_logit_softcap", "final_logit_softcap"}},
-      {"clean-llama3", {"rope_style", "rope_scaling"}}};
+      {"clean-llama3", {"rope_style", "rope_scaling"}},
+      {"clean-gemma3", {"layer_types", "sliding_window", "rope_local_base_freq", "rope_scaling", "norm_layout",
+                        "rms_norm_offset", "scale_embeddings", "query_pre_attn_scalar", "hidden_act", "qk_norm"}}};
+  // (GPT-OSS's and Llama 4's attention: their incident presets below replay three clean steps first.)
   for (const auto& [preset, keys] : presets) {
     INFO(preset);
     ScratchDir dir("options-" + preset);
@@ -76,7 +79,10 @@ TEST_CASE("an option's parameters missing from the checkpoint, or a bad option v
       {"sliding_window", 0, "model.sliding_window"},
       {"attn_logit_softcap", -30.0, "model.attn_logit_softcap"},
       {"final_logit_softcap", "inf", "model.final_logit_softcap"},
-      {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}, "model.rope_scaling.rope_type"},
+      {"rope_scaling", {{"rope_type", "longrope"}, {"factor", 4.0}}, "model.rope_scaling.rope_type"},
+      {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}}, "model.rope_scaling.original_max_position_embeddings"},
+      {"rope_scaling", {{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 16}, {"beta_fast", 0}},
+       "model.rope_scaling.beta_fast"},
       {"rope_scaling", {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 4.0}, {"high_freq_factor", 1.0},
                         {"original_max_position_embeddings", 16}}, "model.rope_scaling.high_freq_factor"},
       {"moe", {{"num_experts", 4}, {"top_k", 2}}, "model.layers.0.mlp.gate.weight"},
@@ -177,4 +183,64 @@ TEST_CASE("an incident in a model with options: run and bisect name the same hea
   CHECK(first["step"] == t.planted["fault_step"]);
   CHECK(first["sample"] == t.planted["fault_sample"]);
   CHECK(t.report["reproduction"]["reproduces"] == true);
+}
+
+TEST_CASE("Gemma 3: run and bisect name the overflowing head of the sliding layer", "[cli][options][incident]") {
+  ScratchDir dir("options-gemma3");
+  const Triaged t = triage(dir, "gemma3-local-overflow");  // also checks that bisect names run's origin
+  CHECK(t.status == 1);
+  const nlohmann::json& first = t.report["first_nonfinite"];
+  CHECK(first["site"] == "layers.0.attn.scores");  // layer 0 is the sliding one (layer_types)
+  CHECK(first["head"] == 1);
+  CHECK(first["step"] == t.planted["fault_step"]);
+  CHECK(first["sample"] == t.planted["fault_sample"]);
+  CHECK(t.report["reproduction"]["reproduces"] == true);
+}
+
+TEST_CASE("GPT-OSS attention: run and bisect name the overflowing head; sinks=off does not resolve it",
+          "[cli][options][incident][what-if]") {
+  ScratchDir dir("options-gpt-oss");
+  const Triaged t = triage(dir, "gpt-oss-head-overflow");  // also checks that bisect names run's origin
+  CHECK(t.status == 1);
+  const nlohmann::json& first = t.report["first_nonfinite"];
+  CHECK(first["site"] == "layers.1.attn.scores");
+  CHECK(first["head"] == 2);
+  CHECK(first["step"] == t.planted["fault_step"]);
+  CHECK(first["sample"] == t.planted["fault_sample"]);
+  CHECK(t.report["reproduction"]["reproduces"] == true);
+  const auto run = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "wi").string(), "--what-if", "sinks=off"});
+  INFO(run.err);
+  REQUIRE(run.status == 1);
+  const nlohmann::json outcomes = read_json(dir / "wi" / "report.json")["what_if"];
+  REQUIRE(outcomes.size() == 1);
+  CHECK(outcomes[0]["what_if"] == "sinks=off");
+  CHECK(outcomes[0]["resolved"] == false);  // q k^T overflows before the sink joins the softmax
+  CHECK(outcomes[0]["first_nonfinite_after"]["site"] == "layers.1.attn.scores");
+  check_one_error_line(run_cli({"run", (dir / "bundle").string(), "--out", (dir / "o2").string(), "--what-if", "sinks=on"}),
+                       {"sinks=on", "off"});
+  // The same bundle described without sinks: refused before any replay.
+  nlohmann::json manifest = read_json(dir / "bundle" / "manifest.json");
+  manifest["model"].erase("attention_sinks");
+  write_json(dir / "bundle" / "manifest.json", manifest);
+  check_one_error_line(run_cli({"run", (dir / "bundle").string(), "--out", (dir / "o2").string(), "--what-if", "sinks=off"}),
+                       {"sinks=off", "attention_sinks"});
+  CHECK_FALSE(std::filesystem::exists(dir / "o2"));
+}
+
+TEST_CASE("Llama 4 attention: an overflow in a NoPE layer is named there; its L2 QK-norm on that layer resolves it",
+          "[cli][options][incident][what-if]") {
+  ScratchDir dir("options-llama4");
+  const Triaged t = triage(dir, "llama4-nope-overflow");  // also checks that bisect names run's origin
+  CHECK(t.status == 1);
+  const nlohmann::json& first = t.report["first_nonfinite"];
+  CHECK(first["site"] == "layers.1.attn.scores");  // layer 1: NoPE (no rotary, no QK-norm)
+  CHECK(first["head"] == 2);
+  CHECK(first["step"] == t.planted["fault_step"]);
+  CHECK(first["sample"] == t.planted["fault_sample"]);
+  const auto run = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "wi").string(), "--what-if", "qk-norm"});
+  INFO(run.err);
+  REQUIRE(run.status == 1);
+  const nlohmann::json outcomes = read_json(dir / "wi" / "report.json")["what_if"];
+  REQUIRE(outcomes.size() == 1);
+  CHECK(outcomes[0]["resolved"] == true);  // the L2 norm bounds |q.k| by head_dim on the NoPE layer too
 }

@@ -90,6 +90,16 @@ TEST_CASE("an fp16 attention origin advises qk-norm and stable-softmax, and the 
   // The terminal names the trace under the --out directory (OUT until the CLI passes it).
   CHECK(contains(line_starting(r.run.out, "Next: "), "/trace.h5 --site layers.1.attn.scores`"));
   CHECK(contains(r.run.out, "most likely root cause (numeric)"));
+  // The runbook: the job's numerics, resume from the failing step's own checkpoint, the advice's bisect confirms.
+  const nlohmann::json& book = r.report["runbook"];
+  REQUIRE(book.is_object());
+  CHECK(book["layer"] == "job");
+  CHECK(book["resume_from"]["step"] == 103);
+  CHECK(book["skip"].empty());
+  CHECK(book["confirm"] == bisect);
+  CHECK(contains(line_starting(r.run.out, "Runbook: "), "confirm with `" + bisect + "`"));
+  CHECK(contains(line_starting(r.md, "**Runbook:** "), "`" + bisect + "`"));
+  CHECK(contains(r.html, "<p class=\"runbook\" id=\"runbook\"><b>Runbook:</b> "));
 
   // The advised bisect is a real command: it names the same origin and replays both what-ifs.
   std::vector<std::string> args = words_of(bisect);
@@ -118,6 +128,8 @@ TEST_CASE("a clean window has no root cause and advises widening the window", "[
   check_same_advice(r);
   CHECK(r.report["next_step"]["kind"] == "widen_window");
   CHECK(r.report["next_step"]["commands"].empty());
+  CHECK(r.report["runbook"].is_null());  // no cause named: nothing to run
+  CHECK(line_starting(r.run.out, "Runbook: ").empty());
   const std::string next = r.report["next_step"]["text"];
   CHECK(contains(next, "capture a wider one"));
   CHECK(contains(next, "step numbers the job logged"));
@@ -140,6 +152,9 @@ TEST_CASE("a failure the replay does not reproduce sends the reader to the syste
   CHECK(contains(next, "system layer first"));
   REQUIRE(r.report["next_step"]["commands"].size() == 1);
   CHECK(contains(r.report["next_step"]["commands"][0].get<std::string>(), "nanreplay inspect "));
+  CHECK(r.report["runbook"]["layer"] == "infra");  // not the model or the data
+  CHECK(r.report["runbook"]["resume_from"]["step"] == 103);
+  CHECK(r.report["runbook"]["confirm"].get<std::string>().rfind("nanreplay bisect ", 0) == 0);
   CHECK(contains(r.run.out, "most likely root cause (system)"));
   CHECK(contains(r.md, "system layer first"));
   CHECK(contains(r.html, "system layer first"));
@@ -167,6 +182,13 @@ TEST_CASE("consequences come last in report.md and folded in report.html", "[cli
   const Replayed r = replay_preset(dir, "repeat-run", 1);
   CHECK(r.report["next_step"]["kind"] == "drop_sample");
   CHECK(contains(r.report["next_step"]["text"].get<std::string>(), "--what-if drop-samples=46`"));
+  const nlohmann::json& book = r.report["runbook"];  // the data finding names the sample to skip
+  CHECK(book["layer"] == "job");
+  REQUIRE(book["skip"].size() == 1);
+  CHECK(book["skip"][0]["step"] == 103);
+  CHECK(book["skip"][0]["sample"] == 46);
+  CHECK(contains(book["confirm"].get<std::string>(), "--what-if drop-samples=46"));
+  CHECK(contains(line_starting(r.run.out, "Runbook: "), "skip sample 46 of step 103"));
   const size_t system = r.md.find("### system");
   const size_t consequences = r.md.find("### Consequences of the first non-finite value");
   const size_t entry = r.md.find("consequences, not properties of those samples");

@@ -9,10 +9,12 @@
 #include <cmath>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <set>
 #include <tuple>
 
+#include "reports/triage/numeric/update_spike.h"
 #include "tests/triage_harness.h"
 
 using nanreplay_test::read_json;
@@ -45,6 +47,25 @@ bool same_number(const nlohmann::json& a, const nlohmann::json& b) {
   if (a.is_null() || b.is_null() || a.is_string() || b.is_string()) return a == b;  // null or "nan"/"inf"
   const double x = a.get<double>(), y = b.get<double>();
   return std::fabs(x - y) <= 1e-6 * std::max(std::fabs(y), 1e-12);
+}
+
+// The update-spike rule over a rolled run's report.json update_stats, as if
+// its last step were an incident: what calibrates it on clean windows.
+std::vector<nanreplay::Finding> update_spikes_if_last_were_incident(const nlohmann::json& report) {
+  std::vector<nanreplay::StepUpdateStats> updates;
+  for (const auto& row : report["update_stats"]) {
+    nanreplay::StepUpdateStats step{row["step"].get<int64_t>(), {}};
+    for (const auto& t : row["tensors"]) {
+      nanreplay::TensorUpdateStats u;
+      u.param = t["param"].get<std::string>();
+      u.update_rms = t["update_rms"].is_number() ? t["update_rms"].get<double>() : std::nan("");
+      if (t["g2_over_v"].is_number()) u.g2_over_v = t["g2_over_v"].get<double>();
+      step.tensors.push_back(u);
+    }
+    updates.push_back(step);
+  }
+  return nanreplay::update_spike_findings(updates, report["steps"].back()["step"].get<int64_t>(),
+                                          nanreplay::default_thresholds(nanreplay::Compute::kFp32));
 }
 
 // synth + run, without triage()'s bisect agreement: every preset's bisect is
@@ -89,6 +110,15 @@ void check_rolled_matches_per_step(const std::string& preset) {
   REQUIRE(trajectory.is_object());
   CHECK(trajectory["diverged_at"].is_null());
   CHECK(expected.report["reproduction"]["trajectory"].is_null());
+  // Every derived update measured (the last step's too); per step, nothing is derived.
+  CHECK_FALSE(expected.report.contains("update_stats"));
+  REQUIRE(got.report.contains("update_stats"));
+  CHECK(got.report["update_stats"].front()["step"] == steps[0]["step"]);
+  // Calibration: a window with no incident would give no update spike even if its last step were one.
+  if (got.report["first_nonfinite"].is_null() && got.report["spike"].is_null()) {
+    CHECK(with_code(got.report, "NUMERIC_UPDATE_SPIKE").empty());
+    for (const auto& f : update_spikes_if_last_were_incident(got.report)) FAIL_CHECK(f.message);
+  }
 }
 
 }  // namespace
@@ -120,6 +150,29 @@ TEST_CASE("rolled forward, clean runs of every layout stay clean and match their
   for (const char* preset : {"clean-fp32", "clean-bf16", "clean-dp", "clean-accum", "clean-gpt2", "rank-mismatch"}) {
     check_rolled_matches_per_step(preset);
   }
+}
+
+TEST_CASE("rolled forward, the update that jumped first before a spike is NUMERIC_UPDATE_SPIKE", "[cli][roll][spike]") {
+  ScratchDir dir("rolled-update-spike");
+  const Triaged t = synth_and_run(dir, "spike-token", {"--checkpoint-every", "1000"});
+  CHECK(t.status == 1);
+  REQUIRE(t.report["spike"].is_object());
+  const auto jumps = with_code(t.report, "NUMERIC_UPDATE_SPIKE");
+  REQUIRE_FALSE(jumps.empty());
+  const auto& first = jumps[0];
+  CHECK(first["severity"] == "info");
+  CHECK(first["evidence"]["incident_step"] == 103);
+  CHECK(first["evidence"]["step"].get<int64_t>() <= 103);
+  // The planted token's logit pulls the head's gradient far above Adam's second moment.
+  CHECK(first["evidence"]["param"] == "lm_head.weight");
+  CHECK(first["evidence"]["g2_over_v"].get<double>() >= 25.0);
+  CHECK(t.report["root_cause"]["code"] != "NUMERIC_UPDATE_SPIKE");  // context, never the cause
+  // The statistics it judged: every update, the spike's own (the last step's) included.
+  const auto& updates = t.report["update_stats"];
+  REQUIRE(updates.size() == 4);
+  CHECK(updates.back()["step"] == 103);
+  std::ifstream md(dir / "out" / "report.md");
+  CHECK(std::string(std::istreambuf_iterator<char>(md), {}).find("NUMERIC_UPDATE_SPIKE") != std::string::npos);
 }
 
 TEST_CASE("a checkpoint every two steps: later checkpoints are replayed from and compared with the derived update",
@@ -170,6 +223,13 @@ TEST_CASE("bisect walks a rolled-forward window in order and names run's origin"
   const auto& tested = bisect["stages"]["step"]["tested"];
   REQUIRE(tested.size() == t.report["steps"].size());  // the incident is at the last step
   CHECK(bisect["stages"]["step"]["clean_predecessor"] == tested[tested.size() - 2]["step"]);
+  // Cheaper than run, in passes (counts, not times): each step once, the bad one only up to the pass
+  // that settles it, then one pass of full probes; run replays every pass and re-checks the deciding one.
+  const auto& replays = bisect["replays"];
+  const int64_t run_replays = t.report["replays"]["total"].get<int64_t>();
+  CHECK(run_replays == t.report["replays"]["steps"].get<int64_t>() + 1);  // the determinism re-check
+  CHECK(tested.back()["replays"].get<int64_t>() < bisect["passes_per_step"].get<int64_t>());
+  CHECK(replays["origin"].get<int64_t>() < run_replays);
   const auto text = run_cli({"bisect", (dir / "bundle").string(), "--no-samples"});
   CHECK(text.out.find("in order") != std::string::npos);
 }

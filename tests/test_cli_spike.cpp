@@ -102,6 +102,28 @@ TEST_CASE("a data sample's loss spike is reproduced and located at its token", "
   CHECK(r.report["spike_check"]["quantity"] == "loss");
   CHECK(contains(r.out, "SPIKE"));
   CHECK(contains(r.report["root_cause"]["summary"].get<std::string>(), "starts at step 103, embed"));
+  // The shape of the damage: one feature of the planted token's rows.
+  REQUIRE(spike["damage"].is_object());
+  CHECK(spike["damage"]["pattern"] == "token_feature");
+  CHECK(spike["damage"]["rows_hit"] == 16);
+  // The counterfactuals: step 103's batch spikes on step 102's weights, the reverse does not: data.
+  const nlohmann::json& cf = r.report["counterfactuals"];
+  REQUIRE(cf.is_object());
+  CHECK(cf["step"] == 103);
+  CHECK(cf["previous_step"] == 102);
+  CHECK(cf["conclusion"] == "data");
+  CHECK(cf["decided_by"] == "loss");
+  CHECK(cf["loss"]["spike_batch_previous_weights"].get<double>() > 1.5 * cf["loss"]["previous"].get<double>());
+  CHECK(cf["loss"]["previous_batch_spike_weights"].get<double>() < 1.1 * cf["loss"]["previous"].get<double>());
+  CHECK(cf["loss"]["logged"] == r.report["steps"][3]["logged_loss"]);
+  CHECK(cf["update"]["outcome"] == "computed");
+  CHECK(contains(r.out, "Counterfactuals: data"));
+  CHECK(contains(nanreplay_test::slurp(dir / "out" / "report.md"), "Counterfactuals: data"));
+  CHECK(contains(nanreplay_test::slurp(dir / "out" / "report.html"), "Shape of the damage"));
+  CHECK(r.report["next_step"]["kind"] == "spike");
+  CHECK(r.report["runbook"]["layer"] == "job");
+  CHECK(r.report["runbook"]["resume_from"]["step"] == 103);
+  CHECK(r.report["runbook"]["confirm"].get<std::string>().rfind("nanreplay bisect ", 0) == 0);
   // --incident-kind nonfinite turns the spike off; bad spike flags are usage errors.
   CHECK(run_spike_bundle(dir, {"--incident-kind", "nonfinite"}).report["spike"].is_null());
   const SpikeRun bad = run_spike_bundle(dir, {"--incident-kind", "maybe"});
@@ -135,6 +157,16 @@ TEST_CASE("a finite bit flip declared a spike: its site leaves its trajectory th
   CHECK(check["first_departure"]["step"] == 103);
   CHECK(check["first_departure"]["site"] == "layers.1.attn.q");
   CHECK(check["first_departure"]["ratio"].get<double>() > 3.0);
+  // Its outlying elements lie in one head of q; the loss does not move, the site decides: model state.
+  CHECK(check["first_departure"]["damage"]["pattern"] == "head");
+  const nlohmann::json& cf = r.report["counterfactuals"];
+  REQUIRE(cf.is_object());
+  CHECK(cf["conclusion"] == "model_state");
+  CHECK(cf["decided_by"] == "site");
+  CHECK(cf["site"]["site"] == "layers.1.attn.q");
+  CHECK(cf["site"]["previous_batch_spike_weights"].get<double>() > 2.0 * cf["site"]["previous"].get<double>());
+  CHECK(cf["update"]["outcome"] == "corrupted");
+  CHECK(cf["update"]["code"] == "SYSTEM_BIT_FLIP");
 }
 
 TEST_CASE("a logged spike the replay does not make is said first, every origin field null", "[cli][spike]") {

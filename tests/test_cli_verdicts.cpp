@@ -115,11 +115,16 @@ TEST_CASE("one odd step among matching ones is SYSTEM_NOT_REPRODUCIBLE, not a bu
   CHECK(odd[0]["evidence"]["step"] == 102);
 }
 
-TEST_CASE("a clean replay over real text and code reports nothing above info and exits 0", "[cli][verdict]") {
+TEST_CASE("a clean replay over real text and code reports nothing above info, no spike, and exits 0", "[cli][verdict]") {
   ScratchDir dir("real-text");
   const std::string corpus = std::string(NANREPLAY_SOURCE_DIR) + "/tests/fixtures/real_text.txt";
-  const Triaged t = triage(dir, "clean-fp32", {"--corpus", corpus});
+  // 12 steps logging their site statistics: enough history for the spike rules to judge every step.
+  const Triaged t = triage(dir, "clean-site-stats", {"--corpus", corpus, "--steps", "12"});
   CHECK(t.status == 0);
+  CHECK(t.report["spike"].is_null());
+  CHECK(t.report["spike_check"].is_null());
+  CHECK(with_code(t.report, "SYSTEM_SITE_MISMATCH").empty());
+  CHECK(with_code(t.report, "SYSTEM_TRAJECTORY_DIVERGED").empty());
   CHECK(t.report["reproduction"]["reproduces"] == true);
   CHECK(with_severity(t.report, "error").empty());
   CHECK(with_severity(t.report, "warning").empty());

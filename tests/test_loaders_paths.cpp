@@ -17,12 +17,14 @@
 
 #include "loaders/bundle/bundle_paths.h"
 #include "loaders/base/error.h"
+#include "loaders/base/glob_match.h"
 #include "loaders/base/mapped_file.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using nanreplay::InputError;
+using nanreplay::glob_match;
 
 using nanreplay_test::MessageMentions;
 using nanreplay_test::TempDir;
@@ -151,4 +153,17 @@ TEST_CASE("mapped_file: what cannot be mapped is a clean input error", "[loaders
   REQUIRE(::mkfifo((dir / "fifo").c_str(), 0600) == 0);
   REQUIRE_INPUT_ERROR(nanreplay::MappedFile((dir / "fifo").string(), "fifo"), "fifo: cannot open",
                       "regular file");
+}
+
+TEST_CASE("glob_match is fnmatch's * and ? over whole names", "[loaders][glob]") {
+  CHECK(glob_match("*.bias", "model.layers.0.self_attn.q_proj.bias"));
+  CHECK_FALSE(glob_match("*.bias", "model.layers.0.self_attn.q_proj.bias.extra"));
+  CHECK(glob_match("model.layers.?.mlp.*", "model.layers.3.mlp.up_proj.weight"));
+  CHECK_FALSE(glob_match("model.layers.?.mlp.*", "model.layers.13.mlp.up_proj.weight"));
+  CHECK(glob_match("*", ""));
+  CHECK(glob_match("**a*b", "xxaxxb"));
+  CHECK_FALSE(glob_match("a*b", "a"));
+  CHECK(glob_match("layers.1.attn.*", "layers.1.attn.scores"));
+  // Many stars over a long name that does not match: no exponential backtracking.
+  CHECK_FALSE(glob_match("*a*a*a*a*a*a*a*a*b", std::string(4000, 'a')));
 }

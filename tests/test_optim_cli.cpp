@@ -71,6 +71,16 @@ TEST_CASE("a Muon run with MuonClip rolled forward matches its per-step twin and
     CHECK(with_code(expected, code).empty());
     CHECK(with_code(got, code).empty());
   }
+  // Update statistics of every derived update: g^2 / v for the AdamW group only; no update spike.
+  CHECK(with_code(got, "NUMERIC_UPDATE_SPIKE").empty());
+  REQUIRE(got.contains("update_stats"));
+  for (const auto& row : got["update_stats"]) {
+    for (const auto& t : row["tensors"]) {
+      const bool muon = t["param"].get<std::string>().find("_proj.weight") != std::string::npos;
+      CHECK(t["update_rms"].get<double>() > 0.0);
+      CHECK(t["g2_over_v"].is_null() == (muon || row["step"] == 100));  // AdamW's from its second update on
+    }
+  }
   const auto& steps = got["steps"];
   REQUIRE(steps.size() == 5);
   for (size_t i = 0; i < steps.size(); ++i) {

@@ -58,13 +58,14 @@ TEST_CASE("site names parse back to the same site", "[sites]") {
   CHECK_FALSE(parse_site_name("nonsense"));
 }
 
-TEST_CASE("per-head sites are scores, probs and context, and only scores and probs are causal", "[sites]") {
+TEST_CASE("per-head sites are scores, probs, the sink's share and context; only scores and probs are causal",
+          "[sites]") {
   std::set<std::string> per_head, causal;
   for (const auto& def : site_table()) {
     if (is_per_head(def.id)) per_head.insert(def.name);
     if (def.causal) causal.insert(def.name);
   }
-  CHECK(per_head == std::set<std::string>{"attn.scores", "attn.probs", "attn.context"});
+  CHECK(per_head == std::set<std::string>{"attn.scores", "attn.probs", "attn.sink", "attn.context"});
   CHECK(causal == std::set<std::string>{"attn.scores", "attn.probs"});
 }
 

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "reports/results/logged_value.h"
+#include "reports/triage/numeric/update_spike.h"
 #include "reports/triage/triage_rules.h"
 #include "reports/triage/verdict.h"
 
@@ -496,4 +497,45 @@ TEST_CASE("verdict: one micro-batch's loss logged as the step's is said once; ot
   judge_reproduction(norm, t);
   REQUIRE(with_code(norm, "SYSTEM_NOT_REPRODUCIBLE").size() == 1);
   CHECK(with_code(norm, "SYSTEM_NOT_REPRODUCIBLE")[0]->severity == Severity::kError);
+}
+
+namespace {
+
+// Steps 100.. of two tensors: `a`'s update RMS and g^2/v as given, `b` steady.
+std::vector<StepUpdateStats> update_series(const std::vector<double>& a_rms, const std::vector<double>& a_lag) {
+  std::vector<StepUpdateStats> steps;
+  for (size_t i = 0; i < a_rms.size(); ++i) {
+    TensorUpdateStats a{"a.weight", a_rms[i], a_lag[i], a_lag[i] * 10, a_lag[i] * 2};
+    TensorUpdateStats b{"b.weight", 1e-3, 1.0, 5.0, 1.5};
+    steps.push_back({static_cast<int64_t>(100 + i), {a, b}});
+  }
+  return steps;
+}
+
+}  // namespace
+
+TEST_CASE("NUMERIC_UPDATE_SPIKE names the tensor whose update jumped first, up to the incident", "[verdict]") {
+  const TriageThresholds t = default_thresholds(Compute::kFp32);
+  // Steady updates: nothing, whatever the incident.
+  CHECK(update_spike_findings(update_series({1e-3, 1e-3, 1.1e-3, 0.9e-3}, {1, 1, 2, 1}), 103, t).empty());
+  // a's update RMS jumps 10x at step 102, before the incident at 103.
+  const auto jumped = update_spike_findings(update_series({1e-3, 1e-3, 1e-2, 1e-2}, {1, 1, 2, 1}), 103, t);
+  REQUIRE(jumped.size() == 1);
+  CHECK(jumped[0].code == FindingCode::kNumericUpdateSpike);
+  CHECK(jumped[0].severity == Severity::kInfo);
+  CHECK(jumped[0].evidence.text(K::kParam) == "a.weight");
+  CHECK(jumped[0].evidence.integer(K::kStep) == 102);
+  CHECK(jumped[0].evidence.integer(K::kIncidentStep) == 103);
+  CHECK(jumped[0].evidence.number(K::kUpdateRatio).value_or(0) == Approx(10.0));
+  CHECK(jumped[0].evidence.number(K::kTypical).value_or(0) == Approx(1e-3));
+  CHECK(jumped[0].evidence.number(K::kG2OverV) == 2.0);
+  // Not read past the incident; too little history for the ratio at the second step.
+  CHECK(update_spike_findings(update_series({1e-3, 1e-3, 1e-2}, {1, 1, 2}), 101, t).empty());
+  CHECK(update_spike_findings(update_series({1e-3, 1e-1}, {1, 1}), 101, t).empty());
+  // Adam's g^2 far above v jumps on its own, from the second update on; null ratio without history.
+  const auto lagged = update_spike_findings(update_series({1e-3, 1.2e-3}, {std::nan(""), 500}), 101, t);
+  REQUIRE(lagged.size() == 1);
+  CHECK(lagged[0].evidence.integer(K::kStep) == 101);
+  CHECK(evidence_json(lagged[0].evidence)["update_ratio"].is_null());
+  CHECK(evidence_json(lagged[0].evidence)["g2_over_v"] == 500.0);
 }

@@ -78,8 +78,10 @@ def expected_parameters(arch, cfg):
         ffn = cfg["intermediate_size"]
         bias = bool(cfg.get("attention_bias", False))
         qk_norm = cfg.get("qk_norm")
-        if qk_norm not in (None, "head", "full"):
-            raise CaptureError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
+        if qk_norm not in (None, "head", "full", "l2"):
+            raise CaptureError(f"qk_norm must be None, 'head', 'full' or 'l2', got {qk_norm!r}")
+        if qk_norm == "l2":  # Llama 4's L2 norm has no weight
+            qk_norm = None
         # Qwen3 normalises each head (head_dim weights), OLMo 2 the whole projection.
         norm_shapes = {"q": (D,) if qk_norm == "head" else (H * D,), "k": (D,) if qk_norm == "head" else (kv,)}
         moe = cfg.get("moe")
@@ -97,21 +99,29 @@ def expected_parameters(arch, cfg):
         for i in range(L):
             p = f"model.layers.{i}."
             post = cfg.get("norm_layout") == "post"  # OLMo 2: norms of the sublayers' outputs, after the MLP
+            sandwich = cfg.get("norm_layout") == "sandwich"  # Gemma 3: both, after the MLP in Gemma3DecoderLayer's order
             if not post:
                 out.append((p + "input_layernorm.weight", (C,)))
             # Hugging Face's module order, which the replay's parameter table follows: a bias right
-            # after its weight, q_norm and k_norm after o_proj.
+            # after its weight, q_norm and k_norm after o_proj; GPT-OSS's sinks before the projections.
+            if cfg.get("attention_sinks"):
+                out.append((p + "self_attn.sinks", (H,)))
             for proj, rows in (("q", H * D), ("k", kv), ("v", kv)):
                 out.append((f"{p}self_attn.{proj}_proj.weight", (rows, C)))
                 if bias:
                     out.append((f"{p}self_attn.{proj}_proj.bias", (rows,)))
             out.append((p + "self_attn.o_proj.weight", (C, H * D)))
+            if cfg.get("o_proj_bias"):
+                out.append((p + "self_attn.o_proj.bias", (C,)))
             if qk_norm is not None:
                 out += [(p + "self_attn.q_norm.weight", norm_shapes["q"]),
                         (p + "self_attn.k_norm.weight", norm_shapes["k"])]
-            if not post:
+            if not post and not sandwich:
                 out.append((p + "post_attention_layernorm.weight", (C,)))
             out += [(p + name, shape) for name, shape in mlp]
+            if sandwich:
+                out += [(p + name + "_layernorm.weight", (C,)) for name in ("post_attention", "pre_feedforward",
+                                                                           "post_feedforward")]
             if post:
                 out += [(p + "post_attention_layernorm.weight", (C,)), (p + "post_feedforward_layernorm.weight", (C,))]
         out.append(("model.norm.weight", (C,)))

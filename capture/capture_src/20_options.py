@@ -7,23 +7,41 @@
 # a parameter only an option explains, with that option off, is an error: never a guess.
 
 LLAMA_OPTION_DEFAULTS = {"rope_style": "rotate_half", "rope_scaling": None, "attention_bias": False,
+                         "o_proj_bias": False, "attention_sinks": False, "no_rope_layers": None,
+                         "attn_temperature_tuning": None, "attention_chunk_size": None,
                          "qk_norm": None, "attn_logit_softcap": None, "final_logit_softcap": None,
                          "sliding_window": None, "head_dim": None, "partial_rotary_factor": 1.0,
-                         "attention_mask": "exclude", "norm_layout": "pre"}
+                         "attention_mask": "exclude", "norm_layout": "pre", "layer_types": None,
+                         "rope_local_base_freq": None, "rms_norm_offset": False, "scale_embeddings": False,
+                         "query_pre_attn_scalar": None, "hidden_act": "silu"}
+# model.layer_types: each layer's attention kind, as Hugging Face's config.layer_types names them.
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+# Gemma 3's text model: norms before and after both sublayers, each scaling by (1 + weight) in fp32,
+# embeddings times sqrt(hidden_size), a per-head QK-norm (Gemma3Attention's q_norm / k_norm).
+_GEMMA3_TYPES = ("gemma3_text", "gemma3")
+# Hugging Face's class defaults for layer_types, where a config leaves it out (Gemma3TextConfig:
+# every sliding_window_pattern-th layer full, the pattern 6 by default; Olmo3Config: every 4th).
+_LAYER_PATTERN_BY_MODEL_TYPE = {"gemma3_text": ("sliding_window_pattern", 6), "gemma3": ("sliding_window_pattern", 6),
+                                "olmo3": (None, 4)}
 # model.attention_mask: how the causal mask reaches the softmax (they differ where a masked score is not finite).
 ATTENTION_MASKS = ("exclude", "additive_neg_inf", "additive_finfo_min", "fill_finfo_min")
 # Every llama option key of the manifest's model object, in the order of nanreplay's option table
 # (loaders/arch/llama_options.cpp): those above, then the mixture of experts (MOE_KEYS below).
 # tests/test_arch_model_options.cpp checks this list against that table.
 LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe")
-_QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full"}
+_QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "olmo3": "full",
+                          "gemma3_text": "head", "gemma3": "head"}
 # OLMo 2 normalises each sublayer's output (post_attention_layernorm, post_feedforward_layernorm).
-_NORM_LAYOUT_BY_MODEL_TYPE = {"olmo2": "post"}
+_NORM_LAYOUT_BY_MODEL_TYPE = {"olmo2": "post", "olmo3": "post", "gemma3_text": "sandwich", "gemma3": "sandwich"}
 # Qwen2Config has no attention_bias: Qwen2's q, k and v projections always carry one.
 _BIAS_BY_MODEL_TYPE = {"qwen2": True}
 # Models whose window applies to every other layer only, which bundle v1 cannot express.
-_ALTERNATING_WINDOW_TYPES = ("gemma2", "gemma3", "gemma3_text", "cohere2")
+_ALTERNATING_WINDOW_TYPES = ("gemma2", "cohere2")
 _LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# YaRN's optional keys and Hugging Face's _compute_yarn_parameters defaults (None: absent, as HF reads them).
+_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+_YARN_OPTIONAL = ("mscale", "mscale_all_dim", "attention_factor")
+_SINKS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.sinks")
 _BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.bias")
 _QK_NORM_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_(?:norm|layernorm)\.weight")
 _O_BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.o_proj\.bias")
@@ -34,9 +52,47 @@ def _is_number(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _rope_scaling(value, where):
-    """A rope_scaling dict (Hugging Face's, or model_config's) in the manifest's form: None, or
-    Llama 3.1's llama3 scaling. Any other scaling would be replayed wrong, so it is refused."""
+def _yarn_scaling(value, where, max_position_embeddings=None):
+    """YaRN's rope_scaling in the manifest's form: HF's defaults written out (beta_fast 32, beta_slow 1,
+    truncate True); original_max_position_embeddings, when the config leaves it out, is the config's
+    max_position_embeddings, as transformers reads it. factor is taken as given (transformers >= 5)."""
+    out = {"rope_type": "yarn"}
+    factor = value.get("factor")
+    if not _is_number(factor) or factor <= 0:
+        raise CaptureError(f"{where}['factor'] must be a number > 0, got {factor!r}")
+    out["factor"] = float(factor)
+    original = value.get("original_max_position_embeddings", max_position_embeddings)
+    if not isinstance(original, int) or isinstance(original, bool) or original < 1:
+        if not (_is_number(original) and original == int(original) and original >= 1):
+            raise CaptureError(f"{where}['original_max_position_embeddings'] must be an integer >= 1 (or the "
+                               f"config's max_position_embeddings), got {original!r}")
+    out["original_max_position_embeddings"] = int(original)
+    for key, default in _YARN_DEFAULTS.items():
+        v = value.get(key)
+        if key == "truncate":
+            if v is not None and not isinstance(v, bool):
+                raise CaptureError(f"{where}['truncate'] must be True or False, got {v!r}")
+            out[key] = default if v is None else v
+        elif v is None or v == 0:  # HF: `get(key) or default`
+            out[key] = default
+        elif not _is_number(v) or v < 0:
+            raise CaptureError(f"{where}[{key!r}] must be a number > 0, got {v!r}")
+        else:
+            out[key] = float(v)
+    for key in _YARN_OPTIONAL:
+        v = value.get(key)
+        if v is None or (v == 0 and key != "attention_factor"):  # HF tests `mscale and mscale_all_dim`
+            continue
+        if not _is_number(v) or v <= 0:
+            raise CaptureError(f"{where}[{key!r}] must be a number > 0, got {v!r}")
+        out[key] = float(v)
+    return out
+
+
+def _rope_scaling(value, where, max_position_embeddings=None):
+    """A rope_scaling dict (Hugging Face's, or model_config's) in the manifest's form: None, Llama
+    3.1's llama3 scaling (Llama 4's with equal low and high frequency factors too) or YaRN. Any other
+    scaling would be replayed wrong, so it is refused."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -44,9 +100,16 @@ def _rope_scaling(value, where):
     kind = value.get("rope_type", value.get("type"))
     if kind == "default":  # transformers' spelling of "no scaling"
         return None
+    if kind == "yarn":
+        return _yarn_scaling(value, where, max_position_embeddings)
+    if kind == "linear":  # HF's _compute_linear_scaling_rope_parameters: inv_freq / factor
+        factor = value.get("factor")
+        if not _is_number(factor) or factor <= 0:
+            raise CaptureError(f"{where}['factor'] must be a number > 0, got {factor!r}")
+        return {"rope_type": "linear", "factor": float(factor)}
     if kind != "llama3":
-        raise CaptureError(f"{where} has rope_type {kind!r}; bundle v1 replays only 'llama3' "
-                           "(Llama 3.1) frequency scaling")
+        raise CaptureError(f"{where} has rope_type {kind!r}; bundle v1 replays 'llama3' (Llama 3.1, "
+                           "Llama 4), 'yarn' and 'linear' frequency scaling only")
     out = {"rope_type": "llama3"}
     for key in _LLAMA3_SCALING_KEYS:
         v = value.get(key)
@@ -56,9 +119,9 @@ def _rope_scaling(value, where):
     if out["original_max_position_embeddings"] != int(out["original_max_position_embeddings"]):
         raise CaptureError(f"{where}['original_max_position_embeddings'] must be an integer")
     out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
-    if out["high_freq_factor"] <= out["low_freq_factor"]:
-        raise CaptureError(f"{where}: high_freq_factor must exceed low_freq_factor "
-                           "(llama3 divides by their difference)")
+    if out["high_freq_factor"] < out["low_freq_factor"]:
+        raise CaptureError(f"{where}: high_freq_factor must be at least low_freq_factor "
+                           "(equal: Llama 4, no blended band)")
     return out
 
 
@@ -68,9 +131,20 @@ def _option_value(key, value, where):
         return _rope_scaling(value, where)
     if key == "rope_style" and value in ("rotate_half", "interleaved"):
         return value
-    if key == "attention_bias" and isinstance(value, bool):
+    if key in ("attention_bias", "o_proj_bias", "attention_sinks") and isinstance(value, bool):
         return value
-    if key == "qk_norm" and (value is None or value in ("head", "full")):
+    if key == "qk_norm" and (value is None or value in ("head", "full", "l2")):
+        return value
+    if key == "no_rope_layers" and (value is None or (isinstance(value, (list, tuple)) and value
+                                                      and all(v in (0, 1) and not isinstance(v, bool) for v in value))):
+        return None if value is None else [int(v) for v in value]
+    if key == "attn_temperature_tuning" and (value is None or (
+            isinstance(value, dict) and set(value) == {"floor_scale", "attn_scale"}
+            and _is_number(value["floor_scale"]) and value["floor_scale"] > 0
+            and _is_number(value["attn_scale"]) and value["attn_scale"] >= 0)):
+        return None if value is None else {k: float(v) for k, v in value.items()}
+    if key == "attention_chunk_size" and (value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                                            and value >= 1)):
         return value
     if key.endswith("_softcap") and (value is None or (_is_number(value) and value > 0)):
         return None if value is None else float(value)
@@ -84,12 +158,29 @@ def _option_value(key, value, where):
         return float(value)
     if key == "attention_mask" and value in ATTENTION_MASKS:
         return value
-    if key == "norm_layout" and value in ("pre", "post"):
+    if key == "norm_layout" and value in ("pre", "post", "sandwich"):
+        return value
+    if key == "layer_types" and (value is None or (isinstance(value, (list, tuple)) and value
+                                                   and all(v in ATTENTION_KINDS for v in value))):
+        return None if value is None else list(value)
+    if key in ("rope_local_base_freq", "query_pre_attn_scalar") and (value is None or (_is_number(value) and value > 0)):
+        return None if value is None else float(value)
+    if key in ("rms_norm_offset", "scale_embeddings") and isinstance(value, bool):
+        return value
+    if key == "hidden_act" and value in ("silu", "gelu_pytorch_tanh"):
         return value
     allowed = {"rope_style": "'rotate_half' or 'interleaved'", "attention_bias": "True or False",
+               "o_proj_bias": "True or False", "attention_sinks": "True or False",
+               "no_rope_layers": "None or a list of 1 (rotary) and 0 (NoPE), one per layer",
+               "attn_temperature_tuning": "None or {'floor_scale': > 0, 'attn_scale': >= 0}",
+               "attention_chunk_size": "None or an integer >= 1",
                "head_dim": "None or an integer >= 1", "partial_rotary_factor": "a number in (0, 1]",
-               "attention_mask": " or ".join(repr(m) for m in ATTENTION_MASKS), "norm_layout": "'pre' or 'post'",
-               "qk_norm": "None, 'head' or 'full'", "attn_logit_softcap": "None or a number > 0",
+               "attention_mask": " or ".join(repr(m) for m in ATTENTION_MASKS), "norm_layout": "'pre', 'post' or 'sandwich'",
+               "layer_types": "None or a list of 'full_attention' / 'sliding_attention', one per layer",
+               "rope_local_base_freq": "None or a number > 0", "query_pre_attn_scalar": "None or a number > 0",
+               "rms_norm_offset": "True or False", "scale_embeddings": "True or False",
+               "hidden_act": "'silu' or 'gelu_pytorch_tanh'",
+               "qk_norm": "None, 'head', 'full' or 'l2'", "attn_logit_softcap": "None or a number > 0",
                "final_logit_softcap": "None or a number > 0", "sliding_window": "None or an integer >= 1"}
     raise CaptureError(f"{where} must be {allowed[key]}, got {value!r}")
 
@@ -110,12 +201,8 @@ def _config_window(config, model_type, num_layers):
              "applies to every layer (alternating window layers, as Gemma 2's, are not supported)")
     layer_types = _config_attr(config, "layer_types")  # newer transformers spell it out per layer
     if isinstance(layer_types, (list, tuple)) and layer_types:
-        kinds = set(layer_types)
-        if kinds == {"full_attention"}:
-            return None
-        if kinds == {"sliding_attention"}:
-            return window
-        raise CaptureError(mixed.format(f"layer_types {sorted(kinds)}"))
+        # model.layer_types (_layer_options) says which layers slide: the window is theirs.
+        return None if set(layer_types) == {"full_attention"} else window
     if model_type in _ALTERNATING_WINDOW_TYPES and window is not None:
         raise CaptureError(mixed.format(f"{model_type} alternates, sliding_window={window}"))
     use = _config_attr(config, "use_sliding_window")  # Qwen2: sliding_window is inert unless this is set
@@ -130,6 +217,78 @@ def _config_window(config, model_type, num_layers):
     return window
 
 
+def _layered_rope(config):
+    """(full-attention layers' rope dict, sliding layers' or None) where a config keeps rope_parameters
+    per layer type (transformers >= 5: {"full_attention": {...}, "sliding_attention": {...}}); else None."""
+    params = _config_attr(config, "rope_parameters")
+    if not isinstance(params, dict) or not params or not set(params) <= set(ATTENTION_KINDS):
+        return None
+    if not all(isinstance(v, dict) for v in params.values()):
+        raise CaptureError(f"model.config.rope_parameters per layer type must hold dicts, got {params!r}")
+    return params.get("full_attention", {}), params.get("sliding_attention")
+
+
+def _layer_options(config, model_type, num_layers, layered):
+    """{option: (value, where)}: layer_types (the config's, or its class's documented pattern), Gemma 3's
+    local rotary base, norms, embedding scale, score scale and activation."""
+    said = {}
+    types = _config_attr(config, "layer_types")
+    if isinstance(types, (list, tuple)) and types:
+        if len(types) != num_layers:
+            raise CaptureError(f"model.config.layer_types has {len(types)} entries for {num_layers} layers")
+        odd = [t for t in types if t not in ATTENTION_KINDS]
+        if odd:
+            raise CaptureError(f"model.config.layer_types has {odd[0]!r}; bundle v1 replays "
+                               f"{' and '.join(map(repr, ATTENTION_KINDS))} layers")
+        said["layer_types"] = (list(types), "model.config.layer_types")
+    elif model_type in _LAYER_PATTERN_BY_MODEL_TYPE and _config_attr(config, "sliding_window") not in (_MISSING, None):
+        attr, default = _LAYER_PATTERN_BY_MODEL_TYPE[model_type]
+        every = _config_attr(config, attr) if attr else _MISSING
+        why = (f"model.config.{attr}" if every is not _MISSING else
+               f"{model_type}'s class default: every {default}th layer full, the others sliding")
+        every = default if every is _MISSING else every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise CaptureError(f"model.config.{attr} must be an integer >= 1, got {every!r}")
+        said["layer_types"] = (["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)],
+                               why)
+    for attr in ("hidden_activation", "hidden_act"):  # Gemma's name first: its hidden_act is a legacy alias
+        act = _config_attr(config, attr)
+        if act == "gelu_pytorch_tanh":
+            said["hidden_act"] = (act, f"model.config.{attr}")
+        if act is not _MISSING and act is not None:
+            break
+    if model_type not in _GEMMA3_TYPES:
+        return said
+    why = f"model.config.model_type {model_type!r}"
+    said["rms_norm_offset"] = (True, why + " (Gemma3RMSNorm scales by 1 + weight, in fp32)")
+    said["scale_embeddings"] = (True, why + " (Gemma3TextScaledWordEmbedding: times sqrt(hidden_size))")
+    local = _MISSING
+    if layered is not None and layered[1] is not None:
+        sliding = layered[1]
+        if sliding.get("rope_type", "default") != "default":
+            raise CaptureError("model.config.rope_parameters['sliding_attention'] has rope_type "
+                               f"{sliding.get('rope_type')!r}; bundle v1's sliding layers take an unscaled rotary")
+        local, where = sliding.get("rope_theta", _MISSING), "model.config.rope_parameters['sliding_attention']['rope_theta']"
+    else:
+        local, where = _config_attr(config, "rope_local_base_freq"), "model.config.rope_local_base_freq"
+    if local is _MISSING or local is None:
+        local, where = 10000.0, "Gemma3TextConfig's default rope_local_base_freq (10000), which the config leaves out"
+    said["rope_local_base_freq"] = (_option_value("rope_local_base_freq", local, where), where)
+    scalar = _config_attr(config, "query_pre_attn_scalar")
+    where = "model.config.query_pre_attn_scalar"
+    if scalar is _MISSING or scalar is None:
+        scalar, where = 256, "Gemma3TextConfig's default query_pre_attn_scalar (256), which the config leaves out"
+    said["query_pre_attn_scalar"] = (_option_value("query_pre_attn_scalar", scalar, where), where)
+    act = _config_attr(config, "hidden_activation")
+    if act not in (_MISSING, None, "gelu_pytorch_tanh"):
+        raise CaptureError(f"model.config.hidden_activation is {act!r}; bundle v1's Gemma 3 MLP computes "
+                           "'gelu_pytorch_tanh' (GeGLU) only")
+    if "hidden_act" not in said and act in (_MISSING, None):
+        said["hidden_act"] = ("gelu_pytorch_tanh", "Gemma3TextConfig's default hidden_activation, which the config "
+                                                   "leaves out")
+    return said
+
+
 def _options_from_config(config, num_layers):
     """{option: (value, where it was read)} for what a Hugging Face style config object says;
     options it is silent on are left out (model_config, or the default, then decides)."""
@@ -138,10 +297,17 @@ def _options_from_config(config, num_layers):
     if isinstance(model_type, str):  # every transformers PretrainedConfig has one
         said["rope_style"] = ("rotate_half", f"model.config (Hugging Face {model_type or 'model'}, "
                                              "whose rotary embeddings rotate halves)")
+    layered = _layered_rope(config)  # transformers >= 5, Gemma 3: rope_parameters per layer type
     for attr in ("rope_scaling", "rope_parameters"):  # transformers >= 5 names it rope_parameters
         value = _config_attr(config, attr)
+        if attr == "rope_parameters" and layered is not None:
+            value = layered[0]  # the full-attention layers'; the sliding ones' is rope_local_base_freq below
+            attr = "rope_parameters['full_attention']"
         if value is not _MISSING:
-            said["rope_scaling"] = (_rope_scaling(value, f"model.config.{attr}"), f"model.config.{attr}")
+            max_positions = _config_attr(config, "max_position_embeddings")
+            said["rope_scaling"] = (_rope_scaling(value, f"model.config.{attr}",
+                                                  None if max_positions is _MISSING else max_positions),
+                                    f"model.config.{attr}")
             break
     if model_type in _BIAS_BY_MODEL_TYPE:
         said["attention_bias"] = (_BIAS_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
@@ -173,6 +339,7 @@ def _options_from_config(config, num_layers):
     if _config_attr(config, "_attn_implementation") == "eager":  # a live model: its own code path
         said["attention_mask"] = ("additive_finfo_min", "model.config._attn_implementation 'eager' (Hugging Face's "
                                                         "eager attention adds finfo.min at masked keys)")
+    said.update(_layer_options(config, model_type, num_layers, layered))
     window = _config_window(config, model_type, num_layers)
     if window is not _MISSING:
         said["sliding_window"] = (_option_value("sliding_window", window, "model.config.sliding_window"),
@@ -218,10 +385,13 @@ def _check_option_parameters(named, options):
             raise CaptureError(f"the model has {name}, but qk_norm is not set: pass model_config=dict(qk_norm="
                                "'head', ...) for a norm over each head (Qwen3) or qk_norm='full' for one over "
                                "the whole projection (OLMo 2)")
-        if _O_BIAS_PARAM.fullmatch(name):
+        if _O_BIAS_PARAM.fullmatch(name) and not options.get("o_proj_bias"):
             raise CaptureError(f"the model has {name}: bundle v1's attention_bias puts biases on q, k and v only, "
-                               "as Qwen2 does (Hugging Face Llama's attention_bias=True also biases o_proj, "
-                               "which bundle v1 does not replay)")
+                               "as Qwen2 does (Hugging Face Llama's and GPT-OSS's attention_bias=True also biases "
+                               "o_proj: pass model_config=dict(o_proj_bias=True, ...) as well)")
+        if _SINKS_PARAM.fullmatch(name) and not options.get("attention_sinks"):
+            raise CaptureError(f"the model has {name}: GPT-OSS's attention sinks, pass "
+                               "model_config=dict(attention_sinks=True, ...)")
 
 
 # ---------------------------------------------------------------------------

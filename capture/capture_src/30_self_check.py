@@ -16,10 +16,40 @@ _SELF_CHECK_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 1e-2, "fp8": 1e-2} 
 _SELF_CHECK_ROUNDING = {"fp32": 1e-6}
 
 
+def _ref_yarn_inv_freq(D, theta, s, device):
+    """YaRN (HF _compute_yarn_parameters): interpolated and extrapolated frequencies blended by a ramp."""
+    def dim_of(rotations):
+        return D * math.log(s["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(s.get("beta_fast", 32)), dim_of(s.get("beta_slow", 1))
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, D - 1)
+    high = high + 0.001 if low == high else high
+    ramp = torch.clamp((torch.arange(D // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    pos = theta ** (torch.arange(0, D, 2, device=device).float() / D)
+    return (1.0 / (s["factor"] * pos)) * ramp + (1.0 / pos) * (1 - ramp)
+
+
+def _ref_rope_factor(scaling):
+    """YaRN's attention factor on cos and sin (1 for anything else)."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    f, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return get_mscale(f, m) / get_mscale(f, m_all) if m and m_all else get_mscale(f)
+
+
 def _ref_inv_freq(D, theta, scaling, device):
     inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=device).float() / D))
     if not scaling:
         return inv
+    if scaling.get("rope_type") == "yarn":
+        return _ref_yarn_inv_freq(D, theta, scaling, device)
+    if scaling.get("rope_type") == "linear":  # Gemma 3's full-attention layers
+        return inv / scaling["factor"]
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -42,19 +72,22 @@ def _ref_rope(x, inv_freq, style):
     return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
 
 
-def _ref_attention(q, k, v, H, G, softcap=None, window=None):
+def _ref_attention(q, k, v, H, G, softcap=None, window=None, sinks=None, scalar=None):
     B, T, _ = q.shape
     D = q.shape[-1] // H
     q = q.view(B, T, H, D).transpose(1, 2)
     k = k.reshape(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
     v = v.reshape(B, T, G, D).transpose(1, 2).repeat_interleave(H // G, dim=1)
-    s = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(D) if scalar is None else (q @ k.transpose(-2, -1)) * scalar ** -0.5
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=q.device), 1)
     if window is not None:
         mask |= torch.tril(torch.ones(T, T, dtype=torch.bool, device=q.device), -window)
-    p = torch.softmax(s.masked_fill(mask, float("-inf")), -1)
+    s = s.masked_fill(mask, float("-inf"))
+    if sinks is not None:  # GPT-OSS: each head's sink logit is one more key column, dropped after the softmax
+        s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(B, -1, T, -1)], -1)
+    p = torch.softmax(s, -1)[..., :T]
     return (p @ v).transpose(1, 2).reshape(B, T, H * D)
 
 
@@ -87,39 +120,66 @@ def reference_loss(cfg, p, inputs, targets, gelu="tanh"):
     style, qk_norm = cfg.get("rope_style") or "rotate_half", cfg.get("qk_norm")
     bias = bool(cfg.get("attention_bias"))
     post = cfg.get("norm_layout") == "post"  # OLMo 2: each sublayer's output normalised before the residual add
+    sandwich = cfg.get("norm_layout") == "sandwich"  # Gemma 3: before and after both sublayers
+    kinds = cfg.get("layer_types") or ["full_attention"] * cfg["num_layers"]
     inv = _ref_inv_freq(R, cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"), inputs.device)
+    local = cfg.get("rope_local_base_freq")  # Gemma 3: sliding layers' unscaled rotary base
+    inv_local = _ref_inv_freq(R, local, None, inputs.device) if local else inv
+    rope_factor = _ref_rope_factor(cfg.get("rope_scaling"))
     moe, router = cfg.get("moe"), []
 
     def norm(x, weight):
+        if cfg.get("rms_norm_offset"):  # Gemma3RMSNorm
+            return x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
-    def q_or_k(h, pre, name, heads):
+    def q_or_k(h, pre, name, heads, layer):
         t = F.linear(h, w[pre + f"self_attn.{name}_proj.weight"], w[pre + f"self_attn.{name}_proj.bias"] if bias else None)
+        rotary = not cfg.get("no_rope_layers") or cfg["no_rope_layers"][layer]  # Llama 4: 0 is a NoPE layer
+        if not rotary:
+            t = t.view(B, T, heads, D)
+            tuning = cfg.get("attn_temperature_tuning")
+            if tuning and name == "q":  # Llama 4's temperature tuning of NoPE layers' queries
+                pos = torch.arange(T, device=t.device).float()
+                t = t * (torch.log(torch.floor((pos + 1.0) / tuning["floor_scale"]) + 1.0)
+                         * tuning["attn_scale"] + 1.0).view(1, T, 1, 1)
+            return t.reshape(B, T, heads * D)
         if qk_norm == "head":
             t = norm(t.view(B, T, heads, D), w[pre + f"self_attn.{name}_norm.weight"]).reshape(B, T, heads * D)
         elif qk_norm == "full":
             t = norm(t, w[pre + f"self_attn.{name}_norm.weight"])
         t = t.view(B, T, heads, D).transpose(1, 2)
-        t = torch.cat((_ref_rope(t[..., :R], inv, style), t[..., R:]), -1)
+        sliding_local = local and kinds[layer] == "sliding_attention"
+        t = torch.cat((_ref_rope(t[..., :R], inv_local if sliding_local else inv, style)
+                       * (1.0 if sliding_local else rope_factor), t[..., R:]), -1)
+        if qk_norm == "l2":  # Llama 4: after rotary, no weight
+            t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps)
         return t.transpose(1, 2).reshape(B, T, heads * D)
 
     x = w["model.embed_tokens.weight"][inputs]
+    if cfg.get("scale_embeddings"):  # Gemma3TextScaledWordEmbedding
+        x = x * torch.tensor(cfg["hidden_size"] ** 0.5).to(x.dtype)
+    act = (lambda g: F.gelu(g, approximate="tanh")) if cfg.get("hidden_act") == "gelu_pytorch_tanh" else F.silu
     for i in range(cfg["num_layers"]):
         pre = f"model.layers.{i}."
+        window = cfg.get("sliding_window") if kinds[i] == "sliding_attention" or not cfg.get("layer_types") else None
         h = x if post else norm(x, w[pre + "input_layernorm.weight"])
         v = F.linear(h, w[pre + "self_attn.v_proj.weight"], w[pre + "self_attn.v_proj.bias"] if bias else None)
-        att = _ref_attention(q_or_k(h, pre, "q", H), q_or_k(h, pre, "k", G), v, H, G,
-                             cfg.get("attn_logit_softcap"), cfg.get("sliding_window"))
-        out = F.linear(att, w[pre + "self_attn.o_proj.weight"])
-        x = x + (norm(out, w[pre + "post_attention_layernorm.weight"]) if post else out)
-        h = x if post else norm(x, w[pre + "post_attention_layernorm.weight"])
+        att = _ref_attention(q_or_k(h, pre, "q", H, i), q_or_k(h, pre, "k", G, i), v, H, G,
+                             cfg.get("attn_logit_softcap"), window,
+                             w[pre + "self_attn.sinks"] if cfg.get("attention_sinks") else None,
+                             cfg.get("query_pre_attn_scalar"))
+        out = F.linear(att, w[pre + "self_attn.o_proj.weight"],
+                       w[pre + "self_attn.o_proj.bias"] if cfg.get("o_proj_bias") else None)
+        x = x + (norm(out, w[pre + "post_attention_layernorm.weight"]) if post or sandwich else out)
+        h = x if post else norm(x, w[pre + ("pre_feedforward" if sandwich else "post_attention") + "_layernorm.weight"])
         if moe:
             out, logits = _ref_moe(moe, w, pre, h)
             router.append(logits)
         else:
-            out = F.linear(F.silu(F.linear(h, w[pre + "mlp.gate_proj.weight"])) * F.linear(h, w[pre + "mlp.up_proj.weight"]),
+            out = F.linear(act(F.linear(h, w[pre + "mlp.gate_proj.weight"])) * F.linear(h, w[pre + "mlp.up_proj.weight"]),
                            w[pre + "mlp.down_proj.weight"])
-        x = x + (norm(out, w[pre + "post_feedforward_layernorm.weight"]) if post else out)
+        x = x + (norm(out, w[pre + "post_feedforward_layernorm.weight"]) if post or sandwich else out)
     x = norm(x, w["model.norm.weight"])
     logits = F.linear(x, w["model.embed_tokens.weight"] if cfg.get("tie_embeddings") else w["lm_head.weight"])
     if cfg.get("final_logit_softcap") is not None:

@@ -1,4 +1,4 @@
-## Part of capture/nanreplay_capture.py: optimizers beyond AdamW, read by name (a base of Recorder).
+## Part of capture/nanreplay_capture.py: the Recorder's optimizers (one, or a run's several), classes beyond AdamW read by name (a base of Recorder).
 ## scripts/gen_capture.py joins capture/capture_src/*.py in name order into that one file (these '##'
 ## lines dropped); edit here, then run it. Names used here may be defined in the other parts.
 # ---------------------------------------------------------------------------
@@ -21,6 +21,27 @@ _KIND_HYPER = {"adam": ("betas", "eps", "weight_decay", "amsgrad", "maximize", "
                         "use_addmm")}
 # param_groups keys that change no math the replay derives (the lr is recorded per step).
 _OPTIMIZER_PLUMBING = ("params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable", "name")
+# AdamW's hyper-parameters, written for an AdamW beside another optimizer (its groups are then groups of
+# their own kind, which start from the class's defaults: every setting is written).
+_ADAMW_HYPER = ("betas", "eps", "weight_decay")
+
+
+def join_optimizer_groups(section, taken, kind, groups, prefix):
+    """The manifest's optimizer `section` of a run's first optimizer, joined by another optimizer of the
+    same run (torch.optim.Muon's runs give the embeddings, norms and head to an AdamW): each of the
+    other's param groups, [(bundle keys, settings)], becomes an entry of `groups` of its own `kind`,
+    named `{prefix}{kind}{i}`. `taken`: the keys the section's optimizer updates. A key that two
+    optimizers update raises CaptureError naming it. Shared with `nanreplay import --aux-optimizer`."""
+    taken, out = set(taken), list(section.get("groups", []))
+    for i, (keys, settings) in enumerate(groups):
+        if not keys:
+            continue
+        both = sorted(taken & set(keys))
+        if both:
+            raise CaptureError(f"{both[0]} is in both optimizers' groups")
+        taken |= set(keys)
+        out.append(dict({"name": f"{prefix}{kind}{i}", "params": list(keys), "kind": kind}, **settings))
+    return dict(section, groups=out)
 
 
 def _json_hyper(v):
@@ -33,33 +54,61 @@ def _json_hyper(v):
 
 
 class _OptimizerByName:
-    """Recorder's manifest section and state for the classes beyond AdamW (docs/capture.md)."""
+    """Recorder's optimizers: their check, the manifest section, the lr and the state of the classes
+    beyond AdamW, for one optimizer or a run's several
+    optimizers (docs/capture.md)."""
+
+    def _param_owner(self, i):
+        """(optimizer, kind) that updates parameter i."""
+        j = self._owner[i]
+        return self.optimizers[j], self._opt_kinds[j]
+
+    def _group_settings(self, j):
+        """Optimizer j's param groups as [(bundle keys, settings under the class's own names)]."""
+        opt, kind = self.optimizers[j], self._opt_kinds[j]
+        index = {id(p): i for i, p in enumerate(self.params)}
+        return [([self.names[index[id(p)]] for p in g["params"]],
+                 {k: _json_hyper(g[k]) for k in _KIND_HYPER.get(kind, _ADAMW_HYPER) if k in g})
+                for g in opt.param_groups]
 
     def _optimizer_manifest_by_name(self):
         """A class beyond AdamW: each group's hyper-parameters under the class's own names; the first
         group's at the top level, each group that differs in `groups` with its parameters' exact keys."""
-        kind, groups = self._opt_kind, self.optimizer.param_groups
+        kind, groups = self._opt_kinds[0], self.optimizers[0].param_groups
         if len({_as_float(g["lr"]) for g in groups if g.get("lr") is not None}) > 1:
             raise CaptureError("the param groups' learning rates differ; the bundle records one lr per step")
-        index = {id(p): i for i, p in enumerate(self.params)}
-        settings = [{k: _json_hyper(g[k]) for k in _KIND_HYPER[kind] if k in g} for g in groups]
+        every = self._group_settings(0)
+        settings = [st for _, st in every]
         out = dict({"kind": kind}, **settings[0])
-        extra = [{"name": f"{kind}{n}", "params": [self.names[index[id(p)]] for p in g["params"]], **st}
-                 for n, (g, st) in enumerate(zip(groups, settings)) if n and st != settings[0] and g["params"]]
+        extra = [{"name": f"{kind}{n}", "params": keys, **st}
+                 for n, (keys, st) in enumerate(every) if n and st != settings[0] and keys]
         if extra:
             out["groups"] = extra
         if self.grad_clip is not None:
             out["grad_clip"] = float(self.grad_clip)
         return out
 
+    def _join_other_optimizers(self, section):
+        """The first optimizer's section joined by the run's other optimizers, each param group a group of
+        its own kind (join_optimizer_groups); self._lr_owner: group name -> the optimizer whose lr it takes."""
+        self._lr_owner = {"default": 0}
+        self._lr_owner.update({g["name"]: 0 for g in section.get("groups", [])})
+        for j in range(1, len(self.optimizers)):
+            taken = {self.names[i] for i in range(len(self.params)) if self._owner[i] != j}
+            before = len(section.get("groups", []))
+            section = join_optimizer_groups(section, taken, self._opt_kinds[j], self._group_settings(j),
+                                            "aux_" if j == 1 else f"aux{j}_")
+            self._lr_owner.update({g["name"]: j for g in section["groups"][before:]})
+        return section
+
     def _state_by_name(self, slot, i, name):
         """A class beyond AdamW: its state entries under their own names; before the parameter's first
         update, the zeros each class starts from."""
         if slot.entries[i]:
             return [(f"{name}.{k}", slot.state_bufs[(k, i)]) for k in slot.entries[i]]
-        p, group = slot.params[i], next(g for g in self.optimizer.param_groups
-                                        if any(q is self.params[i] for q in g["params"]))
-        shape, kind = tuple(p.shape), self._opt_kind
+        opt, kind = self._param_owner(i)
+        p, group = slot.params[i], next(g for g in opt.param_groups if any(q is self.params[i] for q in g["params"]))
+        shape = tuple(p.shape)
         if kind == "adam":
             shapes = {"exp_avg": shape, "exp_avg_sq": shape}
             if group.get("amsgrad"):
@@ -75,3 +124,99 @@ class _OptimizerByName:
             if group.get("beta1") is not None:
                 shapes["exp_avg"] = shape
         return [(f"{name}.{k}", ("zeros", p.dtype, sh)) for k, sh in shapes.items()]
+
+    def _check_optimizer(self):
+        """Each optimizer known by class name, with param_groups keys its class has; every bundle
+        parameter updated by exactly one of them (self._owner[i]: which)."""
+        self._opt_kinds = []
+        for j, opt in enumerate(self.optimizers):
+            cls = f"{type(opt).__module__}.{type(opt).__qualname__}"
+            kind = "adamw" if isinstance(opt, torch.optim.AdamW) else _OPTIMIZER_KINDS.get(cls)
+            if kind is None:
+                raise CaptureError(f"the replay follows {', '.join(sorted(_OPTIMIZER_KINDS))}; got {cls}")
+            if kind != "adamw" and self._sharded is not None:
+                raise CaptureError(f"under FSDP the recorder gathers torch.optim.AdamW's state only; got {cls}")
+            for g, group in enumerate(opt.param_groups):
+                if kind == "adamw" and (group.get("amsgrad") or group.get("maximize")):
+                    raise CaptureError("AdamW with amsgrad or maximize is not what bundle v1 replays")
+                for k in group if kind != "adamw" else ():
+                    if k not in _KIND_HYPER[kind] and k not in _OPTIMIZER_PLUMBING:
+                        raise CaptureError(f"optimizer param_groups[{g}] has {k!r}, which the replay's "
+                                           f"{kind} does not know (it reads {', '.join(_KIND_HYPER[kind])})")
+            self._opt_kinds.append(kind)
+        self._opt_kind = self._opt_kinds[0]
+        if self._sharded is not None:  # it holds shards (or flat parameters): names are checked at each gather
+            self._owner = [0] * len(self.params)
+            return
+        wanted = {id(p): i for i, p in enumerate(self.params)}
+        owner = {}
+        for j, opt in enumerate(self.optimizers):
+            label = f"optimizer {j} ({type(opt).__qualname__}) " if len(self.optimizers) > 1 else "optimizer "
+            for g, group in enumerate(opt.param_groups):
+                for p in group["params"]:
+                    if id(p) not in wanted:
+                        raise CaptureError(f"{label}param_groups[{g}] holds a tensor that is not one of the "
+                                           "model's bundle parameters")
+                    if id(p) in owner and owner[id(p)] != j:
+                        raise CaptureError(f"{self.names[wanted[id(p)]]} is updated by two optimizers "
+                                           f"({type(self.optimizers[owner[id(p)]]).__qualname__} and "
+                                           f"{type(opt).__qualname__}); each parameter has one")
+                    owner[id(p)] = j
+        missing = [self.names[i] for pid, i in wanted.items() if pid not in owner]
+        if missing:
+            raise CaptureError(f"parameters the optimizer does not update: {missing[:6]}"
+                               + (" (none of the optimizers given updates them)" if len(self.optimizers) > 1 else ""))
+        self._owner = [owner[id(p)] for p in self.params]
+
+    def _optimizer_manifest(self):
+        """The manifest's optimizer section: the first optimizer at the top level, the others' param
+        groups as groups of their own kind (_join_other_optimizers)."""
+        section = self._optimizer_manifest_by_name() if self._opt_kind != "adamw" else self._adamw_manifest()
+        return self._join_other_optimizers(section)
+
+    def _adamw_manifest(self):
+        groups = self.optimizer.param_groups
+        betas = {tuple(float(b) for b in g["betas"]) for g in groups}
+        eps = {float(g["eps"]) for g in groups}
+        if len(betas) != 1 or len(eps) != 1:
+            raise CaptureError("bundle v1 has one AdamW betas/eps for all parameters; the param groups differ")
+        decays = {float(g["weight_decay"]) for g in groups}
+        nonzero = decays - {0.0}
+        if len(nonzero) > 1:
+            raise CaptureError(f"bundle v1 expresses one weight decay plus no_decay globs; groups use {sorted(decays)}")
+        decay = nonzero.pop() if nonzero else 0.0
+        index = {id(p): i for i, p in enumerate(self.params)}
+        if self._sharded is not None:  # the optimizer holds the sharded tensors: map them by name
+            index = {pid: self.names.index(n) for pid, n in self._sharded_names.items() if n in self.names}
+            if decay and any(id(p) not in index for g in groups if float(g["weight_decay"]) == 0.0
+                             for p in g["params"]):
+                raise CaptureError("under FSDP with flat parameters (use_orig_params=False) the recorder cannot "
+                                   "tell which parameters a weight_decay=0 group holds; use one weight decay")
+        no_decay = sorted(self.names[index[id(p)]] for g in groups if float(g["weight_decay"]) == 0.0 and decay
+                          for p in g["params"])
+        out = {"kind": "adamw", "betas": list(betas.pop()), "eps": eps.pop(), "weight_decay": decay}
+        if no_decay:
+            out["no_decay"] = no_decay  # exact keys are globs that match only themselves
+        if self.grad_clip is not None:
+            out["grad_clip"] = float(self.grad_clip)
+        return out
+
+    def _optimizer_lr(self, given=None):
+        """The step's lr: one number, or with several optimizers whose lrs differ one per optimizer (the
+        state.json object keyed by group name, _step_state). `given`: begin_step's lr=, a number (every
+        group) or one per optimizer."""
+        if given is not None and isinstance(given, (list, tuple)):
+            if len(given) != len(self.optimizers):
+                raise CaptureError(f"lr= gives {len(given)} learning rates for {len(self.optimizers)} optimizers")
+            per = [_as_float(v) for v in given]
+        elif given is not None:
+            return _as_float(given)
+        else:
+            per = []
+            for opt in self.optimizers:
+                lrs = {_as_float(g["lr"]) for g in opt.param_groups}
+                if len(lrs) != 1:
+                    raise CaptureError(f"param groups use different learning rates {sorted(lrs)}; bundle v1 has one "
+                                       "lr per step and optimizer: pass lr= to begin_step if one of them is the real one")
+                per.append(lrs.pop())
+        return per[0] if len(set(per)) == 1 else per

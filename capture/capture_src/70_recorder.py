@@ -16,9 +16,11 @@ class Recorder(_OptimizerByName):
         optimizer.step(); scheduler.step()
 
     Arguments:
-      model, optimizer: the module being trained and its torch.optim.AdamW. A DDP / DataParallel /
-        torch.compile wrapper is unwrapped; an FSDP model is gathered onto the recording rank at each
-        full snapshot (needs snapshot_every).
+      model, optimizer: the module being trained and its torch.optim.AdamW (or another class the replay
+        follows, known by class name), or a list of the run's optimizers when it has several (a Muon
+        run: [torch.optim.Muon over the hidden matrices, AdamW over the rest]); every parameter in
+        exactly one of them. A DDP / DataParallel / torch.compile wrapper is unwrapped; an FSDP model
+        is gathered onto the recording rank at each full snapshot (needs snapshot_every).
       out_dir: where automatic dumps go (`<out_dir>/incident-step<step>`).
       arch: "llama" or "gpt2" (bundle v1 architectures).
       model_config: manifest model keys; shapes are read off the parameters; `num_heads`, `norm_eps`
@@ -74,7 +76,15 @@ class Recorder(_OptimizerByName):
             raise CaptureError(f"precision must be one of {_PRECISIONS}, got {precision!r}")
         if data_copy not in ("auto", "whole", "window"):
             raise CaptureError(f"data_copy must be 'auto', 'whole' or 'window', got {data_copy!r}")
+        # Several optimizers (a Muon run's Muon and AdamW): the first is the manifest's top level.
+        self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if not self.optimizers:
+            raise CaptureError("optimizer: an empty list (give the run's optimizer, or its optimizers)")
+        optimizer = self.optimizers[0]
         model = self._setup_distributed(model, optimizer, distributed, record_rank)  # unwraps DDP, compile, FSDP
+        if self._sharded is not None and len(self.optimizers) > 1:
+            raise CaptureError("under FSDP the recorder gathers one torch.optim.AdamW's state; got "
+                               f"{len(self.optimizers)} optimizers")
         self.model, self.optimizer = model, optimizer
         self.out_dir = Path(out_dir)
         self.window, self.precision, self.grad_clip = int(window), precision, grad_clip
@@ -124,8 +134,9 @@ class Recorder(_OptimizerByName):
         self._ring = collections.deque()                 # slots in step order, oldest first
         self._copying = None                             # the full slot whose copies may be in flight
         self._copy_stream = None
-        if self._async and hasattr(optimizer, "register_step_pre_hook"):
-            optimizer.register_step_pre_hook(self._order_update_after_copies)
+        for opt in self.optimizers:
+            if self._async and hasattr(opt, "register_step_pre_hook"):
+                opt.register_step_pre_hook(self._order_update_after_copies)
         self.incident_path = None
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
         self._norms, self._norms_from, self._norms_warned = None, None, False
@@ -199,68 +210,6 @@ class Recorder(_OptimizerByName):
                                "epoch_start_step": int(sampler.get("epoch_start_step", 0))}
         return data
 
-    def _check_optimizer(self):
-        opt = self.optimizer
-        cls = f"{type(opt).__module__}.{type(opt).__qualname__}"
-        self._opt_kind = "adamw" if isinstance(opt, torch.optim.AdamW) else _OPTIMIZER_KINDS.get(cls)
-        if self._opt_kind is None:
-            raise CaptureError(f"the replay follows {', '.join(sorted(_OPTIMIZER_KINDS))}; got {cls}")
-        if self._opt_kind != "adamw":
-            if self._sharded is not None:
-                raise CaptureError(f"under FSDP the recorder gathers torch.optim.AdamW's state only; got {cls}")
-            for g, group in enumerate(opt.param_groups):
-                for k in group:
-                    if k not in _KIND_HYPER[self._opt_kind] and k not in _OPTIMIZER_PLUMBING:
-                        raise CaptureError(f"optimizer param_groups[{g}] has {k!r}, which the replay's "
-                                           f"{self._opt_kind} does not know (it reads "
-                                           f"{', '.join(_KIND_HYPER[self._opt_kind])})")
-        if self._sharded is not None:  # it holds shards (or flat parameters): names are checked at each gather
-            if any(g.get("amsgrad") or g.get("maximize") for g in opt.param_groups):
-                raise CaptureError("AdamW with amsgrad or maximize is not what bundle v1 replays")
-            return
-        wanted = {id(p): i for i, p in enumerate(self.params)}
-        seen = set()
-        for g, group in enumerate(opt.param_groups):
-            if self._opt_kind == "adamw" and (group.get("amsgrad") or group.get("maximize")):
-                raise CaptureError("AdamW with amsgrad or maximize is not what bundle v1 replays")
-            for p in group["params"]:
-                if id(p) not in wanted:
-                    raise CaptureError(f"optimizer param_groups[{g}] holds a tensor that is not one of the "
-                                       "model's bundle parameters")
-                seen.add(id(p))
-        missing = [self.names[i] for pid, i in wanted.items() if pid not in seen]
-        if missing:
-            raise CaptureError(f"parameters the optimizer does not update: {missing[:6]}")
-
-    def _optimizer_manifest(self):
-        if self._opt_kind != "adamw":
-            return self._optimizer_manifest_by_name()
-        groups = self.optimizer.param_groups
-        betas = {tuple(float(b) for b in g["betas"]) for g in groups}
-        eps = {float(g["eps"]) for g in groups}
-        if len(betas) != 1 or len(eps) != 1:
-            raise CaptureError("bundle v1 has one AdamW betas/eps for all parameters; the param groups differ")
-        decays = {float(g["weight_decay"]) for g in groups}
-        nonzero = decays - {0.0}
-        if len(nonzero) > 1:
-            raise CaptureError(f"bundle v1 expresses one weight decay plus no_decay globs; groups use {sorted(decays)}")
-        decay = nonzero.pop() if nonzero else 0.0
-        index = {id(p): i for i, p in enumerate(self.params)}
-        if self._sharded is not None:  # the optimizer holds the sharded tensors: map them by name
-            index = {pid: self.names.index(n) for pid, n in self._sharded_names.items() if n in self.names}
-            if decay and any(id(p) not in index for g in groups if float(g["weight_decay"]) == 0.0
-                             for p in g["params"]):
-                raise CaptureError("under FSDP with flat parameters (use_orig_params=False) the recorder cannot "
-                                   "tell which parameters a weight_decay=0 group holds; use one weight decay")
-        no_decay = sorted(self.names[index[id(p)]] for g in groups if float(g["weight_decay"]) == 0.0 and decay
-                          for p in g["params"])
-        out = {"kind": "adamw", "betas": list(betas.pop()), "eps": eps.pop(), "weight_decay": decay}
-        if no_decay:
-            out["no_decay"] = no_decay  # exact keys are globs that match only themselves
-        if self.grad_clip is not None:
-            out["grad_clip"] = float(self.grad_clip)
-        return out
-
     # -- the per-step hot path ------------------------------------------------
 
     @property
@@ -287,7 +236,8 @@ class Recorder(_OptimizerByName):
         offsets: instead of samples, the first token (in the concatenated stream) of each row's
           seq_len + 1 window, for loaders that read at arbitrary offsets (e.g. nanoGPT's get_batch).
         Neither: derived from data.sampler (randperm).
-        lr: the step's learning rate (default: the optimizer's param_groups lr).
+        lr: the step's learning rate (default: the optimizer's param_groups lr); with several
+          optimizers a number for all or one per optimizer (default: each one's param_groups lr).
         loss_scale: GradScaler.get_scale() for fp16.
         """
         step = int(step)
@@ -409,7 +359,8 @@ class Recorder(_OptimizerByName):
         offsets: instead of samples, the first token (in the concatenated stream) of each row's
           seq_len + 1 window, for loaders that read at arbitrary offsets (e.g. nanoGPT's get_batch).
         Neither: derived from data.sampler (randperm).
-        lr: the step's learning rate (default: the optimizer's param_groups lr).
+        lr: the step's learning rate (default: the optimizer's param_groups lr); with several
+          optimizers a number for all or one per optimizer (default: each one's param_groups lr).
         loss_scale: GradScaler.get_scale() for fp16.
         """
         step = int(step)
@@ -421,7 +372,7 @@ class Recorder(_OptimizerByName):
         slot.step = step
         slot.sampler = self.sampler
         slot.rows, slot.rows_are_samples = self._rows(step, samples, offsets)
-        slot.lr = _as_float(lr) if lr is not None else self._optimizer_lr()
+        slot.lr = self._optimizer_lr(lr)
         slot.loss_scale = _as_float(loss_scale)
         if slot.full:
             self._snapshot(slot)
@@ -438,9 +389,10 @@ class Recorder(_OptimizerByName):
         pairs = list(zip(slot.params, self.params))
         device_steps = []
         for i, p in enumerate(self.params):
-            st = self.optimizer.state.get(p)
-            if self._opt_kind != "adamw":  # the class's state entries by name
-                entries = [k for k in _KIND_STATE[self._opt_kind] if isinstance((st or {}).get(k), torch.Tensor)]
+            opt, kind = self._param_owner(i)
+            st = opt.state.get(p)
+            if kind != "adamw":  # the class's state entries by name
+                entries = [k for k in _KIND_STATE[kind] if isinstance((st or {}).get(k), torch.Tensor)]
                 slot.entries[i] = entries
                 pairs += [(slot.state_buffer(k, i, st[k]), st[k]) for k in entries]
                 if not st or "step" not in st:
@@ -542,13 +494,6 @@ class Recorder(_OptimizerByName):
         slot.reset()
         return slot
 
-    def _optimizer_lr(self):
-        lrs = {_as_float(g["lr"]) for g in self.optimizer.param_groups}
-        if len(lrs) != 1:
-            raise CaptureError(f"param groups use different learning rates {sorted(lrs)}; bundle v1 has one "
-                               "lr per step: pass lr= to begin_step if one of them is the real one")
-        return lrs.pop()
-
     def _rows(self, step, samples, offsets):
         d = self.data
         world, per_rank = d["world_size"], d["micro_batch_size"] * d["grad_accum_steps"]
@@ -605,6 +550,7 @@ class Recorder(_OptimizerByName):
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             (tmp / "data").mkdir(parents=True)
+            optimizer = self._optimizer_manifest()  # before the steps: their lr objects use its group names
             data_manifest, step_samples, step_extra = self._write_data(tmp, slots, data_copy or self.data_copy)
             steps = []
             for slot, samples, extra in zip(slots, step_samples, step_extra):
@@ -616,7 +562,7 @@ class Recorder(_OptimizerByName):
                 "version": 1,
                 "model": self.model_config,
                 "precision": {"compute": self.precision},
-                "optimizer": self._optimizer_manifest(),
+                "optimizer": optimizer,
                 "data": data_manifest,
                 "steps": steps,
                 "incident": {"step": slots[-1].step if incident_step is None else incident_step,
@@ -651,7 +597,7 @@ class Recorder(_OptimizerByName):
         write_safetensors(step_dir / "model.safetensors", list(zip(self.names, slot.params)))
         tensors = []
         for i, name in enumerate(self.names):
-            if self._opt_kind != "adamw":
+            if self._param_owner(i)[1] != "adamw":
                 tensors += self._state_by_name(slot, i, name)
                 continue
             for which, bufs in (("exp_avg", slot.exp_avg), ("exp_avg_sq", slot.exp_avg_sq)):
@@ -668,9 +614,13 @@ class Recorder(_OptimizerByName):
         tensors.append(("step", torch.tensor(adam_steps[0] if adam_steps else 0, dtype=torch.int64)))
         write_safetensors(step_dir / "optimizer.safetensors", tensors)
 
-    @staticmethod
-    def _step_state(slot):
-        state = {"step": slot.step, "lr": _json_number(slot.lr)}
+    def _step_state(self, slot):
+        lr = slot.lr
+        if isinstance(lr, list):  # several optimizers at their own lrs: one per group name (docs/optimizers.md)
+            lr = {name: _json_number(lr[j]) for name, j in self._lr_owner.items()}
+        else:
+            lr = _json_number(lr)
+        state = {"step": slot.step, "lr": lr}
         if slot.loss_scale is not None:
             state["loss_scale"] = _json_number(slot.loss_scale)
         if slot.skipped is not None:

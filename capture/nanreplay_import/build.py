@@ -14,7 +14,8 @@ from .formats import detect_format, format_module
 from .formats.dcp import read_dcp
 from .inputs import _read_json
 from .model_settle import (FLAGS_WHERE, _FLOAT_TYPES, _kind_of, _moe_config, check_parameters, flag_config, model_options,
-                           normalize_config, required_values, settle_activation, settle_model)
+                           normalize_config, required_values, settle_activation, settle_model,
+                           text_model)
 from .naming import Mapper, detect_naming, strip_prefix, unstack_megatron_layers
 from .optimizer import _unflatten_optimizer, infer_kind, merge_aux, optimizer_kind, read_optimizer, read_optimizer_general, step_entries
 from .outcome import BadInput, say, warn
@@ -101,20 +102,56 @@ def settle_model_section(args, arch, naming, sd, configs):
     return mapper, model, params, provenance
 
 
-def _optimizer_kind(opt, cls, flag, where):
-    """The manifest's kind: the class flag's, checked against what the state's names say; else those names."""
+def _decays(opt):
+    """Whether any param group has a nonzero weight_decay: then Adam (L2) and AdamW differ."""
+    groups = opt.get("param_groups") if isinstance(opt, dict) else None
+    return any(isinstance(g, dict) and float(g.get("weight_decay") or 0) != 0 for g in groups or [])
+
+
+def _training_script_adamw(obj):
+    """nanoGPT's and llama2.c's train.py save model_args and iter_num beside an optimizer their
+    configure_optimizers always builds as torch.optim.AdamW."""
+    return isinstance(obj, dict) and "model_args" in obj and "iter_num" in obj
+
+
+def _optimizer_kind(opt, cls, flag, where, script_adamw=False):
+    """(the manifest's kind, its provenance entry): the class flag's, checked against what the state's names
+    say; else those names. exp_avg/exp_avg_sq are Adam's and AdamW's alike: AdamW is then the importer's
+    default, recorded as one (and said loudly where a weight decay makes the two differ)."""
     kind = optimizer_kind(cls, where, flag) if cls is not None else None
+    if kind is not None:
+        entry = _provenance_entry("flag", flag, cls)
     if isinstance(opt, dict) and "state" not in opt and any(isinstance(k, str) and k.startswith("state.") for k in opt):
         opt = _unflatten_optimizer(opt)  # flatten_optimizer_state_dict's layout: its names say the class too
     if not (isinstance(opt, dict) and isinstance(opt.get("state"), dict) and isinstance(opt.get("param_groups"), list)):
-        return kind or "adamw"  # a flattened (DCP) layout: AdamW's reader names what it lacks
+        if kind is not None:
+            return kind, entry
+        return "adamw", _assumed_adamw(opt)  # a flattened (DCP) layout: AdamW's reader names what it lacks
     inferred, why = infer_kind(opt["state"], opt["param_groups"], where)
     if kind is None:
         say(f"optimizer class: {why}")
-        return inferred
+        if inferred == "adamw" and "default" in why:
+            if script_adamw:
+                return inferred, _provenance_entry("naming", "nanoGPT's and llama2.c's train.py build "
+                                                   "torch.optim.AdamW (configure_optimizers)", inferred)
+            return inferred, _assumed_adamw(opt)
+        return inferred, _provenance_entry("checkpoint", why, inferred)
     if inferred != kind and not (kind == "adam" and inferred == "adamw"):  # Adam's names are AdamW's
         raise BadInput(where, "param_groups", f"the state's names say {why}, not {flag} {cls}")
-    return kind
+    return kind, entry
+
+
+def _assumed_adamw(opt):
+    """AdamW taken for an Adam-family state that does not name its class: a default only where it matters
+    (a weight decay, or param_groups this layout does not show)."""
+    if isinstance(opt, dict) and isinstance(opt.get("param_groups"), list) and not _decays(opt):
+        return _provenance_entry("checkpoint", "exp_avg/exp_avg_sq and no weight decay: Adam and AdamW compute "
+                                 "the same update", "adamw")
+    warn("optimizer class: the state does not say Adam or AdamW and a weight decay makes them differ; "
+         "AdamW assumed (recorded as a default): name the class with --optimizer-class torch.optim.Adam "
+         "if the run used Adam's L2 decay")
+    return _provenance_entry("default", "AdamW assumed: exp_avg/exp_avg_sq are Adam's and AdamW's alike "
+                             "(--optimizer-class names the class)", "adamw")
 
 
 def build(args):
@@ -128,6 +165,9 @@ def build(args):
              "names; recorded in the manifest")
     source_sd, obj, fmt, why, configs, reader = load_checkpoint(args)
     say(f"format: {fmt} ({why}; {reader})")
+    source_sd, configs, text_note = text_model(source_sd, configs)  # Gemma 3's multimodal: its text model
+    if text_note:
+        say(text_note)
     naming = args.naming
     if naming == "auto":
         naming, key = detect_naming(list(source_sd))
@@ -153,18 +193,20 @@ def build(args):
             loaded = obj if Path(args.checkpoint).resolve() == p.resolve() and fmt == "dcp" else read_dcp(p)[0]
         else:
             loaded = obj if Path(args.checkpoint).resolve() == p.resolve() and fmt == "torch" else _torch_load(p, p)
-        opt, key = find_optimizer_state(loaded)
+        opt, key = find_optimizer_state(loaded, p)
         if opt is None:
             raise BadInput(p, "optimizer", "no AdamW state ('state' and 'param_groups') in it")
         opt_where = f"{p}" + (f" ({key})" if key else "")
     elif obj is not None:
-        opt, key = find_optimizer_state(obj)
+        opt, key = find_optimizer_state(obj, args.checkpoint)
         if opt is not None:
             opt_where = f"{args.checkpoint} ({key or 'top level'})"
     first, last = args.first, args.last
     opt_kind, opt_tensors, section = "adamw", None, None
     if opt is not None:
-        opt_kind = _optimizer_kind(opt, args.optimizer_class, "--optimizer-class", optimizer_path or args.checkpoint)
+        opt_kind, provenance["optimizer.kind"] = _optimizer_kind(
+            opt, args.optimizer_class, "--optimizer-class", optimizer_path or args.checkpoint,
+            script_adamw=opt_where is not None and _training_script_adamw(obj) and not optimizer_path)
     elif args.optimizer_class is not None:
         optimizer_kind(args.optimizer_class, args.checkpoint)  # an unknown class is refused even without state
     if args.aux_optimizer is not None and opt is None:
@@ -178,10 +220,11 @@ def build(args):
             aux_path = Path(args.aux_optimizer)
             if not aux_path.is_file():
                 raise BadInput(aux_path, "--aux-optimizer", "is not a torch.save file")
-            aux, _ = find_optimizer_state(_torch_load(aux_path, aux_path))
+            aux, _ = find_optimizer_state(_torch_load(aux_path, aux_path), aux_path)
             if aux is None:
                 raise BadInput(aux_path, "optimizer", "no optimizer state ('state' and 'param_groups') in it")
-            aux_kind = _optimizer_kind(aux, args.aux_optimizer_class, "--aux-optimizer-class", aux_path)
+            aux_kind, provenance["optimizer.aux_kind"] = _optimizer_kind(
+                aux, args.aux_optimizer_class, "--aux-optimizer-class", aux_path)
             aux_tensors, aux_steps, _, aux_every, aux_notes = read_optimizer_general(
                 aux, aux_kind, aux_path, source_sd, mapper, model, args)
             section = merge_aux(section, every, aux_kind, aux_every, aux_path)

@@ -2,6 +2,7 @@
 
 import torch
 
+from . import megatron_optim
 from .outcome import BadInput
 
 
@@ -32,8 +33,15 @@ def find_model_state(obj, where):
                                         + ", ".join(repr(k) for k in _MODEL_KEYS))
 
 
-def find_optimizer_state(obj):
-    """(optimizer state dict, key path) nested in a loaded checkpoint, or (None, None)."""
+def find_optimizer_state(obj, where=None):
+    """(optimizer state dict, key path) nested in a loaded checkpoint, or (None, None). With `where` (the
+    file or directory it was loaded from), Megatron's optimizer files first: its torch_dist tensors read by
+    name, its layouts that name no parameter refused (megatron_optim)."""
+    if where is not None:
+        megatron_optim.refuse_unmappable(obj, where)
+        found = megatron_optim.torch_dist_state(obj, where) if isinstance(obj, dict) else None
+        if found is not None:
+            return found, "Megatron torch_dist optimizer.state.<entry>.<param>"
     if not isinstance(obj, dict):
         return None, None
     if "state" in obj and "param_groups" in obj:

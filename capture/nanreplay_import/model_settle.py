@@ -43,6 +43,9 @@ def normalize_config(raw, where):
     params = raw.get("rope_parameters")  # transformers >= 5 keeps rope_theta there
     if "rope_theta" not in cfg and isinstance(params, dict) and params.get("rope_theta") is not None:
         cfg["rope_theta"] = (params["rope_theta"], "rope_parameters.rope_theta")
+    full = params.get("full_attention") if isinstance(params, dict) else None  # per layer type (Gemma 3)
+    if "rope_theta" not in cfg and isinstance(full, dict) and full.get("rope_theta") is not None:
+        cfg["rope_theta"] = (full["rope_theta"], "rope_parameters.full_attention.rope_theta")
     if raw.get("group_query_attention") is False and "num_kv_heads" in cfg and cfg["num_kv_heads"][1] == "num_query_groups":
         del cfg["num_kv_heads"]  # Megatron keeps num_query_groups even when GQA is off
     for key, (value, name) in list(cfg.items()):
@@ -89,6 +92,35 @@ def _moe_config(raw, where, num_layers, tensor_count=None):
     return moe
 
 
+# Gemma 3's multimodal checkpoints (model_type "gemma3"): the language model's names onto the text
+# model's (transformers >= 4.52 nest it under model.language_model, older ones under language_model.model).
+_TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                        ("language_model.lm_head.", "lm_head."))
+_NOT_TEXT_MODEL = re.compile(r"(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
+
+
+def text_model(sd, configs):
+    """A multimodal checkpoint (Gemma 3's Gemma3ForConditionalGeneration) as its text model: the language
+    model's tensors under the text model's names, the vision tower's and projector's left out (they take no
+    part in the text loss); its config is already the text_config (formats/hf.py). Returns (state dict,
+    configs, a line to print or None); other checkpoints unchanged."""
+    if not any(isinstance(k, str) and k.startswith(old) for k in sd for old, _ in _TEXT_MODEL_PREFIXES[:2]):
+        return sd, configs, None
+    renamed, left = {}, 0
+    for key, value in sd.items():
+        if isinstance(key, str) and _NOT_TEXT_MODEL.match(key):
+            left += 1
+            continue
+        for old, new in _TEXT_MODEL_PREFIXES:
+            if key.startswith(old):
+                key = new + key[len(old):]
+                break
+        renamed[key] = value
+    return renamed, configs, (f"text model: the checkpoint is a multimodal model's (Gemma 3); its language model "
+                              f"is imported, {left} vision tower and projector tensors left out (no part of the "
+                              "text loss)")
+
+
 FLAG_OF = {"num_heads": "--num-heads", "num_kv_heads": "--num-kv-heads", "norm_eps": "--norm-eps",
            "rope_theta": "--rope-theta", "tie_embeddings": "--tie-embeddings"}
 FLAGS_WHERE = "command line"
@@ -123,9 +155,37 @@ def framework_defaults(configs, naming):
     return {}
 
 
+# Families whose attention bundle v1 replays (docs/import.md) but whose whole checkpoints are a mixture of
+# experts bundle v1's moe cannot express: refused by their config's model_type, before anything is read.
+_REFUSED_MODEL_TYPES = {
+    "gemma2": "Gemma 2's sandwich norms, (1 + weight) norms, scaled embeddings and alternating windows are "
+              "replayed (norm_layout 'sandwich', rms_norm_offset, scale_embeddings, layer_types) but not yet read "
+              "from its config: give them in a manifest-style --config",
+    "gpt_oss": "GPT-OSS's experts (fused gate_up_proj with biases, the clamped SwiGLU, a router with a bias) are "
+               "not bundle v1's moe; its attention (attention_sinks, o_proj_bias, yarn rope_scaling, head_dim, "
+               "sliding_window) is, for a dense model given in --config",
+    "llama4": "Llama 4's experts (a shared expert beside top-1 routed ones, sigmoid router scores) are not bundle "
+              "v1's moe; its attention (qk_norm 'l2', no_rope_layers, attn_temperature_tuning, attention_chunk_size "
+              "within one chunk, llama3 rope_scaling, interleaved rope_style) is, for a dense model given in --config",
+    "llama4_text": "Llama 4's experts (a shared expert beside top-1 routed ones, sigmoid router scores) are not "
+                   "bundle v1's moe; its attention (qk_norm 'l2', no_rope_layers, attn_temperature_tuning, "
+                   "attention_chunk_size within one chunk, llama3 rope_scaling, interleaved rope_style) is, for a "
+                   "dense model given in --config",
+}
+
+
+def refuse_model_type(configs):
+    """BadInput naming the config's model_type when bundle v1 cannot replay that family's checkpoints."""
+    for raw, w in configs:
+        kind = raw.get("model_type") if isinstance(raw, dict) else None
+        if isinstance(kind, str) and kind in _REFUSED_MODEL_TYPES:
+            raise BadInput(w, "model_type", f"{kind!r} is not importable: {_REFUSED_MODEL_TYPES[kind]}")
+
+
 def required_values(arch, configs, naming, where):
     """Every value that changes the math and cannot be read off the tensors, checked at once: the one
     line names all that no config, flag or known framework default gives, and what the configs hold."""
+    refuse_model_type(configs)
     have = set()
     for raw, w in configs:
         have |= set(normalize_config(raw, w))
@@ -283,6 +343,8 @@ def settle_activation(arch, naming, configs, args):
         for key in _ACTIVATION_KEYS:
             said = raw.get(key)
             if isinstance(said, str):
+                if arch == "llama" and said == "gelu_pytorch_tanh":  # model.hidden_act (Gemma's GeGLU)
+                    return said, (_kind_of(where, args), f"{where}: {key}")
                 if said.lower() not in ok:
                     raise BadInput(where, key, f"{said!r}: bundle v1's {arch} computes {value} only")
                 return value, (_kind_of(where, args), f"{where}: {key}")

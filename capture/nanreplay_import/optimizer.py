@@ -7,6 +7,9 @@ import re
 
 import torch
 
+import nanreplay_capture as _capture
+
+from . import megatron_optim
 from .model_settle import expected_parameters
 from .naming import _IGNORED, strip_prefix, unstack_megatron_layers
 from .outcome import BadInput
@@ -134,7 +137,10 @@ def read_optimizer(opt, where, source_sd, mapper, model, args):
             raise BadInput(where, f"state.{name}", "needs exp_avg and exp_avg_sq (is this AdamW's state?)")
         if s.get("max_exp_avg_sq") is not None:
             raise BadInput(where, f"state.{name}.max_exp_avg_sq", "amsgrad is not bundle v1's AdamW")
-        step = s.get("step", 0)
+        if s.get("step") is None:  # the update count AdamW's bias correction reads: never taken as 0
+            raise BadInput(where, f"state.{name}.step", "missing: AdamW's update count (its bias correction) is "
+                                                       "not guessed")
+        step = s["step"]
         steps.add(int(float(step.item() if isinstance(step, torch.Tensor) else step)))
         m[name], v[name] = s["exp_avg"], s["exp_avg_sq"]
     if len(steps) > 1:
@@ -279,6 +285,7 @@ def optimizer_kind(cls, where, flag="--optimizer-class"):
 
 def infer_kind(state, groups, where):
     """The class from its state entries' and param_groups' names, where they say it; else bad input."""
+    megatron_optim.refuse_orthogonalized(groups, where)
     names = set()
     for s in state.values():
         if isinstance(s, dict):
@@ -324,6 +331,7 @@ def read_optimizer_general(opt, kind, where, source_sd, mapper, model, args):
     state, groups = opt.get("state"), opt.get("param_groups")
     if not isinstance(state, dict) or not isinstance(groups, list) or not groups:
         raise BadInput(where, "state", "an optimizer state dict needs 'state' and 'param_groups'")
+    megatron_optim.refuse_orthogonalized(groups, where)
     for flag, value in (("--betas", args.betas), ("--eps", args.eps), ("--weight-decay", args.weight_decay)):
         if value is not None:
             raise BadInput("command line", flag, f"applies to AdamW's state only; the {kind} state's param_groups say it")
@@ -415,13 +423,10 @@ def step_entries(step_values):
 
 def merge_aux(section, every, aux_kind, aux_every, where):
     """A second optimizer of the same run (torch.optim.Muon's runs give the embeddings, norms and head
-    to an AdamW): each of its param groups joins `groups` with its kind and its parameters' names."""
-    taken = {k for keys, _ in every for k in keys}
-    groups = list(section.get("groups", []))
-    for i, (keys, st) in enumerate(aux_every):
-        if not keys:
-            continue
-        if taken & set(keys):
-            raise BadInput(where, "param_groups", f"{sorted(taken & set(keys))[0]} is in both optimizers' groups")
-        groups.append(dict({"name": f"aux_{aux_kind}{i}", "params": keys, "kind": aux_kind}, **st))
-    return dict(section, groups=groups)
+    to an AdamW): each of its param groups joins `groups` with its kind and its parameters' names (the
+    capture helper's join_optimizer_groups, which the recorder uses for a run's several optimizers)."""
+    try:
+        return _capture.join_optimizer_groups(section, {k for keys, _ in every for k in keys}, aux_kind, aux_every,
+                                              "aux_")
+    except _capture.CaptureError as e:
+        raise BadInput(where, "param_groups", str(e)) from None

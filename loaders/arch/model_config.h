@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace nanreplay {
 
@@ -15,7 +16,8 @@ const char* arch_name(Arch arch);
 
 // The llama family's model options, each as the Hugging Face model it comes from.
 enum class RopeStyle { kRotateHalf, kInterleaved };  // interleaved: Meta, torchtitan, llama2.c
-enum class QkNorm { kNone, kHead, kFull };           // head: Qwen3; full: OLMo 2
+// head: Qwen3; full: OLMo 2; l2: Llama 4 (no weight, after rotary, rotary layers only)
+enum class QkNorm { kNone, kHead, kFull, kL2 };
 // How the causal mask reaches the softmax. They differ only where a masked
 // score is not finite: excluded, a +inf or NaN at a future key is dropped;
 // added, it makes the query's whole row NaN (inf + -inf), as PyTorch computes.
@@ -29,15 +31,49 @@ enum class AttentionMask : uint8_t {
 // Where a block's norms sit. Pre: each sublayer reads a norm of the stream
 // (llama). Post (OLMo 2): each sublayer reads the stream itself and its output
 // is normalised before the residual add, h = x + norm(attn(x)).
-enum class NormLayout : uint8_t { kPre, kPost };
+// Sandwich (Gemma 2, Gemma 3): both, each sublayer reads a norm of the stream
+// and its output is normalised again before the residual add.
+enum class NormLayout : uint8_t { kPre, kPost, kSandwich };
 
-// Llama 3.1's rotary frequency scaling (rope_type "llama3").
-struct RopeScaling {
-  double factor = 8.0;
-  double low_freq_factor = 1.0;
-  double high_freq_factor = 4.0;
-  int64_t original_max_position_embeddings = 8192;
+// One layer's attention, as Hugging Face's config.layer_types names it
+// (attention_kind_names() in loaders/arch/llama_options.cpp, in this order;
+// a new kind is a value here and a name there).
+enum class AttentionKind : uint8_t {
+  kFull,     // "full_attention": every earlier key
+  kSliding,  // "sliding_attention": the last sliding_window keys, the local rotary base
 };
+
+// "full_attention", "sliding_attention": the names layer_types takes (llama_options.cpp).
+const char* attention_kind_name(AttentionKind kind);
+
+// The gated MLP's activation on the gate projection (Hugging Face's hidden_act).
+enum class HiddenAct : uint8_t { kSilu, kGeluTanh };  // gelu_tanh: gelu_pytorch_tanh (Gemma)
+
+// Rotary frequency scaling: Llama 3.1's (rope_type "llama3"; Llama 4 with
+// low_freq_factor == high_freq_factor) or YaRN's (GPT-OSS, DeepSeek-V3, Qwen3
+// long context), as Hugging Face's modeling_rope_utils computes them; or
+// linear (rope_type "linear": every frequency divided by factor; Gemma 3's
+// full-attention layers).
+enum class RopeScalingType : uint8_t { kLlama3, kYarn, kLinear };
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::kLlama3;
+  double factor = 8.0;
+  double low_freq_factor = 1.0;   // llama3 only
+  double high_freq_factor = 4.0;  // llama3 only
+  int64_t original_max_position_embeddings = 8192;
+  // yarn only, Hugging Face's defaults when the config leaves them out:
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 0.0;          // 0: absent (HF tests `mscale and mscale_all_dim`)
+  double mscale_all_dim = 0.0;
+  std::optional<double> attention_factor;  // cos and sin are multiplied by it; derived when absent
+  bool truncate = true;         // floor/ceil the correction range
+};
+
+// YaRN's factor on cos and sin: the config's attention_factor, else
+// get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim) when both
+// are set, else get_mscale(factor), get_mscale(s, m) = 0.1 m ln(s) + 1 (1 for s <= 1).
+double yarn_attention_factor(const RopeScaling& s);
 
 // A mixture of experts in place of every layer's dense MLP, routed as Hugging
 // Face's Qwen3-MoE (docs/bundle-format.md, "Mixture of experts"); llama only.
@@ -66,6 +102,21 @@ struct ModelConfig {
   RopeStyle rope_style = RopeStyle::kRotateHalf;
   std::optional<RopeScaling> rope_scaling;
   bool attention_bias = false;                // Qwen2: q, k, v projections carry a bias
+  bool o_proj_bias = false;                   // GPT-OSS (and Llama's attention_bias): o_proj carries one too
+  // GPT-OSS: one learned logit per head (self_attn.sinks) takes part in the
+  // softmax as an extra key column and is dropped after it.
+  bool attention_sinks = false;
+  // Llama 4: per layer 1 = rotary, 0 = NoPE (Hugging Face's no_rope_layers); empty: all rotary.
+  std::vector<int> no_rope_layers;
+  // Llama 4: on NoPE layers q is scaled by log(floor((pos + 1) / floor_scale) + 1) * attn_scale + 1.
+  struct TemperatureTuning {
+    double floor_scale = 8192.0;
+    double attn_scale = 0.1;
+  };
+  std::optional<TemperatureTuning> attn_temperature_tuning;
+  // Llama 4: rotary layers attend within chunks of this many positions (0: none); replayed
+  // only for sequences within one chunk (data.seq_len <= it), where it changes nothing.
+  int64_t attention_chunk_size = 0;
   QkNorm qk_norm = QkNorm::kNone;
   std::optional<double> attn_logit_softcap;   // Gemma 2: c * tanh(scores / c)
   std::optional<double> final_logit_softcap;  // Gemma 2: c * tanh(logits / c)
@@ -74,11 +125,37 @@ struct ModelConfig {
   int64_t explicit_head_dim = 0;              // Qwen3, Gemma 3: 0 = hidden_size / num_heads
   double partial_rotary_factor = 1.0;         // Phi, GLM: rotary on the first int(head_dim * factor) dims
   AttentionMask attention_mask = AttentionMask::kExclude;
-  NormLayout norm_layout = NormLayout::kPre;      // OLMo 2: post
+  NormLayout norm_layout = NormLayout::kPre;      // OLMo 2: post; Gemma 2, 3: sandwich
+  // Gemma 3, OLMo 3: each layer's attention kind; empty: every layer full
+  // (with sliding_window, if set, on every layer as Mistral).
+  std::vector<AttentionKind> layer_types;
+  // Gemma 3: the rotary base of sliding layers, which are then unscaled (its local rotary).
+  std::optional<double> rope_local_base_freq;
+  bool rms_norm_offset = false;                   // Gemma: every RMSNorm scales by (1 + weight), in fp32
+  bool scale_embeddings = false;                  // Gemma: embeddings times sqrt(hidden_size), in their type
+  std::optional<double> query_pre_attn_scalar;    // Gemma: scores scaled by its **-0.5, not head_dim's
+  HiddenAct hidden_act = HiddenAct::kSilu;        // Gemma: gelu_pytorch_tanh
   // Not a manifest key: the qk-norm what-if normalises q and k with unit
   // weights, which no checkpoint holds.
   bool qk_norm_unit_weights = false;
+  // Not a manifest key: the qk-norm what-if on Llama 4 applies its L2 QK-norm on NoPE layers too.
+  bool l2_qk_norm_every_layer = false;
 
+  AttentionKind attention_kind(int layer) const {
+    return layer_types.empty() ? AttentionKind::kFull : layer_types.at(static_cast<size_t>(layer));
+  }
+  // The keys a query of `layer` sees at most (0: all earlier ones).
+  int64_t window_of(int layer) const {
+    if (layer_types.empty()) return sliding_window;
+    return attention_kind(layer) == AttentionKind::kSliding ? sliding_window : 0;
+  }
+  // Whether `layer` takes the local rotary table (rope_local_base_freq, unscaled).
+  bool local_rotary(int layer) const {
+    return rope_local_base_freq.has_value() && attention_kind(layer) == AttentionKind::kSliding;
+  }
+  bool rotary_layer(int layer) const {
+    return no_rope_layers.empty() || no_rope_layers.at(static_cast<size_t>(layer)) != 0;
+  }
   int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_heads; }
   // As Hugging Face computes it: int(head_dim * partial_rotary_factor), the product in double.
   int64_t rotary_dim() const {
@@ -106,11 +183,13 @@ enum class ParamRole : uint8_t {
   kQkv,                // gpt2: q, k, v stacked along the output dimension
   kQkvBias,
   kOProj,
-  kOProjBias,
+  kOProjBias,          // gpt2; llama with o_proj_bias (GPT-OSS)
+  kSinks,              // llama with attention_sinks (GPT-OSS): (num_heads,) logits
   kMlpNorm,
   kMlpNormBias,
   kAttnPostNorm,       // llama with norm_layout post (OLMo 2): attention's output, then the MLP's
   kMlpPostNorm,
+  kMlpPreNorm,         // llama with norm_layout sandwich (Gemma 3): pre_feedforward_layernorm
   kGateProj,           // llama
   kUpProj,
   kUpBias,

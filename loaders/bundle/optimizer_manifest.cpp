@@ -8,6 +8,7 @@
 
 #include "loaders/arch/manifest_values.h"
 #include "loaders/base/error.h"
+#include "loaders/base/glob_match.h"
 
 namespace nanreplay {
 namespace {
@@ -312,26 +313,6 @@ nlohmann::json optimizer_config_json(const OptimizerConfig& config) {
     j["groups"] = groups;
   }
   return j;
-}
-
-bool glob_match(const std::string& pattern, const std::string& name) {
-  size_t p = 0, n = 0, star = std::string::npos, mark = 0;
-  while (n < name.size()) {
-    if (p < pattern.size() && (pattern[p] == '?' || pattern[p] == name[n])) {
-      ++p;
-      ++n;
-    } else if (p < pattern.size() && pattern[p] == '*') {
-      star = p++;
-      mark = n;
-    } else if (star != std::string::npos) {
-      p = star + 1;
-      n = ++mark;
-    } else {
-      return false;
-    }
-  }
-  while (p < pattern.size() && pattern[p] == '*') ++p;
-  return p == pattern.size();
 }
 
 ParamRule rule_of_param(const OptimizerConfig& config, const std::string& name) {

@@ -22,9 +22,6 @@ nlohmann::json optimizer_config_json(const OptimizerConfig& config);
 // The class a kind names, for messages: "torch.optim.Muon".
 const char* optimizer_class_name(OptimizerKind kind);
 
-// True when `name` matches the fnmatch-style glob (`*` any run, `?` one char).
-bool glob_match(const std::string& pattern, const std::string& name);
-
 // The rule and the group name ("default" for the top level) of parameter `name`.
 struct ParamRule {
   const OptimizerRule* rule = nullptr;

@@ -39,11 +39,15 @@ struct Weights {
 // x / sqrt(mean(x^2) + eps) * weight over the last dim, in fp32. The mean
 // square goes to the zero-norm check before eps is added: one row per token,
 // so per head (x: (B, T, heads, D), Qwen3's q_norm) a token's smallest one.
+// With `offset` (Gemma's RMSNorm, model.rms_norm_offset) the scale is
+// 1 + weight and the whole norm is fp32, x * rsqrt(mean(x^2) + eps) as
+// Gemma3RMSNorm writes it; the site it feeds casts it back.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
-                       ProbeSession& probes, const SiteRef& site) {
+                       ProbeSession& probes, const SiteRef& site, bool offset = false) {
   const torch::Tensor mean_square = x.pow(2).mean(-1, /*keepdim=*/true);  // (B, T, [heads,] 1)
   const torch::Tensor moment = mean_square.squeeze(-1);
   probes.check_norm(site, moment.dim() > 2 ? std::get<0>(moment.flatten(2).min(-1)) : moment, eps, "mean square");
+  if (offset) return x.to(torch::kFloat32) * torch::rsqrt(mean_square.to(torch::kFloat32) + eps) * (1.0 + weight.to(torch::kFloat32));
   return x / torch::sqrt(mean_square + eps) * weight;
 }
 
@@ -80,20 +84,64 @@ torch::Tensor llama3_scaled(const torch::Tensor& inv_freq, const RopeScaling& s)
   return torch::where(medium, smoothed, scaled);
 }
 
+// YaRN's frequencies, as Hugging Face's _compute_yarn_parameters: each
+// frequency blends its interpolated (divided by factor) and extrapolated
+// (kept) values by a linear ramp over the dimensions between the correction
+// range's bounds, found from beta_fast and beta_slow rotations over the
+// original context (floored and ceiled with truncate). `pos_freqs`:
+// theta^(2i/R) in fp32.
+torch::Tensor yarn_inv_freq(const torch::Tensor& pos_freqs, int64_t dim, double base, const RopeScaling& s) {
+  const double context = static_cast<double>(s.original_max_position_embeddings);
+  const auto correction_dim = [&](double rotations) {
+    return (static_cast<double>(dim) * std::log(context / (rotations * 2 * M_PI))) / (2 * std::log(base));
+  };
+  double low = correction_dim(s.beta_fast), high = correction_dim(s.beta_slow);
+  if (s.truncate) {
+    low = std::floor(low);
+    high = std::ceil(high);
+  }
+  low = std::max(low, 0.0);
+  high = std::min(high, static_cast<double>(dim - 1));
+  if (low == high) high += 0.001;  // HF: "Prevent singularity"
+  const torch::Tensor ramp =
+      torch::clamp((torch::arange(dim / 2, pos_freqs.options()) - low) / (high - low), 0, 1);  // (R/2)
+  const torch::Tensor extrapolation_factor = 1 - ramp;
+  const torch::Tensor extrapolation = 1.0 / pos_freqs;
+  const torch::Tensor interpolation = 1.0 / (s.factor * pos_freqs);
+  return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor;
+}
+
 // cos and sin tables (T, R) with frequencies theta^(-2i/R) (scaled for
 // rope_scaling), computed as Hugging Face's LlamaRotaryEmbedding does in fp32.
 // R is the rotary width: head_dim, or its first int(head_dim * factor) dims
 // with partial_rotary_factor (Hugging Face's Phi: the frequencies over R).
+// YaRN multiplies both tables by its attention factor (HF's attention_scaling).
 std::pair<torch::Tensor, torch::Tensor> rotary_tables(int64_t seq, const ModelConfig& m, const torch::Device& device) {
   const int64_t rotary_dim = m.rotary_dim();
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(device);
-  torch::Tensor inv_freq =
-      1.0 / torch::pow(m.rope_theta, torch::arange(0, rotary_dim, 2, f32) / static_cast<double>(rotary_dim));
-  if (m.rope_scaling) inv_freq = llama3_scaled(inv_freq, *m.rope_scaling);
+  const torch::Tensor pos_freqs =
+      torch::pow(m.rope_theta, torch::arange(0, rotary_dim, 2, f32) / static_cast<double>(rotary_dim));
+  const bool yarn = m.rope_scaling && m.rope_scaling->type == RopeScalingType::kYarn;
+  torch::Tensor inv_freq = yarn ? yarn_inv_freq(pos_freqs, rotary_dim, m.rope_theta, *m.rope_scaling) : 1.0 / pos_freqs;
+  if (m.rope_scaling && m.rope_scaling->type == RopeScalingType::kLinear) {
+    inv_freq = inv_freq / m.rope_scaling->factor;  // HF's _compute_linear_scaling_rope_parameters
+  } else if (m.rope_scaling && !yarn) {
+    inv_freq = llama3_scaled(inv_freq, *m.rope_scaling);
+  }
   const torch::Tensor freqs = torch::outer(torch::arange(seq, f32), inv_freq);
   const torch::Tensor angles = m.rope_style == RopeStyle::kInterleaved ? freqs.repeat_interleave(2, -1)
                                                                         : torch::cat({freqs, freqs}, -1);
-  return {angles.cos(), angles.sin()};
+  if (!yarn) return {angles.cos(), angles.sin()};
+  const double attention_factor = yarn_attention_factor(*m.rope_scaling);
+  return {angles.cos() * attention_factor, angles.sin() * attention_factor};
+}
+
+// Gemma 3's local rotary (its sliding layers): the rotary base rope_local_base_freq, unscaled.
+ModelConfig local_rotary_model(const ModelConfig& m) {
+  ModelConfig local = m;
+  local.rope_theta = *m.rope_local_base_freq;
+  local.rope_scaling.reset();
+  return local;
 }
 
 // Rotary on the first `rotary_dim` dims of x: (B, heads, T, D), the rest
@@ -141,11 +189,53 @@ torch::Tensor soft_capped(const torch::Tensor& x, const std::optional<double>& c
   return *cap * torch::tanh(x.to(torch::kFloat32) / *cap);
 }
 
+// Llama 4 (Llama4TextAttention), after rotary: on rotary layers with qk_norm
+// l2, q and k L2-normalised over each head without a weight, x * rsqrt(mean(x^2)
+// + eps) in fp32 (Llama4TextL2Norm); on NoPE layers with attn_temperature_tuning,
+// q scaled at position t by log(floor((t + 1) / floor_scale) + 1) * attn_scale + 1.
+// x: (B, T, heads*D) as rotary left it.
+torch::Tensor llama4_after_rotary(const ModelConfig& m, int layer, const torch::Tensor& x, int64_t heads, bool query,
+                                  const Numerics& block, ProbeSession& probes) {
+  const int64_t B = x.size(0), T = x.size(1), D = m.head_dim();
+  const bool rotary = m.rotary_layer(layer);
+  torch::Tensor out = x;
+  if (m.qk_norm == QkNorm::kL2 && (rotary || m.l2_qk_norm_every_layer)) {
+    const SiteRef ref{query ? SiteId::kAttnQ : SiteId::kAttnK, layer};
+    const auto rounded = [&](const torch::Tensor& t) { return block.rounds_site(ref) ? block.round(t) : t; };
+    const torch::Tensor per_head = rounded(x).view({B, T, heads, D});
+    const torch::Tensor mean_square = per_head.pow(2).mean(-1, /*keepdim=*/true);  // (B, T, heads, 1)
+    probes.check_norm(ref, std::get<0>(mean_square.squeeze(-1).min(-1)), m.norm_eps, "mean square");
+    out = rounded((per_head * torch::rsqrt(mean_square + m.norm_eps)).reshape({B, T, heads * D}));
+  }
+  if (query && m.attn_temperature_tuning && !rotary) {
+    const ModelConfig::TemperatureTuning& tuning = *m.attn_temperature_tuning;
+    const torch::Tensor positions = torch::arange(T, out.options().dtype(torch::kFloat32));
+    const torch::Tensor scales =
+        torch::log(torch::floor((positions + 1.0) / tuning.floor_scale) + 1.0) * tuning.attn_scale + 1.0;  // (T)
+    out = out * scales.view({1, T, 1});
+  }
+  return out;
+}
+
 struct AttentionInputs {
   torch::Tensor q;  // (B, T, H*D) as probed
   torch::Tensor k;  // (B, T, G*D)
   torch::Tensor v;  // (B, T, G*D)
+  torch::Tensor sinks;  // (H) GPT-OSS's sink logits (model.attention_sinks), else undefined
 };
+
+// GPT-OSS's softmax (eager_attention_forward): each head's sink logit joins
+// the masked scores as one more key column, the row's max is subtracted, the
+// softmax taken and the column dropped. The sink stays fp32 (autocast's cat
+// promotes it with the fp32 mask). Returns (probs (B, H, T, T), sink (B, H, T, 1)).
+std::pair<torch::Tensor, torch::Tensor> softmax_with_sinks(const torch::Tensor& logits, const torch::Tensor& sinks) {
+  const int64_t B = logits.size(0), H = logits.size(1), T = logits.size(2);
+  const torch::Tensor column = sinks.to(logits.device(), torch::kFloat32).view({1, H, 1, 1}).expand({B, H, T, 1});
+  torch::Tensor combined = torch::cat({logits.to(torch::kFloat32), column}, -1);  // (B, H, T, T+1)
+  combined = combined - std::get<0>(combined.max(-1, /*keepdim=*/true));
+  const torch::Tensor all = torch::softmax(combined, -1);
+  return {all.narrow(-1, 0, all.size(-1) - 1), all.narrow(-1, all.size(-1) - 1, 1)};
+}
 
 // Scores, probabilities and context of causal attention; returns (B, T, H*D).
 torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, int layer,
@@ -161,17 +251,23 @@ torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, 
   }
   // The scores site is before any soft cap: the cap hides how close they came to overflowing.
   const torch::Tensor scores =
-      probes.site({SiteId::kAttnScores, layer}, numerics.attention_scores(q, k));  // (B, H, T, T)
-  const torch::Tensor visible = visible_keys(T, m.sliding_window, scores.device());
+      probes.site({SiteId::kAttnScores, layer}, numerics.attention_scores(q, k, m.query_pre_attn_scalar));  // (B, H, T, T)
+  const torch::Tensor visible = visible_keys(T, m.window_of(layer), scores.device());
   HeadLogitRecorder::record(layer, scores, visible.logical_not());  // MuonClip's per-head maxima, when asked for
   // The type the softmax's input is held in: the compute type's, unless a cap made it fp32.
   const bool rounded = numerics.reduced() && numerics.rounds_site({SiteId::kAttnScores, layer});
   const torch::ScalarType held_in =
       rounded && !m.attn_logit_softcap ? numerics.low_type() : torch::kFloat32;
-  const torch::Tensor probs = probes.site(
-      {SiteId::kAttnProbs, layer},
-      torch::softmax(apply_attention_mask(soft_capped(scores, m.attn_logit_softcap), visible, m.attention_mask, held_in),
-                     -1));
+  const torch::Tensor logits =
+      apply_attention_mask(soft_capped(scores, m.attn_logit_softcap), visible, m.attention_mask, held_in);
+  torch::Tensor probs;
+  if (in.sinks.defined()) {
+    auto [keys, sink] = softmax_with_sinks(logits, in.sinks);
+    probs = probes.site({SiteId::kAttnProbs, layer}, keys);
+    probes.site({SiteId::kAttnSink, layer}, sink.detach());  // the sink's share, forward only: nothing reads it
+  } else {
+    probs = probes.site({SiteId::kAttnProbs, layer}, torch::softmax(logits, -1));
+  }
   const torch::Tensor context =
       probes.site({SiteId::kAttnContext, layer}, numerics.matmul(probs, v));  // (B, H, T, D)
   return context.transpose(1, 2).reshape({B, T, H * D});
@@ -201,6 +297,23 @@ ForwardResult next_token_loss(const torch::Tensor& logits, const torch::Tensor& 
   return result;
 }
 
+// The dense gated MLP, down(act(gate(h)) * up(h)): act is silu (llama's SwiGLU) or
+// gelu_pytorch_tanh (Gemma's GeGLU).
+torch::Tensor gated_mlp(const ModelConfig& m, const Weights& w, int layer, const torch::Tensor& h,
+                        const Numerics& block, ProbeSession& probes) {
+  using R = ParamRole;
+  auto proj = [&](const torch::Tensor& in, R role) {
+    return block.linear(in, w(role, layer), torch::Tensor(), w.module(role, layer));
+  };
+  const torch::Tensor gate = probes.site({SiteId::kMlpGate, layer}, proj(h, R::kGateProj));
+  const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, proj(h, R::kUpProj));
+  const torch::Tensor activated = m.hidden_act == HiddenAct::kGeluTanh
+                                      ? F::gelu(gate, F::GELUFuncOptions().approximate("tanh"))
+                                      : F::silu(gate);
+  const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, activated * up);  // (B, T, F)
+  return probes.site({SiteId::kMlpDown, layer}, proj(act, R::kDownProj));
+}
+
 }  // namespace
 
 ModelPass::ModelPass(const ModelConfig& model, const Numerics& numerics, ProbeSession& probes)
@@ -216,6 +329,12 @@ torch::Tensor ModelPass::embed(const ParamMap& p, const torch::Tensor& inputs) {
         torch::arange(inputs.size(1), torch::TensorOptions().dtype(torch::kLong).device(embedding.device()));
     tokens = tokens + F::embedding(positions, w(R::kPositionEmbedding));
   }
+  if (m_.scale_embeddings) {  // Gemma3TextScaledWordEmbedding: times sqrt(hidden), held in the weight's type
+    const torch::Tensor scale =
+        torch::full({}, std::sqrt(static_cast<double>(m_.hidden_size)), torch::TensorOptions().dtype(torch::kFloat32))
+            .to(embedding.scalar_type());
+    tokens = tokens * scale.to(embedding.device());
+  }
   return probes_.site({SiteId::kEmbed, -1}, tokens);
 }
 
@@ -223,6 +342,19 @@ torch::Tensor ModelPass::block(const ParamMap& p, int layer, const torch::Tensor
   // The residual stream entering block L is the tensor probed as the one before it.
   probes_.alias({SiteId::kInput, layer}, layer == 0 ? SiteRef{SiteId::kEmbed, -1} : SiteRef{SiteId::kOutput, layer - 1});
   return m_.arch == Arch::kLlama ? llama_block(p, layer, x) : gpt2_block(p, layer, x);
+}
+
+std::pair<torch::Tensor, torch::Tensor> ModelPass::rotary_for(int layer, int64_t seq, const torch::Device& device) {
+  // One table per rotary kind: Gemma 3's sliding layers take the local one.
+  const bool local = m_.local_rotary(layer);
+  torch::Tensor& cos = local ? cos_local_ : cos_;
+  torch::Tensor& sin = local ? sin_local_ : sin_;
+  if (!cos.defined()) std::tie(cos, sin) = rotary_tables(seq, local ? local_rotary_model(m_) : m_, device);
+  if (cos.device() != device) {
+    cos = cos.to(device);
+    sin = sin.to(device);
+  }
+  return {cos, sin};
 }
 
 torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor x) {
@@ -236,19 +368,19 @@ torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor
   const torch::Device device = w(R::kQProj, layer).device();
   // Pre-norm (llama): each sublayer reads a norm of the stream. Post-norm (OLMo 2): it reads the
   // stream itself, and its output is normalised before the residual add.
-  const bool post_norm = m.norm_layout == NormLayout::kPost;
+  // Sandwich (Gemma 2, 3): both.
+  const bool pre_norm = m.norm_layout != NormLayout::kPost;
+  const bool post_norm = m.norm_layout != NormLayout::kPre;
   auto sublayer_norm = [&](const torch::Tensor& in, R weight, SiteId site) {
-    return probes.site({site, layer}, rms_norm(in, w(weight, layer), m.norm_eps, probes, {site, layer}));
+    return probes.site({site, layer}, rms_norm(in, w(weight, layer), m.norm_eps, probes, {site, layer}, m.rms_norm_offset));
   };
   if (x.device() != device) x = x.to(device);
-  if (!cos_.defined()) std::tie(cos_, sin_) = rotary_tables(T, m, device);
-  if (cos_.device() != device) {
-    cos_ = cos_.to(device);
-    sin_ = sin_.to(device);
-  }
+  torch::Tensor cos, sin;  // not a structured binding: C++17 lambdas cannot capture one
+  std::tie(cos, sin) = rotary_for(layer, T, device);
   auto rope = [&](const torch::Tensor& in, int64_t heads) {
+    if (!m.rotary_layer(layer)) return in;  // Llama 4's NoPE layers
     const torch::Tensor per_head = in.view({B, T, heads, D}).transpose(1, 2);  // (B, heads, T, D)
-    return apply_partial_rotary(per_head, cos_, sin_, m.rope_style, rotary_dim).transpose(1, 2).reshape({B, T, heads * D});
+    return apply_partial_rotary(per_head, cos, sin, m.rope_style, rotary_dim).transpose(1, 2).reshape({B, T, heads * D});
   };
   const Numerics block = numerics_.in_layer(layer);  // what-ifs may run a layer in fp32
   auto proj = [&](const torch::Tensor& in, R role, std::optional<R> bias = std::nullopt) {
@@ -258,37 +390,44 @@ torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor
   // q_norm / k_norm before rotary: in fp32 from the rounded projection (as
   // autocast hands it over), rounded again as the site they feed would be.
   auto qk_normed = [&](const torch::Tensor& projected, R weight, SiteId site, int64_t heads) {
-    if (m.qk_norm == QkNorm::kNone) return projected;
+    if (m.qk_norm == QkNorm::kNone || m.qk_norm == QkNorm::kL2) return projected;  // l2: after rotary
     const SiteRef ref{site, layer};
     const auto rounded = [&](const torch::Tensor& t) { return block.rounds_site(ref) ? block.round(t) : t; };
     const torch::Tensor in = rounded(projected);
-    const torch::Tensor scale = m.qk_norm_unit_weights ? torch::ones({D}, in.options()) : w(weight, layer);
+    // Unit weights: a scale of 1, which an offset norm's weight of 0 gives.
+    const torch::Tensor scale = !m.qk_norm_unit_weights ? w(weight, layer)
+                                : m.rms_norm_offset     ? torch::zeros({D}, in.options())
+                                                        : torch::ones({D}, in.options());
+    const bool offset = m.rms_norm_offset;
     const torch::Tensor normed =
         m.qk_norm == QkNorm::kHead
-            ? rms_norm(in.view({B, T, heads, D}), scale, m.norm_eps, probes, ref).reshape({B, T, heads * D})
-            : rms_norm(in, scale, m.norm_eps, probes, ref);
+            ? rms_norm(in.view({B, T, heads, D}), scale, m.norm_eps, probes, ref, offset).reshape({B, T, heads * D})
+            : rms_norm(in, scale, m.norm_eps, probes, ref, offset);
     return rounded(normed);
   };
-  const torch::Tensor h = post_norm ? x : sublayer_norm(x, R::kAttnNorm, SiteId::kAttnNorm);
+  const torch::Tensor h = pre_norm ? sublayer_norm(x, R::kAttnNorm, SiteId::kAttnNorm) : x;
   AttentionInputs attn;
-  attn.q = probes.site({SiteId::kAttnQ, layer},
-                       rope(qk_normed(proj(h, R::kQProj, with_bias(R::kQBias)), R::kQNorm, SiteId::kAttnQ, H), H));
-  attn.k = probes.site({SiteId::kAttnK, layer},
-                       rope(qk_normed(proj(h, R::kKProj, with_bias(R::kKBias)), R::kKNorm, SiteId::kAttnK, G), G));
+  // q or k: projection (+ bias), QK-norm, rotary, then Llama 4's L2 norm or temperature.
+  auto q_or_k = [&](R projection, R bias, R norm, SiteId site, int64_t heads) {
+    const torch::Tensor roped = rope(qk_normed(proj(h, projection, with_bias(bias)), norm, site, heads), heads);
+    return probes.site({site, layer}, llama4_after_rotary(m, layer, roped, heads, site == SiteId::kAttnQ, block, probes));
+  };
+  attn.q = q_or_k(R::kQProj, R::kQBias, R::kQNorm, SiteId::kAttnQ, H);
+  attn.k = q_or_k(R::kKProj, R::kKBias, R::kKNorm, SiteId::kAttnK, G);
   attn.v = probes.site({SiteId::kAttnV, layer}, proj(h, R::kVProj, with_bias(R::kVBias)));
+  if (m.attention_sinks) attn.sinks = w(R::kSinks, layer);
   const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
-  torch::Tensor attn_out = probes.site({SiteId::kAttnOut, layer}, proj(context, R::kOProj));
+  const std::optional<R> o_bias = m.o_proj_bias ? std::optional<R>(R::kOProjBias) : std::nullopt;
+  torch::Tensor attn_out = probes.site({SiteId::kAttnOut, layer}, proj(context, R::kOProj, o_bias));
   if (post_norm) attn_out = sublayer_norm(attn_out, R::kAttnPostNorm, SiteId::kAttnPostNorm);
   x = probes.site({SiteId::kAttnResidual, layer}, x + attn_out);
-  const torch::Tensor h2 = post_norm ? x : sublayer_norm(x, R::kMlpNorm, SiteId::kMlpNorm);
+  const R mlp_norm = m.norm_layout == NormLayout::kSandwich ? R::kMlpPreNorm : R::kMlpNorm;  // pre_feedforward_layernorm
+  const torch::Tensor h2 = pre_norm ? sublayer_norm(x, mlp_norm, SiteId::kMlpNorm) : x;
   torch::Tensor mlp_out;
   if (m.moe) {
     mlp_out = experts_mlp(m, p, h2, layer, block, probes, router_);
   } else {
-    const torch::Tensor gate = probes.site({SiteId::kMlpGate, layer}, proj(h2, R::kGateProj));
-    const torch::Tensor up = probes.site({SiteId::kMlpUp, layer}, proj(h2, R::kUpProj));
-    const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, F::silu(gate) * up);  // (B, T, F)
-    mlp_out = probes.site({SiteId::kMlpDown, layer}, proj(act, R::kDownProj));
+    mlp_out = gated_mlp(m, w, layer, h2, block, probes);
   }
   if (post_norm) mlp_out = sublayer_norm(mlp_out, R::kMlpPostNorm, SiteId::kMlpPostNorm);
   return probes.site({SiteId::kOutput, layer}, x + mlp_out);
@@ -338,7 +477,7 @@ ForwardResult ModelPass::head(const ParamMap& p, const torch::Tensor& x_in, cons
   const torch::Tensor x = x_in.to(w(R::kFinalNorm).device());
   torch::Tensor final_norm;
   if (m_.arch == Arch::kLlama) {
-    final_norm = probes_.site(norm_site, rms_norm(x, w(R::kFinalNorm), m_.norm_eps, probes_, norm_site));
+    final_norm = probes_.site(norm_site, rms_norm(x, w(R::kFinalNorm), m_.norm_eps, probes_, norm_site, m_.rms_norm_offset));
   } else {
     if (probes_.enabled()) probes_.check_norm(norm_site, x.detach().var(-1, /*unbiased=*/false), m_.norm_eps, "variance");
     final_norm = probes_.site(

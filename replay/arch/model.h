@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
@@ -48,6 +49,8 @@ class ModelPass {
   RouterOutputs& router() { return router_; }
 
  private:
+  // The rotary tables of `layer`'s kind, made on first use and moved to `device`.
+  std::pair<torch::Tensor, torch::Tensor> rotary_for(int layer, int64_t seq, const torch::Device& device);
   torch::Tensor llama_block(const ParamMap& params, int layer, torch::Tensor x);
   torch::Tensor gpt2_block(const ParamMap& params, int layer, torch::Tensor x);
 
@@ -55,6 +58,7 @@ class ModelPass {
   const Numerics& numerics_;
   ProbeSession& probes_;
   torch::Tensor cos_, sin_;  // rotary tables (llama), made by the first block and moved along with it
+  torch::Tensor cos_local_, sin_local_;  // the local rotary's (ModelConfig::local_rotary), likewise
   RouterOutputs router_;
 };
 

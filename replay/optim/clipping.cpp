@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include "loaders/base/glob_match.h"
 #include "loaders/bundle/optimizer_manifest.h"
 
 namespace nanreplay {

@@ -79,6 +79,21 @@ void update_param(torch::Tensor& param, const torch::Tensor& grad, ParamState& s
   state.step += 1;
 }
 
+TensorUpdateStats update_param_measured(const std::string& name, torch::Tensor& param, const torch::Tensor& grad,
+                                        ParamState& state, double lr, const OptimizerRule& rule, bool decay) {
+  torch::NoGradGuard no_grad;
+  TensorUpdateStats stats;
+  stats.param = name;
+  if (rule.kind == OptimizerKind::kAdam || rule.kind == OptimizerKind::kAdamW) {
+    adam_family_lag(param, grad, state, rule, decay, stats);
+  }
+  const torch::Tensor before = param.to(torch::kFloat64);  // a copy: the update is in place
+  update_param(param, grad, state, lr, rule, decay);
+  const int64_t n = std::max<int64_t>(1, param.numel());
+  stats.update_rms = (param.to(torch::kFloat64) - before).norm().item<double>() / std::sqrt(static_cast<double>(n));
+  return stats;
+}
+
 void apply_qk_clip(const OptimizerConfig& config, const ModelConfig& model, const HeadLogitMax& logit_max,
                    const std::vector<std::string>& names, const std::function<torch::Tensor(size_t)>& param_of,
                    const std::function<void(size_t, const torch::Tensor&)>& store) {
@@ -113,7 +128,7 @@ void apply_qk_clip(const OptimizerConfig& config, const ModelConfig& model, cons
 void optimizer_update(std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, double grad_norm,
                       OptimizerMoments& moments, const GroupLr& lr_of, const OptimizerConfig& config,
                       const std::vector<std::string>& names, const ModelConfig& model,
-                      const HeadLogitMax& logit_max) {
+                      const HeadLogitMax& logit_max, std::vector<TensorUpdateStats>* measured) {
   torch::NoGradGuard no_grad;
   const torch::Tensor coef = clip_coefficient(grad_norm, config);
   if (moments.params.empty()) {
@@ -121,8 +136,13 @@ void optimizer_update(std::vector<torch::Tensor>& params, const std::vector<torc
   }
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamRule owner = rule_of_param(config, names[i]);
-    update_param(params[i], grads[i] * coef, moments.params[i], lr_of(owner.group), *owner.rule,
-                 !excluded_from_decay(config, names[i]));
+    const bool decay = !excluded_from_decay(config, names[i]);
+    if (measured != nullptr) {
+      measured->push_back(update_param_measured(names[i], params[i], grads[i] * coef, moments.params[i],
+                                                lr_of(owner.group), *owner.rule, decay));
+      continue;
+    }
+    update_param(params[i], grads[i] * coef, moments.params[i], lr_of(owner.group), *owner.rule, decay);
   }
   if (!uses_qk_clip(config)) return;
   apply_qk_clip(config, model, logit_max, names, [&](size_t i) { return params[i]; },

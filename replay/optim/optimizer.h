@@ -16,6 +16,7 @@
 #include "loaders/bundle/manifest.h"
 #include "loaders/bundle/optimizer_manifest.h"
 #include "replay/optim/state_layout.h"
+#include "reports/results/update_stats.h"
 
 namespace nanreplay {
 
@@ -43,6 +44,11 @@ bool elementwise_rule(const OptimizerRule& rule);
 void update_param(torch::Tensor& param, const torch::Tensor& grad, ParamState& state, double lr,
                   const OptimizerRule& rule, bool decay);
 
+// update_param, measured (reports/results/update_stats.h): the update's RMS
+// and, for the Adam family, g^2 against the second moment it starts from.
+TensorUpdateStats update_param_measured(const std::string& name, torch::Tensor& param, const torch::Tensor& grad,
+                                        ParamState& state, double lr, const OptimizerRule& rule, bool decay);
+
 // Per layer, per query head: the largest scaled pre-softmax logit of a step
 // (StepResult::attn_logit_max); empty when not recorded.
 using HeadLogitMax = std::vector<std::vector<double>>;
@@ -62,9 +68,10 @@ using GroupLr = std::function<double(const std::string& group)>;
 
 // One whole step over parameters held in memory: clip, each parameter's rule
 // with its group's lr, then MuonClip. `moments.params` empty: zero state.
+// `measured`, when given, receives each tensor's update statistics.
 void optimizer_update(std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, double grad_norm,
                       OptimizerMoments& moments, const GroupLr& lr_of, const OptimizerConfig& config,
                       const std::vector<std::string>& names, const ModelConfig& model,
-                      const HeadLogitMax& logit_max);
+                      const HeadLogitMax& logit_max, std::vector<TensorUpdateStats>* measured = nullptr);
 
 }  // namespace nanreplay

@@ -136,7 +136,13 @@ torch::Tensor Numerics::matmul(const torch::Tensor& a, const torch::Tensor& b) c
   return torch::matmul(a, b);
 }
 
-torch::Tensor Numerics::attention_scores(const torch::Tensor& q, const torch::Tensor& k) const {
+torch::Tensor Numerics::attention_scores(const torch::Tensor& q, const torch::Tensor& k,
+                                         const std::optional<double>& query_pre_attn_scalar) const {
+  if (query_pre_attn_scalar) {  // Gemma: times query_pre_attn_scalar ** -0.5
+    const double scaling = std::pow(*query_pre_attn_scalar, -0.5);
+    if (overrides_.stable_softmax) return torch::matmul(q, k.transpose(-2, -1)) * scaling;
+    return round(round(matmul(q, k.transpose(-2, -1))) * scaling);
+  }
   // Divided, not multiplied by the reciprocal, as eager PyTorch code writes it.
   const double divisor = std::sqrt(static_cast<double>(q.size(-1)));
   // A fused kernel keeps the product in its fp32 accumulators: no rounding.

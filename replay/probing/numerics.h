@@ -12,6 +12,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -80,7 +81,10 @@ class Numerics {
                        const torch::Tensor& bias, const std::string& module) const;
   // Scaled attention scores round(round(q k^T) / sqrt(head_dim)), or in plain
   // fp32 with the stable_softmax override; probed by the caller.
-  torch::Tensor attention_scores(const torch::Tensor& q, const torch::Tensor& k) const;
+  // `scaling` (Gemma's query_pre_attn_scalar ** -0.5): multiplied in place of the division, as Gemma's
+  // eager attention writes it.
+  torch::Tensor attention_scores(const torch::Tensor& q, const torch::Tensor& k,
+                                 const std::optional<double>& query_pre_attn_scalar = std::nullopt) const;
   // a @ b of already-rounded operands: fp32, or in the low type when native.
   torch::Tensor matmul(const torch::Tensor& a, const torch::Tensor& b) const;
 

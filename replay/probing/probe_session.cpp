@@ -19,6 +19,7 @@
 #include "kernels/tensor_stats.h"
 #include "replay/probing/cuda_probe_stats.h"
 #include "replay/probing/device_stats.h"
+#include "replay/probing/damage_mask.h"
 #include "replay/probing/largest_element.h"
 
 namespace nanreplay {
@@ -255,11 +256,18 @@ struct ProbeSession::State {
   BatchContext context;
   ProbeScope scope;
   bool defer_host = false;
-  int64_t attention_window = 0;  // the model's sliding window: causal sites count the keys seen
+  // Each layer's sliding window (ModelConfig::window_of; 0: full): causal sites count the keys seen.
+  std::vector<int64_t> attention_windows;
+  int64_t window_at(int layer) const {
+    return layer >= 0 && layer < static_cast<int>(attention_windows.size()) ? attention_windows[static_cast<size_t>(layer)]
+                                                                          : 0;
+  }
   int num_forward_sites = 0;
   std::vector<int> order_of;  // (layer + 1) * kSiteCount + id -> forward order
   int last_order = -1;        // the forward order of the last site produced
   bool recomputing = false;   // begin_recompute(): hooks only
+  int64_t head_dim = 0;             // attn.q/k/v: one head's width, for the shape of the damage
+  bool nonfinite_damage_taken = false;  // the pass's first non-finite forward site has its damage
 
   // The forward must produce its sites in the site table's order: the order
   // that defines "first", and the reverse of the backward's.
@@ -294,14 +302,15 @@ struct ProbeSession::State {
       return;
     }
     if (!deferred) {
-      std::vector<ProbeRecord> records = describe(tensor, def);
-      if (locate) locate_largest(records, tensor, def, context.sample_ids, attention_window);
+      std::vector<ProbeRecord> records = describe(tensor, def, ref.layer);
+      if (locate) locate_largest(records, tensor, def, context.sample_ids, window_at(ref.layer));
+      if (phase == Phase::kForward && scope.level == ProbeLevel::kFull) take_damage(records, tensor, ref, locate);
       add(std::move(records), ref, phase);
       return;
     }
     const bool per_head = !routing && probed_per_head(tensor, &def);
     const bool causal = per_head && def.causal;
-    const int64_t window = causal ? attention_window : 0;
+    const int64_t window = causal ? window_at(ref.layer) : 0;
     PendingProbe p{{}, std::nullopt, tensor.sizes().vec(), elem_type_of(tensor), per_head, ref, phase, routing};
     // The CUDA kernel knows full causal rows only: a sliding window takes LibTorch's reductions.
     if (routing) {
@@ -375,10 +384,30 @@ struct ProbeSession::State {
     return block > 0 && ref.id == SiteId::kOutput && ref.layer == block - 1;
   }
 
+  // The shape of the damage (damage_mask.h): the non-finite elements of the
+  // pass's first non-finite forward site, else on a spike incident the outliers.
+  void take_damage(std::vector<ProbeRecord>& records, const torch::Tensor& tensor, const SiteRef& ref, bool outliers) {
+    if (records.empty()) return;
+    std::optional<DamageShape> damage;
+    if (!records[0].stats.all_finite() && !nonfinite_damage_taken) {
+      nonfinite_damage_taken = true;
+      damage = nonfinite_damage(tensor, ref, head_dim, window_at(ref.layer));
+    } else if (outliers && records[0].stats.all_finite()) {
+      damage = outlier_damage(tensor, ref, head_dim, window_at(ref.layer));
+    }
+    if (!damage) return;
+    if (damage->batch_row >= 0 && damage->batch_row < static_cast<int64_t>(context.sample_ids.size())) {
+      damage->sample = context.sample_ids[static_cast<size_t>(damage->batch_row)];
+    }
+    const auto shared = std::make_shared<const DamageShape>(std::move(*damage));
+    for (ProbeRecord& r : records) r.damage = shared;
+  }
+
   // The records of one site's tensor at this level (none when flags find it finite).
-  std::vector<ProbeRecord> describe(const torch::Tensor& tensor, const SiteDef& def) const {
-    if (scope.level == ProbeLevel::kFull) return describe_tensor(tensor, &def, context.sample_ids, attention_window);
-    std::optional<ProbeRecord> flag = nonfinite_flag(tensor, def, attention_window);
+  std::vector<ProbeRecord> describe(const torch::Tensor& tensor, const SiteDef& def, int layer) const {
+    const int64_t window = window_at(layer);
+    if (scope.level == ProbeLevel::kFull) return describe_tensor(tensor, &def, context.sample_ids, window);
+    std::optional<ProbeRecord> flag = nonfinite_flag(tensor, def, window);
     return flag ? std::vector<ProbeRecord>{*flag} : std::vector<ProbeRecord>{};
   }
 
@@ -408,7 +437,8 @@ ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, const
   state_->context = std::move(context);
   state_->scope = scope;
   state_->defer_host = defer_host;
-  state_->attention_window = model.sliding_window;
+  for (int layer = 0; layer < model.num_layers; ++layer) state_->attention_windows.push_back(model.window_of(layer));
+  state_->head_dim = model.num_heads > 0 ? model.head_dim() : 0;
   const std::vector<SiteRef> sites = forward_sites(model);
   state_->num_forward_sites = static_cast<int>(sites.size());
   state_->order_of.assign(static_cast<size_t>((model.num_layers + 1) * State::site_count()), -1);

@@ -36,7 +36,7 @@ struct BatchContext {
 // one record per head for per-head sites). `def` null: a parameter gradient
 // (coordinates only, no sample or position). Used for forward, backward and
 // parameter-gradient probes alike.
-// `window`: a sliding attention window (ModelConfig::sliding_window); causal
+// `window`: the layer's sliding attention window (ModelConfig::window_of); causal
 // sites then count only the keys each query sees.
 std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
                                          const std::vector<int64_t>& sample_ids, int64_t window = 0);

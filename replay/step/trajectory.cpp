@@ -88,6 +88,7 @@ ParamState Trajectory::scratch_state(size_t i) const {
 }
 
 void Trajectory::advance(const StepResult& result, const StepState& state, bool scaler_skipped) {
+  last_update_ = StepUpdateStats{state.step, {}};
   if (scaler_skipped) return;  // GradScaler: no update
   const std::string label = "step " + std::to_string(state.step);
   const GroupLr lr_of = [&state, label](const std::string& group) {
@@ -102,7 +103,7 @@ void Trajectory::advance(const StepResult& result, const StepState& state, bool 
     grads.push_back(result.grads.at(i).to(plain.back().device()));  // a replay on a device: masters stay on the host
   }
   optimizer_update(plain, grads, result.grad_norm, moments_, lr_of, *manifest_->optimizer, order_,
-                   manifest_->model, result.attn_logit_max);
+                   manifest_->model, result.attn_logit_max, measure_ ? &last_update_.tensors : nullptr);
 }
 
 // optimizer_update's arithmetic, one parameter at a time through the scratch files.
@@ -114,8 +115,13 @@ void Trajectory::advance_on_scratch(const StepResult& result, const GroupLr& lr_
     const ParamRule owner = rule_of_param(config, order_[i]);
     torch::Tensor param = params_file_->read(i);
     ParamState state = scratch_state(i);
-    update_param(param, result.grads[i] * coef, state, lr_of(owner.group), *owner.rule,
-                 !excluded_from_decay(config, order_[i]));
+    const bool decay = !excluded_from_decay(config, order_[i]);
+    if (measure_) {
+      last_update_.tensors.push_back(update_param_measured(order_[i], param, result.grads[i] * coef, state,
+                                                           lr_of(owner.group), *owner.rule, decay));
+    } else {
+      update_param(param, result.grads[i] * coef, state, lr_of(owner.group), *owner.rule, decay);
+    }
     params_file_->write(i, param);
     for (const auto& [key, tensor] : state.tensors) state_file(key).write(i, tensor);
     scratch_steps_[i] = state.step;

@@ -32,6 +32,11 @@ class Trajectory {
 
   // After step `step` replayed to `result`: the parameters of the next step.
   void advance(const StepResult& result, const StepState& state, bool scaler_skipped);
+  // What the last advance did to each tensor (update_stats.h), once
+  // measure_updates() asked for it (`run`; a little arithmetic per tensor);
+  // empty otherwise, or when it changed nothing (a step the scaler skipped).
+  void measure_updates() { measure_ = true; }
+  const StepUpdateStats& last_update() const { return last_update_; }
 
   // The current parameters as the next step's checkpoint (the same tensors,
   // or what the scratch file holds when read).
@@ -59,6 +64,8 @@ class Trajectory {
   std::shared_ptr<ScratchTensors> params_file_;
   std::map<std::string, std::shared_ptr<ScratchTensors>> state_files_;
   std::vector<int64_t> scratch_steps_;
+  bool measure_ = false;
+  StepUpdateStats last_update_;
 };
 
 // fp16's loss scale along a rolled-forward window: a step's state.json

@@ -16,6 +16,7 @@
 #include <torch/torch.h>
 
 #include "loaders/base/error.h"
+#include "replay/workflows/bisect_verdict.h"
 #include "replay/workflows/ddmin.h"
 #include "replay/step/layer_stream.h"
 #include "reports/triage/data/origin_tokens.h"
@@ -104,7 +105,10 @@ class Bisection {
       ModelCheckpoint checkpoint = files.has_model ? ModelCheckpoint(files, m.model) : trajectory.checkpoint();
       auto loaded = std::make_unique<LoadedStep>(bundle_, files.step, std::move(checkpoint), state, placement());
       StepResult result;
-      StepScan scan = scan_step(*loaded, {}, /*stop_at_first_bad=*/false, hook(), &result);
+      // Settling early costs a clean step nothing (every pass runs, its
+      // gradients roll the trajectory on) and spares the bad one the
+      // micro-batches after the one that settles it: nothing is derived from it.
+      StepScan scan = scan_step(*loaded, {}, /*stop_at_first_bad=*/true, hook(), &result);
       test.bad = scan.bad;
       test.handled_overflow = scan.handled_overflow;
       test.replays = scan.passes;
@@ -406,10 +410,15 @@ BisectReport bisect_bundle(const Bundle& bundle, const BisectOptions& options) {
     if (report.samples.minimal_in_run.size() != report.samples.minimal.size()) report.samples.minimal_in_run.clear();
     report.origin_tokens = origin_tokens(bundle, *report.origin, bisection.origin_embedding(),
                                          default_thresholds(m.precision.compute));
+    bisection.set_stage("checks", report.origin->step);
+    check_update_into_origin(bundle, bisection.placement(), bisection.hook(), report);  // bisect_verdict.h
+  } else if (needs_full_probe_pass(bundle)) {
+    judge_as_run(bundle, options, report);  // a spike or logged site statistics: run's own pass decides
   } else {
     const std::vector<Finding> more = bisection.clean_window_findings();
     report.findings.insert(report.findings.end(), more.begin(), more.end());
   }
+  settle_bisect_root_cause(report);
   if (!options.what_ifs.empty()) {
     bisection.set_stage("what-if", report.origin ? report.origin->step : 0);
     report.what_if = evaluate_what_ifs(bundle, report.origin, options.what_ifs, bisection.hook(),

@@ -84,6 +84,19 @@ void write_file(const fs::path& path, const void* data, size_t size) {
   if (!out) throw OutputError(path.string(), "cannot write");
 }
 
+// The tensors a bisect report names rewritten outside the optimizer into the
+// checkpoint of `step` (SYSTEM_UPDATE_MISMATCH errors): evidence a verdict rests on.
+std::vector<std::string> rewritten_into(const std::vector<Finding>& findings, int64_t step) {
+  std::vector<std::string> names;
+  for (const Finding& f : findings) {
+    if (f.code == FindingCode::kSystemUpdateMismatch && f.severity == Severity::kError &&
+        f.evidence.integer(EvidenceKey::kStep) == step) {
+      names.push_back(f.evidence.text(EvidenceKey::kParam).value_or(""));
+    }
+  }
+  return names;
+}
+
 class Minimizer {
  public:
   Minimizer(const Bundle& bundle, const BisectReport& bisected, const MinimizeOptions& options)
@@ -98,9 +111,10 @@ class Minimizer {
     Plan with_previous{{o.step - 1, o.step}, true, {}, layers,
                        "steps " + std::to_string(o.step - 1) + " and " + std::to_string(o.step) +
                            ", whole batches, every layer"};
-    if (!o.contaminated_params.empty()) {
-      // The values came in with the checkpoint: the update that made it is
-      // the evidence, and it needs the step before with its whole batch.
+    if (!o.contaminated_params.empty() || !rewritten_into(bisected_.findings, o.step).empty()) {
+      // The values came in with the checkpoint (non-finite, or rewritten
+      // outside the optimizer): the update that made it is the evidence, and
+      // it needs the step before with its whole batch.
       if (previous_listed) plans.push_back(with_previous);
       plans.push_back(whole);
       return plans;
@@ -194,8 +208,10 @@ class Minimizer {
     }
   }
 
-  // Replays the candidate in `dir`; the origin it names, when any.
-  std::optional<FirstNonfinite> replay(const fs::path& dir, std::optional<OriginalKey>& key) const {
+  // Replays the candidate in `dir`; the origin it names, when any, and the
+  // tensors it names rewritten into the origin's checkpoint.
+  std::optional<FirstNonfinite> replay(const fs::path& dir, std::optional<OriginalKey>& key,
+                                       std::vector<std::string>* rewritten = nullptr) const {
     const Bundle candidate(dir);
     validate_bundle_structure(candidate);
     BisectOptions options;
@@ -206,6 +222,7 @@ class Minimizer {
     options.tool_version = options_.tool_version;
     const BisectReport report = bisect_bundle(candidate, options);
     if (report.origin) key = original_key(candidate.manifest(), report.origin->sample);
+    if (report.origin && rewritten != nullptr) *rewritten = rewritten_into(report.findings, report.origin->step);
     return report.origin;
   }
 
@@ -540,10 +557,15 @@ void explain(MinimizeReport& r, const Plan& plan, const FirstNonfinite& o) {
   r.kept.push_back(plan.steps.size() == 1
                        ? "step " + std::to_string(o.step) + ": the step that fails, with its parameters as the replay "
                                                             "held them (checkpoint, or derived and written as one)"
-                       : "steps " + std::to_string(plan.steps.front()) + " and " + std::to_string(o.step) +
+                   : !o.contaminated_params.empty()
+                       ? "steps " + std::to_string(plan.steps.front()) + " and " + std::to_string(o.step) +
                              ": the checkpoint of " + std::to_string(o.step) +
                              " already holds non-finite values, and the update from the step before shows where "
-                             "they came from (both checkpoints, the optimizer state of the first)");
+                             "they came from (both checkpoints, the optimizer state of the first)"
+                       : "steps " + std::to_string(plan.steps.front()) + " and " + std::to_string(o.step) +
+                             ": the update from the step before into the checkpoint of " + std::to_string(o.step) +
+                             " is the evidence: the update check names the weights the optimizer did not compute "
+                             "(both checkpoints, the optimizer state of the first)");
   if (plan.original_layout) {
     r.kept.push_back("every sample of the kept steps, ranks and micro-batches as the run had them");
   } else {
@@ -689,6 +711,10 @@ void minimize_flip(const Bundle& bundle, Minimizer& minimizer, const MinimizeOpt
                      "error"
                    : "no step holds a non-finite value and the update check names no flipped bit; minimize has no "
                      "cut for the other error finding(s), which run names";
+    if (checked.spike && codes.empty()) {
+      r.reason = "a spike incident: its origin rests on every step before it, replayed with full probes, so "
+                 "minimize has no cut for it; run and bisect name it";
+    }
     return;
   }
   r.finding = "bit_flip";
@@ -735,15 +761,24 @@ MinimizeOutcome minimize_bundle(const Bundle& bundle, const BisectReport& bisect
   }
   r.finding = "origin";
   r.origin = bisected.origin;
+  const std::vector<std::string> rewritten = rewritten_into(bisected.findings, r.origin->step);
   if (r.origin->sample >= 0) r.original_sample = original_key(bundle.manifest(), r.origin->sample).value;
 
   const std::optional<Plan> plan =
       first_reproducing(minimizer, minimizer.plans(), options, outcome, [&](const fs::path& dir) {
         std::optional<OriginalKey> key;
-        const std::optional<FirstNonfinite> origin = minimizer.replay(dir, key);
+        std::vector<std::string> rewritten_after;
+        const std::optional<FirstNonfinite> origin = minimizer.replay(dir, key, &rewritten_after);
         if (!origin) return MinimizeAttempt{"", false, "no non-finite value"};
         const std::string diff = minimizer.difference(*r.origin, *origin, key.value_or(OriginalKey{}));
         if (!diff.empty()) return MinimizeAttempt{"", false, "origin changed: " + diff};
+        if (rewritten_after != rewritten) {
+          const std::vector<std::string>& named = rewritten.empty() ? rewritten_after : rewritten;
+          return MinimizeAttempt{"", false, std::string("the update check ") +
+                                                (rewritten.empty() ? "names" : "no longer names") +
+                                                " the rewritten weights (" + named.front() +
+                                                (named.size() > 1 ? " and others)" : ")")};
+        }
         r.origin_after = origin;
         return MinimizeAttempt{"", true, "same origin"};
       });

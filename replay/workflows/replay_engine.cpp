@@ -26,6 +26,7 @@
 #include "replay/step/step.h"
 #include "replay/step/step_scan.h"
 #include "replay/step/trajectory.h"
+#include "replay/workflows/counterfactual.h"
 #include "reports/triage/data/origin_tokens.h"
 #include "reports/triage/numeric/numeric_rules.h"
 #include "reports/triage/spike_origin.h"
@@ -80,6 +81,7 @@ class BundleReplay {
       if (!options.only_steps || options.only_steps->count(files.step)) todo_.push_back(&files);
     }
     plan_spike_incident();
+    trajectory_.measure_updates();
   }
 
   // Before any replay: the shards against their checksums, the checkpoints for non-finite values.
@@ -102,7 +104,7 @@ class BundleReplay {
   // What the steps found together.
   void after_steps() {
     const PhaseTimer timer(report_.timings, TimedPhase::kDataChecks);
-    add(triage_window({bundle_, batch_samples_, states_}, thresholds_));
+    add(triage_window({bundle_, batch_samples_, states_, &updates_, incident_step()}, thresholds_));
     if (first_) {
       report_.origin_tokens = origin_tokens(bundle_, *first_, origin_embedding(), thresholds_);
       if (first_->sample >= 0 && first_->sample < bundle_.num_samples()) {
@@ -112,20 +114,35 @@ class BundleReplay {
     }
     report_.first_nonfinite = first_;
     report_.reproduced = first_.has_value();
+    report_.update_stats = updates_;
     report_.spike = judge_spike(spike_plan_, report_.steps,
                                 spike_locator_ ? spike_locator_->origin() : std::optional<SpikeOrigin>{});
+  }
+
+  // A spike's step and the one before, each step's batch on the other's weights (counterfactual.h).
+  void replay_counterfactuals() {
+    if (!counterfactuals_ || !report_.spike || !report_.spike->step) return;
+    const PhaseTimer timer(report_.timings, TimedPhase::kReplay);
+    report_.counterfactuals = counterfactuals_->run(bundle_, *report_.spike, report_.steps, report_.findings,
+                                                    updates_checked_.count(*report_.spike->step) > 0, placement_);
+    counterfactuals_.reset();  // the weights kept for it
   }
 
   // The failing step (or the last one) replayed again: on this machine, and on the second device.
   void check_replay() {
     const StepFiles* files = step_to_recheck();
     if (files == nullptr || !options_.probes) return;
+    // Determinism replays what decides the verdict again (one micro-batch, or
+    // the whole step); the cross-check, the whole step.
+    const int64_t whole_step = m_.data.world_size * m_.data.grad_accum_steps;
     if (options_.check_determinism) {
+      report_.check_replays += deciding_pass() ? 1 : whole_step;
       const PhaseTimer timer(report_.timings, TimedPhase::kDeterminism);
       report_.determinism =
           check_determinism(bundle_, recheck_input(*files), report_.probes, placement_, deciding_pass());
     }
     if (options_.cross_check) {
+      report_.check_replays += whole_step;
       const PhaseTimer timer(report_.timings, TimedPhase::kCrossCheck);
       ComputePlacement second =
           placement_for({options_.devices.back()}, options_.native_low_precision, m_.precision.compute);
@@ -152,6 +169,7 @@ class BundleReplay {
     for (const StepFiles* files : todo_) logged.push_back(bundle_.load_state(*files));
     spike_plan_ = plan_spike(m_.incident, logged, options_.spike);
     if (spike_plan_.active) spike_locator_.emplace(spike_plan_.thresholds);
+    if (spike_plan_.active && spike_plan_.step && options_.probes) counterfactuals_.emplace(*spike_plan_.step);
   }
 
   void add(const std::vector<Finding>& more) { report_.findings.insert(report_.findings.end(), more.begin(), more.end()); }
@@ -244,7 +262,12 @@ class BundleReplay {
     request.locate_largest = spike_locator_.has_value();
     StepResult step =
         replay_step({m_, bundle_.tokens(), files.step, state, batch}, checkpoint, placement_, request);
+    report_.step_replays += m_.data.world_size * m_.data.grad_accum_steps;  // every pass, in whichever process
     if (spike_locator_) spike_locator_->step_done(files.step, step.probes, spike_plan_.step);
+    if (counterfactuals_ && counterfactuals_->wants(files.step)) {  // before rolling forward moves the weights on
+      counterfactuals_->keep(files, state, batch, step.probes,
+                             outcome.derived ? std::optional(trajectory_.snapshot()) : std::nullopt);
+    }
     record_step(files, state, checkpoint, step, outcome);
     const bool last = report_.steps.size() + 1 == todo_.size();
     if (outcome.derived && ((last && !first_) || (first_ && first_->step == files.step))) {
@@ -274,15 +297,42 @@ class BundleReplay {
   void roll_forward(const StepFiles& files, const StepState& state, const StepResult& step,
                     const StepOutcome& outcome) {
     const StepFiles* next = find_files(files.step + 1);
-    if (next == nullptr || (next->has_model && files.has_model)) return;
+    if (next == nullptr) return measure_last_update(state, step, outcome);
+    if (next->has_model && files.has_model) return;
     if (files.has_model) trajectory_.start(bundle_, files, placement_.stream);
     trajectory_.advance(step, state, outcome.scaler_skipped);
+    record_update();
     trajectory_ok_ = true;
     const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
     if (next->has_model && options_.check_updates && predictable) {
       const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
       add(triage_update({bundle_, files, *next, trajectory_.checkpoint(), nullptr, *state.lr}));
+      updates_checked_.insert(next->step);
     }
+  }
+
+  // The update statistics of the step just derived from (NUMERIC_UPDATE_SPIKE reads them).
+  void record_update() {
+    if (!trajectory_.last_update().tensors.empty()) updates_.push_back(trajectory_.last_update());
+  }
+
+  // The last step of a rolled-forward window gives no parameters, but its own
+  // update is what a spike at that step makes jump: computed for the statistics alone.
+  void measure_last_update(const StepState& state, const StepResult& step, const StepOutcome& outcome) {
+    if (!outcome.derived || !trajectory_ok_ || !trajectory_.started() || !std::isfinite(step.grad_norm)) return;
+    for (const ParamSpec& spec : expected_parameters(m_.model)) {
+      if (!state.lr_of(rule_of_param(*m_.optimizer, spec.name).group)) return;
+    }
+    const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
+    trajectory_.advance(step, state, outcome.scaler_skipped);
+    record_update();
+  }
+
+  // The incident's step: the first non-finite value's, or the spike's.
+  std::optional<int64_t> incident_step() const {
+    if (first_) return first_->step;
+    if (spike_plan_.active) return spike_plan_.step;  // none when the plan names no step
+    return std::nullopt;
   }
 
   // The step's outcome, whether it holds the origin, and its findings (triage_step, then the update check).
@@ -318,6 +368,7 @@ class BundleReplay {
         predictable && bundle_.has_optimizer(files)) {
       const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
       add(triage_update({bundle_, files, *next, checkpoint, &step, *state.lr, outcome.scaler_skipped}));
+      updates_checked_.insert(next->step);
     }
   }
 
@@ -391,10 +442,14 @@ class BundleReplay {
   bool trajectory_ok_ = true;
   LossScales loss_scales_{bundle_.rolls_forward()};
   std::optional<ModelCheckpoint> recheck_params_;
+  std::vector<StepUpdateStats> updates_;  // each derived update's statistics, in step order
   ProbeRetention retention_{report_.probes};  // with on_step_probes
   std::future<HostStep> next_host_step_;  // prepare_ahead: the next step's host share
   SpikePlan spike_plan_;
   std::optional<SpikeLocator> spike_locator_;  // a spike incident only
+  // A spike incident: its step and the one before, replayed again crosswise (counterfactual.h).
+  std::optional<SpikeCounterfactuals> counterfactuals_;
+  std::set<int64_t> updates_checked_;  // steps whose checkpoint the update check re-derived
 };
 
 }  // namespace
@@ -406,6 +461,7 @@ ReplayReport replay_bundle(const Bundle& bundle, const ReplayOptions& options) {
   replay.check_bundle();
   replay.replay_steps();
   replay.after_steps();
+  replay.replay_counterfactuals();
   replay.check_replay();
   return replay.finish(started);
 }

@@ -277,11 +277,17 @@ const std::vector<WhatIfRow>& what_if_rows() {
        [](const WhatIf&, WhatIfAt at, StepOverrides& o) {
          // Unit weights: no checkpoint holds q_norm and k_norm weights for a model without them.
          o.change_model = [](ModelConfig& model) {
+           if (model.qk_norm == QkNorm::kL2) model.l2_qk_norm_every_layer = true;  // Llama 4: NoPE layers too
            if (model.qk_norm != QkNorm::kNone) return;
            model.qk_norm = QkNorm::kHead;
            model.qk_norm_unit_weights = true;
          };
          const ModelConfig& m = at.manifest.model;
+         const bool nope_layers =
+             std::find(m.no_rope_layers.begin(), m.no_rope_layers.end(), 0) != m.no_rope_layers.end();
+         if (m.qk_norm == QkNorm::kL2 && nope_layers) {
+           return std::string("Llama 4's L2 QK-norm applied on its NoPE layers too (it normalises the rotary layers only)");
+         }
          return m.qk_norm != QkNorm::kNone ? std::string("no change: the model normalises q and k already")
                                            : "q and k RMS-normalised per head (unit weights, eps " +
                                                  format_number(m.norm_eps) + ") before rotary";
@@ -314,6 +320,19 @@ const std::vector<WhatIfRow>& what_if_rows() {
        WhatIfValue::kRequired, [](WhatIf& w, WhatIfText v) { w.value = non_negative_value(w, v, "the coefficient"); },
        experts_only,
        [](const WhatIf& w, WhatIfAt at, StepOverrides& o) { return z_loss(w, at.manifest, o); }},
+      {WhatIf::Kind::kSinksOff, "sinks", "sinks=off",
+       "the softmax without the attention sinks' column (GPT-OSS; model.attention_sinks only)",
+       WhatIfValue::kRequired,
+       [](WhatIf& w, WhatIfText v) {
+         if (*v != "off") bad_spec(w.text, "the only value is off (the model without its sink logits)");
+       },
+       [](const WhatIf& w, const Manifest& m) {
+         if (!m.model.attention_sinks) bad_spec(w.text, "the bundle's model has no attention sinks (model.attention_sinks)");
+       },
+       [](const WhatIf&, WhatIfAt, StepOverrides& o) {
+         o.change_model = [](ModelConfig& model) { model.attention_sinks = false; };
+         return std::string("attention sinks off: each head's softmax over its keys only (the sink logits unread)");
+       }},
   };
   return rows;
 }

@@ -29,6 +29,7 @@ struct WhatIf {
     kSoftcap,        // softcap=50: the attention scores soft-capped, c * tanh(s / c) (Gemma 2)
     kRouterFp32,     // router-fp32: a mixture of experts' router matmul and softmax in fp32
     kZLoss,          // z-loss=1e-3: the router z-loss coefficient (ST-MoE)
+    kSinksOff,       // sinks=off: the softmax without GPT-OSS's sink column
   };
   Kind kind = Kind::kStableSoftmax;
   std::string text;               // as written

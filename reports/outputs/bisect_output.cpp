@@ -8,6 +8,7 @@
 #include "loaders/base/error.h"
 #include "loaders/base/message_text.h"
 #include "reports/outputs/report_json.h"
+#include "reports/outputs/spike_output.h"
 #include "reports/results/number_text.h"
 
 namespace nanreplay {
@@ -103,6 +104,7 @@ nlohmann::json bisect_to_json(const BisectReport& r) {
                     {"samples", r.samples.replays},
                     {"what_if", r.what_if_replays()},
                     {"checks", r.check_replays},
+                    {"full_pass", r.full_pass_replays},
                     {"origin", r.origin_replays()},
                     {"total", r.total_replays()},
                     {"full_probe_pass", r.full_probe_pass_replays}};
@@ -113,6 +115,14 @@ nlohmann::json bisect_to_json(const BisectReport& r) {
   out["not_replayed"] = skipped;
   out["logged_nonfinite_steps"] = r.logged_nonfinite_steps;
   out["findings"] = findings_json(r.findings);
+  out["spike"] = spike_json(r.spike);
+  out["spike_check"] = spike_check_json(r.spike);
+  out["root_cause"] = nullptr;
+  if (r.root_cause) {
+    out["root_cause"] = {{"layer", triage_layer_name(r.root_cause->layer)},
+                         {"code", root_cause_code(*r.root_cause, r.origin.has_value())},
+                         {"summary", r.root_cause->summary}};
+  }
   if (r.what_if) out["what_if"] = what_if_json(*r.what_if);
   out["elapsed_seconds"] = r.elapsed_seconds;
   return out;
@@ -145,10 +155,20 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
   for (const BisectStepTest& t : r.step_tests) {
     if (!t.replayed) out << "  step " << t.step << " could not be replayed: " << printable(t.not_replayed_reason) << "\n";
   }
+  if (r.spike) {
+    const std::string sentence = spike_sentence(*r.spike);
+    const bool reproduced = r.spike->reproduced;
+    out << paint(style, reproduced ? "1;33" : "1;31", reproduced ? "SPIKE" : "SPIKE NOT REPRODUCED") << "  "
+        << printable(sentence.substr(sentence.find(": ") == std::string::npos ? 0 : sentence.find(": ") + 2))
+        << "  (run's full probe pass: " << r.full_pass_replays << " replays)\n";
+  }
   // What `run` would name too, from the checks bisect makes (bisect_report.h).
   for (const Finding& f : r.findings) {
     out << "  " << paint(style, f.severity == Severity::kError ? "1;31" : "1;33", f.name()) << "  "
         << printable(f.message) << "\n";
+  }
+  if (r.root_cause) {
+    out << paint(style, "1", "ROOT CAUSE") << "  " << printable(r.root_cause->summary) << "\n";
   }
 
   out << "\n  " << pad("stage", 10) << pad("replays", 9) << pad("probes", 16) << "found\n";
@@ -178,6 +198,7 @@ std::string render_bisect(const BisectReport& r, const TextStyle& style) {
   if (r.samples.replays) out << ", " << r.samples.replays << " for the samples";
   if (r.what_if_replays()) out << ", " << r.what_if_replays() << " for what-ifs";
   if (r.check_replays) out << ", " << r.check_replays << " for the update check";
+  if (r.full_pass_replays) out << ", " << r.full_pass_replays << " for run's full probe pass (a spike or logged site statistics)";
   out << "; the full probe pass (nanreplay run) replays " << r.full_probe_pass_replays << "\n";
   if (r.what_if) out << "\n" << render_what_ifs(*r.what_if, style);
   return out.str();

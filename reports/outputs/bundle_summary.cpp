@@ -126,6 +126,12 @@ nlohmann::json summarize_bundle(const Bundle& bundle) {
             {"epoch_start_step", randperm_only(sampler.epoch_start_step)}}},
           {"incident", incident},
           {"memory", memory_summary(bundle)}};
+  if (!m.model.layer_types.empty()) {  // each layer's attention kind (Gemma 3, OLMo 3)
+    nlohmann::json kinds = nlohmann::json::array();
+    for (int layer = 0; layer < m.model.num_layers; ++layer) kinds.push_back(attention_kind_name(m.model.attention_kind(layer)));
+    summary["model"]["layer_types"] = kinds;
+    summary["model"]["sliding_window"] = m.model.sliding_window;
+  }
   // Values the writer assumed (manifest provenance "from": "default"): the first suspects of a gap.
   const std::vector<ValueSource> defaulted = defaulted_values(m.provenance);
   if (!defaulted.empty()) summary["defaulted"] = describe_defaulted(defaulted);
@@ -139,8 +145,16 @@ std::string render_bundle_summary(const nlohmann::json& s) {
       << "model      " << model["arch"].get<std::string>() << ", " << model["num_layers"] << " layers, hidden "
       << model["hidden_size"] << ", " << model["num_heads"] << " heads (" << model["num_kv_heads"] << " kv), ffn "
       << model["intermediate_size"] << ", vocab " << model["vocab_size"] << ", " << model["parameters"]
-      << " parameters\n"
-      << "precision  " << s["precision"].get<std::string>() << "\n";
+      << " parameters\n";
+  if (model.contains("layer_types")) {  // one word per layer: which attention it runs
+    out << "attention ";
+    for (size_t layer = 0; layer < model["layer_types"].size(); ++layer) {
+      const bool sliding = model["layer_types"][layer] == "sliding_attention";
+      out << (layer ? ", " : " ") << layer << " " << (sliding ? "sliding" : "full");
+    }
+    out << " (sliding window " << model["sliding_window"] << ")\n";
+  }
+  out << "precision  " << s["precision"].get<std::string>() << "\n";
   const auto& data = s["data"];
   out << "data       seq_len " << data["seq_len"] << ", micro-batch " << data["micro_batch_size"] << " x "
       << data["grad_accum_steps"] << " accumulation x " << data["world_size"] << " ranks, " << data["total_tokens"]

@@ -16,6 +16,8 @@
 
 #include "loaders/base/error.h"
 #include "reports/triage/numeric/expert_load.h"
+#include "reports/outputs/counterfactual_output.h"
+#include "reports/outputs/damage_output.h"
 #include "reports/outputs/html_charts.h"
 #include "reports/outputs/next_step.h"
 #include "reports/outputs/spike_output.h"
@@ -239,12 +241,18 @@ std::string render_legend(const Scale& forward, const Scale& backward) {
 // What to do next (next_step.h), one line under the verdict; commands as
 // code. trace.h5 lies beside report.html.
 std::string render_next_step(const ReplayReport& report) {
-  const std::vector<std::string> pieces = split_code_spans(decide_next_step(report).text);
-  std::string line;
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    line += i % 2 ? "<code>" + escape_html(pieces[i]) + "</code>" : escape_html(pieces[i]);
-  }
-  return "<p class=\"next\" id=\"next\"><b>Next:</b> " + line + "</p>";
+  const NextStep next = decide_next_step(report);
+  const auto as_html = [](const std::string& text) {
+    const std::vector<std::string> pieces = split_code_spans(text);
+    std::string line;
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      line += i % 2 ? "<code>" + escape_html(pieces[i]) + "</code>" : escape_html(pieces[i]);
+    }
+    return line;
+  };
+  std::string html = "<p class=\"next\" id=\"next\"><b>Next:</b> " + as_html(next.text) + "</p>";
+  if (next.runbook) html += "<p class=\"runbook\" id=\"runbook\"><b>Runbook:</b> " + as_html(runbook_text(*next.runbook)) + "</p>";
+  return html;
 }
 
 // How close the origin site came to the limit of its type over the window.
@@ -304,6 +312,14 @@ std::string render_verdict(const ReplayReport& report) {
   } else {
     out << "<section class=\"verdict ok\" id=\"verdict\"><div class=\"site\">NOT REPRODUCED</div>"
         << "<div class=\"coords\">every replayed value is finite</div></section>";
+  }
+  out << damage_html(report);
+  const std::vector<std::string> counterfactuals = counterfactual_lines(report.counterfactuals);
+  if (!counterfactuals.empty()) {
+    out << "<section class=\"counterfactuals\" id=\"counterfactuals\"><div><b>" << escape_html(counterfactuals[0])
+        << "</b></div>";
+    for (size_t i = 1; i < counterfactuals.size(); ++i) out << "<div class=\"meta\">" << escape_html(counterfactuals[i]) << "</div>";
+    out << "</section>";
   }
   if (report.root_cause) {
     // A clean window has no cause to name, only what is worth a look.

@@ -9,6 +9,8 @@
 
 #include "loaders/base/error.h"
 #include "reports/triage/numeric/expert_load.h"
+#include "reports/outputs/counterfactual_output.h"
+#include "reports/outputs/damage_output.h"
 #include "reports/outputs/next_step.h"
 #include "reports/outputs/spike_output.h"
 #include "reports/outputs/terminal_text.h"
@@ -79,9 +81,15 @@ void write_trajectory(std::ostringstream& out, const ReplayReport& report) {
 
 // The advice of next_step.h, its commands as code spans (trace.h5 lies beside report.md).
 void write_next_step(std::ostringstream& out, const ReplayReport& report) {
-  const std::vector<std::string> pieces = split_code_spans(decide_next_step(report).text);
+  const NextStep next = decide_next_step(report);
+  const std::vector<std::string> pieces = split_code_spans(next.text);
   out << "\n**Next:** ";
   for (size_t i = 0; i < pieces.size(); ++i) out << (i % 2 ? code(pieces[i]) : escape_markdown(pieces[i]));
+  out << "\n";
+  if (!next.runbook) return;
+  const std::vector<std::string> book = split_code_spans(runbook_text(*next.runbook));
+  out << "\n**Runbook:** ";
+  for (size_t i = 0; i < book.size(); ++i) out << (i % 2 ? code(book[i]) : escape_markdown(book[i]));
   out << "\n";
 }
 
@@ -114,6 +122,11 @@ void write_verdict(std::ostringstream& out, const ReplayReport& report) {
     }
   } else {
     out << "# nanreplay: NOT REPRODUCED\n\n**Verdict: not reproduced.** Every replayed value is finite.\n";
+  }
+  out << damage_markdown(report);
+  const std::vector<std::string> counterfactuals = counterfactual_lines(report.counterfactuals);
+  for (size_t i = 0; i < counterfactuals.size(); ++i) {
+    out << (i == 0 ? "\n**" : "- ") << escape_markdown(counterfactuals[i]) << (i == 0 ? "**\n\n" : "\n");
   }
   if (report.root_cause) {
     // A clean window has no cause to name, only what is worth a look.

@@ -74,6 +74,13 @@ const std::vector<NextStepRow>& next_step_table() {
       {Kind::kOrigin, "origin",
        "see how `{site}` got there, step by step: `nanreplay trace {trace} --site {site}`; attach a small repro: "
        "`nanreplay minimize {bundle} --out {bundle_min}`"},
+      {Kind::kRewritten, "rewritten_weights",
+       "find what wrote {rewritten} outside the optimizer (a script, a merge, a checkpoint of another run) and "
+       "resume from a checkpoint written before it; `nanreplay bisect {bundle}` names the same tensors; attach a "
+       "small repro: `nanreplay minimize {bundle} --out {bundle_min}`"},
+      {Kind::kSpike, "spike",
+       "confirm where the spike starts: `nanreplay bisect {bundle}` names the same origin; watch `{spike_site}` "
+       "step by step: `nanreplay trace {trace} --site {spike_site}`"},
       {Kind::kHandledOverflow, "nothing_to_fix",
        "nothing to fix: the loss scaler handles this overflow; " NANREPLAY_WIDEN_WINDOW},
       {Kind::kWorthALook, "worth_a_look",
@@ -161,6 +168,7 @@ Kind next_step_kind(const ReplayReport& report) {
       {FindingCode::kSystemRankMismatch, Kind::kMachine},
       {FindingCode::kSystemDeviceMismatch, Kind::kMachine},
       {FindingCode::kSystemSiteMismatch, Kind::kMachine},
+      {FindingCode::kSystemUpdateMismatch, Kind::kRewritten},
       {FindingCode::kCheckpointNonfinite, Kind::kCheckpoint},
       {FindingCode::kSystemTrajectoryDiverged, Kind::kReplayNearer},
       {FindingCode::kSystemNotReproducible, Kind::kNotReproduced},
@@ -169,8 +177,12 @@ Kind next_step_kind(const ReplayReport& report) {
   for (const auto& [code, kind] : overriding) {
     // A checkpoint step off the log needs no nearer checkpoint: it started from one.
     if (code == FindingCode::kSystemTrajectoryDiverged && !rolled_forward_divergence(report)) continue;
-    if (has_code(report, code) && (kind != Kind::kNotReproduced || verdict_names_a_cause(report))) return kind;
+    const bool needs_cause = kind == Kind::kNotReproduced || kind == Kind::kRewritten;
+    if (has_code(report, code) && (!needs_cause || verdict_names_a_cause(report))) return kind;
   }
+  // A spike's origin with no finding behind it (name_spike_as_cause).
+  const bool spike_named = report.spike && report.spike->origin && !report.first_nonfinite;
+  if (spike_named && !(report.root_cause && report.root_cause->code)) return Kind::kSpike;
   return report.first_nonfinite ? origin_kind(report) : clean_kind(report);
 }
 
@@ -181,6 +193,13 @@ std::map<std::string, std::string> placeholder_values(const ReplayReport& report
       {"trace", shell_word(trace)},
       {"code", report.root_cause && report.root_cause->code ? code_name(*report.root_cause->code) : "the findings"},
   };
+  if (report.spike && report.spike->origin) values["spike_site"] = shell_word(report.spike->origin->name());
+  for (const Finding& f : report.findings) {
+    if (f.code != FindingCode::kSystemUpdateMismatch || f.severity != Severity::kError) continue;
+    values["rewritten"] = values.count("rewritten") ? values["rewritten"] + " and others"
+                                                    : f.evidence.text(EvidenceKey::kParam).value_or("the weights");
+    if (values["rewritten"].find(" and others") != std::string::npos) break;
+  }
   if (report.first_nonfinite) {
     const FirstNonfinite& f = *report.first_nonfinite;
     values["site"] = shell_word(f.name());
@@ -194,7 +213,129 @@ std::map<std::string, std::string> placeholder_values(const ReplayReport& report
   return values;
 }
 
+// ---- the runbook -------------------------------------------------------------
+
+bool is_infra(Kind kind) {
+  switch (kind) {
+    case Kind::kBundleData: case Kind::kFixBundle: case Kind::kMachine: case Kind::kReplayNearer:
+    case Kind::kNotReproduced: case Kind::kRewritten:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The step whose checkpoint first holds what the root cause names, when the
+// cause came in with a checkpoint (a flipped bit, rewritten weights, non-finite values).
+std::optional<int64_t> corrupted_checkpoint(const ReplayReport& report) {
+  if (!report.root_cause || !report.root_cause->code) return std::nullopt;
+  const FindingCode code = *report.root_cause->code;
+  if (code != FindingCode::kSystemBitFlip && code != FindingCode::kSystemUpdateMismatch &&
+      code != FindingCode::kCheckpointNonfinite) {
+    return std::nullopt;
+  }
+  for (const Finding& f : report.findings) {
+    if (f.code == code && f.severity == Severity::kError) return f.evidence.integer(EvidenceKey::kStep);
+  }
+  return std::nullopt;
+}
+
+// Where the trouble shows first: the origin's step, the spike origin's, or the root cause's evidence.
+std::optional<int64_t> failing_step(const ReplayReport& report) {
+  if (report.first_nonfinite) return report.first_nonfinite->step;
+  if (report.spike && report.spike->origin) return report.spike->origin->step;
+  if (!report.root_cause || !report.root_cause->code) return std::nullopt;
+  for (const Finding& f : report.findings) {
+    if (f.code == *report.root_cause->code && f.severity == Severity::kError) return f.evidence.integer(EvidenceKey::kStep);
+  }
+  return std::nullopt;
+}
+
+// The last step of the window with a checkpoint at or before `step` (strictly before with `before`).
+std::optional<int64_t> checkpoint_at_or_before(const ReplayReport& report, int64_t step, bool before) {
+  std::optional<int64_t> found;
+  for (const StepOutcome& s : report.steps) {
+    if (!s.derived && (before ? s.step < step : s.step <= step)) found = s.step;
+  }
+  return found;
+}
+
+void decide_resume(const ReplayReport& report, Runbook& book) {
+  if (const std::optional<int64_t> corrupted = corrupted_checkpoint(report)) {
+    book.resume_from = checkpoint_at_or_before(report, *corrupted, true);
+    book.resume_why = "the last checkpoint of the window before step " + std::to_string(*corrupted) +
+                      ", whose checkpoint first holds what the root cause names";
+    if (!book.resume_from) book.resume_why = "none in the window: resume from the job's last checkpoint before step " +
+                                             std::to_string(*corrupted);
+    return;
+  }
+  const std::optional<int64_t> failing = failing_step(report);
+  if (!failing) return;
+  book.resume_from = checkpoint_at_or_before(report, *failing, false);
+  book.resume_why = book.resume_from == failing
+                        ? "the checkpoint of the failing step " + std::to_string(*failing) + ", written before its batch ran"
+                        : "the last checkpoint of the window before the failing step " + std::to_string(*failing);
+  if (!book.resume_from) book.resume_why = "none in the window: resume from the job's last checkpoint before step " +
+                                           std::to_string(*failing);
+}
+
+// The origin's sample when a data finding explains the origin.
+std::vector<RunbookSkip> samples_to_skip(const ReplayReport& report) {
+  if (!report.first_nonfinite || !report.root_cause || report.root_cause->layer != TriageLayer::kData) return {};
+  const FirstNonfinite& f = *report.first_nonfinite;
+  if (f.sample < 0) return {};
+  return {{f.step, f.sample, f.original_sample, f.original_offset}};
+}
+
+Runbook decide_runbook(const ReplayReport& report, Kind kind, const NextStep& step,
+                       const std::map<std::string, std::string>& values) {
+  Runbook book;
+  book.layer = is_infra(kind) ? "infra" : "job";
+  decide_resume(report, book);
+  book.skip = samples_to_skip(report);
+  // The advice's own bisect where it has one (a what-if that would remove the cause), else bisect itself.
+  for (const std::string& command : step.commands) {
+    if (command.rfind("nanreplay bisect ", 0) == 0) {
+      book.confirm = command;
+      break;
+    }
+  }
+  if (book.confirm.empty()) book.confirm = "nanreplay bisect " + values.at("bundle");
+  return book;
+}
+
 }  // namespace
+
+nlohmann::json runbook_json(const std::optional<Runbook>& runbook) {
+  if (!runbook) return nullptr;
+  const Runbook& b = *runbook;
+  nlohmann::json skip = nlohmann::json::array();
+  for (const RunbookSkip& s : b.skip) {
+    nlohmann::json one = {{"step", s.step}, {"sample", s.sample}};
+    if (s.original_sample) one["original_sample"] = *s.original_sample;
+    if (s.original_offset) one["original_offset"] = *s.original_offset;
+    skip.push_back(one);
+  }
+  nlohmann::json resume = nullptr;
+  if (b.resume_from) resume = {{"step", *b.resume_from}, {"why", b.resume_why}};
+  return {{"layer", b.layer}, {"resume_from", resume}, {"skip", skip}, {"confirm", b.confirm}};
+}
+
+std::string runbook_text(const Runbook& b) {
+  std::string text = b.layer == "infra" ? "infra (the machine or the capture, not the model or the data)"
+                                        : "the job (its data or its numerics)";
+  if (b.resume_from) {
+    text += "; resume from the checkpoint of step " + std::to_string(*b.resume_from) + " (" + b.resume_why + ")";
+  } else if (!b.resume_why.empty()) {
+    text += "; resume from: " + b.resume_why;
+  }
+  for (const RunbookSkip& s : b.skip) {
+    text += "; skip sample " + std::to_string(s.sample) + " of step " + std::to_string(s.step);
+    if (s.original_sample) text += " (the run's sample " + std::to_string(*s.original_sample) + ")";
+    if (s.original_offset) text += " (the run's token offset " + std::to_string(*s.original_offset) + ")";
+  }
+  return text + "; confirm with `" + b.confirm + "`";
+}
 
 bool verdict_names_a_cause(const ReplayReport& report) { return exit_status_for(report) != 0; }
 
@@ -212,7 +353,8 @@ std::vector<std::string> split_code_spans(const std::string& text) {
 
 NextStep decide_next_step(const ReplayReport& report, const std::string& trace) {
   const NextStepRow& row = row_of(next_step_kind(report));
-  NextStep step{row.kind, row.name, fill_placeholders(row.advice, placeholder_values(report, trace)), {}};
+  const std::map<std::string, std::string> values = placeholder_values(report, trace);
+  NextStep step{row.kind, row.name, fill_placeholders(row.advice, values), {}, std::nullopt};
   const std::vector<std::string> pieces = split_code_spans(step.text);
   for (size_t i = 1; i < pieces.size(); i += 2) {
     // A runnable command: not an option name, not a placeholder like FIRST:LAST left for the reader.
@@ -221,6 +363,7 @@ NextStep decide_next_step(const ReplayReport& report, const std::string& trace) 
       step.commands.push_back(pieces[i]);
     }
   }
+  if (verdict_names_a_cause(report)) step.runbook = decide_runbook(report, row.kind, step, values);
   return step;
 }
 

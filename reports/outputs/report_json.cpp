@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "reports/outputs/counterfactual_output.h"
+#include "reports/outputs/damage_output.h"
 #include "reports/outputs/next_step.h"
 #include "reports/outputs/spike_output.h"
 
@@ -32,6 +34,7 @@ nlohmann::json first_to_json(const FirstNonfinite& first) {
   out["token"] = optional_index(first.token);
   if (first.original_sample) out["original_sample"] = *first.original_sample;
   if (first.original_offset) out["original_offset"] = *first.original_offset;
+  if (first.damage) out["damage"] = damage_json(first.damage);
   return out;
 }
 
@@ -181,6 +184,31 @@ nlohmann::json findings_json(const std::vector<Finding>& findings) {
   return out;
 }
 
+namespace {
+
+nlohmann::json optional_update_number_json(const std::optional<double>& value) {
+  return value ? json_number(*value) : nlohmann::json(nullptr);
+}
+
+// Rolling forward: each derived update, per tensor (docs/report-format.md).
+nlohmann::json update_stats_json(const std::vector<StepUpdateStats>& updates) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const StepUpdateStats& step : updates) {
+    nlohmann::json tensors = nlohmann::json::array();
+    for (const TensorUpdateStats& t : step.tensors) {
+      tensors.push_back({{"param", t.param},
+                         {"update_rms", json_number(t.update_rms)},
+                         {"g2_over_v", optional_update_number_json(t.g2_over_v)},
+                         {"g2_over_v_max", optional_update_number_json(t.g2_over_v_max)},
+                         {"g2_over_v_rms", optional_update_number_json(t.g2_over_v_rms)}});
+    }
+    out.push_back({{"step", step.step}, {"tensors", tensors}});
+  }
+  return out;
+}
+
+}  // namespace
+
 nlohmann::json report_to_json(const ReplayReport& report) {
   nlohmann::json out;
   out["version"] = 1;
@@ -191,6 +219,7 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   out["reproduced"] = report.reproduced;
   out["first_nonfinite"] = first_nonfinite_json(report.first_nonfinite);
   out["spike"] = spike_json(report.spike);
+  out["counterfactuals"] = counterfactuals_json(report.counterfactuals);
   out["spike_check"] = spike_check_json(report.spike);
   out["reproduction"] = reproduction_json(report.reproduction);
   out["origin_tokens"] = origin_tokens_json(report.origin_tokens);
@@ -205,7 +234,9 @@ nlohmann::json report_to_json(const ReplayReport& report) {
                          {"summary", report.root_cause->summary}};
   }
   // Commands name trace.h5 as it lies beside report.json.
-  out["next_step"] = next_step_json(decide_next_step(report));
+  const NextStep next = decide_next_step(report);
+  out["next_step"] = next_step_json(next);
+  out["runbook"] = runbook_json(next.runbook);  // docs/report-format.md#the-runbook
   out["determinism"] = determinism_json(report.determinism);
   out["devices"] = report.devices;
   out["low_precision"] = report.low_precision;
@@ -217,6 +248,10 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   }
   if (!report.defaulted.empty()) out["defaulted_values"] = defaulted_values_json(report.defaulted);
   if (report.what_if) out["what_if"] = what_if_json(*report.what_if);
+  if (!report.update_stats.empty()) out["update_stats"] = update_stats_json(report.update_stats);
+  out["replays"] = {{"steps", report.step_replays},
+                    {"checks", report.check_replays},
+                    {"total", report.step_replays + report.check_replays}};
   out["elapsed_seconds"] = report.elapsed_seconds;
   out["timings"] = timings_json(report.timings);
   return out;

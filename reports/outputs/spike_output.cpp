@@ -1,6 +1,7 @@
 // See spike_output.h.
 #include "reports/outputs/spike_output.h"
 
+#include "reports/outputs/damage_output.h"
 #include "reports/results/number_text.h"
 #include "reports/results/report.h"
 
@@ -23,7 +24,8 @@ nlohmann::json spike_json(const std::optional<SpikeReport>& spike) {
           {"sample", index(named ? o->sample : -1)},
           {"position", index(named ? o->position : -1)},
           {"statistic", named ? nlohmann::json(o->statistic) : nlohmann::json(nullptr)},
-          {"score", named ? json_number(o->score) : nlohmann::json(nullptr)}};
+          {"score", named ? json_number(o->score) : nlohmann::json(nullptr)},
+          {"damage", named ? damage_json(o->damage) : nlohmann::json(nullptr)}};
 }
 
 namespace {
@@ -31,7 +33,7 @@ namespace {
 nlohmann::json departure_json(const SpikeOrigin& o) {
   return {{"step", o.step},        {"site", o.name()},         {"head", optional_index(o.head)},
           {"expert", optional_index(o.expert)}, {"statistic", o.statistic}, {"score", json_number(o.score)},
-          {"ratio", json_number(o.ratio)}};
+          {"ratio", json_number(o.ratio)}, {"damage", damage_json(o.damage)}};
 }
 
 }  // namespace

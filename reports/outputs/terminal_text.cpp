@@ -8,6 +8,8 @@
 #include <sstream>
 
 #include "loaders/base/error.h"
+#include "reports/outputs/counterfactual_output.h"
+#include "reports/outputs/damage_output.h"
 #include "reports/outputs/next_step.h"
 #include "reports/outputs/spike_output.h"
 
@@ -136,7 +138,9 @@ std::string verdict_close(const ReplayReport& report, const TextStyle& style) {
   }
   const std::string out_dir = style.out_dir.empty() ? "OUT" : style.out_dir;
   const std::string trace = (std::filesystem::path(out_dir) / "trace.h5").string();
-  out << paint(style, "1", "Next:") << " " << printable(decide_next_step(report, trace).text) << "\n";
+  const NextStep next = decide_next_step(report, trace);
+  out << paint(style, "1", "Next:") << " " << printable(next.text) << "\n";
+  if (next.runbook) out << paint(style, "1", "Runbook:") << " " << printable(runbook_text(*next.runbook)) << "\n";
   return out.str();
 }
 
@@ -168,6 +172,8 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
   } else {
     out << paint(style, "1;32", "NOT REPRODUCED") << "  every replayed value is finite\n";
   }
+  if (const ShownDamage damage = shown_damage(report); damage.damage) out << "  " << printable(damage_sentence(damage)) << "\n";
+  for (const std::string& line : counterfactual_lines(report.counterfactuals)) out << "  " << printable(line) << "\n";
   out << "\n  " << pad("step", 8) << pad("loss", 14) << pad("logged loss", 14) << pad("grad norm", 14)
       << "finite\n";
   const std::vector<size_t> rows = steps_worth_listing(report);

@@ -10,14 +10,11 @@
 #include <sstream>
 
 #include "loaders/base/error.h"
+#include "loaders/base/glob_match.h"
 #include "reports/results/report.h"
 #include "reports/outputs/terminal_text.h"
 
 namespace nanreplay {
-
-// The fnmatch-style glob of loaders/bundle/optimizer_manifest.h (`*` any run, `?` one character),
-// declared here as before (the header is torch-free too).
-bool glob_match(const std::string& pattern, const std::string& name);
 
 std::optional<Phase> parse_phase(const std::string& name) {
   for (Phase phase : {Phase::kForward, Phase::kBackward, Phase::kGrad}) {

@@ -24,7 +24,7 @@ int64_t BisectReport::what_if_replays() const {
 }
 
 int64_t BisectReport::total_replays() const {
-  return origin_replays() + samples.replays + what_if_replays() + check_replays;
+  return origin_replays() + samples.replays + what_if_replays() + check_replays + full_pass_replays;
 }
 
 bool BisectReport::any_not_replayed() const {
@@ -35,7 +35,8 @@ int bisect_exit_status(const BisectReport& report) {
   const bool not_reproduced = !report.origin && !report.logged_nonfinite_steps.empty();
   const bool error_finding = std::any_of(report.findings.begin(), report.findings.end(),
                                          [](const Finding& f) { return f.severity == Severity::kError; });
-  const bool found = report.origin || report.any_not_replayed() || not_reproduced || error_finding;
+  const bool spike_origin = report.spike && report.spike->origin;
+  const bool found = report.origin || spike_origin || report.any_not_replayed() || not_reproduced || error_finding;
   return static_cast<int>(found ? ExitStatus::kFound : ExitStatus::kClean);
 }
 

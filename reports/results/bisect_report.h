@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "reports/results/report.h"
+#include "reports/results/spike.h"
 
 namespace nanreplay {
 
@@ -74,6 +75,12 @@ struct BisectReport {
   // checkpoint (rolling forward: every step walked).
   std::vector<Finding> findings;
   int64_t check_replays = 0;  // passes replayed for those checks alone (the step before the last)
+  // A spike incident or logged per-site statistics: run's full probe pass,
+  // whose spike report, findings and root cause bisect then gives (bisect_verdict.h).
+  int64_t full_pass_replays = 0;
+  std::optional<SpikeReport> spike;
+  // run's rules over what bisect found (reports/triage/triage_rules.h).
+  std::optional<RootCause> root_cause;
   double elapsed_seconds = 0.0;
 
   int64_t step_replays() const;
@@ -83,7 +90,7 @@ struct BisectReport {
   bool any_not_replayed() const;
 };
 
-// As `run` on the same bundle: 1 when an origin was named, a tested step
+// As `run` on the same bundle: 1 when an origin or a spike origin was named, a tested step
 // could not be replayed, the job logged a non-finite loss no tested step
 // reproduces (run's SYSTEM_NOT_REPRODUCIBLE), or triage found an error; else 0.
 int bisect_exit_status(const BisectReport& report);

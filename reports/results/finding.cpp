@@ -78,6 +78,8 @@ const std::vector<FindingCodeDef>& finding_code_table() {
        "a mixture of experts' layer sent far more than its share of tokens to one expert, or none to one"},
       {C::kSystemSiteMismatch, "SYSTEM_SITE_MISMATCH", L::kSystem, S::kError,
        "a forward site's replayed max |x| or rms differs from what the run logged for it beyond rounding"},
+      {C::kNumericUpdateSpike, "NUMERIC_UPDATE_SPIKE", L::kNumeric, S::kInfo,
+       "up to the incident, the first optimizer update that left its tensor's recent steps (RMS, or g^2 far above Adam's v)"},
   };
   return table;
 }
@@ -117,6 +119,11 @@ const std::vector<EvidenceKeyDef>& evidence_key_table() {
       {K::kLayer, "layer", false},      {K::kShare, "share", false},
       {K::kTokens, "tokens", false},
       {K::kStatistic, "statistic", false}, {K::kReplayedFrom, "replayed_from", false},
+      {K::kMaxAbsDiff, "max_abs_diff", false}, {K::kNormRatio, "norm_ratio", false},
+      {K::kRewritten, "rewritten", false},
+      {K::kIncidentStep, "incident_step", false}, {K::kUpdateRms, "update_rms", false},
+      {K::kUpdateRatio, "update_ratio", false}, {K::kG2OverV, "g2_over_v", false},
+      {K::kG2OverVMax, "g2_over_v_max", false}, {K::kG2OverVRms, "g2_over_v_rms", false},
   };
   return table;
 }

@@ -48,6 +48,7 @@ enum class FindingCode : uint8_t {
   kSystemLogConvention,
   kNumericRouterCollapse,
   kSystemSiteMismatch,
+  kNumericUpdateSpike,
 };
 
 struct FindingCodeDef {
@@ -70,6 +71,8 @@ enum class EvidenceKey : uint8_t {
   kImplicated, kTypical, kSiteLength, kNorm, kTypicalNorm, kGaps, kCauses, kCheckedSteps, kTolerance,
   kMaxRelativeGap, kRelative, kOriginalSample, kOriginalOffset, kLayer, kShare, kTokens,
   kStatistic, kReplayedFrom,
+  kMaxAbsDiff, kNormRatio, kRewritten,  // SYSTEM_UPDATE_MISMATCH's magnitudes
+  kIncidentStep, kUpdateRms, kUpdateRatio, kG2OverV, kG2OverVMax, kG2OverVRms,  // NUMERIC_UPDATE_SPIKE's
 };
 
 struct EvidenceKeyDef {

@@ -73,6 +73,7 @@ FirstNonfinite first_nonfinite_of(const ProbeRecord& record) {
   first.position = record.position;
   first.index = record.first_index;
   first.shape = record.shape;
+  first.damage = record.damage;
   return first;
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,9 +14,11 @@
 #include "kernels/tensor_stats.h"
 #include "loaders/bundle/manifest.h"
 #include "probes/probe_record.h"
+#include "reports/results/counterfactual.h"
 #include "reports/results/finding.h"
 #include "reports/results/spike.h"
 #include "reports/results/timings.h"
+#include "reports/results/update_stats.h"
 
 namespace nanreplay {
 
@@ -43,6 +46,8 @@ struct FirstNonfinite {
   // index, or its token offset (docs/bundle-format.md, original_samples).
   std::optional<int64_t> original_sample;
   std::optional<int64_t> original_offset;
+  // Where the site's non-finite elements lie (probes/damage_shape.h); null: not taken.
+  std::shared_ptr<const DamageShape> damage;
 
   std::string name() const { return probe_name(phase, site, param); }  // "layers.2.attn.scores"
 };
@@ -237,8 +242,16 @@ struct ReplayReport {
   PhaseTimings timings;
   // A spike incident (docs/spikes.md); none for any other bundle.
   std::optional<SpikeReport> spike;
+  // A spike incident: the spike step's and the previous step's batches crossed with their weights.
+  std::optional<Counterfactuals> counterfactuals;
   // `run --what-if`: one outcome per what-if, in the order given.
   std::optional<std::vector<WhatIfOutcome>> what_if;
+  // Rolling forward: each derived update's statistics per tensor, in step order (update_stats.h).
+  std::vector<StepUpdateStats> update_stats;
+  // Passes replayed (one forward and backward of one micro-batch, as bisect counts them):
+  // the steps', and the self-checks' (determinism, cross-check) again.
+  int64_t step_replays = 0;
+  int64_t check_replays = 0;
 };
 
 // Steps tables of long windows: every step up to kListedSteps, else the

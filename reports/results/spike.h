@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -21,6 +22,8 @@ struct SpikeOrigin {
   std::string statistic;               // "max_abs" or "rms"
   double score = 0.0;                  // robust z of its log increment
   double ratio = 0.0;                  // how many times beyond its trend
+  // Where that record's outlying elements lie (probes/damage_shape.h); null: not taken.
+  std::shared_ptr<const DamageShape> damage;
 
   std::string name() const { return probe_name(phase, site, ""); }
 };

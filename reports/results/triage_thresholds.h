@@ -20,6 +20,12 @@ struct TriageThresholds {
   // norm and this robust z above it (docs/triage.md).
   double embedding_outlier_ratio = 10.0;
   double embedding_outlier_z = 10.0;
+  // NUMERIC_UPDATE_SPIKE (docs/triage.md): a tensor's update RMS this many
+  // times the median of its previous (at least update_history) steps, or, for
+  // Adam, its mean g^2 this many times the mean bias-corrected v it starts from.
+  double update_jump_ratio = 4.0;
+  int update_history = 2;
+  double update_g2_over_v = 25.0;
   DataCheckOptions data;
 };
 

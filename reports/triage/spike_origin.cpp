@@ -5,19 +5,12 @@
 #include <algorithm>
 #include <cmath>
 
+#include "probes/robust_stats.h"
 #include "reports/results/number_text.h"
 
 namespace nanreplay {
 
 namespace {
-
-double spike_median(std::vector<double> values) {
-  const size_t mid = values.size() / 2;
-  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid), values.end());
-  const double upper = values[mid];
-  if (values.size() % 2 == 1) return upper;
-  return (*std::max_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid)) + upper) / 2;
-}
 
 bool usable_magnitude(double value) { return std::isfinite(value) && value > 0; }
 
@@ -65,10 +58,8 @@ std::optional<TrajectoryDeviation> deviation_from_trajectory(const std::vector<d
   if (logs.size() < static_cast<size_t>(t.min_history) + 1) return std::nullopt;
   std::vector<double> changes;
   for (size_t i = 1; i < logs.size(); ++i) changes.push_back(logs[i] - logs[i - 1]);
-  const double trend = spike_median(changes);
-  std::vector<double> spread;
-  for (double c : changes) spread.push_back(std::fabs(c - trend));
-  const double scale = std::max(1.4826 * spike_median(spread), t.min_log_scale);
+  const double trend = median_of(changes);
+  const double scale = std::max(robust_sigma(changes, trend), t.min_log_scale);
   const double beyond = std::log(value) - logs.back() - trend;
   // Above its trend and above the step before: a decline that slows down is
   // beyond its trend without rising, and a steady climb rises on its trend.
@@ -127,7 +118,7 @@ std::optional<SpikeOrigin> SpikeLocator::judge(int64_t step, const std::vector<P
       if (!earlier && !better_here) continue;
       best = &r;
       found = SpikeOrigin{step, r.phase, r.site, r.layer, r.head, r.expert, r.rank, r.micro_batch,
-                          r.largest_sample, r.largest_position, statistic, d->score, d->ratio};
+                          r.largest_sample, r.largest_position, statistic, d->score, d->ratio, r.damage};
     }
   }
   if (best == nullptr) return std::nullopt;

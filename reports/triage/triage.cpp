@@ -4,6 +4,7 @@
 
 #include "reports/triage/data/data_findings.h"
 #include "reports/triage/numeric/expert_load.h"
+#include "reports/triage/numeric/update_spike.h"
 #include "reports/triage/provenance_note.h"
 #include "reports/triage/spike_origin.h"
 #include "reports/triage/system/site_mismatch.h"
@@ -61,9 +62,19 @@ std::vector<Finding> triage_update(const UpdateEvidence& e) {
   return update_findings(e.bundle, {&e.current, &e.next, &e.params, e.grads, e.lr, e.skipped_by_scaler});
 }
 
+RootCause root_cause_of(const std::optional<FirstNonfinite>& origin, std::vector<Finding> findings) {
+  ReplayReport partial;
+  partial.first_nonfinite = origin;
+  partial.reproduced = origin.has_value();
+  partial.findings = std::move(findings);
+  order_findings(partial.findings);
+  return decide_root_cause(partial);
+}
+
 std::vector<Finding> triage_window(const WindowEvidence& e, const TriageThresholds& t) {
   std::vector<Finding> findings = stray_token_findings(e.bundle, e.batch_samples);
   append_findings(findings, fp8_scale_jump_findings(e.states, t));
+  if (e.updates != nullptr && e.incident_step) append_findings(findings, update_spike_findings(*e.updates, *e.incident_step, t));
   return findings;
 }
 

@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -25,6 +26,7 @@
 #include "probes/data_checks.h"
 #include "reports/results/report.h"
 #include "reports/results/triage_thresholds.h"
+#include "reports/results/update_stats.h"
 #include "reports/triage/system/system_checks.h"
 
 namespace nanreplay {
@@ -80,12 +82,19 @@ struct UpdateEvidence {
 // SYSTEM_BIT_FLIP / SYSTEM_UPDATE_MISMATCH.
 std::vector<Finding> triage_update(const UpdateEvidence& evidence);
 
+// The root cause run's rules pick from an origin and findings alone (bisect's verdict).
+RootCause root_cause_of(const std::optional<FirstNonfinite>& origin, std::vector<Finding> findings);
+
 struct WindowEvidence {
   const Bundle& bundle;
   const std::set<int64_t>& batch_samples;  // every sample a replayed step's batch holds
   const std::vector<StepState>& states;    // the replayed steps' states, in order
+  // A rolled-forward window: each derived update's statistics, in step order,
+  // and the incident's step (the first non-finite value's, or the spike's).
+  const std::vector<StepUpdateStats>* updates = nullptr;
+  std::optional<int64_t> incident_step;
 };
-// DATA_TOKEN_OUT_OF_RANGE no batch reads, NUMERIC_FP8_SCALE_JUMP.
+// DATA_TOKEN_OUT_OF_RANGE no batch reads, NUMERIC_FP8_SCALE_JUMP, NUMERIC_UPDATE_SPIKE.
 std::vector<Finding> triage_window(const WindowEvidence& evidence, const TriageThresholds& thresholds);
 
 struct RecheckEvidence {

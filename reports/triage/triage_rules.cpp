@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <string>
 
+#include "reports/results/number_text.h"
+
 namespace nanreplay {
 
 using K = EvidenceKey;
@@ -30,6 +32,26 @@ std::string poisoned_sample_summary(const Finding& f, const ReplayReport& r) {
          ") drives the first non-finite value at " + r.first_nonfinite->name();
 }
 
+// Tensors rewritten outside the optimizer (SYSTEM_UPDATE_MISMATCH errors) into
+// the checkpoint of `f`'s step, each with its magnitudes; what they cause follows.
+std::string rewritten_summary(const Finding& f, const ReplayReport& r) {
+  const int64_t step = f.evidence.integer(K::kStep).value_or(-1);
+  std::string tensors;
+  for (const Finding& g : r.findings) {
+    if (g.code != f.code || g.severity != Severity::kError || g.evidence.integer(K::kStep) != step) continue;
+    tensors += (tensors.empty() ? "" : ", ") + g.evidence.text(K::kParam).value_or("?") + " (||found|| / ||expected|| " +
+               format_number(g.evidence.number(K::kNormRatio).value_or(0.0)) + ", max |expected - found| " +
+               format_number(g.evidence.number(K::kMaxAbsDiff).value_or(0.0)) + ")";
+  }
+  std::string text = "the checkpoint of step " + std::to_string(step) +
+                     " holds weights rewritten outside the optimizer: " + tensors;
+  if (r.first_nonfinite) {
+    text += "; the non-finite value first produced at " + origin_site(r) + " (step " +
+            std::to_string(r.first_nonfinite->step) + ") is its consequence";
+  }
+  return text;
+}
+
 const std::vector<RootCauseRule>& root_cause_rules() {
   using C = FindingCode;
   using W = RootCauseRule::When;
@@ -51,6 +73,12 @@ const std::vector<RootCauseRule>& root_cause_rules() {
                 std::to_string(f.evidence.integer(K::kStep).value_or(-1)) +
                 "): silent data corruption, not the model or the data";
        }},
+      // A tensor rewritten outside the optimizer, at or before the failure, outranks the overflow it causes.
+      {C::kSystemUpdateMismatch, W::kAlways,
+       [](const Finding& f, const ReplayReport& r) {
+         return is_error(f, r) && (!r.first_nonfinite || f.evidence.integer(K::kStep).value_or(0) <= r.first_nonfinite->step);
+       },
+       rewritten_summary},
       // The machine computed something else than the replay at a site, at or before the failure.
       {C::kSystemSiteMismatch, W::kAlways,
        [](const Finding& f, const ReplayReport& r) {

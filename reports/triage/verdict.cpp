@@ -423,6 +423,29 @@ void token_findings(ReplayReport& report) {
   }
 }
 
+namespace {
+
+// With weights rewritten outside the optimizer as the root cause, the numeric
+// overflow they make from that step on is its consequence: info, marked so.
+void fold_into_rewrite(ReplayReport& report) {
+  if (!report.root_cause || report.root_cause->code != FindingCode::kSystemUpdateMismatch) return;
+  int64_t rewritten_at = -1;
+  for (const Finding& f : report.findings) {
+    if (f.code == FindingCode::kSystemUpdateMismatch && f.severity == Severity::kError) {
+      rewritten_at = evidence_step(f);
+      break;
+    }
+  }
+  for (Finding& f : report.findings) {
+    if (f.code != FindingCode::kNumericOverflow || evidence_step(f) < rewritten_at) continue;
+    f.severity = Severity::kInfo;
+    f.evidence.set(K::kConsequence, true);
+    f.message = "consequence of the rewritten weights: " + f.message;
+  }
+}
+
+}  // namespace
+
 void settle_verdict(ReplayReport& report, const TriageThresholds& thresholds) {
   judge_reproduction(report, thresholds);
   fold_consequences(report);
@@ -437,6 +460,7 @@ void settle_verdict(ReplayReport& report, const TriageThresholds& thresholds) {
   }
   order_findings(report.findings);
   report.root_cause = decide_root_cause(report);
+  fold_into_rewrite(report);
 }
 
 }  // namespace nanreplay

@@ -31,7 +31,7 @@ HEAD_DIM = LLAMA["hidden_size"] // LLAMA["num_heads"]
 KV_WIDTH = LLAMA["num_kv_heads"] * HEAD_DIM
 SEQ_LEN, MICRO_BATCH = 8, 2
 OPTION_KEYS = ("rope_style", "rope_scaling", "attention_bias", "qk_norm", "attn_logit_softcap",
-               "final_logit_softcap", "sliding_window")
+               "final_logit_softcap", "sliding_window", "layer_types")
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
 
@@ -229,11 +229,11 @@ def softcaps_and_windows(work):
                                                            use_sliding_window=True, max_window_layers=1),
                                            attention_bias=True), steps=1),
            "max_window_layers", "every layer")
-    raises("layer_types mixing full and sliding layers",
-           lambda: record(work, make_model(SimpleNamespace(model_type="mistral", sliding_window=16,
-                                                           layer_types=["full_attention", "sliding_attention"])),
-                          steps=1),
-           "layer_types")
+    kinds = ["full_attention", "sliding_attention"]  # model.layer_types: the window is the sliding layers'
+    manifest, _ = record(work, make_model(SimpleNamespace(model_type="mistral", sliding_window=16, layer_types=kinds)),
+                         steps=1)
+    check(options_of(manifest) == {"sliding_window": 16, "layer_types": kinds},
+          f"layer_types mixing full and sliding layers {options_of(manifest)}")
 
 
 def by_hand(work):
@@ -291,11 +291,16 @@ def refusals(work):
            "sliding_window", "16", "8")
     raises("an unsupported rope_scaling type",
            lambda: record(work, make_model(SimpleNamespace(model_type="llama", rope_scaling={
-               "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})), steps=1),
-           "yarn", "llama3")
-    raises("linear rope_scaling given by hand",
-           lambda: record(work, make_model(), dict(rope_scaling={"type": "linear", "factor": 2.0}), steps=1),
-           "linear")
+               "rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 32768})), steps=1),
+           "longrope", "llama3", "yarn")
+    raises("yarn rope_scaling with a bad beta_fast",
+           lambda: record(work, make_model(), dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                 "original_max_position_embeddings": 32,
+                                                                 "beta_fast": -1.0}), steps=1),
+           "beta_fast")
+    raises("dynamic rope_scaling given by hand",
+           lambda: record(work, make_model(), dict(rope_scaling={"type": "dynamic", "factor": 2.0}), steps=1),
+           "dynamic")
     raises("llama3 rope_scaling missing a key",
            lambda: record(work, make_model(), dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), steps=1),
            "low_freq_factor")

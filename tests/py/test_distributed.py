@@ -1,6 +1,7 @@
 """A replay split across processes against the single-process replay, through the CLI (docs/distributed.md).
 
-Every incident preset `nanreplay synth --help` lists, with --nproc 2 and --nproc 3: rank 0's report.json
+The representative incident presets (preset_sweep.py; --all: every one), with --nproc 2, and one per replay path
+with --nproc 3 too: rank 0's report.json
 (all but the timings) and trace.h5 must be the single-process replay's, bit for bit, with the same exit
 status; a mixture of experts, data-parallel ranks and a tied head with --nproc 2; --split layers and
 --split ranks (streamed too) on bundles with data-parallel ranks; a rolled-forward window with --nproc 3; bisect --nproc 2. Two processes started by hand with RANK/WORLD_SIZE/MASTER_PORT (as
@@ -28,6 +29,9 @@ CLEAN_ALSO = ["clean-moe", "clean-dp", "clean-gpt2"]
 SPLITS = [("clean-dp", ("--split", "layers"), 3, "layers"), ("rank-mismatch", ("--split", "layers"), 2, "layers"),
           ("clean-dp", ("--split", "ranks", "--stream"), 3, "ranks"), ("clean-moe", ("--split", "ranks"), 2, "ranks")]
 BISECTED = ["head-overflow", "router-overflow"]
+# --nproc 3 (more processes than a 2-layer model has layers to share evenly) on one preset per replay path;
+# every other incident with --nproc 2 only. --all runs both on every preset.
+THREE_WAY = {"head-overflow", "router-overflow", "bit-flip", "rank-mismatch", "cascade", "fp8-scale-jump"}
 
 
 def free_port():
@@ -208,7 +212,7 @@ def main():
             continue
         bundles[preset] = bundle
         reference = Reference(cli, bundle, work / (preset + "-one"))
-        for nproc in ((2,) if preset in CLEAN_ALSO else (2, 3)):
+        for nproc in ((2, 3) if preset in THREE_WAY or args.all else (2,)):
             compare_split(cli, preset, bundle, reference, work, nproc)
         for split_preset, extra, nproc, mode in SPLITS:
             if split_preset == preset:

@@ -12,8 +12,15 @@ TE's _extra_state entries in the state dict, norm_epsilon 0 in args. The embeddi
 zero and first read at the last step, which divides 0 by 0 in layer 0's fused input norm: nanreplay
 must name the site, sample and position PyTorch's forward hooks saw (the norm is a parameterless
 child module here, so a hook sees its output as the bundle's layers.0.attn_norm).
+
+Then the same AdamW state in Megatron's own optimizer files, written by hand with Megatron's key names
+(megatron_optimizer_cases): torch_dist's optimizer.state.<entry>.<stacked key> tensors with their
+common.pt import byte for byte as the name-keyed state does (as --optimizer, and as the whole
+--checkpoint); the layouts that name no parameter, and what would be guessed, are one line each.
 """
 import argparse
+import json
+import re
 import shutil
 import sys
 from argparse import Namespace
@@ -174,6 +181,135 @@ class GPTModel(nn.Module):
         return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1))
 
 
+# ---- Megatron's own optimizer files, written by hand with the key names of NVIDIA/Megatron-LM at
+# d98e8a64ddf34856e74b24714e3bedb2f5a39553 (capture/nanreplay_import/megatron_optim.py cites the functions).
+
+def _stacked(flat):
+    """A torch_dist checkpoint's keys: the layers of decoder.layers.<i>.X stacked on a first axis as
+    decoder.layers.X (TransformerLayer's sharded_state_dict, the layer a sharded axis)."""
+    out, layers = {}, {}
+    for k, t in flat.items():
+        m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", k)
+        if m:
+            layers.setdefault(m.group(2), {})[int(m.group(1))] = t
+        else:
+            out[k] = t
+    out.update({f"decoder.layers.{k}": torch.stack([v[i] for i in sorted(v)]) for k, v in layers.items()})
+    return out
+
+
+class Planted:
+    """A class no checkpoint of Megatron's holds: its pickle must be refused, never instantiated."""
+
+    def __setstate__(self, state):
+        raise AssertionError("a planted common.pt was unpickled")
+
+
+def write_megatron_optimizer_files(work, model, keyed):
+    """dist/: a torch_dist checkpoint's tensors (as the DCP reader returns them, torch.save'd) and its
+    common.pt; the layouts that name no parameter: distrib_optim.pt, layer_wise_optimizer_0.pt."""
+    d = work / "dist"
+    d.mkdir(exist_ok=True)
+    weights = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+    flat = dict(_stacked(weights))
+    for entry in ("exp_avg", "exp_avg_sq"):  # fully_sharded_model_space: optimizer.state.<entry>.<model key>
+        flat.update({f"optimizer.state.{entry}.{k}": t
+                     for k, t in _stacked({n: st[entry] for n, st in keyed["state"].items()}).items()})
+    flat.update({f"optimizer.state.fp32_param.{k}": t.float().clone() for k, t in _stacked(weights).items()})
+    torch.save(flat, d / "optim_tensors.pt")
+    step = int(next(iter(keyed["state"].values()))["step"])
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in keyed["param_groups"]]
+    # DistributedOptimizer.state_dict(): {"optimizer": {"param_groups": [... "step"]}} under the checkpoint's "optimizer".
+    torch.save({"optimizer": {"optimizer": {"param_groups": [dict(g, step=step) for g in groups]}},
+                "iteration": FIRST, "checkpoint_version": 3.0}, d / "common.pt")
+    bad = work / "dist-bad"
+    bad.mkdir(exist_ok=True)
+    torch.save({k: (t + 1 if k.startswith("optimizer.state.fp32_param.output_layer") else t) for k, t in flat.items()},
+               bad / "optim_tensors.pt")  # fp32 main weights ahead of the bf16 model's: not the model's weights
+    chained = dict(flat, **{f"chained_1.optimizer.state.momentum_buffer.{k}": t for k, t in _stacked(weights).items()})
+    torch.save(chained, bad / "chained.pt")
+    torch.save(flat, bad / "no_common.pt")  # the tensors without their common.pt: no update count, no hyper-parameters
+    muon = work / "dist-muon"  # Megatron's Muon (emerging_optimizers' OrthogonalizedOptimizer's group keys)
+    muon.mkdir(exist_ok=True)
+    torch.save(dict(_stacked(weights), **{f"optimizer.state.momentum_buffer.{k}": torch.zeros_like(t)
+                                          for k, t in _stacked(weights).items() if t.dim() == 3}),
+               muon / "optim_tensors.pt")
+    torch.save({"optimizer": {"param_groups": [{"lr": 2e-2, "momentum_beta": 0.95, "use_nesterov": True,
+                                                "weight_decay": 0.1, "use_decoupled_wd": True,
+                                                "use_independent_wd": False}]}}, muon / "common.pt")
+    hostile = work / "dist-hostile"
+    hostile.mkdir(exist_ok=True)
+    torch.save(flat, hostile / "optim_tensors.pt")
+    torch.save({"optimizer": Planted()}, hostile / "common.pt")  # goes through the restricted unpickler too
+    n = sum(t.numel() for t in weights.values())
+    # get_parameter_state_dp_zero: per gradient buffer, per dtype, flat fp32 buffers and no names.
+    torch.save({"buckets_coalesced": True, 0: {torch.float32: {"param": torch.zeros(n), "exp_avg": torch.zeros(n),
+                                                               "exp_avg_sq": torch.zeros(n), "numel_unpadded": n}}},
+               bad / "distrib_optim.pt")
+    # LayerWiseDistributedOptimizer.save_state_dict_to_file: ChainedOptimizer.state_dict(), integer ids.
+    ids = {n_: i for i, n_ in enumerate(keyed["state"])}
+    plain = {"state": {ids[k]: v for k, v in keyed["state"].items()},
+             "param_groups": [dict(g, params=[ids[x] for x in keyed["param_groups"][0]["params"]]) for g in groups]}
+    torch.save([plain, {"state": {}, "param_groups": []}], bad / "layer_wise_optimizer_0.pt")
+    torch.save({"optimizer.distributed.dp_group_idx_0.param_state": {"buckets_coalesced": True}}, bad / "dp_reshardable.pt")
+
+
+def import_in_process(argv, out):
+    """The importer's main() in this process: (exit code, stderr)."""
+    import contextlib
+    import io
+    import nanreplay_import as ni
+    shutil.rmtree(out, ignore_errors=True)
+    buf_out, buf_err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf_out), contextlib.redirect_stderr(buf_err):
+        rc = ni.main([str(a) for a in argv] + ["--out", str(out)])
+    return rc, buf_err.getvalue()
+
+
+def megatron_optimizer_cases(cli, work, base, margs):
+    """The torch_dist tensors import as the name-keyed state does; the other layouts are refused by name."""
+    flags = ["--checkpoint", work / "model_optim_rng.pt", "--log-numbering", "zero", "--log", work / "log.jsonl",
+             "--steps", f"{FIRST}:{LAST}", "--grad-clip", 1.0]
+    data_flags = base
+    rc, err = import_in_process(flags + data_flags + ["--optimizer", work / "dist" / "optim_tensors.pt"],
+                                work / "bundle-dist")
+    s.check(rc == 0, f"torch_dist optimizer.state.<entry>.<param>: import exits 0 ({err.strip()})")
+    if rc == 0:
+        a, b = (work / x / "steps" / str(FIRST) / "optimizer.safetensors" for x in ("bundle", "bundle-dist"))
+        ma, mb = (json.loads((work / x / "manifest.json").read_text())["optimizer"]
+                  for x in ("bundle", "bundle-dist"))
+        s.check(a.read_bytes() == b.read_bytes() and ma == mb,
+                f"torch_dist tensors + common.pt give the name-keyed state's bundle byte for byte ({ma} / {mb})")
+    # The whole torch_dist checkpoint as --checkpoint (the stacked model weights beside the optimizer's tensors;
+    # its args, which Megatron keeps in common.pt, as --config).
+    (work / "dist" / "args.json").write_text(json.dumps(vars(margs)))
+    rc, err = import_in_process(["--checkpoint", work / "dist" / "optim_tensors.pt", "--config", work / "dist" / "args.json",
+                                 *flags[2:], *data_flags], work / "bundle-dist-whole")
+    same = rc == 0 and all((work / "bundle" / "steps" / str(FIRST) / f).read_bytes()
+                           == (work / "bundle-dist-whole" / "steps" / str(FIRST) / f).read_bytes()
+                           for f in ("model.safetensors", "optimizer.safetensors"))
+    s.check(same, f"the torch_dist dict as --checkpoint: the same model and optimizer files ({rc}: {err.strip()[-300:]})")
+    for label, path, key in (("fp32 main params", work / "dist-bad" / "optim_tensors.pt",
+                              "optimizer.state.fp32_param.output_layer.weight"),
+                             ("chained Muon + AdamW", work / "dist-bad" / "chained.pt", "chained_1.optimizer.state"),
+                             ("distrib_optim.pt", work / "dist-bad" / "distrib_optim.pt", "buckets_coalesced"),
+                             ("layer-wise", work / "dist-bad" / "layer_wise_optimizer_0.pt", "0.state"),
+                             ("dp_reshardable", work / "dist-bad" / "dp_reshardable.pt",
+                              "optimizer.distributed.dp_group_idx_0.param_state"),
+                             ("without common.pt", work / "dist-bad" / "no_common.pt", "optimizer.param_groups"),
+                             ("a planted common.pt", work / "dist-hostile" / "optim_tensors.pt", "pickle"),
+                             ("Muon's common.pt", work / "dist-muon" / "optim_tensors.pt", "param_groups.0.momentum_beta")):
+        if label == "distrib_optim.pt":  # through the CLI once; the others in process (no interpreter start each)
+            proc = s.run_import(cli, flags + data_flags + ["--optimizer", path], work / "bundle-refused")
+            rc, err = proc.returncode, proc.stderr.strip()
+        else:
+            rc, err = import_in_process(flags + data_flags + ["--optimizer", path], work / "bundle-refused")
+            err = "\n".join(x for x in err.strip().splitlines() if not x.startswith("nanreplay: warning: "))
+        where = path.parent / "common.pt" if "common.pt" in label else path
+        s.check(rc == 2 and f"{where}: {key}" in err and len(err.splitlines()) == 1 and "Traceback" not in err
+                and not (work / "bundle-refused").exists(), f"Megatron {label}: refused naming {key} ({err})")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
@@ -199,6 +335,7 @@ def main():
         torch.save({"model": model.state_dict(), "args": margs, "iteration": FIRST, "checkpoint_version": 3.0},
                    work / "model_optim_rng.pt")
         torch.save(s.name_keyed(model, opt), work / "optimizer.pt")
+        write_megatron_optimizer_files(work, model, s.name_keyed(model, opt))
 
     proc, manifest = s.incident_case("megatron", args.cli, work, model, opt, data, SITES, save, FIRST, LAST,
                                      ["--checkpoint", work / "model_optim_rng.pt", "--optimizer", work / "optimizer.pt",
@@ -206,6 +343,7 @@ def main():
                                       "--log-numbering", "zero"])
     s.check("naming: megatron (detected: decoder.layers.0.self_attention.linear_qkv.weight)" in proc.stdout,
             "auto-detected Megatron naming")
+    megatron_optimizer_cases(args.cli, work, data.flags(), margs)
     if manifest:
         m = manifest["model"]
         s.check(m["num_kv_heads"] == G and m["intermediate_size"] == FFN and m["rope_theta"] == 500000.0

@@ -144,6 +144,12 @@ def imported(cli, work, ckpt, label, state, extra=(), replay=True):
     return json.loads((out / "manifest.json").read_text())["optimizer"]
 
 
+def provenance(work, label):
+    """The imported bundle's provenance block (docs/bundle-format.md, "Provenance")."""
+    path = work / f"bundle-{label}" / "manifest.json"
+    return json.loads(path.read_text()).get("provenance", {}) if path.exists() else {}
+
+
 def refused(cli, work, ckpt, label, state, extra, key_part):
     path = work / f"{label}.pt"
     torch.save(state, path)
@@ -169,6 +175,14 @@ def main():
                  replay=False)  # AdamW's own path, replayed by the other import tests
     s.check(o is not None and o["kind"] == "adamw" and o["betas"] == [0.9, 0.95] and o["weight_decay"] == 0.1,
             f"AdamW by default for exp_avg/exp_avg_sq: {o}")
+    # exp_avg/exp_avg_sq do not say Adam or AdamW: with a weight decay the class changes the math, so the
+    # AdamW the importer takes is recorded as a default; without one the two coincide.
+    kind_from = lambda label: provenance(work, label).get("optimizer.kind", {}).get("from")  # noqa: E731
+    s.check(kind_from("adamw") == "default", f"AdamW assumed under weight decay, recorded as a default: "
+                                               f"{provenance(work, 'adamw').get('optimizer.kind')}")
+    o = imported(cli, work, ckpt, "adamw-nodecay", torch_state(torch.optim.AdamW, weight_decay=0.0), replay=False)
+    s.check(o is not None and o["kind"] == "adamw" and kind_from("adamw-nodecay") == "checkpoint",
+            f"no weight decay: Adam and AdamW coincide, not a default: {provenance(work, 'adamw-nodecay')}")
     o = imported(cli, work, ckpt, "adamw-amsgrad", torch_state(torch.optim.AdamW, weight_decay=0.1, amsgrad=True))
     s.check(o is not None and o["kind"] == "adamw" and o["amsgrad"] is True and o["weight_decay"] == 0.1,
             f"AdamW with amsgrad (max_exp_avg_sq) read by name: {o}")
@@ -176,6 +190,7 @@ def main():
                                                       amsgrad=True), ["--optimizer-class", "torch.optim.Adam"])
     s.check(o is not None and o["kind"] == "adam" and o["betas"] == [0.9, 0.95] and o["weight_decay"] == 0.01
             and o["amsgrad"] is True, f"Adam (--optimizer-class), L2 weight decay and amsgrad from param_groups: {o}")
+    s.check(kind_from("adam") == "flag", f"the class from --optimizer-class: {provenance(work, 'adam')}")
     sd = torch_state(torch.optim.Adam, weight_decay=0.01)
     for g in sd["param_groups"]:
         g["decoupled_weight_decay"] = False  # PyTorch 2.7's Adam says it in its param_groups
@@ -183,6 +198,10 @@ def main():
     s.check(o is not None and o["kind"] == "adam" and o.get("decoupled_weight_decay") is False,
             f"Adam inferred from param_groups' decoupled_weight_decay false: {o}")
     refused(cli, work, ckpt, "adamw-contradicted", sd, ["--optimizer-class", "torch.optim.AdamW"], "param_groups")
+    stepless = torch_state(torch.optim.AdamW, weight_decay=0.1)
+    for st in stepless["state"].values():
+        del st["step"]  # moments without their update count: bias correction would be guessed
+    refused(cli, work, ckpt, "adamw-stepless", stepless, [], ".step")
 
     o = imported(cli, work, ckpt, "adafactor", adafactor_torch())
     s.check(o is not None and o["kind"] == "adafactor" and o["beta2_decay"] == -0.8 and o["eps"] == [None, 1e-3]
@@ -237,6 +256,19 @@ def main():
             and sorted(aux.get("params", [])) == sorted(n for n, t in params() if t.dim() == 1),
             f"the Muon run's AdamW: a group of its own over the 1-D parameters: {aux}")
 
+    # A norm in both optimizers' groups (join_optimizer_groups, shared with the capture helper).
+    both = by_name(dict(rest["state"]), rest["param_groups"][0])
+    both["state"]["model.layers.0.self_attn.q_proj.weight"] = dict(next(iter(rest["state"].values())))
+    both["param_groups"][0]["params"] = list(both["state"])
+    torch.save(both, work / "muon-adamw-both.pt")
+    refused(cli, work, ckpt, "muon-both", mu, ["--optimizer-class", "torch.optim.Muon", "--aux-optimizer",
+                                                work / "muon-adamw-both.pt"], "is in both optimizers' groups")
+    # Megatron's Muon (emerging_optimizers' OrthogonalizedOptimizer: momentum_beta, use_nesterov, ... in its
+    # param_groups) is not torch.optim.Muon, even when the flag says so.
+    emerging = by_name(dict(mu["state"]), {"lr": 2e-2, "momentum_beta": 0.95, "use_nesterov": True, "weight_decay": 0.1,
+                                           "use_decoupled_wd": True, "use_independent_wd": False})
+    refused(cli, work, ckpt, "muon-emerging", emerging, ["--optimizer-class", "torch.optim.Muon", "--aux-optimizer",
+                                                          work / "muon-adamw.pt"], "param_groups.0.momentum_beta")
     refused(cli, work, ckpt, "unknown-class", adafactor_torch(), ["--optimizer-class", "torch.optim.SGD"],
             "torch.optim.SGD")
     sgd = by_name({n: {"momentum_buffer": torch.zeros(t.shape)} for n, t in params()},

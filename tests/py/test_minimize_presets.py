@@ -19,12 +19,13 @@ from pathlib import Path
 from preset_sweep import add_all_flag, swept
 
 # A non-finite origin: MIN must be under this fraction of BUNDLE's bytes. One step of four to six, one sample,
-# often fewer layers; bit-flip keeps two steps (the checkpoint already holds NaN: the update that brought it).
+# often fewer layers; bit-flip, rewritten-weights and mlp-overflow (its up_proj row is edited outside the optimizer)
+# keep two steps (the update into the checkpoint is the evidence).
 ORIGIN = {
-    "head-overflow": 0.1, "qwen2-head-overflow": 0.1, "repeat-run": 0.1, "mlp-overflow": 0.1,
+    "head-overflow": 0.1, "qwen2-head-overflow": 0.1, "gemma3-local-overflow": 0.1, "repeat-run": 0.1, "mlp-overflow": 0.4,
     "zero-embedding": 0.1, "poisoned-token": 0.1, "fp8-scale-collapse": 0.1, "mislabeled-rope": 0.1,
     "cascade": 0.1, "transient-fp16": 0.1, "router-overflow": 0.1, "expert-overflow": 0.1,
-    "glitch-token": 0.1, "demo": 0.1, "bit-flip": 0.5,
+    "glitch-token": 0.1, "demo": 0.1, "bit-flip": 0.5, "rewritten-weights": 0.6,
 }
 # No origin, a flipped bit the update check names: the two steps around it (two of four checkpoints).
 FLIP = {"silent-bit-flip": 0.5}
@@ -41,10 +42,10 @@ NOT_MINIMIZED = {
 NO_ERROR = ["low-entropy", "fp8-scale-jump", "loss-scale-overflow", "router-collapse"]
 # Spike incidents (docs/spikes.md): minimize cuts around a non-finite origin or an error finding, not yet
 # around a spike's origin; listed, not run. site-mismatch's error finding has no cut either.
-SPIKE = ["spike-token", "spike-bit-flip", "site-mismatch"]
+SPIKE = ["spike-token", "spike-bit-flip", "site-mismatch", "spike-bad-update"]
 # No fault at all: not run here (tests/test_cli_minimize.cpp runs clean-fp32), but listed.
 CLEAN = ["clean-fp32", "clean-bf16", "clean-fp16", "clean-dp", "clean-accum", "clean-gqa", "clean-qwen2",
-         "clean-qwen3", "clean-olmo2", "clean-gemma2", "clean-llama3", "clean-combined", "clean-moe",
+         "clean-qwen3", "clean-olmo2", "clean-gemma2", "clean-gemma3", "clean-llama3", "clean-combined", "clean-moe",
          "clean-moe-bf16", "clean-gpt2", "clean-site-stats"]
 # Rolled forward (synth --checkpoint-every 10: one checkpoint, and the one a fault edits): fewer bytes to
 # start with, so larger ratios.
@@ -197,7 +198,8 @@ def main():
     for preset, max_ratio in chosen(ORIGIN).items():
         if synth(cli, preset, work / preset):
             report = check_origin(cli, preset, work / preset, work / f"{preset}-min", max_ratio)
-            if preset == "bit-flip" and report:  # the checkpoint holds NaN: the update that brought it is kept
+            # The checkpoint holds NaN (bit-flip) or rewritten weights: the update that brought them is kept.
+            if preset in ("bit-flip", "rewritten-weights", "mlp-overflow") and report:
                 check(report["after"]["steps"] == 2
                       and (work / f"{preset}-min" / "steps" / str(report["origin"]["step"] - 1)
                            / "optimizer.safetensors").is_file(),

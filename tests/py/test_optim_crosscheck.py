@@ -16,7 +16,11 @@ checkpoint and the optimizer state at every step; a twin written with
    own update of step 109 with the real checkpoint of step 110 (no
    SYSTEM_UPDATE_MISMATCH, SYSTEM_TRAJECTORY_DIVERGED or SYSTEM_BIT_FLIP), and
    every derived step's loss equals the reference's loss of that step within
-   1e-6. Muon's parameters: see check_per_step.
+   1e-6, and every derived update's statistics (report.json update_stats:
+   each tensor's update RMS, and for Adam its g^2 against the bias-corrected
+   exp_avg_sq the update starts from; docs/optimizers.md#update-statistics)
+   equal the reference's, computed from its own update, gradients and state
+   (reference_update_stats), within 1e-3. Muon's parameters: see check_per_step.
 
 The references: torch.optim.Adam and torch.optim.AdamW themselves (torch 1.13
 has them, amsgrad included); torch.optim.Adafactor (torch >= 2.5,
@@ -48,6 +52,7 @@ import reference_model  # noqa: E402
 
 TOLERANCE = 1e-6
 LOSS_TOLERANCE = 1e-6
+STATS_TOLERANCE = 1e-3  # the update statistics: differences of nearly equal parameters, ratios of squares
 FIRST, STEPS = 100, 11
 MUON_GROUP = {"name": "muon", "params": ["model.layers.*_proj.weight"], "kind": "muon"}
 
@@ -350,6 +355,24 @@ def qk_clip(params, rule_for, maxima, cfg):
     return clipped
 
 
+def reference_update_stats(param, grad, state, rule, decay):
+    """What nanreplay reports for a parameter's update before it happens: (g2_over_v, _max, _rms) for
+    Adam and AdamW from the second update on, else Nones. g as the rule reads it (Adam's L2 term added),
+    v_hat the exp_avg_sq the update starts from over its bias correction."""
+    if rule["kind"] not in ("adam", "adamw") or state["step"] == 0:
+        return None, None, None
+    g = grad.double()
+    wd = rule.get("weight_decay", 0.01 if rule["kind"] == "adamw" else 0.0)
+    if rule["kind"] == "adam" and decay and wd != 0 and not rule.get("decoupled_weight_decay", False):
+        g = g + wd * param.double()
+    beta2 = rule.get("betas", [0.9, 0.999])[1]
+    v_hat = state["exp_avg_sq"].double() / (1 - beta2 ** state["step"])
+    g2 = g.square()
+    held = v_hat > 0
+    ratio = g2[held] / v_hat[held]
+    return ((g2.mean() / v_hat.mean()).item(), ratio.max().item(), ratio.square().mean().sqrt().item())
+
+
 def rel_diff(a, b):
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
 
@@ -365,7 +388,7 @@ def check_per_step(bundle_dir, optimizer):
     it from there (exact_gradient). With momentum the buffers are compared, which are elementwise."""
     bundle = reference_model.Bundle(bundle_dir)
     cfg = bundle.manifest["model"]
-    failures, clipped, losses = [], 0, {}
+    failures, clipped, losses, updates = [], 0, {}, {}
     for step in range(FIRST, FIRST + STEPS - 1):
         here, there = bundle_dir / "steps" / str(step), bundle_dir / "steps" / str(step + 1)
         params = {k: v.float().requires_grad_(True) for k, v in reference_model.read_safetensors(here / "model.safetensors").items()}
@@ -389,12 +412,16 @@ def check_per_step(bundle_dir, optimizer):
                 decay = not any(reference_model.matches_glob(g, n) for g in optimizer.get("no_decay", []))
                 states[n] = load_state(stored, n, rule)
                 grad = params[n].grad
+                lag = reference_update_stats(plain[n], grad, states[n], rule, decay)
+                before = plain[n].double().clone()
                 if rule["kind"] == "muon":
                     if rule.get("momentum", 0.95) == 0.0:
                         grad = next_state[n + ".momentum_buffer"].float().clone()  # exact_gradient
                     else:
                         state_only.add(n)
                 step_one(plain[n], grad, states[n], lr[group] if isinstance(lr, dict) else lr, rule, decay)
+                rms = ((plain[n].double() - before).norm() / math.sqrt(before.numel())).item()
+                updates[(step, n)] = (rms,) + lag  # before MuonClip, as nanreplay measures it
             clipped += qk_clip(plain, lambda n: rule_of(optimizer, n)[1], logits.per_layer(), cfg)
         for n in names:
             err = rel_diff(plain[n], next_params[n].float())
@@ -407,7 +434,7 @@ def check_per_step(bundle_dir, optimizer):
                 err = rel_diff(value, stored_value)
                 if err > TOLERANCE:
                     failures.append(f"step {step} -> {step + 1} {n}.{key}: {err:.3g}")
-    return failures, clipped, losses
+    return failures, clipped, losses, updates
 
 
 def synth(cli, work, name, optimizer, lr):
@@ -432,7 +459,25 @@ def rolled_twin(per_step, out):
     return out
 
 
-def check_rolled(cli, work, name, rolled_dir, reference_losses):
+def check_update_stats(report, reference):
+    """report.json's update_stats against the reference's update of every derived step."""
+    failures, compared = [], 0
+    for row in report.get("update_stats", []):
+        for t in row["tensors"]:
+            want = reference.get((row["step"], t["param"]))
+            if want is None:
+                continue
+            compared += 1
+            got = (t["update_rms"], t["g2_over_v"], t["g2_over_v_max"], t["g2_over_v_rms"])
+            for key, g, w in zip(("update_rms", "g2_over_v", "g2_over_v_max", "g2_over_v_rms"), got, want):
+                if (g is None) != (w is None) or (w is not None and abs(g - w) > STATS_TOLERANCE * abs(w)):
+                    failures.append(f"step {row['step']} {t['param']} {key}: {g!r}, the reference's {w!r}")
+    if compared == 0:
+        failures.append("report.json has no update_stats to compare")
+    return failures
+
+
+def check_rolled(cli, work, name, rolled_dir, reference_losses, reference_updates):
     """run on the twin: ten steps rolled forward from its first checkpoint, its own update of the
     last but one step compared with the real last checkpoint; each derived step's loss against the
     reference's loss of the same step (on the checkpoint the run wrote)."""
@@ -451,7 +496,7 @@ def check_rolled(cli, work, name, rolled_dir, reference_losses):
         want = reference_losses[row["step"]]
         if abs(row["loss"] - want) > LOSS_TOLERANCE * abs(want):
             failures.append(f"derived step {row['step']} loss {row['loss']!r}, the reference's {want!r}")
-    return failures
+    return failures + check_update_stats(report, reference_updates)
 
 
 def main():
@@ -468,11 +513,12 @@ def main():
         if args.only and name != args.only:
             continue
         per_step = synth(args.cli, work, name, optimizer, lr)
-        failures, clipped, losses = check_per_step(per_step, optimizer)
+        failures, clipped, losses, updates = check_per_step(per_step, optimizer)
         if "muonclip" in name and clipped == 0:
             failures.append("no head was clipped: tau does not exercise MuonClip")
         if name in ROLLED:
-            failures += check_rolled(args.cli, work, name, rolled_twin(per_step, work / (name + "-rolled")), losses)
+            failures += check_rolled(args.cli, work, name, rolled_twin(per_step, work / (name + "-rolled")), losses,
+                                     updates)
         print(f"{'FAIL' if failures else 'ok  '} {name}: {STEPS - 1} steps against the reference"
               + (", rolled forward" if name in ROLLED else "")
               + (f", {clipped} head rescalings" if clipped else ""))

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "probes/robust_stats.h"
 #include "reports/results/number_text.h"
 
 namespace nanreplay {
@@ -32,7 +33,7 @@ std::vector<Finding> sample_loss_findings(const std::vector<SampleLoss>& losses,
   for (const SampleLoss& l : losses) {
     if (!std::isfinite(l.loss)) continue;
     const double above = l.loss - base.median;
-    const double scale = 1.4826 * base.mad;
+    const double scale = kMadToSigma * base.mad;
     const double z = scale > 0 ? above / scale : (above > 0 ? INFINITY : 0.0);
     if (z > t.loss_outlier_z && above > t.loss_outlier_nats) {
       findings.push_back(make_finding(FindingCode::kDataLossOutlier, Severity::kWarning,
@@ -76,7 +77,7 @@ std::vector<Finding> sample_profile_findings(const std::vector<SampleProfile>& p
 bool is_embedding_outlier(double norm, double typical, double spread, const TriageThresholds& t) {
   if (!std::isfinite(norm)) return true;
   if (norm < t.embedding_outlier_ratio * typical) return false;
-  const double scale = 1.4826 * spread;
+  const double scale = kMadToSigma * spread;
   return scale > 0 ? (norm - typical) / scale >= t.embedding_outlier_z : norm > typical;
 }
 

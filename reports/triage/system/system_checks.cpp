@@ -89,7 +89,21 @@ struct Deviations {
   int64_t count = 0;
   std::vector<int64_t> flat;
   std::vector<double> want;
+  // How far the stored tensor is from the prediction as a whole (docs/triage.md):
+  // the largest |expected - found|, and the sums of squares behind the norms.
+  double max_abs_diff = 0.0;
+  double sum_sq_expected = 0.0, sum_sq_found = 0.0, sum_sq_diff = 0.0;
 };
+
+// Folds one slice's magnitudes into `out` (non-finite stored values make them inf or nan).
+void add_magnitudes(Deviations& out, const torch::Tensor& expected, const torch::Tensor& actual) {
+  const torch::Tensor e = expected.to(torch::kDouble), a = actual.to(torch::kDouble);
+  const torch::Tensor diff = (a - e).abs();
+  if (diff.numel() > 0) out.max_abs_diff = std::max(out.max_abs_diff, diff.max().item<double>());
+  out.sum_sq_expected += e.pow(2).sum().item<double>();
+  out.sum_sq_found += a.pow(2).sum().item<double>();
+  out.sum_sq_diff += diff.pow(2).sum().item<double>();
+}
 
 // Rows [row, row + rows) of a stored tensor, as a TensorInfo of its own.
 TensorInfo rows_of(const TensorInfo& info, int64_t row, int64_t rows) {
@@ -125,6 +139,7 @@ Deviations compare_with_stored(const SlicePrediction& predict, const TensorInfo&
     if (actual_info.dtype == DType::kBF16) expected = expected.to(torch::kBFloat16).to(torch::kFloat32);
     if (actual_info.dtype == DType::kF16) expected = expected.to(torch::kHalf).to(torch::kFloat32);
     const torch::Tensor actual = tensor_from_safetensors(rows_of(actual_info, row, count), label).reshape(expected.sizes());
+    add_magnitudes(out, expected, actual);
     // Far more than rounding: beyond what any sign noise in a near-zero
     // gradient could move Adam's normalized step (a few lr), and 0.1%.
     const torch::Tensor threshold = torch::clamp_min(expected.abs() * 1e-3, step_floor >= 0 ? step_floor : 8.0 * lr);
@@ -154,6 +169,35 @@ struct UpdateContext {
   std::string optimizer = "AdamW";  // the rule the prediction applied, as messages name it
 };
 
+// SYSTEM_UPDATE_MISMATCH with how far the stored tensor is from the update
+// the optimizer computed: max |expected - found|, ||found|| / ||expected||
+// and ||found - expected|| / ||expected||. A difference as large as the
+// tensor itself (kRewrittenRelative) is no optimizer setting: the tensor was
+// rewritten outside the optimizer, an error that can be the root cause.
+constexpr double kRewrittenRelative = 1.0;
+
+Finding update_mismatch(const std::string& name, const Deviations& d, const UpdateContext& at, const std::string& what,
+                        const std::string& why_warning, Evidence evidence) {
+  const double expected_norm = std::sqrt(d.sum_sq_expected);
+  const double norm_ratio = std::sqrt(d.sum_sq_found) / std::max(expected_norm, 1e-30);
+  const double relative = std::sqrt(d.sum_sq_diff) / std::max(expected_norm, 1e-30);
+  evidence.set(K::kMaxAbsDiff, d.max_abs_diff).set(K::kNormRatio, norm_ratio).set(K::kRelative, relative);
+  const std::string magnitude = " (max |expected - found| " + format_number(d.max_abs_diff) + ", ||found|| / ||expected|| " +
+                                format_number(norm_ratio) + ")";
+  // NaN compares false: a non-finite checkpoint is CHECKPOINT_NONFINITE's to name.
+  if (relative >= kRewrittenRelative) {
+    evidence.set(K::kRewritten, true);
+    return make_finding(FindingCode::kSystemUpdateMismatch, Severity::kError,
+                        name + " was rewritten outside the optimizer before step " + std::to_string(at.next_step) +
+                            ": " + what + magnitude + ", a difference " + format_number(relative) +
+                            " times the tensor's own norm, which no optimizer setting explains",
+                        evidence);
+  }
+  evidence.set(K::kRewritten, false);
+  return make_finding(FindingCode::kSystemUpdateMismatch, Severity::kWarning, name + ": " + what + magnitude + why_warning,
+                      evidence);
+}
+
 std::vector<Finding> deviation_findings(const std::string& name, const Deviations& deviations,
                                         const TensorInfo& actual_info, const UpdateContext& at) {
   std::vector<Finding> findings;
@@ -162,10 +206,10 @@ std::vector<Finding> deviation_findings(const std::string& name, const Deviation
   const int64_t numel = actual_info.numel();
   if (count > bulk_limit(numel)) {
     // Too many to be flipped bits: the update itself differs (lr, betas, a different optimizer).
-    findings.push_back(make_finding(FindingCode::kSystemUpdateMismatch, Severity::kWarning,
-        name + ": " + std::to_string(count) + " of " + std::to_string(numel) + " elements of " + at.next_label +
-            " differ from " + at.optimizer + " applied to step " + std::to_string(at.current_step) +
-            ": the recorded update is not the bundle format's " + at.optimizer,
+    findings.push_back(update_mismatch(name, deviations, at,
+        std::to_string(count) + " of " + std::to_string(numel) + " elements of " + at.next_label +
+            " differ from " + at.optimizer + " applied to step " + std::to_string(at.current_step),
+        ": the recorded update is not the bundle format's " + at.optimizer,
         {{K::kStep, at.next_step}, {K::kParam, name}, {K::kLength, count}}));
     return findings;
   }
@@ -211,11 +255,11 @@ std::vector<Finding> deviation_findings(const std::string& name, const Deviation
   }
   const size_t deviating = unexplained.size() + (bulk_change ? flips.size() : 0);
   if (!unexplained.empty()) {
-    findings.push_back(make_finding(FindingCode::kSystemUpdateMismatch, Severity::kWarning,
-        name + ": " + std::to_string(deviating) + " element(s) of " + at.next_label +
-            " differ from " + at.optimizer + " applied to step " + std::to_string(at.current_step) +
-            " by more than rounding, and no single flipped bit explains them",
-        {{K::kStep, at.next_step}, {K::kParam, name}, {K::kLength, deviating},
+    findings.push_back(update_mismatch(name, deviations, at,
+        std::to_string(deviating) + " element(s) of " + at.next_label + " differ from " + at.optimizer +
+            " applied to step " + std::to_string(at.current_step) + " by more than rounding",
+        ", and no single flipped bit explains them",
+        {{K::kStep, at.next_step}, {K::kParam, name}, {K::kLength, static_cast<int64_t>(deviating)},
          {K::kIndex, unravel(unexplained.front(), actual_info.shape)}}));
   }
   return findings;
@@ -366,6 +410,23 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
     findings.insert(findings.end(), found.begin(), found.end());
   }
   return findings;
+}
+
+std::vector<std::string> jumped_params(const StepFiles& before, const StepFiles& after, double factor) {
+  const SafetensorsFile a = SafetensorsFile::open(before.model.string(), before.label("model.safetensors"));
+  const SafetensorsFile b = SafetensorsFile::open(after.model.string(), after.label("model.safetensors"));
+  std::vector<std::string> jumped;
+  for (const TensorInfo& later : b.tensors()) {
+    const TensorInfo* earlier = a.find(later.name);
+    if (earlier == nullptr) continue;
+    const TensorStats x = stats_of(*earlier), y = stats_of(later);
+    a.release(*earlier);
+    b.release(later);
+    if (!x.all_finite() || !y.all_finite()) continue;  // CHECKPOINT_NONFINITE's to name
+    const double lo = std::sqrt(std::min(x.sum_sq, y.sum_sq)), hi = std::sqrt(std::max(x.sum_sq, y.sum_sq));
+    if (hi > 0 && hi >= factor * lo) jumped.push_back(later.name);
+  }
+  return jumped;
 }
 
 std::vector<Finding> derived_update_findings(const Bundle& bundle, const StepFiles& current, const StepFiles& next,

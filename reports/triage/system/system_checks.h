@@ -6,6 +6,7 @@
 // tensor at a time.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "loaders/bundle/bundle.h"
@@ -30,6 +31,12 @@ struct UpdateCheckInput {
 // SYSTEM_BIT_FLIP (error) per flipped element, SYSTEM_UPDATE_MISMATCH
 // (warning) per parameter whose deviations no single bit explains.
 std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInput& input);
+
+// Parameters whose L2 norm differs between the checkpoints of `before` and
+// `after` by `factor` times or more, both finite: farther than an optimizer
+// step moves a tensor, so the update check between them is worth a replay
+// (bisect's screen). Reads the two model files one tensor at a time.
+std::vector<std::string> jumped_params(const StepFiles& before, const StepFiles& after, double factor);
 
 // The same, rolling forward: the tool's own update of derived step `current`
 // (`predicted`, read one parameter at a time) against the checkpoint of

@@ -1,0 +1,221 @@
+"""Llama 4's text attention against eager PyTorch written from transformers' modeling_llama4.py.
+
+The reference transcribes Llama4TextRMSNorm, Llama4TextL2Norm (x * rsqrt(mean(x^2) + eps) in fp32, no
+weight), Llama4TextRotaryEmbedding with modeling_rope_utils._compute_llama3_parameters (Llama 4's
+low_freq_factor == high_freq_factor: torch.where never takes the 0/0 blend), apply_rotary_emb (q and k
+as complex numbers over adjacent pairs, times polar(1, angle): bundle v1's interleaved rope_style),
+Llama4TextAttention (rotary and then the L2 QK-norm on layers whose no_rope_layers entry is 1; on the
+NoPE layers, 0, neither, and with attn_temperature_tuning q times log(floor((pos + 1) / floor_scale) + 1)
+* attn_scale + 1), eager_attention_forward (scores * head_dim**-0.5 plus the finfo.min mask; the chunked
+mask of the rotary layers is the causal one, every sequence being within one attention_chunk_size chunk)
+and the decoder layer's pre-norm residuals. Llama 4's MoE layers are not bundle v1's moe (import refuses
+model_type llama4): the MLP is Llama4TextMLP, its dense layers' SwiGLU.
+
+1. A one-step fp32 bundle (qk_norm l2, no_rope_layers [1, 0], attn_temperature_tuning, llama3 rope_scaling
+   with equal factors, attention_chunk_size): loss and gradient norm within 1e-5 relative.
+2. The same bundle without attn_temperature_tuning, and with no_rope_layers [1, 1], departs from it.
+3. A data.seq_len beyond attention_chunk_size is refused naming the key.
+
+    /usr/bin/python3 tests/py/test_family_llama4_attn.py --cli build/nanreplay --work DIR
+"""
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import family_support as fs  # noqa: E402
+
+V, C, H, G, LAYERS, FF, T, SAMPLES, EPS, THETA = 64, 32, 4, 2, 2, 40, 16, 2, 1e-5, 10000.0
+D = C // H
+ROPE = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+        "original_max_position_embeddings": 16}
+NO_ROPE_LAYERS = [1, 0]
+FLOOR_SCALE, ATTN_SCALE, CHUNK = 2.0, 0.5, 32  # strong enough to show in 16 positions
+
+
+def compute_llama3_parameters(dim, base, rope_parameters):
+    """transformers' _compute_llama3_parameters, line for line."""
+    attention_factor = 1.0
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+    factor = rope_parameters["factor"]
+    low_freq_factor = rope_parameters["low_freq_factor"]
+    high_freq_factor = rope_parameters["high_freq_factor"]
+    old_context_len = rope_parameters["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    # Llama 4's low == high: a tensor divided by 0.0 (inf or NaN), which the torch.where below never selects.
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    inv_freq_llama = torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+    return inv_freq_llama, attention_factor
+
+
+class Llama4TextL2Norm(torch.nn.Module):
+    def forward(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)).type_as(x)
+
+
+class Llama4TextRMSNorm(torch.nn.Module):
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x):
+        output = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)).type_as(x)
+        return output * self.weight
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis[:, :, None, :]).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class Llama4TextAttention(torch.nn.Module):
+    def __init__(self, use_rope, tuning):
+        super().__init__()
+        self.scaling = D ** -0.5
+        self.use_rope, self.tuning = use_rope, tuning
+        self.q_proj = torch.nn.Linear(C, H * D, bias=False)
+        self.k_proj = torch.nn.Linear(C, G * D, bias=False)
+        self.v_proj = torch.nn.Linear(C, G * D, bias=False)
+        self.o_proj = torch.nn.Linear(H * D, C, bias=False)
+        if use_rope:
+            self.qk_norm = Llama4TextL2Norm()
+
+    def forward(self, hidden_states, freqs_cis, attention_mask, cache_position):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, D)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(*input_shape, -1, D)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if self.use_rope:
+            query_states, key_states = apply_rotary_emb(query_states, key_states, freqs_cis)
+        if hasattr(self, "qk_norm"):
+            query_states = self.qk_norm(query_states)
+            key_states = self.qk_norm(key_states)
+        if self.tuning and not self.use_rope:
+            attn_scales = torch.log(torch.floor((cache_position.float() + 1.0) / FLOOR_SCALE) + 1.0) * ATTN_SCALE + 1.0
+            attn_scales = attn_scales.view((1, input_shape[-1], 1, 1)).expand((*input_shape, 1, 1))
+            query_states = (query_states * attn_scales).to(query_states.dtype)
+        query_states = query_states.transpose(1, 2)
+        key_states = key_states.transpose(1, 2)
+        key_states = key_states.repeat_interleave(H // G, dim=1)  # repeat_kv
+        value_states = value_states.repeat_interleave(H // G, dim=1)
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
+        attn_weights = F.softmax(attn_weights + attention_mask, dim=-1)
+        attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
+        return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
+
+
+class Llama4TextMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(C, FF, bias=False)
+        self.up_proj = torch.nn.Linear(C, FF, bias=False)
+        self.down_proj = torch.nn.Linear(FF, C, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Llama4TextDecoderLayer(torch.nn.Module):
+    def __init__(self, use_rope, tuning):
+        super().__init__()
+        self.self_attn = Llama4TextAttention(use_rope, tuning)
+        self.mlp = Llama4TextMLP()
+        self.input_layernorm = Llama4TextRMSNorm(C)
+        self.post_attention_layernorm = Llama4TextRMSNorm(C)
+
+    def forward(self, hidden_states, mask, freqs_cis, cache_position):
+        residual = hidden_states
+        hidden_states = residual + self.self_attn(self.input_layernorm(hidden_states), freqs_cis, mask, cache_position)
+        residual = hidden_states
+        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class Llama4Text(torch.nn.Module):
+    def __init__(self, no_rope_layers, tuning=True):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(V, C)
+        self.layers = torch.nn.ModuleList([Llama4TextDecoderLayer(bool(r), tuning) for r in no_rope_layers])
+        self.norm = Llama4TextRMSNorm(C)
+        self.lm_head = torch.nn.Linear(C, V, bias=False)
+        self.inv_freq, self.attention_scaling = compute_llama3_parameters(D, THETA, ROPE)
+
+    def forward(self, input_ids, labels):
+        seq = input_ids.shape[1]
+        cache_position = torch.arange(seq)
+        position_ids = cache_position[None, :].float()
+        freqs = (self.inv_freq[None, :, None].float() @ position_ids[:, None, :]).transpose(1, 2)
+        freqs_cis = torch.polar(torch.ones_like(freqs), freqs) * self.attention_scaling
+        q_idx, kv_idx = cache_position[:, None], cache_position[None, :]
+        # Chunked (rotary layers) and full (NoPE): both causal within one chunk.
+        masked = (kv_idx > q_idx) | (q_idx // CHUNK != kv_idx // CHUNK)
+        mask = torch.zeros(seq, seq).masked_fill(masked, torch.finfo(torch.float32).min)[None, None]
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, mask, freqs_cis, cache_position)
+        return fs.cross_entropy(self.lm_head(self.norm(hidden_states)), labels)
+
+
+def named(model):
+    return [("model." + k if not k.startswith("lm_head") else k, v) for k, v in model.named_parameters()]
+
+
+MODEL = {"arch": "llama", "vocab_size": V, "hidden_size": C, "num_layers": LAYERS, "num_heads": H,
+         "num_kv_heads": G, "intermediate_size": FF, "max_seq_len": 64, "norm_eps": EPS, "rope_theta": THETA,
+         "tie_embeddings": False, "rope_style": "interleaved", "rope_scaling": ROPE, "qk_norm": "l2",
+         "no_rope_layers": NO_ROPE_LAYERS,
+         "attn_temperature_tuning": {"floor_scale": FLOOR_SCALE, "attn_scale": ATTN_SCALE},
+         "attention_chunk_size": CHUNK, "attention_mask": "additive_finfo_min"}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cli", required=True)
+    ap.add_argument("--work", required=True)
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model = Llama4Text(NO_ROPE_LAYERS)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn(p.shape) if "norm" in name else 0.4 * torch.randn(p.shape))
+    stream = fs.token_stream(V, SAMPLES, T, seed=4)
+    inputs, targets = fs.batch_of(stream, SAMPLES, T)
+    loss, norm = fs.loss_and_grad_norm(model(inputs, targets), list(model.parameters()))
+    bundle = fs.write_bundle(work / "llama4", MODEL, named(model), stream, SAMPLES, T, loss, norm)
+    rc, report, err = fs.replay(args.cli, bundle, work / "out-llama4")
+    if fs.check(report is not None, f"llama4: nanreplay run gave a report (exit {rc}; {err.strip()[-300:]})"):
+        fs.compare_step(report, loss, norm, "Llama 4 attention (L2 QK-norm, NoPE layer, temperature tuning)")
+    for what, change in (("without attn_temperature_tuning", {"attn_temperature_tuning": None}),
+                         ("with every layer rotary", {"no_rope_layers": [1, 1]})):
+        other = {k: v for k, v in dict(MODEL, **change).items() if v is not None}
+        bundle = fs.write_bundle(work / "other", other, named(model), stream, SAMPLES, T, loss, norm)
+        rc, report, err = fs.replay(args.cli, bundle, work / "out-other")
+        if fs.check(report is not None, f"{what}: a report (exit {rc}; {err.strip()[-300:]})"):
+            fs.check(fs.rel_err(report["steps"][0]["loss"], loss) > 1e-4,
+                     f"{what}: the loss departs ({report['steps'][0]['loss']} vs {loss})")
+    long = dict(MODEL, attention_chunk_size=8)
+    bundle = fs.write_bundle(work / "long", long, named(model), stream, SAMPLES, T, loss, norm)
+    proc = subprocess.run([args.cli, "inspect", str(bundle)], capture_output=True, text=True)
+    fs.check(proc.returncode == 2 and "data.seq_len" in proc.stderr and "attention_chunk_size" in proc.stderr,
+             f"seq_len beyond attention_chunk_size is refused by key (exit {proc.returncode}: {proc.stderr.strip()})")
+    fs.finish()
+
+
+if __name__ == "__main__":
+    main()
