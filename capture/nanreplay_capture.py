@@ -387,10 +387,15 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention")
 # Gemma 3's text model: norms before and after both sublayers, each scaling by (1 + weight) in fp32,
 # embeddings times sqrt(hidden_size), a per-head QK-norm (Gemma3Attention's q_norm / k_norm).
 _GEMMA3_TYPES = ("gemma3_text", "gemma3")
+# Gemma 2's text model: Gemma 3's block without the QK-norm and with one rotary for every layer.
+# Gemma2Config's class defaults, which a save_pretrained config.json leaves out when they hold
+# (transformers writes only the values that differ from them).
+_GEMMA2_DEFAULTS = {"sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                    "final_logit_softcapping": 30.0}
 # Hugging Face's class defaults for layer_types, where a config leaves it out (Gemma3TextConfig:
 # every sliding_window_pattern-th layer full, the pattern 6 by default; Olmo3Config: every 4th).
 _LAYER_PATTERN_BY_MODEL_TYPE = {"gemma3_text": ("sliding_window_pattern", 6), "gemma3": ("sliding_window_pattern", 6),
-                                "olmo3": (None, 4)}
+                                "olmo3": (None, 4), "gemma2": (None, 2)}
 # model.attention_mask: how the causal mask reaches the softmax (they differ where a masked score is not finite).
 ATTENTION_MASKS = ("exclude", "additive_neg_inf", "additive_finfo_min", "fill_finfo_min")
 # Every llama option key of the manifest's model object, in the order of nanreplay's option table
@@ -400,11 +405,12 @@ LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe")
 _QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "olmo3": "full",
                           "gemma3_text": "head", "gemma3": "head"}
 # OLMo 2 normalises each sublayer's output (post_attention_layernorm, post_feedforward_layernorm).
-_NORM_LAYOUT_BY_MODEL_TYPE = {"olmo2": "post", "olmo3": "post", "gemma3_text": "sandwich", "gemma3": "sandwich"}
+_NORM_LAYOUT_BY_MODEL_TYPE = {"olmo2": "post", "olmo3": "post", "gemma3_text": "sandwich", "gemma3": "sandwich",
+                              "gemma2": "sandwich"}
 # Qwen2Config has no attention_bias: Qwen2's q, k and v projections always carry one.
 _BIAS_BY_MODEL_TYPE = {"qwen2": True}
 # Models whose window applies to every other layer only, which bundle v1 cannot express.
-_ALTERNATING_WINDOW_TYPES = ("gemma2", "cohere2")
+_ALTERNATING_WINDOW_TYPES = ("cohere2",)
 _LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # YaRN's optional keys and Hugging Face's _compute_yarn_parameters defaults (None: absent, as HF reads them).
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
@@ -563,10 +569,12 @@ def _config_window(config, model_type, num_layers):
     """The sliding window every layer of a Hugging Face style config uses (None: none, _MISSING:
     the config does not say). A window on only some layers cannot be replayed: CaptureError."""
     window = _config_attr(config, "sliding_window")
+    if window is _MISSING and model_type == "gemma2":
+        window = _GEMMA2_DEFAULTS["sliding_window"]  # the class's, which save_pretrained leaves out
     if window is _MISSING:
         return _MISSING
-    mixed = ("model.config gives a sliding window to only some layers ({}); bundle v1's sliding_window "
-             "applies to every layer (alternating window layers, as Gemma 2's, are not supported)")
+    mixed = ("model.config gives a sliding window to only some layers ({}) without a layer_types list saying "
+             "which: give model.layer_types")
     layer_types = _config_attr(config, "layer_types")  # newer transformers spell it out per layer
     if isinstance(layer_types, (list, tuple)) and layer_types:
         # model.layer_types (_layer_options) says which layers slide: the window is theirs.
@@ -609,7 +617,8 @@ def _layer_options(config, model_type, num_layers, layered):
             raise CaptureError(f"model.config.layer_types has {odd[0]!r}; bundle v1 replays "
                                f"{' and '.join(map(repr, ATTENTION_KINDS))} layers")
         said["layer_types"] = (list(types), "model.config.layer_types")
-    elif model_type in _LAYER_PATTERN_BY_MODEL_TYPE and _config_attr(config, "sliding_window") not in (_MISSING, None):
+    elif model_type in _LAYER_PATTERN_BY_MODEL_TYPE and (model_type == "gemma2" or
+                                                         _config_attr(config, "sliding_window") not in (_MISSING, None)):
         attr, default = _LAYER_PATTERN_BY_MODEL_TYPE[model_type]
         every = _config_attr(config, attr) if attr else _MISSING
         why = (f"model.config.{attr}" if every is not _MISSING else
@@ -625,11 +634,15 @@ def _layer_options(config, model_type, num_layers, layered):
             said["hidden_act"] = (act, f"model.config.{attr}")
         if act is not _MISSING and act is not None:
             break
-    if model_type not in _GEMMA3_TYPES:
+    if model_type not in _GEMMA3_TYPES + ("gemma2", "gemma"):
         return said
     why = f"model.config.model_type {model_type!r}"
-    said["rms_norm_offset"] = (True, why + " (Gemma3RMSNorm scales by 1 + weight, in fp32)")
-    said["scale_embeddings"] = (True, why + " (Gemma3TextScaledWordEmbedding: times sqrt(hidden_size))")
+    said["rms_norm_offset"] = (True, why + " (Gemma's RMSNorm scales by 1 + weight, in fp32)")
+    said["scale_embeddings"] = (True, why + " (Gemma scales the embeddings by sqrt(hidden_size))")
+    if model_type == "gemma2":
+        return dict(said, **_gemma2_options(config))
+    if model_type == "gemma":  # Gemma 1: llama's pre-norm block with Gemma's norms, embeddings and GeGLU
+        return dict(said, **_gemma1_activation(config, said))
     local = _MISSING
     if layered is not None and layered[1] is not None:
         sliding = layered[1]
@@ -654,6 +667,39 @@ def _layer_options(config, model_type, num_layers, layered):
     if "hidden_act" not in said and act in (_MISSING, None):
         said["hidden_act"] = ("gelu_pytorch_tanh", "Gemma3TextConfig's default hidden_activation, which the config "
                                                    "leaves out")
+    return said
+
+
+def _gemma1_activation(config, said):
+    """Gemma 1's MLP activation: GemmaMLP applies ACT2FN[config.hidden_act], gelu_pytorch_tanh by
+    GemmaConfig's default. Early configs say "gelu", which transformers 4.38-4.4x computed as
+    gelu_pytorch_tanh (hidden_activation unset) and later ones as the erf GELU: the run's version
+    decides, and the erf form is not replayed, so it is refused rather than guessed."""
+    if "hidden_act" in said:
+        return {}
+    for attr in ("hidden_activation", "hidden_act"):
+        act = _config_attr(config, attr)
+        if act not in (_MISSING, None):
+            raise CaptureError(f"model.config.{attr} is {act!r}; bundle v1's Gemma MLP computes "
+                               "'gelu_pytorch_tanh' (GeGLU) only (early transformers computed that for 'gelu' "
+                               "too; set hidden_activation 'gelu_pytorch_tanh' in the config if the run did)")
+    return {"hidden_act": ("gelu_pytorch_tanh", "GemmaConfig's default hidden_act")}
+
+
+def _gemma2_options(config):
+    """Gemma 2's score scale and activation, its config's or Gemma2Config's defaults (save_pretrained
+    leaves out what equals them); one rotary base for every layer, so no local one."""
+    said = {}
+    scalar, where = _config_attr(config, "query_pre_attn_scalar"), "model.config.query_pre_attn_scalar"
+    if scalar is _MISSING:
+        scalar, where = _GEMMA2_DEFAULTS["query_pre_attn_scalar"], "Gemma2Config's default query_pre_attn_scalar (256)"
+    said["query_pre_attn_scalar"] = (_option_value("query_pre_attn_scalar", scalar, where), where)
+    act = _config_attr(config, "hidden_activation")
+    if act not in (_MISSING, None, "gelu_pytorch_tanh"):
+        raise CaptureError(f"model.config.hidden_activation is {act!r}; bundle v1's Gemma 2 MLP computes "
+                           "'gelu_pytorch_tanh' (GeGLU) only")
+    if act in (_MISSING, None):
+        said["hidden_act"] = ("gelu_pytorch_tanh", "Gemma2Config's default hidden_activation")
     return said
 
 
@@ -688,7 +734,10 @@ def _options_from_config(config, num_layers):
     for key, attr in (("attn_logit_softcap", "attn_logit_softcapping"),
                       ("final_logit_softcap", "final_logit_softcapping")):  # Gemma 2's names
         value = _config_attr(config, attr)
-        if value is not _MISSING:
+        if value is _MISSING and model_type == "gemma2":  # Gemma2Config's default: capped unless it says null
+            value = _GEMMA2_DEFAULTS[attr]
+            said[key] = (_option_value(key, value, attr), f"Gemma2Config's default {attr} ({value})")
+        elif value is not _MISSING:
             said[key] = (_option_value(key, value, f"model.config.{attr}"), f"model.config.{attr}")
     head_dim = _config_attr(config, "head_dim")  # Qwen3, Gemma 3: a head width of its own
     hidden, heads = _config_attr(config, "hidden_size"), _config_attr(config, "num_attention_heads")

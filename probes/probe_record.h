@@ -49,8 +49,8 @@ struct ProbeRecord {
   int64_t largest_position = -1;
   // Where the bad elements of this site's tensor lie (damage_shape.h): the
   // first non-finite forward site of a pass, every forward site of a spike
-  // incident; host tensors only, shared by the site's records, not sent
-  // between processes. Null: not taken.
+  // incident; host tensors only, shared by the site's records (a split
+  // replay sends it with them). Null: not taken.
   std::shared_ptr<const DamageShape> damage;
   // log2(dtype max / max |x|): how many doublings the largest finite value of
   // this site could take before it overflows the type it is held in (+inf

@@ -2,6 +2,7 @@
 #include "probes/record_wire.h"
 
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 
 namespace nanreplay {
@@ -24,6 +25,21 @@ void WireWriter::record(const ProbeRecord& r) {
   pod(r.stats);
   ints(r.first_index);
   pod(r.sample), pod(r.position), pod(r.first_head), pod(r.first_expert), pod(r.headroom_bits);
+  pod(r.largest_sample), pod(r.largest_position);  // a spike origin's element
+  pod(r.damage != nullptr);
+  if (r.damage) damage(*r.damage);
+}
+
+void WireWriter::damage(const DamageShape& d) {
+  pod(d.pattern);
+  text(d.criterion);
+  pod(d.count), pod(d.considered), pod(d.sampled), pod(d.rows_hit), pod(d.columns_hit), pod(d.heads_hit);
+  pod(d.batch_row), pod(d.position), pod(d.sample), pod(d.column), pod(d.head);
+  pod(d.block), pod(d.period), pod(d.blocks);
+  pod(d.tensor_rows), pod(d.tensor_columns), pod(d.cell_rows), pod(d.cell_columns);
+  text(d.rows_are), text(d.columns_are);
+  pod<uint64_t>(d.map.size());
+  for (const std::string& line : d.map) text(line);
 }
 
 void WireWriter::norm_check(const NormCheck& c) {
@@ -62,7 +78,27 @@ ProbeRecord WireReader::record() {
   r.first_index = ints();
   r.sample = pod<int64_t>(), r.position = pod<int64_t>(), r.first_head = pod<int>(), r.first_expert = pod<int>();
   r.headroom_bits = pod<double>();
+  r.largest_sample = pod<int64_t>(), r.largest_position = pod<int64_t>();
+  if (pod<bool>()) r.damage = std::make_shared<const DamageShape>(damage());
   return r;
+}
+
+DamageShape WireReader::damage() {
+  DamageShape d;
+  d.pattern = pod<DamagePattern>();
+  d.criterion = text();
+  d.count = pod<int64_t>(), d.considered = pod<int64_t>(), d.sampled = pod<bool>();
+  d.rows_hit = pod<int64_t>(), d.columns_hit = pod<int64_t>(), d.heads_hit = pod<int64_t>();
+  d.batch_row = pod<int64_t>(), d.position = pod<int64_t>(), d.sample = pod<int64_t>(), d.column = pod<int64_t>();
+  d.head = pod<int>();
+  d.block = pod<int64_t>(), d.period = pod<int64_t>(), d.blocks = pod<int64_t>();
+  d.tensor_rows = pod<int64_t>(), d.tensor_columns = pod<int64_t>();
+  d.cell_rows = pod<int64_t>(), d.cell_columns = pod<int64_t>();
+  d.rows_are = text(), d.columns_are = text();
+  const auto lines = pod<uint64_t>();
+  if (lines > static_cast<uint64_t>(kDamageMapRows) + 1) throw std::runtime_error("a peer's damage map is too tall");
+  for (uint64_t i = 0; i < lines; ++i) d.map.push_back(text());
+  return d;
 }
 
 NormCheck WireReader::norm_check() {

@@ -23,6 +23,7 @@ class WireWriter {
   void ints(const std::vector<int64_t>& values);
   void record(const ProbeRecord& record);
   void norm_check(const NormCheck& check);
+  void damage(const DamageShape& damage);
   std::string take() { return std::move(bytes_); }
 
  private:
@@ -43,6 +44,7 @@ class WireReader {
   std::vector<int64_t> ints();
   ProbeRecord record();
   NormCheck norm_check();
+  DamageShape damage();
   bool done() const { return at_ == bytes_.size(); }
 
  private:

@@ -65,6 +65,11 @@ TEST_CASE("probe records and norm checks survive bytes exactly", "[distributed]"
   r.stats.first_nonfinite = 77;
   r.first_index = {0, 5, 3, 1};
   r.sample = 4321, r.position = 3, r.first_head = 5, r.headroom_bits = std::numeric_limits<double>::infinity();
+  r.largest_sample = 77, r.largest_position = 6;
+  DamageShape damage;
+  damage.pattern = DamagePattern::kHead, damage.criterion = "non-finite", damage.count = 37, damage.head = 5;
+  damage.rows_are = "sample x position", damage.map = {"..#.", "...."};
+  r.damage = std::make_shared<const DamageShape>(damage);
   NormCheck c;
   c.site = SiteRef{SiteId::kAttnNorm, 1}, c.layer = 1, c.moment = "variance", c.eps = 1e-5;
   c.min_moment = 0.0, c.rows_below_eps = 2, c.zero_denominator = true, c.sample = 9, c.position = 12;
@@ -86,6 +91,14 @@ TEST_CASE("probe records and norm checks survive bytes exactly", "[distributed]"
   CHECK(back.stats.sum_sq == r.stats.sum_sq);
   CHECK(back.stats.first_nonfinite == 77);
   CHECK(std::isinf(back.headroom_bits));
+  CHECK(back.largest_sample == 77);  // a spike origin's sample and position cross too
+  CHECK(back.largest_position == 6);
+  REQUIRE(back.damage);  // and where the bad elements lie
+  CHECK(back.damage->pattern == DamagePattern::kHead);
+  CHECK(back.damage->count == 37);
+  CHECK(back.damage->head == 5);
+  CHECK(back.damage->rows_are == "sample x position");
+  CHECK(back.damage->map == damage.map);
   const NormCheck check = in.norm_check();
   CHECK(std::string(check.moment) == "variance");
   CHECK(check.zero_denominator);

@@ -158,9 +158,6 @@ def framework_defaults(configs, naming):
 # Families whose attention bundle v1 replays (docs/import.md) but whose whole checkpoints are a mixture of
 # experts bundle v1's moe cannot express: refused by their config's model_type, before anything is read.
 _REFUSED_MODEL_TYPES = {
-    "gemma2": "Gemma 2's sandwich norms, (1 + weight) norms, scaled embeddings and alternating windows are "
-              "replayed (norm_layout 'sandwich', rms_norm_offset, scale_embeddings, layer_types) but not yet read "
-              "from its config: give them in a manifest-style --config",
     "gpt_oss": "GPT-OSS's experts (fused gate_up_proj with biases, the clamped SwiGLU, a router with a bias) are "
                "not bundle v1's moe; its attention (attention_sinks, o_proj_bias, yarn rope_scaling, head_dim, "
                "sliding_window) is, for a dense model given in --config",

@@ -71,6 +71,7 @@ details.consequences{margin-top:8px;color:#5c6373}details.consequences summary{c
 .chart{display:block;width:100%;height:auto;max-width:760px}.panel{overflow-x:auto}.chart-title{font-weight:600;font-size:13px;margin:6px 0 0}.chart-title span{font-weight:400;margin-left:10px;font-size:12px}
 .scroll{overflow-x:auto;max-width:100%}.maps>div{overflow-x:auto;max-width:100%}
 .meta code{overflow-wrap:anywhere}
+.damage pre{overflow-x:auto;max-width:100%}.runbook,.counterfactuals{overflow-wrap:anywhere}
 table.grid{border-collapse:collapse;background:#fff}
 table.grid th,table.grid td{border:1px solid #e3e6eb;padding:4px 8px;text-align:right}
 table.grid th{background:#eef0f4;font-weight:600}table.grid td.l,table.grid th.l{text-align:left}

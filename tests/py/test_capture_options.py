@@ -209,14 +209,16 @@ def attention_bias_from_config(work):
 
 
 def softcaps_and_windows(work):
-    gemma = SimpleNamespace(model_type="gemma2", attn_logit_softcapping=50.0, final_logit_softcapping=30,
-                            sliding_window=None, attention_bias=False)
-    manifest, _ = record(work, make_model(gemma), steps=1)
+    # Gemma 2's softcapping attributes, read under their names whatever the family (a llama given them here:
+    # a real gemma2 config brings Gemma 2's whole block, tests/py/test_family_gemma3.py).
+    capped = SimpleNamespace(model_type="llama", attn_logit_softcapping=50.0, final_logit_softcapping=30,
+                             sliding_window=None, attention_bias=False)
+    manifest, _ = record(work, make_model(capped), steps=1)
     check(options_of(manifest) == {"attn_logit_softcap": 50.0, "final_logit_softcap": 30.0},
-          f"Gemma 2 softcapping attributes {options_of(manifest)}")
-    raises("Gemma 2 config with its alternating sliding window",
-           lambda: record(work, make_model(SimpleNamespace(model_type="gemma2", sliding_window=4096)), steps=1),
-           "sliding_window", "gemma2")
+          f"Gemma 2's softcapping attributes {options_of(manifest)}")
+    raises("Cohere 2 config with its alternating sliding window and no layer_types",
+           lambda: record(work, make_model(SimpleNamespace(model_type="cohere2", sliding_window=4096)), steps=1),
+           "sliding_window", "cohere2")
     mistral = SimpleNamespace(model_type="mistral", sliding_window=16, rope_scaling=None)
     manifest, _ = record(work, make_model(mistral), steps=1)
     check(options_of(manifest) == {"sliding_window": 16}, f"Mistral sliding_window {options_of(manifest)}")
@@ -228,7 +230,7 @@ def softcaps_and_windows(work):
            lambda: record(work, make_model(SimpleNamespace(model_type="qwen2", sliding_window=16,
                                                            use_sliding_window=True, max_window_layers=1),
                                            attention_bias=True), steps=1),
-           "max_window_layers", "every layer")
+           "max_window_layers", "layer_types")
     kinds = ["full_attention", "sliding_attention"]  # model.layer_types: the window is the sliding layers'
     manifest, _ = record(work, make_model(SimpleNamespace(model_type="mistral", sliding_window=16, layer_types=kinds)),
                          steps=1)

@@ -23,8 +23,9 @@ from pathlib import Path
 from preset_sweep import add_all_flag, swept
 from replay_compare import check, children, cli_run, failures, listed_presets, report_difference, trace_difference
 
-# Besides the incidents: a mixture of experts (router losses across processes), data-parallel ranks, a tied head.
-CLEAN_ALSO = ["clean-moe", "clean-dp", "clean-gpt2"]
+# Besides the incidents: a mixture of experts (router losses across processes), data-parallel ranks, a tied head,
+# and a spike (its origin's sample, position and damage shape cross between processes with the records).
+CLEAN_ALSO = ["clean-moe", "clean-dp", "clean-gpt2", "spike-token"]
 # Both ways to share out a bundle with data-parallel ranks (by default its ranks), and the ranks streamed.
 SPLITS = [("clean-dp", ("--split", "layers"), 3, "layers"), ("rank-mismatch", ("--split", "layers"), 2, "layers"),
           ("clean-dp", ("--split", "ranks", "--stream"), 3, "ranks"), ("clean-moe", ("--split", "ranks"), 2, "ranks")]

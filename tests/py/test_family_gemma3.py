@@ -16,6 +16,9 @@ query_pre_attn_scalar**-0.5 plus a finfo.min mask, the sliding window on sliding
    transformers 5 writes Gemma 3's multimodal model (model_type gemma3, the text model under text_config,
    rope_parameters per layer type, the language model under model.language_model, a vision tower left out):
    the manifest says every option, and the replay gives the reference's loss and gradient norm.
+4. `nanreplay import` of Gemma 2 (model_type gemma2) as save_pretrained writes it, Gemma2Config's defaults
+   left out and filled by the import, against Gemma2ForCausalLM (soft caps, one rotary for every layer); and
+   of Gemma 1 (model_type gemma: llama's pre-norm block with Gemma's norms, embeddings and GeGLU).
 3. A sliding layer given a scaled rotary (rope_parameters['sliding_attention'] linear) is refused by name (by
    the config reading the import and the capture helper share).
 
@@ -116,12 +119,46 @@ class Gemma3MLP(torch.nn.Module):
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
 
 
-class Gemma3DecoderLayer(torch.nn.Module):
+class Gemma2Attention(Gemma3Attention):
+    """Gemma2Attention and its eager_attention_forward: Gemma 3's without q_norm / k_norm, the scaled
+    scores soft-capped (c * tanh(x / c)) before the mask is added."""
+
     def __init__(self, cfg, layer_idx):
+        super().__init__(cfg, layer_idx)
+        del self.q_norm, self.k_norm
+        self.attn_logit_softcapping = cfg["attn_logit_softcapping"]
+
+    def forward(self, hidden_states, position_embeddings, attention_mask):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        query_states = (query_states * cos) + (rotate_half(query_states) * sin)
+        key_states = (key_states * cos) + (rotate_half(key_states) * sin)
+        key_states = key_states.repeat_interleave(self.num_key_value_groups, 1)  # repeat_kv
+        value_states = value_states.repeat_interleave(self.num_key_value_groups, 1)
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
+        if self.attn_logit_softcapping is not None:
+            attn_weights = attn_weights / self.attn_logit_softcapping
+            attn_weights = torch.tanh(attn_weights)
+            attn_weights = attn_weights * self.attn_logit_softcapping
+        attn_weights = attn_weights + attention_mask
+        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
+        attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
+        return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
+
+
+class Gemma3DecoderLayer(torch.nn.Module):
+    """Gemma2DecoderLayer too (the same four norms), with Gemma2Attention."""
+
+    def __init__(self, cfg, layer_idx, attention=Gemma3Attention):
         super().__init__()
         C, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         self.attention_type = cfg["layer_types"][layer_idx]
-        self.self_attn = Gemma3Attention(cfg, layer_idx)
+        self.self_attn = attention(cfg, layer_idx)
         self.mlp = Gemma3MLP(cfg)
         self.input_layernorm = Gemma3RMSNorm(C, eps)
         self.post_attention_layernorm = Gemma3RMSNorm(C, eps)
@@ -141,21 +178,44 @@ class Gemma3DecoderLayer(torch.nn.Module):
         return residual + hidden_states
 
 
-class Gemma3ForCausalLM(torch.nn.Module):
-    """Tied head (Gemma's), so the parameters are the text model's only."""
+class GemmaDecoderLayer(torch.nn.Module):
+    """Gemma 1's GemmaDecoderLayer: llama's pre-norm block (input_layernorm, post_attention_layernorm)
+    with Gemma's norms and GeGLU MLP."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer_idx, attention):
+        super().__init__()
+        C, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        self.attention_type = cfg["layer_types"][layer_idx]
+        self.self_attn = attention(cfg, layer_idx)
+        self.mlp = Gemma3MLP(cfg)
+        self.input_layernorm = Gemma3RMSNorm(C, eps)
+        self.post_attention_layernorm = Gemma3RMSNorm(C, eps)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask):
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
+                                                       attention_mask)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class Gemma3ForCausalLM(torch.nn.Module):
+    """Tied head (Gemma's), so the parameters are the text model's only. Gemma2ForCausalLM with
+    `attention` Gemma2Attention: one rotary for every layer (no rope_local_base_freq) and the logits
+    soft-capped by final_logit_softcapping before the loss."""
+
+    def __init__(self, cfg, attention=Gemma3Attention, layer=Gemma3DecoderLayer):
         super().__init__()
         self.cfg = cfg
         C, D = cfg["hidden_size"], cfg["head_dim"]
         self.embed_tokens = Gemma3TextScaledWordEmbedding(cfg["vocab_size"], C, C ** 0.5)
-        self.layers = torch.nn.ModuleList([Gemma3DecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"])])
+        self.layers = torch.nn.ModuleList([layer(cfg, i, attention) for i in range(cfg["num_hidden_layers"])])
         self.norm = Gemma3RMSNorm(C, cfg["rms_norm_eps"])
         scaling = cfg.get("rope_scaling") or {}
         full = default_inv_freq(cfg["rope_theta"], D)
         if scaling.get("rope_type") == "linear":  # _compute_linear_scaling_rope_parameters
             full = full / scaling["factor"]
-        self.inv_freq = {"full_attention": full, "sliding_attention": default_inv_freq(cfg["rope_local_base_freq"], D)}
+        local = cfg.get("rope_local_base_freq")
+        self.inv_freq = {"full_attention": full,
+                         "sliding_attention": full if local is None else default_inv_freq(local, D)}
 
     def forward(self, input_ids, labels):
         seq = input_ids.shape[1]
@@ -168,13 +228,17 @@ class Gemma3ForCausalLM(torch.nn.Module):
         q = torch.arange(seq)[:, None]
         k = torch.arange(seq)[None, :]
         lowest = torch.finfo(torch.float32).min
+        window = self.cfg["sliding_window"] or seq  # Gemma 1: no window
         masks = {"full_attention": torch.zeros(seq, seq).masked_fill(k > q, lowest)[None, None],
-                 "sliding_attention": torch.zeros(seq, seq).masked_fill((k > q) | (q - k >= self.cfg["sliding_window"]),
+                 "sliding_attention": torch.zeros(seq, seq).masked_fill((k > q) | (q - k >= window),
                                                                         lowest)[None, None]}
         hidden_states = self.embed_tokens(input_ids)
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings[layer.attention_type], masks[layer.attention_type])
         logits = F.linear(self.norm(hidden_states), self.embed_tokens.weight)
+        cap = self.cfg.get("final_logit_softcapping")
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return fs.cross_entropy(logits, labels)
 
 
@@ -277,6 +341,67 @@ def import_case(cli, work, data, model, label, config, tensors, loss0, norm0, lo
         fs.compare_step(report, loss0, norm0, f"imported {label}")
 
 
+# Gemma 2 as save_pretrained writes it: the values equal to Gemma2Config's defaults left out
+# (query_pre_attn_scalar 256, the soft caps 50 and 30, layer_types alternating from a sliding layer 0).
+GEMMA2_CONFIG = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 64, "hidden_size": 32,
+                 "intermediate_size": 40, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "sliding_window": 4,
+                 "max_position_embeddings": 64, "tie_word_embeddings": True, "torch_dtype": "float32"}
+GEMMA2_DEFAULTS = {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                   "layer_types": ["sliding_attention", "full_attention"]}
+
+
+def imported_against(cli, work, data, log_for, label, model, written, want):
+    """`model` (a reference) saved as save_pretrained would with config.json `written`, imported: the
+    manifest's model section holds `want` and the replay gives the reference's loss and gradient norm."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.3 * torch.randn(p.shape) if "norm" in name else 0.4 * torch.randn(p.shape))
+    loss0, norm0 = fs.loss_and_grad_norm(model(*data.batch(data.rows(0))), list(model.parameters()))
+    directory = work / label
+    directory.mkdir(parents=True, exist_ok=True)
+    fs.nanreplay_capture.write_safetensors(directory / "model.safetensors",
+                                           [(k, v.detach()) for k, v in named_as_hf(model)])
+    (directory / "config.json").write_text(json.dumps(written, indent=2))
+    imported = work / (label + "-imported")
+    proc = import_support.run_import(cli, ["--checkpoint", directory, *data.flags(), "--log", log_for(loss0),
+                                           "--steps", "0:0"], imported)
+    if not fs.check(proc.returncode == 0, f"import of {label}: exit {proc.returncode} {proc.stderr.strip()[-400:]}"):
+        return
+    m = json.loads((imported / "manifest.json").read_text())["model"]
+    wrong = {k: m.get(k) for k, v in want.items() if m.get(k) != v}
+    fs.check(not wrong, f"import of {label}: the manifest says its options, defaults filled (differing: {wrong})")
+    rc, report, err = fs.replay(cli, imported, work / (label + "-out"))
+    if fs.check(report is not None, f"imported {label} replays (exit {rc}; {err.strip()[-300:]})"):
+        fs.compare_step(report, loss0, norm0, f"imported {label}")
+
+
+def check_gemma2_import(cli, work, data, log_for):
+    """4. Gemma 2 from its config.json (Gemma2Config's defaults filled where it leaves them out) against
+    Gemma2ForCausalLM; soft caps small enough to bend this toy model's scores and logits. Then Gemma 1
+    (GemmaForCausalLM: llama's pre-norm block with Gemma's norms, embeddings and GeGLU)."""
+    torch.manual_seed(1)
+    cfg = dict(GEMMA2_CONFIG, **GEMMA2_DEFAULTS)
+    cfg["attn_logit_softcapping"], cfg["final_logit_softcapping"] = 2.0, 3.0  # said in config.json below
+    imported_against(cli, work, data, log_for, "gemma2", Gemma3ForCausalLM(cfg, Gemma2Attention),
+                     dict(GEMMA2_CONFIG, attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+                     {"norm_layout": "sandwich", "qk_norm": None, "rms_norm_offset": True, "scale_embeddings": True,
+                      "hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256.0, "rope_local_base_freq": None,
+                      "attn_logit_softcap": 2.0, "final_logit_softcap": 3.0,
+                      "layer_types": GEMMA2_DEFAULTS["layer_types"], "sliding_window": 4, "head_dim": 16})
+    gemma1 = {k: v for k, v in GEMMA2_CONFIG.items() if k != "sliding_window"}
+    gemma1.update(architectures=["GemmaForCausalLM"], model_type="gemma")
+    cfg = dict(gemma1, attn_logit_softcapping=None, query_pre_attn_scalar=gemma1["head_dim"],
+               layer_types=["full_attention"] * gemma1["num_hidden_layers"], sliding_window=None)
+    imported_against(cli, work, data, log_for, "gemma1", Gemma3ForCausalLM(cfg, Gemma2Attention, GemmaDecoderLayer),
+                     gemma1, {"norm_layout": None, "qk_norm": None, "rms_norm_offset": True, "scale_embeddings": True,
+                              "hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": None, "layer_types": None,
+                              "sliding_window": None, "attn_logit_softcap": None, "head_dim": 16})
+    said = fs.nanreplay_capture._options_from_config(dict(GEMMA2_CONFIG), 2)  # the caps left out: the class's
+    fs.check(said.get("attn_logit_softcap", (None,))[0] == 50.0 and said.get("final_logit_softcap", (None,))[0] == 30.0,
+             f"gemma2 without soft caps in config.json takes Gemma2Config's 50 and 30 ({said})")
+
+
 def check_imports(cli, work):
     """2. and 3.: the two config forms, and a refusal."""
     torch.manual_seed(0)
@@ -295,6 +420,12 @@ def check_imports(cli, work):
     nested += [("model.vision_tower.vision_model.embeddings.patch_embedding.weight", torch.randn(8, 3, 2, 2)),
                ("model.multi_modal_projector.mm_input_projection_weight", torch.randn(8, CONFIG["hidden_size"]))]
     import_case(cli, work, data, model, "gemma3-multimodal-t5", transformers5(CONFIG), nested, loss0, norm0, log)
+
+    def log_for(loss):
+        path = work / "log-gemma2.jsonl"
+        path.write_text(json.dumps({"step": 0, "loss": loss, "lr": 1e-3}) + "\n")
+        return path
+    check_gemma2_import(cli, work, data, log_for)
     # 3. through the capture helper's reading of configs, which the import runs (no third import: CI's time)
     bad = transformers5(CONFIG)["text_config"]
     bad["rope_parameters"]["sliding_attention"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}

@@ -26,6 +26,7 @@ ORIGIN = {
     "zero-embedding": 0.1, "poisoned-token": 0.1, "fp8-scale-collapse": 0.1, "mislabeled-rope": 0.1,
     "cascade": 0.1, "transient-fp16": 0.1, "router-overflow": 0.1, "expert-overflow": 0.1,
     "glitch-token": 0.1, "demo": 0.1, "bit-flip": 0.5, "rewritten-weights": 0.6,
+    "gpt-oss-head-overflow": 0.1, "llama4-nope-overflow": 0.1,
 }
 # No origin, a flipped bit the update check names: the two steps around it (two of four checkpoints).
 FLIP = {"silent-bit-flip": 0.5}
@@ -46,7 +47,7 @@ SPIKE = ["spike-token", "spike-bit-flip", "site-mismatch", "spike-bad-update"]
 # No fault at all: not run here (tests/test_cli_minimize.cpp runs clean-fp32), but listed.
 CLEAN = ["clean-fp32", "clean-bf16", "clean-fp16", "clean-dp", "clean-accum", "clean-gqa", "clean-qwen2",
          "clean-qwen3", "clean-olmo2", "clean-gemma2", "clean-gemma3", "clean-llama3", "clean-combined", "clean-moe",
-         "clean-moe-bf16", "clean-gpt2", "clean-site-stats"]
+         "clean-moe-bf16", "clean-gpt2", "clean-site-stats", "clean-gpt-oss-attn", "clean-llama4-attn"]
 # Rolled forward (synth --checkpoint-every 10: one checkpoint, and the one a fault edits): fewer bytes to
 # start with, so larger ratios.
 ROLLED = {"head-overflow": 0.35, "cascade": 0.3, "bit-flip": 0.7, "silent-bit-flip": 0.7}
