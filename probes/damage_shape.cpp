@@ -156,8 +156,8 @@ const char* damage_pattern_name(DamagePattern pattern) {
 const char* damage_pattern_meaning(DamagePattern pattern) {
   switch (pattern) {
     case DamagePattern::kSingleElement:
-      return "one value alone: often a flipped bit (in memory or a checkpoint) or one extreme input; an overflow "
-             "seldom stays in one element";
+      return "one value alone: one extreme pair of inputs (a rare token's query against one key overflows alone at "
+             "first) or a flipped bit (in memory or a checkpoint); the numeric and system findings say which";
     case DamagePattern::kTokenRow:
       return "one token: often the data (a rare, corrupt or unusual token and its embedding), or a position the "
              "model treats specially";
