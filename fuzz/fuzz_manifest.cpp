@@ -14,8 +14,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     const nanreplay::Manifest manifest = nanreplay::parse_manifest(text, "manifest.json");
     // What later stages trust about a parsed manifest.
-    if (manifest.steps.empty() || manifest.data.shards.empty() || manifest.model.num_heads <= 0 ||
-        manifest.model.hidden_size % manifest.model.num_heads != 0) {
+    // hidden_size splits into heads unless an explicit head_dim (Qwen3, Gemma) sets the heads' width.
+    const nanreplay::ModelConfig& m = manifest.model;
+    if (manifest.steps.empty() || manifest.data.shards.empty() || m.num_heads <= 0 ||
+        (m.explicit_head_dim == 0 && m.hidden_size % m.num_heads != 0)) {
       __builtin_trap();
     }
   } catch (const nanreplay::InputError&) {
