@@ -12,11 +12,13 @@
 #   7. layer-streamed run: peak RSS 64 / 4 layers, time in memory / streamed   (bench_stream.py)
 #   8. run across 2 processes (split by layers, by ranks) / one process         (bench_distributed.py)
 #   9. bisect / run: replays and wall time, rolled-forward and per-step windows (bench_bisect.py)
+#  10. replay step and whole run of each model family / plain llama; with
+#      NANREPLAY_BENCH_BASELINE_CLI=OLD also plain llama's, this CLI / OLD         (bench_families.py)
 # The first run writes the bundles of a hidden-512, 8-layer llama (~4 GB) and
 # a 1-step bundle of its MoE twin (~1 GB) into the work directory and
 # reuses them afterwards.
 #   bench/run_all.sh [BUILD_DIR] [WORK_DIR]     (defaults: build, bench-work)
-# Environment: NANREPLAY_BENCH_THREADS (2), NANREPLAY_BENCH_REPS (9).
+# Environment: NANREPLAY_BENCH_THREADS (2), NANREPLAY_BENCH_REPS (9), NANREPLAY_BENCH_BASELINE_CLI (unset).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${1:-$root/build}"
@@ -44,3 +46,6 @@ echo; echo "== split across 2 local processes, by layers and by data-parallel ra
 echo; echo "== bisect against run, rolled forward from one checkpoint and per step (synthetic presets; $threads threads)"
 /usr/bin/python3 "$root/bench/bench_bisect.py" --nanreplay "$build/nanreplay" --work "$work/bisect" \
   --reps "$(( reps < 5 ? reps : 5 ))" --threads "$threads"
+echo; echo "== model families against plain llama, one replay step (hidden 512, 8 layers, seq 256, micro-batch 2; $threads threads)"
+/usr/bin/python3 "$root/bench/bench_families.py" --nanreplay "$build/nanreplay" --work "$work/families" \
+  --reps "$reps" --threads "$threads" ${NANREPLAY_BENCH_BASELINE_CLI:+--baseline-cli "$NANREPLAY_BENCH_BASELINE_CLI"}

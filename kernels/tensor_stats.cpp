@@ -332,13 +332,14 @@ TensorStats scan_range(const typename Elem::Raw* data, int64_t begin, int64_t en
   return out;
 }
 
-// Statistics of the causal prefixes (cols 0..row, or with a sliding window W
-// only cols row-W+1..row) of rows [row_begin, row_end)
+// Statistics of the causal prefixes (cols span.first_key(row)..row: 0 for plain
+// causal attention, row-W+1 with a sliding window W, the row's chunk start with
+// chunked attention) of rows [row_begin, row_end)
 // of one [rows, cols] matrix starting at `matrix_offset`. Short prefixes are
 // gathered into groups of about kBlock elements for the fast path.
 template <class Elem>
 TensorStats scan_causal_rows(const typename Elem::Raw* data, int64_t matrix_offset, int64_t cols,
-                             int64_t row_begin, int64_t row_end, int64_t window) {
+                             int64_t row_begin, int64_t row_end, const AttentionSpan& span) {
   TensorStats out;
   Run runs[kMaxRunsPerGroup];
   int run_count = 0;
@@ -349,7 +350,7 @@ TensorStats scan_causal_rows(const typename Elem::Raw* data, int64_t matrix_offs
     grouped = 0;
   };
   for (int64_t row = row_begin; row < row_end; ++row) {
-    const int64_t first_col = window > 0 ? std::max<int64_t>(0, row - window + 1) : 0;
+    const int64_t first_col = span.first_key(row);
     const int64_t row_offset = matrix_offset + row * cols + first_col;
     const int64_t length = std::min(row + 1, cols) - first_col;
     for (int64_t done = 0; done < length;) {
@@ -395,7 +396,8 @@ TensorStats compute_stats_typed(const void* raw, int64_t numel) {
 
 template <class Elem>
 std::vector<TensorStats> compute_head_stats_typed(const void* raw, int64_t batch, int64_t heads,
-                                                  int64_t rows, int64_t cols, bool causal, int64_t window) {
+                                                  int64_t rows, int64_t cols, bool causal,
+                                                  const AttentionSpan& span) {
   const auto* data = static_cast<const typename Elem::Raw*>(raw);
   // Tasks are row ranges of one (batch, head) matrix, so a single huge head
   // still spreads over threads; merging them in (batch, row) order keeps each
@@ -410,7 +412,7 @@ std::vector<TensorStats> compute_head_stats_typed(const void* raw, int64_t batch
     const int64_t row_begin = (t % tasks_per_matrix) * rows_per_task;
     const int64_t row_end = std::min(rows, row_begin + rows_per_task);
     const int64_t matrix_offset = matrix * rows * cols;
-    parts[t] = causal ? scan_causal_rows<Elem>(data, matrix_offset, cols, row_begin, row_end, window)
+    parts[t] = causal ? scan_causal_rows<Elem>(data, matrix_offset, cols, row_begin, row_end, span)
                       : scan_range<Elem>(data, matrix_offset + row_begin * cols,
                                          matrix_offset + row_end * cols);
   });
@@ -458,23 +460,23 @@ TensorStats compute_stats(const void* data, ElemType type, int64_t numel) {
 
 std::vector<TensorStats> compute_head_stats(const void* data, ElemType type, int64_t batch,
                                             int64_t heads, int64_t rows, int64_t cols,
-                                            bool causal, int64_t window) {
+                                            bool causal, const AttentionSpan& span) {
   if (batch < 0 || heads < 0 || rows < 0 || cols < 0) {
     throw std::invalid_argument("compute_head_stats: negative dimension");
   }
   if (causal && rows != cols) {
     throw std::invalid_argument("compute_head_stats: causal statistics need rows == cols");
   }
-  if (window < 0 || (window > 0 && !causal)) {
-    throw std::invalid_argument("compute_head_stats: a window needs causal statistics and must be positive");
+  if (!span.valid() || (!span.full() && !causal)) {
+    throw std::invalid_argument("compute_head_stats: a window or chunk needs causal statistics and must be positive");
   }
   switch (type) {
     case ElemType::kF32:
-      return compute_head_stats_typed<F32Elem>(data, batch, heads, rows, cols, causal, window);
+      return compute_head_stats_typed<F32Elem>(data, batch, heads, rows, cols, causal, span);
     case ElemType::kBF16:
-      return compute_head_stats_typed<BF16Elem>(data, batch, heads, rows, cols, causal, window);
+      return compute_head_stats_typed<BF16Elem>(data, batch, heads, rows, cols, causal, span);
     case ElemType::kF16:
-      return compute_head_stats_typed<F16Elem>(data, batch, heads, rows, cols, causal, window);
+      return compute_head_stats_typed<F16Elem>(data, batch, heads, rows, cols, causal, span);
   }
   throw std::invalid_argument("compute_head_stats: unknown element type");
 }

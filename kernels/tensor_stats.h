@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels/attention_span.h"
+
 namespace nanreplay {
 
 enum class ElemType { kF32, kBF16, kF16 };
@@ -61,12 +63,12 @@ TensorStats compute_stats(const void* data, ElemType type, int64_t numel);
 
 // Per-head statistics of a contiguous [batch, heads, rows, cols] buffer:
 // result[h] covers head h over every batch row. With `causal`, only elements
-// with col <= row count (requires rows == cols), and with a sliding `window`
-// W > 0 only those with row - W < col <= row; masked elements are skipped
+// with col <= row count (requires rows == cols), and with a sliding window
+// or chunks in `span` only the cols it lets each row see; masked elements are skipped
 // entirely (not counted, not checked). Indices are row-major over the full buffer.
 std::vector<TensorStats> compute_head_stats(const void* data, ElemType type, int64_t batch,
                                             int64_t heads, int64_t rows, int64_t cols,
-                                            bool causal, int64_t window = 0);
+                                            bool causal, const AttentionSpan& span = {});
 
 // Combines per-head results into whole-tensor statistics whose
 // first_nonfinite is the lowest index over all heads.

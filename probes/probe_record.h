@@ -12,6 +12,7 @@
 
 #include "kernels/tensor_stats.h"
 #include "probes/damage_shape.h"
+#include "probes/masked_score.h"
 #include "probes/sites.h"
 
 namespace nanreplay {
@@ -52,6 +53,10 @@ struct ProbeRecord {
   // incident; host tensors only, shared by the site's records (a split
   // replay sends it with them). Null: not taken.
   std::shared_ptr<const DamageShape> damage;
+  // The pass's first non-finite forward site, when it is a layer's attn.scores
+  // or attn.probs and the origin's row held a non-finite score at a masked key:
+  // what the mask did to that row (masked_score.h). Host tensors only; null otherwise.
+  std::shared_ptr<const MaskedScore> masked_score;
   // log2(dtype max / max |x|): how many doublings the largest finite value of
   // this site could take before it overflows the type it is held in (+inf
   // when the site is all zero). Near zero means a near miss.

@@ -28,6 +28,14 @@ void WireWriter::record(const ProbeRecord& r) {
   pod(r.largest_sample), pod(r.largest_position);  // a spike origin's element
   pod(r.damage != nullptr);
   if (r.damage) damage(*r.damage);
+  pod(r.masked_score != nullptr);
+  if (r.masked_score) masked_score(*r.masked_score);
+}
+
+void WireWriter::masked_score(const MaskedScore& m) {
+  pod(m.batch_row), pod(m.sample), pod(m.head), pod(m.query);
+  ints(m.keys);
+  pod(m.key_count), pod(m.raw_score), pod(m.mask), pod(m.soft_capped);
 }
 
 void WireWriter::damage(const DamageShape& d) {
@@ -80,7 +88,18 @@ ProbeRecord WireReader::record() {
   r.headroom_bits = pod<double>();
   r.largest_sample = pod<int64_t>(), r.largest_position = pod<int64_t>();
   if (pod<bool>()) r.damage = std::make_shared<const DamageShape>(damage());
+  if (pod<bool>()) r.masked_score = std::make_shared<const MaskedScore>(masked_score());
   return r;
+}
+
+MaskedScore WireReader::masked_score() {
+  MaskedScore m;
+  m.batch_row = pod<int64_t>(), m.sample = pod<int64_t>(), m.head = pod<int>(), m.query = pod<int64_t>();
+  m.keys = ints();
+  if (m.keys.size() > kMaskedKeysListed) throw std::runtime_error("a peer's masked score lists too many keys");
+  m.key_count = pod<int64_t>(), m.raw_score = pod<double>(), m.mask = pod<AttentionMask>();
+  m.soft_capped = pod<bool>();
+  return m;
 }
 
 DamageShape WireReader::damage() {

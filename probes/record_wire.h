@@ -24,6 +24,7 @@ class WireWriter {
   void record(const ProbeRecord& record);
   void norm_check(const NormCheck& check);
   void damage(const DamageShape& damage);
+  void masked_score(const MaskedScore& masked);
   std::string take() { return std::move(bytes_); }
 
  private:
@@ -45,6 +46,7 @@ class WireReader {
   ProbeRecord record();
   NormCheck norm_check();
   DamageShape damage();
+  MaskedScore masked_score();
   bool done() const { return at_ == bytes_.size(); }
 
  private:

@@ -314,6 +314,51 @@ void plant_spike_token(const SyntheticSpec& spec, ParamMap& params, int64_t toke
   head[0].fill_(kSpikeHeadGain);
 }
 
+// Attention-logit growth (spike-logit-growth): head f.head of layer f.layer
+// writes one feature of the residual stream that nothing else writes or
+// reads but the (untied) lm_head, so the head's output reaches the logits
+// directly. While the head's query-key logits are small its softmax averages
+// many keys, whose values along that feature have random signs and mostly
+// cancel; as the logits grow it picks one key per query and hands the
+// logits that key's whole value: the loss rises with the head's largest
+// logit. The q and k rows grow by kLogitGrowthPerStep into every
+// checkpoint of the window, then by kLogitGrowthAtSpike into the fault
+// step's (the logits by the square of each): the spike step's logits leave
+// their trend 4x while q and k leave theirs 2x, below the site ratio, so
+// the origin is the scores, not the projections before them.
+constexpr double kLogitGrowthPerStep = 2.0;
+constexpr double kLogitGrowthAtSpike = 4.0;
+constexpr double kLogitGrowthOutGain = 0.1;   // o_proj: head -> the feature
+constexpr double kLogitGrowthHeadGain = 3.0;  // lm_head: the feature -> every token's logit
+
+void scale_head_qk(const SyntheticSpec& spec, ParamMap& params, double factor) {
+  const ModelConfig& m = spec.model;
+  const FaultSpec& f = spec.fault;
+  const int64_t D = m.head_dim();
+  const int64_t kv_head = f.head / (m.num_heads / m.num_kv_heads);
+  params.at(param_key(m.arch, ParamRole::kQProj, f.layer)).narrow(0, f.head * D, D).mul_(factor);
+  params.at(param_key(m.arch, ParamRole::kKProj, f.layer)).narrow(0, kv_head * D, D).mul_(factor);
+}
+
+void plant_logit_growth(const SyntheticSpec& spec, ParamMap& params) {
+  const ModelConfig& m = spec.model;
+  const FaultSpec& f = spec.fault;
+  if (m.tie_embeddings) throw std::invalid_argument("logit growth needs an untied lm_head");
+  const int64_t D = m.head_dim();
+  constexpr int64_t kFeature = 0;
+  using R = ParamRole;
+  auto weight = [&](R role, int layer) -> torch::Tensor& { return params.at(param_key(m.arch, role, layer)); };
+  params.at(embedding_key(m)).select(1, kFeature).zero_();
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    for (R reader : {R::kQProj, R::kKProj, R::kVProj, R::kGateProj, R::kUpProj}) {
+      weight(reader, layer).select(1, kFeature).zero_();
+    }
+    for (R writer : {R::kOProj, R::kDownProj}) weight(writer, layer)[kFeature].zero_();
+  }
+  weight(R::kOProj, f.layer)[kFeature].narrow(0, f.head * D, D).copy_(torch::randn({D}) * kLogitGrowthOutGain);
+  weight(R::kLmHead, -1).select(1, kFeature).copy_(torch::randn({m.vocab_size}) * kLogitGrowthHeadGain);
+}
+
 // Faults of the model that predate the captured window (in memory, before the
 // first checkpoint): AdamW carries them from checkpoint to checkpoint.
 void plant_in_model(const SyntheticSpec& spec, ParamMap& params, int64_t token) {
@@ -328,6 +373,7 @@ void plant_in_model(const SyntheticSpec& spec, ParamMap& params, int64_t token) 
   if (f.kind == FaultKind::kRouterCollapse) params.at(param_key(spec.model.arch, ParamRole::kRouter, f.layer)).zero_();
   if (f.kind == FaultKind::kGlitchToken) params.at(embedding_key(spec.model))[token].fill_(f.embedding_value);
   if (f.kind == FaultKind::kSpikeToken) plant_spike_token(spec, params, token);
+  if (f.kind == FaultKind::kLogitGrowth) plant_logit_growth(spec, params);
   if (f.kind == FaultKind::kZeroEmbedding) params.at(embedding_key(spec.model))[token].zero_();
 }
 
@@ -371,6 +417,7 @@ void edit_checkpoint(const SyntheticSpec& spec, ParamMap& params, SyntheticOutco
     outcome.fault_param = f.param;
     outcome.fault_element = inject_bit_flip(params, f);
   }
+  if (f.kind == FaultKind::kLogitGrowth) scale_head_qk(spec, params, kLogitGrowthAtSpike);
   if (f.kind == FaultKind::kRewrittenWeights) {
     for (ParamRole role : {ParamRole::kQProj, ParamRole::kKProj}) {
       params.at(param_key(spec.model.arch, role, f.layer)).mul_(f.weight_scale);
@@ -514,6 +561,10 @@ struct Trainer {
     }
     double step_scale = loss_scale;
     if (s == fault.step && fault.kind == FaultKind::kLossScaleOverflow) step_scale = std::ldexp(1.0, 40);
+    if (fault.kind == FaultKind::kLogitGrowth && s > spec.first_step && s < fault.step) {
+      torch::NoGradGuard no_grad;
+      scale_head_qk(spec, params, kLogitGrowthPerStep);
+    }
     if (s == fault.step) {
       outcome.fault_step = s;
       outcome.first_sample = batch.samples[0][0];
@@ -958,6 +1009,25 @@ const std::vector<PresetDef>& preset_table() {
          s.fault.param = "lm_head.weight";
          s.fault.weight_scale = 100.0;
          s.incident_kind = IncidentKind::kSpike;
+       }},
+      {{"spike-logit-growth", "fp32: head 2 of layer 1's q and k weights grow in every checkpoint of the window, "
+                              "faster into the last; its largest query-key logit grows step by step until its "
+                              "softmax picks one key per query and the loss spikes, nothing goes non-finite; "
+                              "weights only (no optimizer state)"},
+       [](SyntheticSpec& s) {
+         fault_at_last(s, FaultKind::kLogitGrowth);
+         s.fault.layer = 1;
+         s.fault.head = 2;
+         s.write_optimizer = false;
+         // A small learning rate: the planted gains would send AdamW's first
+         // updates through the feature and move the loss more than the head does.
+         s.lr = 3e-5;
+         // The feature's share of the loss varies from sample to sample; eight
+         // samples a micro-batch, drawn by this seed, give healthy steps whose
+         // losses lie within 2% with no sample far above its step's median
+         // (no DATA_LOSS_OUTLIER to stand beside the spike).
+         s.micro_batch_size = 8;
+         s.sampler_seed = 12;
        }},
       {{"clean-gpt2", "nothing, nanoGPT's gpt2 (LayerNorm, biases, learned positions, tied head)"},
        [](SyntheticSpec& s) {

@@ -50,6 +50,7 @@ enum class FaultKind {
   // Weights rewritten outside the optimizer (an edit between two checkpoints):
   kRewrittenWeights,  // layer `layer`'s q_proj and k_proj multiplied by `weight_scale` before the step
   kBadUpdate,         // the update of `param` into the step's checkpoint applied `weight_scale` times over
+  kLogitGrowth,       // head `head` of `layer`: its q and k rows grow in every checkpoint of the window, faster at `step`
 };
 
 struct FaultSpec {

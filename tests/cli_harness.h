@@ -22,6 +22,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/synth_cache.h"
+
 namespace nanreplay_test {
 
 struct CliResult {
@@ -80,7 +82,7 @@ inline std::string cli_under_test() {
 
 // Runs `nanreplay <args...>` with NO_COLOR set and stdin closed; `env` is a
 // shell prefix that changes the environment ("env -u VAR NAME=value").
-inline CliResult run_cli(const std::vector<std::string>& args, const std::string& env = "") {
+inline CliResult run_cli_uncached(const std::vector<std::string>& args, const std::string& env = "") {
   static int counter = 0;
   const auto base = std::filesystem::temp_directory_path() /
                     ("nanreplay-cli-" + std::to_string(getpid()) + "-" + std::to_string(counter++));
@@ -95,6 +97,47 @@ inline CliResult run_cli(const std::vector<std::string>& args, const std::string
   std::filesystem::remove(base.string() + ".out");
   std::filesystem::remove(base.string() + ".err");
   return result;
+}
+
+// A cacheable synth (synth_cache.h) copied from the cache, filled on a miss.
+inline CliResult cached_synth(const std::vector<std::string>& args, const std::filesystem::path& target) {
+  namespace fs = std::filesystem;
+  const fs::path entry = synth_cache::binary_folder(cli_under_test()) / synth_cache::key_of(args);
+  std::error_code ec;
+  if (!fs::exists(entry, ec)) {
+    static int counter = 0;
+    const fs::path filling = entry.string() + ".fill-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
+    std::vector<std::string> filling_args = args;
+    filling_args[2] = filling.string();
+    const CliResult made = run_cli_uncached(filling_args);
+    if (made.status != 0) {
+      fs::remove_all(filling, ec);
+      return run_cli_uncached(args);
+    }
+    // stdout/stderr beside the tree, written before the rename that publishes it.
+    std::ofstream(filling.string() + ".out") << synth_cache::replace_all(made.out, filling.string(), synth_cache::kDirMark);
+    std::ofstream(filling.string() + ".err") << synth_cache::replace_all(made.err, filling.string(), synth_cache::kDirMark);
+    fs::rename(filling.string() + ".out", entry.string() + ".out", ec);
+    fs::rename(filling.string() + ".err", entry.string() + ".err", ec);
+    fs::rename(filling, entry, ec);
+    if (ec) fs::remove_all(filling, ec);  // another process published it first
+  }
+  fs::copy(entry, target, fs::copy_options::recursive | fs::copy_options::copy_symlinks, ec);
+  if (ec) {
+    fs::remove_all(target, ec);
+    return run_cli_uncached(args);
+  }
+  CliResult result;
+  result.status = 0;
+  result.out = synth_cache::replace_all(slurp(entry.string() + ".out"), synth_cache::kDirMark, target.string());
+  result.err = synth_cache::replace_all(slurp(entry.string() + ".err"), synth_cache::kDirMark, target.string());
+  return result;
+}
+
+// run_cli_uncached, but a plain `synth PRESET DIR` comes from the cache.
+inline CliResult run_cli(const std::vector<std::string>& args, const std::string& env = "") {
+  const auto target = synth_cache::cacheable_target(args, env);
+  return target ? cached_synth(args, *target) : run_cli_uncached(args, env);
 }
 
 inline nlohmann::json read_json(const std::filesystem::path& path) {

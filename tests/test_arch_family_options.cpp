@@ -221,3 +221,29 @@ TEST_CASE("attention_sinks brings one logit per head and the attn.sink site; o_p
   CHECK(nanreplay::is_per_head(nanreplay::SiteId::kAttnSink));
   check_refused({{"attention_sinks", "yes"}}, "attention_sinks", "");
 }
+
+TEST_CASE("attention_chunk_size chunks the rotary layers, or the layers layer_types names chunked_attention",
+          "[arch][families]") {
+  using nanreplay::AttentionKind;
+  // No layer_types: as Llama4TextConfig derives it, rotary layers (no_rope_layers 1) chunked, NoPE layers full.
+  const nanreplay::ModelConfig derived =
+      family_model({{"num_layers", 2}, {"no_rope_layers", {1, 0}}, {"attention_chunk_size", 3}});
+  CHECK(derived.attention_kind(0) == AttentionKind::kChunked);
+  CHECK(derived.attention_kind(1) == AttentionKind::kFull);
+  CHECK(derived.span_of(0).chunk == 3);
+  CHECK(derived.span_of(0).window == 0);
+  CHECK(derived.span_of(1).full());
+  CHECK(derived.span_of(0).first_key(2) == 0);
+  CHECK(derived.span_of(0).first_key(3) == 3);  // query 3 starts the second chunk: it sees itself only
+  CHECK(derived.span_of(0).first_key(7) == 6);
+  // A seq_len beyond the chunk is replayed (it was refused while only one chunk was).
+  json longer = family_manifest({{"attention_chunk_size", 3}});
+  CHECK(nanreplay::parse_manifest(longer.dump(), "m.json").data.seq_len == 8);
+  // Explicit layer_types wins over the derivation.
+  const nanreplay::ModelConfig listed = family_model(
+      {{"num_layers", 2}, {"attention_chunk_size", 4}, {"layer_types", {"full_attention", "chunked_attention"}}});
+  CHECK(listed.attention_kind(0) == AttentionKind::kFull);
+  CHECK(listed.span_of(1).chunk == 4);
+  check_refused({{"layer_types", {"chunked_attention"}}}, "layer_types[0]",
+                "a chunked_attention layer needs model.attention_chunk_size");
+}

@@ -130,8 +130,9 @@ TEST_CASE("bisect names run's origin for an fp16 head overflow, with what-ifs on
                                             "fp32-layers=0", "--what-if", "norm-eps=1e-3"}));
   check_same_origin(b);
   CHECK(b.bisect["origin"]["site"] == "layers.1.attn.scores");
-  // ddmin's one test ({a} fails) proves nothing about data: the other sample is tested alone too.
-  check_replays(b, 5, 1, 2, 8);
+  // ddmin's one test ({a}, the origin's sample) is known to fail without a replay, and the site
+  // stage saw the damage in a's one token row: data-dependent, nothing replayed.
+  check_replays(b, 5, 1, 0, 8);
   CHECK(b.bisect["stages"]["samples"]["data_dependent"] == true);
   CHECK(tested(b) == std::vector<std::pair<int64_t, bool>>{{103, true}, {101, false}, {102, false}});
   CHECK(b.bisect["stages"]["step"]["clean_predecessor"] == 102);
@@ -147,7 +148,7 @@ TEST_CASE("bisect names run's origin for an fp16 head overflow, with what-ifs on
   check_resolved(b, "norm-eps=1e-3", false, 3);
   CHECK(what_if(b, "fp32-layers=0")["first_nonfinite_after"]["site"] == "layers.1.attn.scores");
   CHECK(b.bisect["replays"]["what_if"] == 10);
-  CHECK(b.bisect["replays"]["total"] == 6 + 2 + 10);
+  CHECK(b.bisect["replays"]["total"] == 6 + 0 + 10);
   CHECK_FALSE(b.run.contains("what_if"));  // run without --what-if: report v1 readers see nothing new
 
   const auto text = run_cli({"bisect", (dir / "bundle").string(), "--no-samples"});
@@ -167,7 +168,7 @@ TEST_CASE("bisect names a zero-norm NaN, run and bisect agree that norm-eps remo
   const Bisected b = synth_run_bisect(dir, "zero-embedding", with(what_ifs), what_ifs);
   check_same_origin(b);
   CHECK(b.bisect["origin"]["site"] == "layers.0.attn_norm");
-  check_replays(b, 5, 1, 2, 8);
+  check_replays(b, 5, 1, 0, 8);  // the origin's sample is known to fail; its damage confined to it
   CHECK(b.bisect["stages"]["samples"]["data_dependent"] == true);
   CHECK(b.bisect["stages"]["samples"]["minimal"] == nlohmann::json::array({b.planted["first_sample"]}));
   check_resolved(b, "norm-eps=1e-5", true, 2);
@@ -210,8 +211,9 @@ TEST_CASE("bisect on data parallel: the glitch-token sample on rank 1, found by 
   CHECK(origin["sample"] == bad);
   CHECK(origin["position"] == 9);
   // 2 ranks x 2 micro-batches = 4 passes a step; the bad one is the step's last pass.
-  check_replays(b, 12, 1, 4, 16);
-  // ddmin over the pass's 4 samples [a, b, c, bad]: {a, b} passes, {c, bad} fails, {c} passes, {bad} fails.
+  check_replays(b, 12, 1, 2, 16);
+  // ddmin over the pass's 4 samples [a, b, c, bad]: {a, b} passes, {c, bad} fails, {c} passes, {bad} fails;
+  // the two that hold the origin's sample are known without a replay.
   const nlohmann::json& samples = b.bisect["stages"]["samples"];
   REQUIRE(samples["candidates"].size() == 4);
   CHECK(samples["candidates"][3] == bad);
@@ -230,8 +232,9 @@ TEST_CASE("bisect searches a 6-step window whose failure starts mid-way, and fp3
   CHECK(b.bisect["origin"]["step"] == 102);
   CHECK(b.bisect["origin"]["site"] == "layers.1.mlp.up");
   // 105 bad (1 pass), 102 bad (1), 101 clean (2): 4 against run's 12.
-  // The edited row overflows on every sample: both fail alone, not data-dependent.
-  check_replays(b, 4, 1, 2, 12);
+  // The edited row overflows on every sample: both fail alone, not data-dependent ({a} is the
+  // origin's, known to fail; {b} is replayed).
+  check_replays(b, 4, 1, 1, 12);
   CHECK(b.bisect["stages"]["samples"]["data_dependent"] == false);
   CHECK(tested(b) == std::vector<std::pair<int64_t, bool>>{{105, true}, {102, true}, {101, false}});
   check_resolved(b, "fp32-layers=1", true, 2);

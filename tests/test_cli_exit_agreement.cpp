@@ -45,6 +45,7 @@ TEST_CASE("run and bisect exit alike on the presets only run's checks used to ca
       {"zero-embedding", 1, ""},  // NaN: the origin decides, for both
       // Judged by run's full probe pass in bisect too (bisect_verdict.h): a spike's origin, a site mismatch.
       {"spike-token", 1, ""},
+      {"spike-logit-growth", 1, ""},  // a head's scores, named by both
       {"site-mismatch", 1, "SYSTEM_SITE_MISMATCH"},
       {"spike-bad-update", 1, "SYSTEM_UPDATE_MISMATCH"},  // a spike whose root cause is the update
   };

@@ -92,3 +92,40 @@ TEST_CASE("a minimized flipped bit names the one tensor that shows it", "[minimi
   CHECK(j["bit_flip_after"]["bit"] == 29);
   CHECK(j["reason"].is_null());
 }
+
+// spike-token: a finite loss spike at step 103 carried by one sample; its
+// origin (embed) rests on the healthy steps before it.
+TEST_CASE("minimize cuts a spike to its healthy baseline and the sample that carries it", "[minimize][cli][spike]") {
+  ScratchDir dir("minimize-spike");
+  REQUIRE(run_cli({"synth", "spike-token", (dir / "bundle").string()}).status == 0);
+  const CliResult run = run_cli({"minimize", (dir / "bundle").string(), "--out", (dir / "min").string(), "--json"});
+  INFO(run.err);
+  REQUIRE(run.status == 0);
+  const nlohmann::json report = nlohmann::json::parse(run.out);
+  REQUIRE(report["finding"] == "spike");
+  const nlohmann::json& spike = report["spike"];
+  CHECK(spike["reproduced"] == true);
+  CHECK(spike["site"] == "embed");
+  // Two healthy steps before the spike (min_history 1), one sample each, layer 0 only.
+  CHECK(report["before"]["steps"] == 4);
+  CHECK(report["after"]["steps"] == 3);
+  CHECK(report["after"]["samples"] == 3);
+  CHECK(report["after"]["layers"] == 1);
+  CHECK(report["after"]["world_size"] == 1);
+  CHECK(report["after"]["grad_accum_steps"] == 1);
+  CHECK(report["ratio"].get<double>() < 0.3);
+  CHECK(report["kept_samples_original"] == nlohmann::json::array({spike["sample"]}));
+  const nlohmann::json manifest = read_json(dir / "min" / "manifest.json");
+  CHECK(manifest["incident"]["kind"] == "spike");
+  CHECK(manifest["incident"]["step"] == spike["step"]);
+  CHECK(manifest["steps"].back()["original_samples"] == nlohmann::json::array({nlohmann::json::array({spike["sample"]})}));
+
+  // The verdict of run on MIN is the original's: the same spike origin, reproduced, and exit 1.
+  const CliResult triage = run_cli({"run", (dir / "min").string(), "--out", (dir / "triage").string(), "--json"});
+  REQUIRE(triage.status == 1);
+  const nlohmann::json after = nlohmann::json::parse(triage.out)["spike"];
+  for (const char* key : {"reproduced", "step", "phase", "site", "layer", "head", "expert", "position"}) {
+    CHECK(after[key] == spike[key]);
+  }
+  CHECK(after["sample"] == report["spike_after"]["sample"]);
+}

@@ -146,6 +146,32 @@ TEST_CASE("with a sliding window, attention statistics count only the keys each 
   CHECK(checked > 0);
 }
 
+TEST_CASE("with chunked attention, a rotary layer's statistics count its chunk's keys, a NoPE layer's every earlier key",
+          "[cli][options][probes][chunked]") {
+  ScratchDir dir("options-chunked");
+  const int64_t chunk = 8;  // data.seq_len 32: four chunks
+  const auto bundle =
+      edited_bundle(dir, [&](nlohmann::json& m) { m["model"]["attention_chunk_size"] = chunk; }, "clean-llama4-attn");
+  const auto inspect = run_cli({"inspect", bundle.string()});
+  INFO(inspect.out << inspect.err);
+  CHECK_THAT(inspect.out, Catch::Matchers::Contains("attention  0 chunked, 1 full (chunk 8)"));
+  run_cli({"run", bundle.string(), "--out", (dir / "out").string(), "--quiet"});  // its logged losses had one chunk
+  const nlohmann::json manifest = read_json(bundle / "manifest.json");
+  const int64_t T = manifest["data"]["seq_len"], batch = manifest["data"]["micro_batch_size"];
+  REQUIRE(T > chunk);
+  int64_t in_chunk = 0;
+  for (int64_t i = 0; i < T; ++i) in_chunk += i % chunk + 1;
+  const nanreplay::TraceContents trace = nanreplay::read_trace((dir / "out" / "trace.h5").string());
+  int checked = 0;
+  for (const nanreplay::ProbeRecord& r : trace.probes) {
+    if (r.phase != nanreplay::Phase::kForward || r.head < 0) continue;
+    if (r.site.id != nanreplay::SiteId::kAttnScores && r.site.id != nanreplay::SiteId::kAttnProbs) continue;
+    CHECK(r.stats.count == batch * (r.layer == 0 ? in_chunk : T * (T + 1) / 2));  // layer 1 is NoPE: full
+    ++checked;
+  }
+  CHECK(checked > 0);
+}
+
 TEST_CASE("what-ifs qk-norm and softcap: QK-norm bounds an fp16 head's scores, a cap after the overflow cannot",
           "[cli][options][what-if]") {
   ScratchDir dir("options-what-if");

@@ -68,6 +68,48 @@ std::vector<nanreplay::Finding> update_spikes_if_last_were_incident(const nlohma
                                           nanreplay::default_thresholds(nanreplay::Compute::kFp32));
 }
 
+bool close_to(const nlohmann::json& a, const nlohmann::json& b, double relative) {
+  if (!a.is_number() || !b.is_number()) return a == b;
+  const double x = a.get<double>(), y = b.get<double>();
+  return std::fabs(x - y) <= relative * std::max(std::fabs(y), 1e-12);
+}
+
+// Per step's update statistics (from the checkpoints) against the rolled
+// window's (its own updates): the same update RMS and mean g^2 / v per tensor,
+// where both were measured and the checkpoints hold no change made outside
+// the optimizer (a flipped bit is in the checkpoint, not in the derived update).
+void check_update_stats_agree(const nlohmann::json& per_step, const nlohmann::json& rolled) {
+  std::map<std::pair<int64_t, std::string>, nlohmann::json> from_checkpoints;
+  for (const auto& row : per_step["update_stats"]) {
+    for (const auto& t : row["tensors"]) from_checkpoints[{row["step"].get<int64_t>(), t["param"].get<std::string>()}] = t;
+  }
+  // Only the updates made from the same gradients (check_rolled_matches_per_step checks those apart).
+  std::set<int64_t> same_gradients;
+  for (size_t i = 0; i < rolled["steps"].size() && i < per_step["steps"].size(); ++i) {
+    if (same_number(rolled["steps"][i]["grad_norm"], per_step["steps"][i]["grad_norm"])) {
+      same_gradients.insert(rolled["steps"][i]["step"].get<int64_t>());
+    }
+  }
+  int compared = 0;
+  for (const auto& row : rolled["update_stats"]) {
+    if (same_gradients.count(row["step"].get<int64_t>()) == 0) continue;
+    for (const auto& t : row["tensors"]) {
+      const auto it = from_checkpoints.find({row["step"].get<int64_t>(), t["param"].get<std::string>()});
+      // A non-finite checkpoint (CHECKPOINT_NONFINITE's) has no finite update to compare.
+      if (it == from_checkpoints.end() || it->second.value("outside_optimizer", false) ||
+          !it->second["update_rms"].is_number()) {
+        continue;
+      }
+      INFO("step " << row["step"] << " " << t["param"] << ": per step " << it->second.dump() << ", rolled " << t.dump());
+      CHECK(close_to(it->second["update_rms"], t["update_rms"], 1e-4));
+      CHECK(close_to(it->second["g2_over_v"], t["g2_over_v"], 1e-4));
+      // Not g2_over_v_max: its element's v_hat may be near zero, where rounding of the two states decides it.
+      ++compared;
+    }
+  }
+  CHECK(compared > 0);
+}
+
 // synth + run, without triage()'s bisect agreement: every preset's bisect is
 // checked per step elsewhere, and in order on a rolled window below.
 Triaged synth_and_run(const ScratchDir& dir, const std::string& preset, const std::vector<std::string>& synth_extra = {}) {
@@ -110,14 +152,19 @@ void check_rolled_matches_per_step(const std::string& preset) {
   REQUIRE(trajectory.is_object());
   CHECK(trajectory["diverged_at"].is_null());
   CHECK(expected.report["reproduction"]["trajectory"].is_null());
-  // Every derived update measured (the last step's too); per step, nothing is derived.
-  CHECK_FALSE(expected.report.contains("update_stats"));
+  // Every update measured (the last step's too): derived rolling forward,
+  // between checkpoints per step, and the two agree.
   REQUIRE(got.report.contains("update_stats"));
+  REQUIRE(expected.report.contains("update_stats"));
   CHECK(got.report["update_stats"].front()["step"] == steps[0]["step"]);
+  CHECK(expected.report["update_stats"].front()["step"] == steps[0]["step"]);
+  check_update_stats_agree(expected.report, got.report);
   // Calibration: a window with no incident would give no update spike even if its last step were one.
   if (got.report["first_nonfinite"].is_null() && got.report["spike"].is_null()) {
-    CHECK(with_code(got.report, "NUMERIC_UPDATE_SPIKE").empty());
-    for (const auto& f : update_spikes_if_last_were_incident(got.report)) FAIL_CHECK(f.message);
+    for (const Triaged* t : {&got, &expected}) {
+      CHECK(with_code(t->report, "NUMERIC_UPDATE_SPIKE").empty());
+      for (const auto& f : update_spikes_if_last_were_incident(t->report)) FAIL_CHECK(f.message);
+    }
   }
 }
 
@@ -175,6 +222,52 @@ TEST_CASE("rolled forward, the update that jumped first before a spike is NUMERI
   CHECK(std::string(std::istreambuf_iterator<char>(md), {}).find("NUMERIC_UPDATE_SPIKE") != std::string::npos);
 }
 
+TEST_CASE("per step, the update that jumped first before a spike is NUMERIC_UPDATE_SPIKE, as rolled forward",
+          "[cli][roll][spike]") {
+  ScratchDir per_step("per-step-update-spike"), rolled("rolled-update-spike-twin");
+  const Triaged t = synth_and_run(per_step, "spike-token");
+  const Triaged twin = synth_and_run(rolled, "spike-token", {"--checkpoint-every", "1000"});
+  CHECK(t.status == 1);
+  REQUIRE(t.report["spike"].is_object());
+  const auto jumps = with_code(t.report, "NUMERIC_UPDATE_SPIKE");
+  const auto twin_jumps = with_code(twin.report, "NUMERIC_UPDATE_SPIKE");
+  REQUIRE_FALSE(jumps.empty());
+  REQUIRE(jumps.size() == twin_jumps.size());
+  for (size_t i = 0; i < jumps.size(); ++i) {
+    CHECK(jumps[i]["evidence"]["param"] == twin_jumps[i]["evidence"]["param"]);
+    CHECK(jumps[i]["evidence"]["step"] == twin_jumps[i]["evidence"]["step"]);
+    CHECK(close_to(jumps[i]["evidence"]["g2_over_v"], twin_jumps[i]["evidence"]["g2_over_v"], 1e-4));
+  }
+  CHECK(jumps[0]["evidence"]["param"] == "lm_head.weight");
+  CHECK(jumps[0]["evidence"]["g2_over_v"].get<double>() >= 25.0);
+  CHECK(t.report["root_cause"]["code"] != "NUMERIC_UPDATE_SPIKE");
+  // Steps 100-102 from their checkpoints, 103 (the last) the optimizer's own update of its checkpoint and state.
+  const auto& updates = t.report["update_stats"];
+  REQUIRE(updates.size() == 4);
+  CHECK(updates.front()["step"] == 100);
+  CHECK(updates.back()["step"] == 103);
+  check_update_stats_agree(t.report, twin.report);
+}
+
+TEST_CASE("per step, a tensor rewritten outside the optimizer is marked in update_stats and not judged an update spike",
+          "[cli][roll][spike]") {
+  ScratchDir dir("per-step-bad-update");
+  const Triaged t = synth_and_run(dir, "spike-bad-update");
+  std::set<std::pair<std::string, int64_t>> rewritten;  // (param, the checkpoint's step)
+  for (const auto& f : with_code(t.report, "SYSTEM_UPDATE_MISMATCH")) {
+    rewritten.insert({f["evidence"]["param"].get<std::string>(), f["evidence"]["step"].get<int64_t>()});
+  }
+  REQUIRE(rewritten.count({"lm_head.weight", 103}) == 1);
+  for (const auto& row : t.report["update_stats"]) {
+    for (const auto& u : row["tensors"]) {
+      INFO(row["step"] << " " << u["param"]);
+      CHECK(u.value("outside_optimizer", false) ==
+            (rewritten.count({u["param"].get<std::string>(), row["step"].get<int64_t>() + 1}) == 1));
+    }
+  }
+  for (const auto& f : with_code(t.report, "NUMERIC_UPDATE_SPIKE")) CHECK(f["evidence"]["param"] != "lm_head.weight");
+}
+
 TEST_CASE("a checkpoint every two steps: later checkpoints are replayed from and compared with the derived update",
           "[cli][roll]") {
   ScratchDir per_step("every2-ref"), dir("every2");
@@ -230,6 +323,13 @@ TEST_CASE("bisect walks a rolled-forward window in order and names run's origin"
   CHECK(run_replays == t.report["replays"]["steps"].get<int64_t>() + 1);  // the determinism re-check
   CHECK(tested.back()["replays"].get<int64_t>() < bisect["passes_per_step"].get<int64_t>());
   CHECK(replays["origin"].get<int64_t>() < run_replays);
+  // With the samples stage too: the subsets holding the origin's sample are known to fail and the
+  // damage lies in its one token row, so nothing more is replayed; the same minimal set as per step.
+  const auto full = nlohmann::json::parse(run_cli({"bisect", (dir / "bundle").string(), "--json"}).out);
+  CHECK(full["origin"] == bisect["origin"]);
+  CHECK(full["replays"]["total"].get<int64_t>() < run_replays);
+  CHECK(full["stages"]["samples"]["minimal"] == nlohmann::json::array({full["origin"]["sample"]}));
+  CHECK(full["stages"]["samples"]["data_dependent"] == true);
   const auto text = run_cli({"bisect", (dir / "bundle").string(), "--no-samples"});
   CHECK(text.out.find("in order") != std::string::npos);
 }

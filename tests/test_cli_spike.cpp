@@ -2,8 +2,9 @@
 // is no spike; a data sample's spike and a silent bit flip are reproduced and
 // located; a logged spike the replay does not make is said first; logged
 // site statistics that another machine computed are SYSTEM_SITE_MISMATCH; a
-// checkpoint step off the log is SYSTEM_TRAJECTORY_DIVERGED; bad spike input
-// is refused with the file and key.
+// checkpoint step off the log is SYSTEM_TRAJECTORY_DIVERGED; one head's
+// growing query-key logits are named as attention-logit growth; bad spike
+// input is refused with the file and key.
 #include <catch2/catch.hpp>
 
 #include <cmath>
@@ -13,6 +14,7 @@
 #include "loaders/bundle/manifest.h"
 #include "loaders/bundle/step_state.h"
 #include "reports/triage/spike_origin.h"
+#include "reports/triage/window_outliers.h"
 #include "tests/triage_harness.h"
 
 using nanreplay_test::check_one_error_line;
@@ -71,6 +73,8 @@ TEST_CASE("clean windows are no spike: spike null, no site mismatch, exit 0", "[
     CHECK(r.report["spike_check"].is_null());
     CHECK(with_code(r.report, "SYSTEM_SITE_MISMATCH").empty());
     CHECK(with_code(r.report, "SYSTEM_TRAJECTORY_DIVERGED").empty());
+    CHECK(r.report["head_logit_growth"].is_null());  // no spike incident: no "what changed"
+    CHECK(r.report["expert_outliers"].is_null());
   }
 }
 
@@ -100,6 +104,9 @@ TEST_CASE("a data sample's loss spike is reproduced and located at its token", "
   CHECK(spike["score"].get<double>() > 8.0);
   CHECK(r.report["spike_check"]["declared"] == false);  // found in the log
   CHECK(r.report["spike_check"]["quantity"] == "loss");
+  CHECK(r.report["spike_check"]["mechanism"].is_null());  // the origin is no head's scores
+  CHECK(r.report["head_logit_growth"]["steps"] == nlohmann::json({100, 101, 102, 103}));
+  CHECK(r.report["expert_outliers"].is_null());  // a dense model
   CHECK(contains(r.out, "SPIKE"));
   CHECK(contains(r.report["root_cause"]["summary"].get<std::string>(), "starts at step 103, embed"));
   // The shape of the damage: one feature of the planted token's rows.
@@ -167,6 +174,74 @@ TEST_CASE("a finite bit flip declared a spike: its site leaves its trajectory th
   CHECK(cf["site"]["previous_batch_spike_weights"].get<double>() > 2.0 * cf["site"]["previous"].get<double>());
   CHECK(cf["update"]["outcome"] == "corrupted");
   CHECK(cf["update"]["code"] == "SYSTEM_BIT_FLIP");
+}
+
+TEST_CASE("one head's growing query-key logits: the spike starts at its scores, named attention-logit growth",
+          "[cli][spike]") {
+  ScratchDir dir("spike-logit-growth");
+  synth_spike_bundle(dir, "spike-logit-growth");
+  const SpikeRun r = run_spike_bundle(dir);
+  INFO(r.err);
+  CHECK(r.status == 1);
+  CHECK(r.report["first_nonfinite"].is_null());
+  CHECK(r.report["root_cause"]["code"] == "NONE");  // no finding: the spike's origin is the cause
+  const nlohmann::json& spike = r.report["spike"];
+  REQUIRE(spike.is_object());
+  CHECK(spike["reproduced"] == true);
+  CHECK(spike["step"] == 103);
+  CHECK(spike["site"] == "layers.1.attn.scores");
+  CHECK(spike["layer"] == 1);
+  CHECK(spike["head"] == 2);
+  CHECK(spike["statistic"] == "rms");  // the head's logits as a whole, 3.8x their trend
+  CHECK(r.report["spike_check"]["quantity"] == "loss");
+  // The evidence: head 2's largest logit grows every step, then jumps into the spike.
+  const nlohmann::json& growth = r.report["head_logit_growth"];
+  REQUIRE(growth.is_object());
+  CHECK(growth["steps"] == nlohmann::json({100, 101, 102, 103}));
+  const nlohmann::json& top = growth["heads"][0];
+  CHECK(top["layer"] == 1);
+  CHECK(top["head"] == 2);
+  REQUIRE(top["max_logit"].size() == 4);
+  for (size_t i = 1; i < 4; ++i) CHECK(top["max_logit"][i].get<double>() > 1.5 * top["max_logit"][i - 1].get<double>());
+  CHECK(top["healthy_growth"].get<double>() >= nanreplay::kLogitGrowthHealthyFactor);
+  CHECK(top["spike_jump"].get<double>() > 3.0);
+  const nlohmann::json& mechanism = r.report["spike_check"]["mechanism"];
+  REQUIRE(mechanism.is_object());
+  CHECK(mechanism["name"] == "attention_logit_growth");
+  CHECK(mechanism["layer"] == 1);
+  CHECK(mechanism["head"] == 2);
+  CHECK(mechanism["healthy_growth"] == top["healthy_growth"]);
+  CHECK(contains(r.report["root_cause"]["summary"].get<std::string>(), "attention-logit growth"));
+  CHECK(contains(r.out, "Largest query-key logit (steps 100-103): layers.1 head 2"));
+  CHECK(contains(nanreplay_test::slurp(dir / "out" / "report.md"), "Largest query-key logit"));
+  CHECK(contains(nanreplay_test::slurp(dir / "out" / "report.html"), "id=\"what-changed\""));
+  CHECK(r.report["expert_outliers"].is_null());
+}
+
+TEST_CASE("a mixture of experts declared a spike lists its experts' largest activations", "[cli][spike]") {
+  ScratchDir dir("spike-moe-outliers");
+  synth_spike_bundle(dir, "clean-moe");
+  const SpikeRun r = run_spike_bundle(dir, {"--incident-kind", "spike"});
+  INFO(r.err);
+  CHECK(r.status == 0);  // nothing spikes: no origin
+  CHECK(r.report["spike"]["reproduced"] == false);
+  CHECK(r.report["spike_check"]["first_departure"].is_null());
+  CHECK(r.report["spike_check"]["mechanism"].is_null());
+  const nlohmann::json& experts = r.report["expert_outliers"];
+  REQUIRE(experts.is_object());
+  CHECK(experts["steps"] == nlohmann::json({100, 101, 102, 103}));
+  REQUIRE(experts["experts"].size() == nanreplay::kOutlierExpertsListed);
+  double previous = INFINITY;
+  for (const nlohmann::json& e : experts["experts"]) {
+    REQUIRE(e["act_max"].size() == 4);
+    REQUIRE(e["down_max"].size() == 4);
+    REQUIRE(e["router_logit_max"].size() == 4);
+    for (const nlohmann::json& v : e["router_logit_max"]) CHECK(v.is_number());
+    for (const nlohmann::json& v : e["act_max"]) CHECK(v.get<double>() > 0.0);
+    CHECK(e["act_max"][3].get<double>() <= previous);  // the largest at the last step first
+    previous = e["act_max"][3].get<double>();
+  }
+  CHECK(contains(r.out, "Largest expert activation (steps 100-103)"));
 }
 
 TEST_CASE("a logged spike the replay does not make is said first, every origin field null", "[cli][spike]") {
@@ -255,6 +330,59 @@ TEST_CASE("the trajectory rule: a steady trend is no spike, a jump beyond it is"
   CHECK_FALSE(deviation_from_trajectory({1.0}, 5.0, t));
   CHECK_FALSE(deviation_from_trajectory({1.0, 1.1}, 0.0, t));
   CHECK_FALSE(deviation_from_trajectory({1.0, 1.1}, NAN, t));
+}
+
+TEST_CASE("attention-logit growth: a head's scores as origin, grown over the healthy steps", "[spike][unit]") {
+  using nanreplay::ProbeRecord;
+  auto scores = [](int64_t step, int layer, int head, double max_abs) {
+    ProbeRecord r;
+    r.step = step;
+    r.micro_batch = 0;
+    r.rank = 0;
+    r.site = {nanreplay::SiteId::kAttnScores, layer};
+    r.layer = layer;
+    r.head = head;
+    r.stats.max_abs = max_abs;
+    r.stats.finite_count = 1;
+    return r;
+  };
+  auto tracker_of = [&](const std::vector<double>& head_two) {
+    nanreplay::OutlierTracker t;
+    for (size_t i = 0; i < head_two.size(); ++i) {
+      const int64_t step = 100 + static_cast<int64_t>(i);
+      // Two micro-batches: the step's value is the larger.
+      t.step_done(step, {scores(step, 1, 2, head_two[i]), scores(step, 1, 2, head_two[i] / 2), scores(step, 0, 0, 5.0)},
+                  {}, std::nullopt);
+    }
+    return t;
+  };
+  nanreplay::SpikeOrigin origin;
+  origin.step = 103;
+  origin.site = {nanreplay::SiteId::kAttnScores, 1};
+  origin.layer = 1;
+  origin.head = 2;
+  const auto grown = tracker_of({1.0, 2.0, 4.0, 32.0}).logit_growth(origin);
+  REQUIRE(grown);
+  CHECK(grown->healthy_growth == Approx(4.0));
+  CHECK(grown->spike_jump == Approx(8.0));
+  // Grown less than the factor over the healthy steps: a jump with no growth before it.
+  CHECK_FALSE(tracker_of({1.0, 1.2, 1.5, 32.0}).logit_growth(origin));
+  // An origin elsewhere is no attention-logit growth.
+  nanreplay::SpikeOrigin q = origin;
+  q.site = {nanreplay::SiteId::kAttnQ, 1};
+  q.head = -1;
+  CHECK_FALSE(tracker_of({1.0, 2.0, 4.0, 32.0}).logit_growth(q));
+  // The summary: heads by their value at the spike's step, steps after it left out.
+  nanreplay::OutlierTracker t = tracker_of({1.0, 2.0, 4.0, 32.0, 64.0});
+  const nanreplay::WindowOutliers w = t.summary(103);
+  CHECK(w.steps == std::vector<int64_t>{100, 101, 102, 103});
+  REQUIRE(w.heads.size() == 2);
+  CHECK(w.heads[0].layer == 1);
+  CHECK(w.heads[0].head == 2);
+  CHECK(w.heads[0].max_logit == std::vector<double>{1.0, 2.0, 4.0, 32.0});
+  CHECK(*w.heads[0].healthy_growth == Approx(4.0));
+  CHECK(*w.heads[1].healthy_growth == Approx(1.0));
+  CHECK(w.experts.empty());
 }
 
 TEST_CASE("a spike incident is planned from the manifest's kind and the logged series", "[spike][unit]") {

@@ -538,4 +538,12 @@ TEST_CASE("NUMERIC_UPDATE_SPIKE names the tensor whose update jumped first, up t
   CHECK(lagged[0].evidence.integer(K::kStep) == 101);
   CHECK(evidence_json(lagged[0].evidence)["update_ratio"].is_null());
   CHECK(evidence_json(lagged[0].evidence)["g2_over_v"] == 500.0);
+  // A tensor the update check found changed outside the optimizer is neither judged nor history.
+  std::vector<StepUpdateStats> rewritten = update_series({1e-3, 1e-3, 1e-2, 1e-2}, {1, 1, 2, 1});
+  rewritten[2].tensors[0].outside_optimizer = true;
+  CHECK(update_spike_findings(rewritten, 102, t).empty());
+  const auto after = update_spike_findings(rewritten, 103, t);  // 103's jump against 100-101's median
+  REQUIRE(after.size() == 1);
+  CHECK(after[0].evidence.integer(K::kStep) == 103);
+  CHECK(after[0].evidence.number(K::kTypical).value_or(0) == Approx(1e-3));
 }

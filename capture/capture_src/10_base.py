@@ -192,7 +192,8 @@ def _model_attr(model, names):
         for name in names:
             value = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
             if name == "rope_parameters" and isinstance(value, dict):
-                value = value.get("rope_theta")
+                full = value.get("full_attention")  # per layer type (transformers 5): the full layers' base
+                value = full.get("rope_theta") if isinstance(full, dict) else value.get("rope_theta")
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 return value
     return None
@@ -281,6 +282,7 @@ def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
     (_model_options) are settled after the shapes. `defaulted` (a dict) receives the keys taken
     from bundle v1's defaults because neither the model nor model_config says them."""
     defaulted = {} if defaulted is None else defaulted
+    _refuse_model_type(getattr(model, "config", None))
 
     def spec_default(key):
         if key in given:

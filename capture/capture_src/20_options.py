@@ -26,6 +26,8 @@ _GEMMA2_DEFAULTS = {"sliding_window": 4096, "query_pre_attn_scalar": 256, "attn_
                     "final_logit_softcapping": 30.0}
 # Hugging Face's class defaults for layer_types, where a config leaves it out (Gemma3TextConfig:
 # every sliding_window_pattern-th layer full, the pattern 6 by default; Olmo3Config: every 4th).
+# Olmo3Config's class default sliding_window, where a config (written by hand or converted) leaves it out.
+_OLMO3_DEFAULT_WINDOW = 4096
 _LAYER_PATTERN_BY_MODEL_TYPE = {"gemma3_text": ("sliding_window_pattern", 6), "gemma3": ("sliding_window_pattern", 6),
                                 "olmo3": (None, 4), "gemma2": (None, 2)}
 # model.attention_mask: how the causal mask reaches the softmax (they differ where a masked score is not finite).
@@ -43,6 +45,15 @@ _NORM_LAYOUT_BY_MODEL_TYPE = {"olmo2": "post", "olmo3": "post", "gemma3_text": "
 _BIAS_BY_MODEL_TYPE = {"qwen2": True}
 # Models whose window applies to every other layer only, which bundle v1 cannot express.
 _ALTERNATING_WINDOW_TYPES = ("cohere2",)
+# Families whose whole models are mixtures of experts bundle v1's moe cannot express, refused by their
+# config's model_type before anything else is read (the capture helper here, `nanreplay import` in
+# nanreplay_import/model_settle.py): {model_type: (why, the attention options bundle v1 does replay)}.
+_GPT_OSS_EXPERTS = ("GPT-OSS's experts (fused gate_up_proj with biases, the clamped SwiGLU, a router with a bias) "
+                    "are not bundle v1's moe", "attention_sinks, o_proj_bias, yarn rope_scaling, head_dim, sliding_window")
+_LLAMA4_EXPERTS = ("Llama 4's experts (a shared expert beside top-1 routed ones, sigmoid router scores) are not "
+                   "bundle v1's moe", "qk_norm 'l2', no_rope_layers, attn_temperature_tuning, attention_chunk_size, "
+                   "llama3 rope_scaling, interleaved rope_style")
+UNSUPPORTED_MODEL_TYPES = {"gpt_oss": _GPT_OSS_EXPERTS, "llama4": _LLAMA4_EXPERTS, "llama4_text": _LLAMA4_EXPERTS}
 _LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # YaRN's optional keys and Hugging Face's _compute_yarn_parameters defaults (None: absent, as HF reads them).
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
@@ -197,12 +208,23 @@ def _config_attr(config, name):
     return getattr(config, name, _MISSING)
 
 
+def _refuse_model_type(config):
+    """CaptureError naming model.config.model_type when bundle v1 cannot replay that family's models."""
+    kind = _config_attr(config, "model_type") if config is not None else _MISSING
+    if isinstance(kind, str) and kind in UNSUPPORTED_MODEL_TYPES:
+        why, attention = UNSUPPORTED_MODEL_TYPES[kind]
+        raise CaptureError(f"model.config.model_type {kind!r} cannot be captured: {why} (its attention, {attention}, "
+                           "is: a dense model with it is captured from model_config, without this model.config)")
+
+
 def _config_window(config, model_type, num_layers):
     """The sliding window every layer of a Hugging Face style config uses (None: none, _MISSING:
     the config does not say). A window on only some layers cannot be replayed: CaptureError."""
     window = _config_attr(config, "sliding_window")
     if window is _MISSING and model_type == "gemma2":
         window = _GEMMA2_DEFAULTS["sliding_window"]  # the class's, which save_pretrained leaves out
+    if window is _MISSING and model_type == "olmo3":
+        window = _OLMO3_DEFAULT_WINDOW
     if window is _MISSING:
         return _MISSING
     mixed = ("model.config gives a sliding window to only some layers ({}) without a layer_types list saying "
@@ -236,11 +258,17 @@ def _layered_rope(config):
     return params.get("full_attention", {}), params.get("sliding_attention")
 
 
+def _ordinal(n):
+    """2 -> '2nd', 4 -> '4th', 6 -> '6th' (how the provenance line counts layers)."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def _layer_options(config, model_type, num_layers, layered):
     """{option: (value, where)}: layer_types (the config's, or its class's documented pattern), Gemma 3's
     local rotary base, norms, embedding scale, score scale and activation."""
     said = {}
-    types = _config_attr(config, "layer_types")
+    types, window = _config_attr(config, "layer_types"), _config_attr(config, "sliding_window")
     if isinstance(types, (list, tuple)) and types:
         if len(types) != num_layers:
             raise CaptureError(f"model.config.layer_types has {len(types)} entries for {num_layers} layers")
@@ -249,12 +277,12 @@ def _layer_options(config, model_type, num_layers, layered):
             raise CaptureError(f"model.config.layer_types has {odd[0]!r}; bundle v1 replays "
                                f"{' and '.join(map(repr, ATTENTION_KINDS))} layers")
         said["layer_types"] = (list(types), "model.config.layer_types")
-    elif model_type in _LAYER_PATTERN_BY_MODEL_TYPE and (model_type == "gemma2" or
-                                                         _config_attr(config, "sliding_window") not in (_MISSING, None)):
+    elif model_type in _LAYER_PATTERN_BY_MODEL_TYPE and (model_type == "gemma2" or window not in (_MISSING, None) or
+                                                         (model_type == "olmo3" and window is _MISSING)):  # its default
         attr, default = _LAYER_PATTERN_BY_MODEL_TYPE[model_type]
         every = _config_attr(config, attr) if attr else _MISSING
         why = (f"model.config.{attr}" if every is not _MISSING else
-               f"{model_type}'s class default: every {default}th layer full, the others sliding")
+               f"{model_type}'s class default: every {_ordinal(default)} layer full, the others sliding")
         every = default if every is _MISSING else every
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise CaptureError(f"model.config.{attr} must be an integer >= 1, got {every!r}")
@@ -266,6 +294,8 @@ def _layer_options(config, model_type, num_layers, layered):
             said["hidden_act"] = (act, f"model.config.{attr}")
         if act is not _MISSING and act is not None:
             break
+    if model_type == "olmo3":
+        return dict(said, **_olmo3_local_rotary(config, said.get("layer_types", (None,))[0], layered))
     if model_type not in _GEMMA3_TYPES + ("gemma2", "gemma"):
         return said
     why = f"model.config.model_type {model_type!r}"
@@ -300,6 +330,39 @@ def _layer_options(config, model_type, num_layers, layered):
         said["hidden_act"] = ("gelu_pytorch_tanh", "Gemma3TextConfig's default hidden_activation, which the config "
                                                    "leaves out")
     return said
+
+
+def _is_scaled(rope):
+    """Whether a rope dict (rope_scaling, or one layer type's rope_parameters) scales the rotary."""
+    return isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default"
+
+
+def _olmo3_local_rotary(config, layer_types, layered):
+    """OLMo 3's sliding layers take the unscaled rotary where its full layers' is scaled (OLMo-core, and
+    transformers 4's Olmo3Model.rotary_embs: rope_type "default" for sliding_attention): bundle v1's
+    rope_local_base_freq, said only where it changes the math. A config with rope_parameters per layer
+    type gives the sliding layers' own; a flat rope_parameters (the transformers 5 releases that write it
+    compute one rotary for every layer) says nothing here, so every layer takes its scaling."""
+    if not layer_types or "sliding_attention" not in layer_types:
+        return {}
+    if layered is not None:
+        full, sliding = layered[0], layered[1] or {"rope_type": "default"}
+        if _is_scaled(sliding):
+            raise CaptureError("model.config.rope_parameters['sliding_attention'] has rope_type "
+                               f"{sliding.get('rope_type')!r}; bundle v1's sliding layers take an unscaled rotary")
+        theta, where = sliding.get("rope_theta", full.get("rope_theta", _MISSING)), \
+            "model.config.rope_parameters['sliding_attention']['rope_theta']"
+        if not _is_scaled(full) and theta == full.get("rope_theta", _MISSING):
+            return {}
+    else:
+        if _config_attr(config, "rope_parameters") is not _MISSING or not _is_scaled(_config_attr(config, "rope_scaling")):
+            return {}
+        theta, where = _config_attr(config, "rope_theta"), ("model.config.rope_theta (OLMo 3's sliding layers take it "
+                                                            "unscaled: transformers 4's Olmo3Model.rotary_embs, OLMo-core)")
+    if theta is _MISSING or theta is None:
+        raise CaptureError("model.config.rope_theta is missing: OLMo 3's sliding layers take the unscaled rotary at "
+                           "that base, beside the full layers' scaled one")
+    return {"rope_local_base_freq": (_option_value("rope_local_base_freq", theta, where), where)}
 
 
 def _gemma1_activation(config, said):
@@ -391,8 +454,10 @@ def _options_from_config(config, num_layers):
     said.update(_layer_options(config, model_type, num_layers, layered))
     window = _config_window(config, model_type, num_layers)
     if window is not _MISSING:
-        said["sliding_window"] = (_option_value("sliding_window", window, "model.config.sliding_window"),
-                                  "model.config.sliding_window")
+        where = "model.config.sliding_window"
+        if _config_attr(config, "sliding_window") is _MISSING:
+            where = f"{model_type}'s class default sliding_window ({window}), which the config leaves out"
+        said["sliding_window"] = (_option_value("sliding_window", window, where), where)
     return said
 
 

@@ -253,7 +253,10 @@ def _self_check_variants(cfg):
 
 def _head_count_variants(cfg):
     """Other head counts the same tensors allow: half, double, and head_dim 64 or 128 (llama keeps the
-    k projection's rows, num_kv_heads * head_dim, so num_kv_heads follows)."""
+    k projection's rows, num_kv_heads * head_dim, so num_kv_heads follows). None with a head_dim of
+    the model's own (Gemma, Qwen3): the projections' rows are heads * head_dim, not hidden_size."""
+    if cfg.get("head_dim"):
+        return []
     C, H = cfg["hidden_size"], cfg["num_heads"]
     G = cfg.get("num_kv_heads") or H
     kv_rows = G * (C // H)

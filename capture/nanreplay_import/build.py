@@ -12,6 +12,7 @@ from . import safe_pickle
 from .checkpoint_state import find_optimizer_state
 from .formats import detect_format, format_module
 from .formats.dcp import read_dcp
+from .formats.torchtitan_numerics import logged_site_stats
 from .inputs import _read_json
 from .model_settle import (FLAGS_WHERE, _FLOAT_TYPES, _kind_of, _moe_config, check_parameters, flag_config, model_options,
                            normalize_config, required_values, settle_activation, settle_model,
@@ -163,6 +164,7 @@ def build(args):
     if args.trust_pickle:
         warn("--trust-pickle: pickles are loaded with Python's full unpickler, which runs any code a crafted file "
              "names; recorded in the manifest")
+    site_stats = logged_site_stats(args.torchtitan_numerics)  # read first: a bad log is refused before the checkpoint
     source_sd, obj, fmt, why, configs, reader = load_checkpoint(args)
     say(f"format: {fmt} ({why}; {reader})")
     source_sd, configs, text_note = text_model(source_sd, configs)  # Gemma 3's multimodal: its text model
@@ -203,6 +205,7 @@ def build(args):
             opt_where = f"{args.checkpoint} ({key or 'top level'})"
     first, last = args.first, args.last
     opt_kind, opt_tensors, section = "adamw", None, None
+    lr_by_optimizer = None  # two optimizers with their own learning rates (_optimizers_lrs)
     if opt is not None:
         opt_kind, provenance["optimizer.kind"] = _optimizer_kind(
             opt, args.optimizer_class, "--optimizer-class", optimizer_path or args.checkpoint,
@@ -232,15 +235,8 @@ def build(args):
             step_values = dict(step_values, **aux_steps)
             opt_where += f" and {aux_path} ({aux_kind})"
             opt_notes += [f"second optimizer {aux_kind}: " + "; ".join(aux_notes)]
-        lrs = {}
-        for o, w in ((opt, optimizer_path or args.checkpoint), (aux if args.aux_optimizer is not None else None, args.aux_optimizer)):
-            for g in (o or {}).get("param_groups", []):
-                if isinstance(g, dict) and isinstance(g.get("lr"), (int, float, torch.Tensor)):
-                    lrs.setdefault(float(g["lr"]), w)
-        if len(lrs) > 1:
-            raise BadInput(list(lrs.values())[-1], "param_groups.lr",
-                           f"the param groups' learning rates differ ({sorted(lrs)}); --log gives one lr per step "
-                           "for all of them, and their ratio under the schedule is not guessed")
+        lr_by_optimizer = _optimizers_lrs(opt, optimizer_path or args.checkpoint,
+                                          aux if args.aux_optimizer is not None else None, args.aux_optimizer)
         adam_step, per_param_steps = step_entries(step_values)
         opt_tensors += per_param_steps
         moments, hyper = None, {}
@@ -267,6 +263,8 @@ def build(args):
         + f"; log numbered from {0 if numbering == 'zero' else 1})")
 
     log = read_log(args.log, first, last)
+    if section is not None and lr_by_optimizer is not None:
+        _require_aux_lr(log, first, last, args.log, lr_by_optimizer)
     check_incident_window(args, first, last, opt is not None)
     world, per_rank = args.world_size, args.micro_batch_size * args.grad_accum
     samples, sample_kind = read_samples(args.samples, first, last, world, per_rank) if args.samples else (None, None)
@@ -332,12 +330,14 @@ def build(args):
         e = log[step]
         state = {"step": step}
         if "lr" in e:
-            state["lr"] = e["lr"]
+            state["lr"] = _lr_of_groups(e, section) if "aux_lr" in e and args.aux_optimizer is not None else e["lr"]
         if "loss_scale" in e:
             state["loss_scale"] = _capture._json_number(e["loss_scale"])
         if "skipped" in e:
             state["skipped"] = e["skipped"]
         state["logged"] = {k: _capture._json_number(e[k]) for k in ("loss", "grad_norm") if k in e}
+        if step in site_stats:
+            state["logged"]["site_stats"] = site_stats[step]
         _capture._write_json(d / "state.json", state)
         entry = {"step": step, "dir": rel}
         if samples is not None:
@@ -376,3 +376,48 @@ def build(args):
         + (f"randperm seed {args.sampler_seed} epoch {args.epoch} epoch_start_step {args.epoch_start_step}"
            if args.sampler_seed is not None else f"explicit ({args.samples})"))
     say("bundle written (manifest.json last)")
+
+
+def _group_lrs(o, where):
+    """{lr: where} of one optimizer's param groups."""
+    lrs = {}
+    for g in (o or {}).get("param_groups", []):
+        if isinstance(g, dict) and isinstance(g.get("lr"), (int, float, torch.Tensor)):
+            lrs.setdefault(float(g["lr"]), where)
+    return lrs
+
+
+def _optimizers_lrs(opt, where, aux, aux_where):
+    """None when every param group of both optimizers has one lr (--log's lr is each step's lr of all);
+    else (the first optimizer's lr, the second's) as their checkpoints hold them: two optimizers of one
+    run with their own learning rates (Muon's and AdamW's), which --log's aux_lr gives per step. Groups
+    of one optimizer whose lrs differ are refused: their ratio under the schedule is not guessed."""
+    first, second = _group_lrs(opt, where), _group_lrs(aux, aux_where)
+    for lrs in (first, second):
+        if len(lrs) > 1:
+            raise BadInput(list(lrs.values())[-1], "param_groups.lr",
+                           f"the param groups' learning rates differ ({sorted(lrs)}); --log gives one lr per step "
+                           "for all of them, and their ratio under the schedule is not guessed")
+    if not first or not second or set(first) == set(second):
+        return None
+    return next(iter(first)), next(iter(second))
+
+
+def _require_aux_lr(log, first, last, log_path, lrs):
+    """Two optimizers with their own learning rates: every step the replay updates needs the second's
+    lr (`aux_lr`) beside the first's (`lr`) in the log."""
+    for step in range(first, last + 1):
+        e = log[step]
+        if "lr" in e and "aux_lr" not in e:
+            raise BadInput(log_path, f"step {step}.aux_lr",
+                           f"missing: the two optimizers' learning rates differ ({lrs[0]} and {lrs[1]} in their "
+                           "param_groups.lr), and the second's (--aux-optimizer) is not guessed from the first's")
+
+
+def _lr_of_groups(e, section):
+    """state.json's lr keyed by optimizer group: the first optimizer's groups ("default" and its own)
+    take the log's lr, the second's (the groups --aux-optimizer added, "aux_*") its aux_lr."""
+    lr = {"default": e["lr"]}
+    for g in section.get("groups", []):
+        lr[g["name"]] = e["aux_lr"] if g["name"].startswith("aux_") else e["lr"]
+    return lr

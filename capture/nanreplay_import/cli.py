@@ -12,6 +12,7 @@ import nanreplay_capture as _capture
 
 from .build import build
 from .formats import FORMATS
+from .formats.torchtitan_numerics import numerics_steps
 from .inputs import _check_regular
 from .naming import NAMINGS
 from .optimizer import optimizer_kind
@@ -64,6 +65,9 @@ def _parser(kind=argparse.ArgumentParser):
     ap.add_argument("--samples", help="JSON object: step -> per-rank sample lists")
     ap.add_argument("--log", required=True, help="JSON lines: step, lr, loss, optionally grad_norm, loss_scale, skipped")
     ap.add_argument("--steps", required=True, metavar="FIRST:LAST")
+    ap.add_argument("--torchtitan-numerics", action="append", default=[], metavar="STEP=PATH",
+                    help="torchtitan's numerics capture of bundle step STEP (numerics/rank_<R>_activations.log, or "
+                         "that directory for every rank), written as that step's logged.site_stats (docs/import.md)")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16", "fp8"))
     ap.add_argument("--grad-clip", type=float)
     ap.add_argument("--betas", help="B1,B2 when the optimizer state does not say (default 0.9,0.999)")
@@ -108,6 +112,7 @@ def parse_args(argv):
     if not m or int(m.group(1)) > int(m.group(2)):
         raise BadInput("command line", "--steps", f"{args.steps!r} is not FIRST:LAST with FIRST <= LAST")
     args.first, args.last = int(m.group(1)), int(m.group(2))
+    args.torchtitan_numerics = numerics_steps(args.torchtitan_numerics, args.first, args.last)
     dtypes = args.token_dtype or ["uint16"]
     if len(dtypes) not in (1, len(args.data)):
         raise BadInput("command line", "--token-dtype", f"given {len(dtypes)} times for {len(args.data)} --data shards: "

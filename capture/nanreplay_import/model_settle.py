@@ -155,28 +155,14 @@ def framework_defaults(configs, naming):
     return {}
 
 
-# Families whose attention bundle v1 replays (docs/import.md) but whose whole checkpoints are a mixture of
-# experts bundle v1's moe cannot express: refused by their config's model_type, before anything is read.
-_REFUSED_MODEL_TYPES = {
-    "gpt_oss": "GPT-OSS's experts (fused gate_up_proj with biases, the clamped SwiGLU, a router with a bias) are "
-               "not bundle v1's moe; its attention (attention_sinks, o_proj_bias, yarn rope_scaling, head_dim, "
-               "sliding_window) is, for a dense model given in --config",
-    "llama4": "Llama 4's experts (a shared expert beside top-1 routed ones, sigmoid router scores) are not bundle "
-              "v1's moe; its attention (qk_norm 'l2', no_rope_layers, attn_temperature_tuning, attention_chunk_size "
-              "within one chunk, llama3 rope_scaling, interleaved rope_style) is, for a dense model given in --config",
-    "llama4_text": "Llama 4's experts (a shared expert beside top-1 routed ones, sigmoid router scores) are not "
-                   "bundle v1's moe; its attention (qk_norm 'l2', no_rope_layers, attn_temperature_tuning, "
-                   "attention_chunk_size within one chunk, llama3 rope_scaling, interleaved rope_style) is, for a "
-                   "dense model given in --config",
-}
-
-
 def refuse_model_type(configs):
     """BadInput naming the config's model_type when bundle v1 cannot replay that family's checkpoints."""
     for raw, w in configs:
         kind = raw.get("model_type") if isinstance(raw, dict) else None
-        if isinstance(kind, str) and kind in _REFUSED_MODEL_TYPES:
-            raise BadInput(w, "model_type", f"{kind!r} is not importable: {_REFUSED_MODEL_TYPES[kind]}")
+        if isinstance(kind, str) and kind in _capture.UNSUPPORTED_MODEL_TYPES:  # the capture helper's table
+            why, attention = _capture.UNSUPPORTED_MODEL_TYPES[kind]
+            raise BadInput(w, "model_type", f"{kind!r} is not importable: {why}; its attention ({attention}) is, "
+                                            "for a dense model given in --config")
 
 
 def required_values(arch, configs, naming, where):

@@ -41,7 +41,7 @@ def read_log(path, first, last):
         if step in entries:
             raise BadInput(path, f"line {n}.step", f"step {step} logged twice")
         e = {}
-        for key in ("lr", "loss", "grad_norm", "loss_scale"):
+        for key in ("lr", "aux_lr", "loss", "grad_norm", "loss_scale"):
             if obj.get(key) is not None:
                 e[key] = _number(obj[key], path, f"step {step}.{key}")
         if obj.get("skipped") is not None:
@@ -58,8 +58,9 @@ def read_log(path, first, last):
         if step < last or "lr" in e:
             if "lr" not in e:
                 raise BadInput(path, f"step {step}.lr", "missing: the replay applies this step's update with it")
-            if not (math.isfinite(e["lr"]) and 0 < e["lr"] <= 1e3):
-                raise BadInput(path, f"step {step}.lr", f"{e['lr']} is not in (0, 1e3]")
+            for key in ("lr", "aux_lr"):
+                if key in e and not (math.isfinite(e[key]) and 0 < e[key] <= 1e3):
+                    raise BadInput(path, f"step {step}.{key}", f"{e[key]} is not in (0, 1e3]")
     return entries
 
 

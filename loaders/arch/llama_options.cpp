@@ -148,11 +148,12 @@ AttentionMask parse_attention_mask(const JsonReader& model) {
 
 // Hugging Face's names of the attention kinds of config.layer_types, in AttentionKind's order.
 const std::vector<const char*>& attention_kind_names() {
-  static const std::vector<const char*> names = {"full_attention", "sliding_attention"};
+  static const std::vector<const char*> names = {"full_attention", "sliding_attention", "chunked_attention"};
   return names;
 }
 
-// One kind per layer; a sliding layer needs sliding_window (its row is parsed before this one).
+// One kind per layer; a sliding layer needs sliding_window, a chunked one attention_chunk_size
+// (their rows are parsed before this one).
 std::vector<AttentionKind> parse_layer_types(const JsonReader& model, const ModelConfig& m) {
   const nlohmann::json& types = model.array("layer_types");
   const std::string key = model.key_path("layer_types");
@@ -177,6 +178,9 @@ std::vector<AttentionKind> parse_layer_types(const JsonReader& model, const Mode
     kinds.push_back(static_cast<AttentionKind>(found));
     if (kinds.back() == AttentionKind::kSliding && m.sliding_window == 0) {
       throw InputError(model.file(), at, "a sliding_attention layer needs model.sliding_window, which is absent");
+    }
+    if (kinds.back() == AttentionKind::kChunked && m.attention_chunk_size == 0) {
+      throw InputError(model.file(), at, "a chunked_attention layer needs model.attention_chunk_size, which is absent");
     }
   }
   return kinds;
@@ -220,6 +224,8 @@ ModelConfig::TemperatureTuning parse_temperature_tuning(const JsonReader& tuning
 }  // namespace
 
 const char* attention_kind_name(AttentionKind kind) { return attention_kind_names().at(static_cast<size_t>(kind)); }
+
+const char* attention_mask_name(AttentionMask mask) { return attention_mask_names().at(static_cast<size_t>(mask)); }
 
 double yarn_attention_factor(const RopeScaling& s) {
   if (s.attention_factor) return *s.attention_factor;
@@ -342,7 +348,7 @@ const std::vector<ModelOption>& llama_options() {
          if (m.norm_layout == NormLayout::kPost) j["norm_layout"] = "post";
          if (m.norm_layout == NormLayout::kSandwich) j["norm_layout"] = "sandwich";
        }},
-      // Gemma 3, OLMo 3 (Hugging Face's config.layer_types): each layer's attention kind.
+      // Gemma 3, OLMo 3, Llama 4 (Hugging Face's config.layer_types): each layer's attention kind.
       {"layer_types",
        [](const JsonReader& r, M& m) { m.layer_types = parse_layer_types(r, m); },
        [](const M& m, J& j) {

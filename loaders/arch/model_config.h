@@ -8,6 +8,8 @@
 #include <optional>
 #include <vector>
 
+#include "kernels/attention_span.h"
+
 namespace nanreplay {
 
 enum class Arch { kLlama, kGpt2 };
@@ -28,6 +30,9 @@ enum class AttentionMask : uint8_t {
   kFillFinfoMin,      // masked scores replaced by finfo.min of their type (Hugging Face GPT-2 eager)
 };
 
+// "exclude", "additive_neg_inf", ...: the names model.attention_mask takes (llama_options.cpp).
+const char* attention_mask_name(AttentionMask mask);
+
 // Where a block's norms sit. Pre: each sublayer reads a norm of the stream
 // (llama). Post (OLMo 2): each sublayer reads the stream itself and its output
 // is normalised before the residual add, h = x + norm(attn(x)).
@@ -41,9 +46,10 @@ enum class NormLayout : uint8_t { kPre, kPost, kSandwich };
 enum class AttentionKind : uint8_t {
   kFull,     // "full_attention": every earlier key
   kSliding,  // "sliding_attention": the last sliding_window keys, the local rotary base
+  kChunked,  // "chunked_attention" (Llama 4): the earlier keys of its own attention_chunk_size chunk
 };
 
-// "full_attention", "sliding_attention": the names layer_types takes (llama_options.cpp).
+// "full_attention", "sliding_attention", "chunked_attention": the names layer_types takes (llama_options.cpp).
 const char* attention_kind_name(AttentionKind kind);
 
 // The gated MLP's activation on the gate projection (Hugging Face's hidden_act).
@@ -114,8 +120,9 @@ struct ModelConfig {
     double attn_scale = 0.1;
   };
   std::optional<TemperatureTuning> attn_temperature_tuning;
-  // Llama 4: rotary layers attend within chunks of this many positions (0: none); replayed
-  // only for sequences within one chunk (data.seq_len <= it), where it changes nothing.
+  // Llama 4: chunked layers attend within chunks of this many positions (0: none): those
+  // layer_types names "chunked_attention", else (no layer_types) the rotary layers, as
+  // Llama4TextConfig derives layer_types from no_rope_layers.
   int64_t attention_chunk_size = 0;
   QkNorm qk_norm = QkNorm::kNone;
   std::optional<double> attn_logit_softcap;   // Gemma 2: c * tanh(scores / c)
@@ -142,12 +149,21 @@ struct ModelConfig {
   bool l2_qk_norm_every_layer = false;
 
   AttentionKind attention_kind(int layer) const {
-    return layer_types.empty() ? AttentionKind::kFull : layer_types.at(static_cast<size_t>(layer));
+    if (!layer_types.empty()) return layer_types.at(static_cast<size_t>(layer));
+    return attention_chunk_size > 0 && rotary_layer(layer) ? AttentionKind::kChunked : AttentionKind::kFull;
   }
+  // Whether any layer's kind is not plain full attention by default (inspect lists them then).
+  bool has_layer_kinds() const { return !layer_types.empty() || attention_chunk_size > 0; }
   // The keys a query of `layer` sees at most (0: all earlier ones).
   int64_t window_of(int layer) const {
     if (layer_types.empty()) return sliding_window;
     return attention_kind(layer) == AttentionKind::kSliding ? sliding_window : 0;
+  }
+  // The keys a query of `layer` sees: its sliding window or its chunk, else every earlier one.
+  AttentionSpan span_of(int layer) const {
+    AttentionSpan span(window_of(layer));
+    if (attention_kind(layer) == AttentionKind::kChunked) span.chunk = attention_chunk_size;
+    return span;
   }
   // Whether `layer` takes the local rotary table (rope_local_base_freq, unscaled).
   bool local_rotary(int layer) const {

@@ -302,12 +302,6 @@ DataConfig parse_data(const JsonReader& data, const ModelConfig& model) {
                      "expected at most model.max_seq_len (" + std::to_string(model.max_seq_len) +
                          "), got " + std::to_string(config.seq_len));
   }
-  if (model.attention_chunk_size > 0 && config.seq_len > model.attention_chunk_size) {
-    throw InputError(data.file(), data.key_path("seq_len"),
-                     "expected at most model.attention_chunk_size (" + std::to_string(model.attention_chunk_size) +
-                         "): Llama 4's chunked attention is replayed only for sequences within one chunk, got " +
-                         std::to_string(config.seq_len));
-  }
   config.micro_batch_size = positive_integer(data, "micro_batch_size");
   config.grad_accum_steps = optional_positive_integer(data, "grad_accum_steps", 1);
   config.world_size = optional_positive_integer(data, "world_size", 1);

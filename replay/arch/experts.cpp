@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "probes/param_table.h"
+#include "replay/arch/router_logit_max.h"
 
 namespace nanreplay {
 
@@ -69,6 +70,7 @@ torch::Tensor experts_mlp(const ModelConfig& m, const ParamMap& p, const torch::
   const Numerics gate_numerics = numerics.for_router();
   const torch::Tensor logits = probes.site(
       {SiteId::kMlpRouter, layer}, gate_numerics.linear(h, weight(ParamRole::kRouter), {}, module(ParamRole::kRouter)));
+  RouterLogitRecorder::record(layer, logits);  // a spike incident's per-expert maxima, when asked for
   const torch::Tensor probs =
       probes.site({SiteId::kMlpRouterProbs, layer}, torch::softmax(logits.to(torch::kFloat32), -1));  // (B, T, E)
   const Routing routing = route(moe, probs.view({B * T, -1}), T);

@@ -252,7 +252,8 @@ torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, 
   // The scores site is before any soft cap: the cap hides how close they came to overflowing.
   const torch::Tensor scores =
       probes.site({SiteId::kAttnScores, layer}, numerics.attention_scores(q, k, m.query_pre_attn_scalar));  // (B, H, T, T)
-  const torch::Tensor visible = visible_keys(T, m.window_of(layer), scores.device());
+  const torch::Tensor visible = visible_keys(T, m.span_of(layer), scores.device());
+  probes.hold_scores(layer, scores);  // for what the mask does to a row with a non-finite masked score
   HeadLogitRecorder::record(layer, scores, visible.logical_not());  // MuonClip's per-head maxima, when asked for
   // The type the softmax's input is held in: the compute type's, unless a cap made it fp32.
   const bool rounded = numerics.reduced() && numerics.rounds_site({SiteId::kAttnScores, layer});

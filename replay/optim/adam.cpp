@@ -41,24 +41,4 @@ void adam_family_update(torch::Tensor& param, const torch::Tensor& grad_in, Para
   param.addcdiv_(exp_avg, denom, -step_size);
 }
 
-void adam_family_lag(const torch::Tensor& param, const torch::Tensor& grad_in, const ParamState& state,
-                     const OptimizerRule& rule, bool decay, TensorUpdateStats& stats) {
-  torch::NoGradGuard no_grad;
-  if (state.step == 0) return;  // no second moment yet
-  // In double: a spiking gradient's square overflows fp32 long before the gradient does.
-  torch::Tensor grad = grad_in.to(torch::kFloat64);
-  const bool decoupled = rule.kind == OptimizerKind::kAdamW || rule.decoupled_weight_decay;
-  if (decay && rule.weight_decay != 0 && !decoupled) grad = grad.add(param.to(torch::kFloat64), rule.weight_decay);
-  const double bias_correction2 = 1.0 - std::pow(rule.beta2, static_cast<double>(state.step));
-  const torch::Tensor v_hat = state.tensors.at("exp_avg_sq").to(torch::kFloat64) / bias_correction2;
-  const torch::Tensor g2 = grad.square();
-  const double mean_v = v_hat.mean().item<double>();
-  if (mean_v > 0) stats.g2_over_v = g2.mean().item<double>() / mean_v;
-  const torch::Tensor held = v_hat > 0;
-  if (!held.any().item<bool>()) return;
-  const torch::Tensor ratio = g2.masked_select(held) / v_hat.masked_select(held);
-  stats.g2_over_v_max = ratio.max().item<double>();
-  stats.g2_over_v_rms = ratio.square().mean().sqrt().item<double>();
-}
-
 }  // namespace nanreplay

@@ -11,6 +11,7 @@
 #include "loaders/bundle/optimizer_manifest.h"
 #include "replay/optim/clipping.h"
 #include "replay/optim/rules.h"
+#include "replay/optim/second_moment_lag.h"
 
 namespace nanreplay {
 
@@ -84,9 +85,9 @@ TensorUpdateStats update_param_measured(const std::string& name, torch::Tensor& 
   torch::NoGradGuard no_grad;
   TensorUpdateStats stats;
   stats.param = name;
-  if (rule.kind == OptimizerKind::kAdam || rule.kind == OptimizerKind::kAdamW) {
-    adam_family_lag(param, grad, state, rule, decay, stats);
-  }
+  MomentLagSums lag;
+  fold_second_moment_lag(param, grad, state, rule, decay, lag);
+  lag.finish(stats);
   const torch::Tensor before = param.to(torch::kFloat64);  // a copy: the update is in place
   update_param(param, grad, state, lr, rule, decay);
   const int64_t n = std::max<int64_t>(1, param.numel());

@@ -45,7 +45,7 @@ void update_param(torch::Tensor& param, const torch::Tensor& grad, ParamState& s
                   const OptimizerRule& rule, bool decay);
 
 // update_param, measured (reports/results/update_stats.h): the update's RMS
-// and, for the Adam family, g^2 against the second moment it starts from.
+// and, for Adam and Adafactor, g^2 against the second moment it starts from.
 TensorUpdateStats update_param_measured(const std::string& name, torch::Tensor& param, const torch::Tensor& grad,
                                         ParamState& state, double lr, const OptimizerRule& rule, bool decay);
 

@@ -14,10 +14,6 @@ namespace nanreplay {
 // AdamW's) and torch.optim.AdamW, amsgrad and maximize included.
 void adam_family_update(torch::Tensor& param, const torch::Tensor& grad, ParamState& state, double lr,
                         const OptimizerRule& rule, bool decay);
-// How far the gradient Adam's update reads runs ahead of the second moment it
-// starts from (update_stats.h's g2_over_v*): nothing at the first update.
-void adam_family_lag(const torch::Tensor& param, const torch::Tensor& grad, const ParamState& state,
-                     const OptimizerRule& rule, bool decay, TensorUpdateStats& stats);
 // torch.optim.Adafactor (torch/optim/_adafactor.py, single-tensor path).
 void adafactor_update(torch::Tensor& param, const torch::Tensor& grad, ParamState& state, double lr,
                       const OptimizerRule& rule, bool decay);

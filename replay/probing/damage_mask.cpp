@@ -33,10 +33,10 @@ std::optional<DamageLayout> damage_layout_of(const SiteRef& ref) {
 }
 
 // True where an element counts: every element, or a causal site's visible keys.
-torch::Tensor considered_elements(const torch::Tensor& tensor, const SiteRef& ref, int64_t window) {
+torch::Tensor considered_elements(const torch::Tensor& tensor, const SiteRef& ref, const AttentionSpan& span) {
   const auto shape = tensor.sizes();
   if (site_def(ref.id).causal && tensor.dim() == 4 && shape[2] == shape[3]) {
-    return visible_keys(shape[2], window, tensor.device()).expand(shape);
+    return visible_keys(shape[2], span, tensor.device()).expand(shape);
   }
   return torch::ones_like(tensor, torch::TensorOptions().dtype(torch::kBool));
 }
@@ -76,19 +76,19 @@ std::optional<DamageShape> classify_mask(const torch::Tensor& mask, const torch:
 }  // namespace
 
 std::optional<DamageShape> nonfinite_damage(const torch::Tensor& tensor, const SiteRef& ref, int64_t head_dim,
-                                            int64_t window) {
+                                            const AttentionSpan& span) {
   if (!damage_layout_of(ref) || tensor.numel() == 0 || !tensor.device().is_cpu()) return std::nullopt;
   torch::NoGradGuard no_grad;
-  const torch::Tensor considered = considered_elements(tensor, ref, window);
+  const torch::Tensor considered = considered_elements(tensor, ref, span);
   const torch::Tensor mask = torch::isfinite(tensor.detach()).logical_not() & considered;
   return classify_mask(mask, considered, ref, head_dim, "non-finite");
 }
 
 std::optional<DamageShape> outlier_damage(const torch::Tensor& tensor, const SiteRef& ref, int64_t head_dim,
-                                          int64_t window) {
+                                          const AttentionSpan& span) {
   if (!damage_layout_of(ref) || tensor.numel() == 0 || !tensor.device().is_cpu()) return std::nullopt;
   torch::NoGradGuard no_grad;
-  const torch::Tensor considered = considered_elements(tensor, ref, window);
+  const torch::Tensor considered = considered_elements(tensor, ref, span);
   const torch::Tensor x = tensor.detach().to(torch::kFloat32).abs();
   const torch::Tensor counted = torch::isfinite(x) & considered;
   const torch::Tensor values = torch::where(counted, x, torch::full({}, NAN, x.options())).reshape({-1});

@@ -12,6 +12,7 @@
 
 #include <torch/types.h>
 
+#include "kernels/attention_span.h"
 #include "probes/damage_shape.h"
 #include "probes/sites.h"
 
@@ -22,12 +23,12 @@ namespace nanreplay {
 constexpr double kOutlierMedianFactor = 10.0;
 constexpr double kOutlierMaxFraction = 0.1;
 
-// `head_dim`: the width of one head in attn.q / attn.k / attn.v; `window`: a
-// sliding attention window (causal sites count the keys each query sees).
+// `head_dim`: the width of one head in attn.q / attn.k / attn.v; `span`: the
+// layer's sliding window or chunk (causal sites count the keys each query sees).
 // None when no element qualifies, or the site has no layout to read.
 std::optional<DamageShape> nonfinite_damage(const torch::Tensor& tensor, const SiteRef& ref, int64_t head_dim,
-                                            int64_t window);
+                                            const AttentionSpan& span);
 std::optional<DamageShape> outlier_damage(const torch::Tensor& tensor, const SiteRef& ref, int64_t head_dim,
-                                          int64_t window);
+                                          const AttentionSpan& span);
 
 }  // namespace nanreplay

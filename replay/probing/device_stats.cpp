@@ -45,12 +45,18 @@ ElemType elem_type_of(const torch::Tensor& t) {
   }
 }
 
-torch::Tensor visible_keys(int64_t T, int64_t window, const torch::Device& device) {
+torch::Tensor visible_keys(int64_t T, const AttentionSpan& span, const torch::Device& device) {
   const torch::Tensor ones = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(device));
-  return window > 0 ? ones.tril() & ones.triu(1 - window) : ones.tril();
+  torch::Tensor visible = span.window > 0 ? ones.tril() & ones.triu(1 - span.window) : ones.tril();
+  if (span.chunk > 0) {  // the query's chunk and the key's are the same one
+    const torch::Tensor chunk_of = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(device))
+                                       .div(span.chunk, "floor");
+    visible = visible & chunk_of.unsqueeze(1).eq(chunk_of.unsqueeze(0));
+  }
+  return visible;
 }
 
-torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal, int64_t window) {
+torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal, const AttentionSpan& span) {
   torch::NoGradGuard no_grad;
   const torch::Tensor x = t.detach().to(torch::kFloat64);
   if (x.numel() == 0) {  // no elements: zero counts, no first non-finite
@@ -70,7 +76,7 @@ torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool caus
     per_batch = rows * cols;
     values = x.transpose(0, 1).reshape({heads, -1});  // (H, B*R*C), (b, r, c) order
     if (causal) {
-      const torch::Tensor lower = visible_keys(rows, window, x.device());  // rows == cols
+      const torch::Tensor lower = visible_keys(rows, span, x.device());  // rows == cols
       valid = lower.reshape({1, 1, rows * cols}).expand({heads, batch, rows * cols}).reshape({heads, -1});
     }
   } else {

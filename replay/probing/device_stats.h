@@ -9,6 +9,7 @@
 
 #include <torch/types.h>
 
+#include "kernels/attention_span.h"
 #include "kernels/tensor_stats.h"
 
 namespace nanreplay {
@@ -22,10 +23,11 @@ constexpr int64_t kDeviceStatsColumns = 10;
 // With `causal`, elements with col > row are skipped, as the CPU kernel does.
 // Indices are row-major over the full tensor.
 // (T, T) true where query i sees key j: j <= i, and with a sliding window W
-// (Mistral) also j > i - W. What attention reads and causal statistics count.
-torch::Tensor visible_keys(int64_t T, int64_t window, const torch::Device& device);
+// (Mistral) also j > i - W, with chunks of C (Llama 4) also j / C == i / C.
+// What attention reads and causal statistics count.
+torch::Tensor visible_keys(int64_t T, const AttentionSpan& span, const torch::Device& device);
 
-torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal, int64_t window = 0);
+torch::Tensor device_stats_rows(const torch::Tensor& t, bool per_head, bool causal, const AttentionSpan& span = {});
 
 // The statistics kernels' element type of an f32, bf16 or f16 tensor
 // (std::logic_error for any other dtype: probes never see one).

@@ -27,14 +27,14 @@ void name_element(ProbeRecord& record, int64_t index, const std::vector<int64_t>
 }  // namespace
 
 void locate_largest(std::vector<ProbeRecord>& records, const torch::Tensor& tensor, const SiteDef& def,
-                    const std::vector<int64_t>& sample_ids, int64_t window) {
+                    const std::vector<int64_t>& sample_ids, const AttentionSpan& span) {
   if (records.empty() || tensor.numel() == 0) return;
   torch::NoGradGuard no_grad;
   torch::Tensor magnitudes = finite_magnitudes(tensor);
   const std::vector<int64_t> shape = tensor.sizes().vec();
   const bool per_head = records.size() > 1 && tensor.dim() == 4;
   if (per_head && def.causal && shape[2] == shape[3]) {
-    const torch::Tensor hidden = visible_keys(shape[2], window, magnitudes.device()).logical_not();
+    const torch::Tensor hidden = visible_keys(shape[2], span, magnitudes.device()).logical_not();
     magnitudes = magnitudes.masked_fill(hidden, -1.0);
   }
   name_element(records[0], magnitudes.reshape({-1}).argmax().item<int64_t>(), shape, def, sample_ids);

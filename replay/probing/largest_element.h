@@ -9,6 +9,7 @@
 
 #include <torch/types.h>
 
+#include "kernels/attention_span.h"
 #include "probes/probe_record.h"
 #include "probes/sites.h"
 
@@ -20,7 +21,7 @@ struct ExpertRouting;
 // the whole tensor, then one per head), from `tensor` laid out as `def` says.
 // Causal sites count the visible keys only, as their statistics do.
 void locate_largest(std::vector<ProbeRecord>& records, const torch::Tensor& tensor, const SiteDef& def,
-                    const std::vector<int64_t>& sample_ids, int64_t window);
+                    const std::vector<int64_t>& sample_ids, const AttentionSpan& span);
 
 // The same for a per-expert site's records (the whole, then one per expert).
 void locate_largest_routed(std::vector<ProbeRecord>& records, const torch::Tensor& tensor,

@@ -21,6 +21,7 @@
 #include "replay/probing/device_stats.h"
 #include "replay/probing/damage_mask.h"
 #include "replay/probing/largest_element.h"
+#include "replay/probing/masked_row.h"
 
 namespace nanreplay {
 
@@ -55,15 +56,15 @@ void finish_norm_check(NormCheck& check, const double* values, int64_t cols,
 
 // The elements a site's statistics cover: causal sites (scores, probs) drop
 // the positions the mask removes, which never reach the loss.
-torch::Tensor counted_elements(const torch::Tensor& t, const SiteDef& def, int64_t window) {
+torch::Tensor counted_elements(const torch::Tensor& t, const SiteDef& def, const AttentionSpan& span) {
   if (!def.causal || t.dim() != 4 || t.size(2) != t.size(3)) return t;
-  return t.masked_select(visible_keys(t.size(2), window, t.device()));
+  return t.masked_select(visible_keys(t.size(2), span, t.device()));
 }
 
 // kFlags: one all-finite test; counts only when it fails (rare, so cheap).
-std::optional<ProbeRecord> nonfinite_flag(const torch::Tensor& tensor, const SiteDef& def, int64_t window) {
+std::optional<ProbeRecord> nonfinite_flag(const torch::Tensor& tensor, const SiteDef& def, const AttentionSpan& span) {
   torch::NoGradGuard no_grad;
-  const torch::Tensor counted = counted_elements(tensor.detach(), def, window);
+  const torch::Tensor counted = counted_elements(tensor.detach(), def, span);
   if (torch::isfinite(counted).all().item<bool>()) return std::nullopt;
   ProbeRecord record;
   record.shape = tensor.sizes().vec();
@@ -213,11 +214,11 @@ std::vector<TensorStats> take_rows(const std::vector<double>& values, size_t& ne
 }  // namespace
 
 std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
-                                         const std::vector<int64_t>& sample_ids, int64_t window) {
+                                         const std::vector<int64_t>& sample_ids, const AttentionSpan& layer_span) {
   const bool per_head = probed_per_head(tensor, def);
-  if (!per_head || !def->causal) window = 0;
+  const AttentionSpan span = per_head && def->causal ? layer_span : AttentionSpan{};
   if (!tensor.device().is_cpu()) {  // off the host: reductions where it lives
-    const torch::Tensor rows = device_stats_rows(tensor, per_head, per_head && def->causal, window);
+    const torch::Tensor rows = device_stats_rows(tensor, per_head, per_head && def->causal, span);
     const std::vector<double> values = read_back({rows});
     size_t next = 0;
     return records_from_stats(take_rows(values, next, rows.size(0)), per_head, tensor.sizes().vec(),
@@ -227,7 +228,7 @@ std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const Site
   const ElemType type = elem_type_of(t);
   std::vector<TensorStats> stats;
   if (per_head) {
-    stats = compute_head_stats(t.data_ptr(), type, t.size(0), t.size(1), t.size(2), t.size(3), def->causal, window);
+    stats = compute_head_stats(t.data_ptr(), type, t.size(0), t.size(1), t.size(2), t.size(3), def->causal, span);
   } else {
     stats.push_back(compute_stats(t.data_ptr(), type, t.numel()));
   }
@@ -256,11 +257,11 @@ struct ProbeSession::State {
   BatchContext context;
   ProbeScope scope;
   bool defer_host = false;
-  // Each layer's sliding window (ModelConfig::window_of; 0: full): causal sites count the keys seen.
-  std::vector<int64_t> attention_windows;
-  int64_t window_at(int layer) const {
-    return layer >= 0 && layer < static_cast<int>(attention_windows.size()) ? attention_windows[static_cast<size_t>(layer)]
-                                                                          : 0;
+  // Each layer's sliding window or chunk (ModelConfig::span_of): causal sites count the keys seen.
+  std::vector<AttentionSpan> attention_spans;
+  AttentionSpan span_at(int layer) const {
+    return layer >= 0 && layer < static_cast<int>(attention_spans.size()) ? attention_spans[static_cast<size_t>(layer)]
+                                                                        : AttentionSpan{};
   }
   int num_forward_sites = 0;
   std::vector<int> order_of;  // (layer + 1) * kSiteCount + id -> forward order
@@ -268,6 +269,11 @@ struct ProbeSession::State {
   bool recomputing = false;   // begin_recompute(): hooks only
   int64_t head_dim = 0;             // attn.q/k/v: one head's width, for the shape of the damage
   bool nonfinite_damage_taken = false;  // the pass's first non-finite forward site has its damage
+  // hold_scores(): one layer's attn.scores, from that site to its attn.probs.
+  int held_scores_layer = -1;
+  torch::Tensor held_scores;
+  AttentionMask attention_mask = AttentionMask::kExclude;  // the model's, for what it does to a masked score
+  bool soft_capped = false;                                // attn_logit_softcap runs before the mask
 
   // The forward must produce its sites in the site table's order: the order
   // that defines "first", and the reverse of the backward's.
@@ -303,23 +309,23 @@ struct ProbeSession::State {
     }
     if (!deferred) {
       std::vector<ProbeRecord> records = describe(tensor, def, ref.layer);
-      if (locate) locate_largest(records, tensor, def, context.sample_ids, window_at(ref.layer));
+      if (locate) locate_largest(records, tensor, def, context.sample_ids, span_at(ref.layer));
       if (phase == Phase::kForward && scope.level == ProbeLevel::kFull) take_damage(records, tensor, ref, locate);
       add(std::move(records), ref, phase);
       return;
     }
     const bool per_head = !routing && probed_per_head(tensor, &def);
     const bool causal = per_head && def.causal;
-    const int64_t window = causal ? window_at(ref.layer) : 0;
+    const AttentionSpan span = causal ? span_at(ref.layer) : AttentionSpan{};
     PendingProbe p{{}, std::nullopt, tensor.sizes().vec(), elem_type_of(tensor), per_head, ref, phase, routing};
-    // The CUDA kernel knows full causal rows only: a sliding window takes LibTorch's reductions.
+    // The CUDA kernel knows full causal rows only: a sliding window or chunk takes LibTorch's reductions.
     if (routing) {
       p.rows = device_expert_rows(tensor, *routing);
-    } else if (window == 0 && CudaProbeStats::accepts(tensor) && CudaProbeStats::available()) {
+    } else if (span.full() && CudaProbeStats::accepts(tensor) && CudaProbeStats::available()) {
       if (!cuda_stats) cuda_stats = std::make_shared<CudaProbeStats>();
       p.ticket = cuda_stats->add(tensor, per_head, causal);
     } else {
-      p.rows = device_stats_rows(tensor, per_head, causal, window);
+      p.rows = device_stats_rows(tensor, per_head, causal, span);
     }
     pending.push_back(std::move(p));
   }
@@ -391,9 +397,10 @@ struct ProbeSession::State {
     std::optional<DamageShape> damage;
     if (!records[0].stats.all_finite() && !nonfinite_damage_taken) {
       nonfinite_damage_taken = true;
-      damage = nonfinite_damage(tensor, ref, head_dim, window_at(ref.layer));
+      damage = nonfinite_damage(tensor, ref, head_dim, span_at(ref.layer));
+      take_masked_score(records, tensor, ref);
     } else if (outliers && records[0].stats.all_finite()) {
-      damage = outlier_damage(tensor, ref, head_dim, window_at(ref.layer));
+      damage = outlier_damage(tensor, ref, head_dim, span_at(ref.layer));
     }
     if (!damage) return;
     if (damage->batch_row >= 0 && damage->batch_row < static_cast<int64_t>(context.sample_ids.size())) {
@@ -403,11 +410,28 @@ struct ProbeSession::State {
     for (ProbeRecord& r : records) r.damage = shared;
   }
 
+  // The pass's first non-finite site is a layer's scores or probabilities: what
+  // the mask did to the origin's row if it held non-finite scores at masked keys.
+  void take_masked_score(std::vector<ProbeRecord>& records, const torch::Tensor& tensor, const SiteRef& ref) {
+    torch::Tensor scores;
+    if (ref.id == SiteId::kAttnScores) scores = tensor;
+    if (ref.id == SiteId::kAttnProbs && held_scores_layer == ref.layer) scores = held_scores;
+    if (!scores.defined() || scores.sizes() != tensor.sizes()) return;
+    std::optional<MaskedScore> masked =
+        masked_score_in_row(scores, records[0].first_index, span_at(ref.layer), attention_mask, soft_capped);
+    if (!masked) return;
+    if (masked->batch_row < static_cast<int64_t>(context.sample_ids.size())) {
+      masked->sample = context.sample_ids[static_cast<size_t>(masked->batch_row)];
+    }
+    const auto shared = std::make_shared<const MaskedScore>(std::move(*masked));
+    for (ProbeRecord& r : records) r.masked_score = shared;
+  }
+
   // The records of one site's tensor at this level (none when flags find it finite).
   std::vector<ProbeRecord> describe(const torch::Tensor& tensor, const SiteDef& def, int layer) const {
-    const int64_t window = window_at(layer);
-    if (scope.level == ProbeLevel::kFull) return describe_tensor(tensor, &def, context.sample_ids, window);
-    std::optional<ProbeRecord> flag = nonfinite_flag(tensor, def, window);
+    const AttentionSpan span = span_at(layer);
+    if (scope.level == ProbeLevel::kFull) return describe_tensor(tensor, &def, context.sample_ids, span);
+    std::optional<ProbeRecord> flag = nonfinite_flag(tensor, def, span);
     return flag ? std::vector<ProbeRecord>{*flag} : std::vector<ProbeRecord>{};
   }
 
@@ -437,8 +461,10 @@ ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, const
   state_->context = std::move(context);
   state_->scope = scope;
   state_->defer_host = defer_host;
-  for (int layer = 0; layer < model.num_layers; ++layer) state_->attention_windows.push_back(model.window_of(layer));
+  for (int layer = 0; layer < model.num_layers; ++layer) state_->attention_spans.push_back(model.span_of(layer));
   state_->head_dim = model.num_heads > 0 ? model.head_dim() : 0;
+  state_->attention_mask = model.attention_mask;
+  state_->soft_capped = model.attn_logit_softcap.has_value();
   const std::vector<SiteRef> sites = forward_sites(model);
   state_->num_forward_sites = static_cast<int>(sites.size());
   state_->order_of.assign(static_cast<size_t>((model.num_layers + 1) * State::site_count()), -1);
@@ -472,7 +498,16 @@ torch::Tensor ProbeSession::produce(const SiteRef& ref, const torch::Tensor& val
       held.register_hook([state, ref, routing](torch::Tensor grad) { state->probe(grad, ref, Phase::kBackward, routing); });
     }
   }
+  if (ref.id == SiteId::kAttnProbs) state_->held_scores = torch::Tensor();  // its scores are read by now
   return rounded ? held.to(torch::kFloat32) : value;
+}
+
+void ProbeSession::hold_scores(int layer, const torch::Tensor& scores) {
+  State& s = *state_;
+  const bool wanted = s.scope.level == ProbeLevel::kFull && !s.recomputing && !s.nonfinite_damage_taken &&
+                      scores.device().is_cpu() && !s.defer_host;
+  s.held_scores_layer = wanted ? layer : -1;
+  s.held_scores = wanted ? scores.detach() : torch::Tensor();
 }
 
 void ProbeSession::alias(const SiteRef& ref, const SiteRef& same_as) {

@@ -36,10 +36,10 @@ struct BatchContext {
 // one record per head for per-head sites). `def` null: a parameter gradient
 // (coordinates only, no sample or position). Used for forward, backward and
 // parameter-gradient probes alike.
-// `window`: the layer's sliding attention window (ModelConfig::window_of); causal
+// `span`: the layer's sliding window or chunk (ModelConfig::span_of); causal
 // sites then count only the keys each query sees.
 std::vector<ProbeRecord> describe_tensor(const torch::Tensor& tensor, const SiteDef* def,
-                                         const std::vector<int64_t>& sample_ids, int64_t window = 0);
+                                         const std::vector<int64_t>& sample_ids, const AttentionSpan& span = {});
 
 // How a mixture-of-experts layer routed its tokens: the rows of a per-expert
 // site's tensor are grouped by expert, each expert's in (batch row, position)
@@ -109,6 +109,11 @@ class ProbeSession {
   void check_norm(const SiteRef& ref, const torch::Tensor& moment, double eps, const char* moment_name);
   // Full statistics are being taken (norm checks and per-sample losses with them).
   bool enabled() const;
+  // The layer's scores as attn.scores holds them, kept until its attn.probs
+  // site: should the probabilities be the pass's first non-finite site, the
+  // origin's row is read for non-finite scores at masked keys (masked_row.h).
+  // Host tensors at full statistics only, until the pass's origin is found.
+  void hold_scores(int layer, const torch::Tensor& scores);
 
   // The layer-streamed replay's backward computes each piece of the forward
   // again from its saved input: the sites it produces from here on are

@@ -50,6 +50,17 @@ void ModelCheckpoint::place(const std::vector<torch::Device>& devices, int num_l
   }
 }
 
+TensorInfo tensor_rows(const TensorInfo& info, int64_t row, int64_t rows) {
+  TensorInfo slice = info;
+  if (info.shape.empty()) return slice;
+  const uint64_t row_bytes = info.nbytes() / static_cast<uint64_t>(std::max<int64_t>(1, info.shape[0]));
+  slice.shape[0] = rows;
+  slice.data = info.data + static_cast<uint64_t>(row) * row_bytes;
+  slice.begin = info.begin + static_cast<uint64_t>(row) * row_bytes;
+  slice.end = slice.begin + static_cast<uint64_t>(rows) * row_bytes;
+  return slice;
+}
+
 torch::Tensor tensor_from_safetensors(const TensorInfo& info, const std::string& label) {
   const torch::Tensor stored = stored_tensor(info, label);
   return stored.scalar_type() == torch::kFloat32 ? stored : stored.to(torch::kFloat32);

@@ -83,6 +83,9 @@ class ModelCheckpoint {
 
 // fp32 view (or upcast copy) of one safetensors tensor.
 torch::Tensor tensor_from_safetensors(const TensorInfo& info, const std::string& label);
+// Rows [row, row + rows) of a stored tensor (along its first dimension), as a
+// TensorInfo of its own: checks that walk a checkpoint a slice at a time.
+TensorInfo tensor_rows(const TensorInfo& info, int64_t row, int64_t rows);
 // The tensor as stored (F32, BF16 or F16): a view of the mapping, or a copy where it is unaligned.
 torch::Tensor stored_tensor(const TensorInfo& info, const std::string& label);
 

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "replay/arch/head_logit_max.h"
+#include "replay/arch/router_logit_max.h"
 #include "replay/optim/optimizer.h"
 #include "replay/probing/cuda_probe_stats.h"
 #include "replay/probing/device_stats.h"
@@ -222,9 +223,14 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
   if (in.manifest.optimizer && uses_qk_clip(*in.manifest.optimizer)) {
     logit_max.emplace(arithmetic.model.num_layers, arithmetic.model.num_heads);
   }
+  std::optional<RouterLogitRecorder> router_max;  // a spike incident's MoE evidence
+  if (request.router_logit_max && arithmetic.model.moe) {
+    router_max.emplace(arithmetic.model.num_layers, arithmetic.model.moe->num_experts);
+  }
   const std::vector<torch::Tensor> rank_norms = run_passes(loop, result, passes);
   read_back_step(loop, passes, rank_norms, result);
   if (logit_max) result.attn_logit_max = logit_max->maxima();
+  if (router_max) result.router_logit_max = router_max->maxima();
   if (result.complete) {
     // The system checks read the gradients on the host; a cheap pass only
     // looks for non-finite ones, where they are.

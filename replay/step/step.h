@@ -63,6 +63,8 @@ struct StepRequest {
   // A spike incident: forward records also name their largest element's
   // sample and position (replay/probing/largest_element.h).
   bool locate_largest = false;
+  // A spike incident on a mixture of experts: StepResult::router_logit_max.
+  bool router_logit_max = false;
   PassProgress before_pass;
   // A layer-streamed replay: called before each block of each pass,
   // (rank, micro-batch, layer, "forward" | "backward"). May throw to stop.
@@ -91,6 +93,9 @@ struct StepResult {
   // [layer][query head]: the largest scaled pre-softmax logit over every pass,
   // recorded only when the optimizer asks for MuonClip (qk_clip).
   std::vector<std::vector<double>> attn_logit_max;
+  // [layer][expert]: the largest router logit over every pass, when the
+  // request asks (-inf for a layer another process replayed).
+  std::vector<std::vector<double>> router_logit_max;
 };
 
 // The step's arithmetic under overrides: model config, fp8 scales, numerics, loss scale.

@@ -16,6 +16,7 @@
 #include <torch/torch.h>
 
 #include "loaders/base/error.h"
+#include "probes/damage_shape.h"
 #include "replay/workflows/bisect_verdict.h"
 #include "replay/workflows/ddmin.h"
 #include "replay/step/layer_stream.h"
@@ -310,8 +311,11 @@ class Bisection {
     }
     stage.candidates = bad_scan_->first_pass_samples;
     const std::function<void()> before_pass = hook();
+    const bool own_forward = origin_in_own_forward(origin);
     bool some_subset_passed = false;
     const std::function<bool(const std::vector<int64_t>&)> fails = [&](const std::vector<int64_t>& subset) {
+      // Known without a replay: the origin's sample computes its forward as in the whole pass.
+      if (own_forward && std::find(subset.begin(), subset.end(), origin.sample) != subset.end()) return true;
       ++stage.replays;
       const bool failed = pass_fails(loaded, subset, before_pass);
       some_subset_passed = some_subset_passed || !failed;
@@ -324,11 +328,29 @@ class Bisection {
     }
     stage.minimal = ddmin<int64_t>(stage.candidates, fails).minimal;
     stage.ran = true;
-    stage.data_dependent = some_subset_passed || !others_fail_alone(stage, fails);
+    const bool confined = own_forward && damage_in_one_sample(origin) && stage.minimal == std::vector<int64_t>{origin.sample};
+    stage.data_dependent = some_subset_passed || confined || !others_fail_alone(stage, fails);
     if (!*stage.data_dependent) {
       stage.note = "not data-dependent: every subset tried fails, single samples included; no sample is to blame";
       stage.minimal.clear();
     }
+  }
+
+  // A forward origin in a model whose forward computes each sample on its
+  // own (attention within the sample; no mixture of experts, whose routing
+  // capacity couples samples; not fp8, whose scales come from the whole
+  // batch; not the loss, a mean over the batch): the origin's sample reaches
+  // the origin as in the whole pass, so a subset holding it fails.
+  bool origin_in_own_forward(const FirstNonfinite& origin) const {
+    const Manifest& m = bundle_.manifest();
+    return origin.phase == Phase::kForward && origin.sample >= 0 && origin.site.id != SiteId::kLoss && !m.model.moe &&
+           m.precision.compute != Compute::kFp8;
+  }
+
+  // The origin's non-finite elements all lie in one token row: every other
+  // sample is finite where the origin's fails (the failure is that sample's).
+  static bool damage_in_one_sample(const FirstNonfinite& origin) {
+    return origin.damage && !origin.damage->sampled && origin.damage->rows_hit == 1 && origin.damage->batch_row >= 0;
   }
 
   // Whether samples outside the minimal set fail on their own too (up to

@@ -48,6 +48,13 @@ struct Plan {
   std::map<int64_t, std::vector<int64_t>> samples;
   int64_t num_layers = 0;
   std::string cut;  // in words, for the report
+  // false: no optimizer state is written, so no update between kept steps is
+  // checked (a one-batch spike candidate's update is another batch's).
+  bool optimizer_state = true;
+  // A spike candidate declares the spike it was cut for (incident.kind
+  // "spike", incident.step): its one-batch steps keep no finite logged loss
+  // to find it in.
+  std::optional<int64_t> spike_step;
 };
 
 // A sample's index as the run knew it: through the bundle's own
@@ -172,6 +179,47 @@ class Minimizer {
     return plans;
   }
 
+  // A spike origin at step T rests on the trajectory of its site over the
+  // healthy steps before T (docs/spikes.md): the `min_history + 1` listed
+  // steps before T are the fewest it can be judged against. Smallest first:
+  // those steps and T each as one micro-batch of one rank (T with the
+  // origin's sample, which carries the spike, each step before it with its
+  // first sample), with the model cut after the origin's layer, then every
+  // layer; then their whole batches; then every step up to T. Steps after T
+  // never count. With weights rewritten into T's checkpoint the update is
+  // evidence too, and it needs the whole batch before it.
+  std::vector<Plan> spike_plans(const SpikeOrigin& o) const {
+    const int64_t T = o.step, layers = m_.model.num_layers;
+    const SpikeThresholds t = m_.incident && m_.incident->spike ? *m_.incident->spike : SpikeThresholds{};
+    std::vector<int64_t> upto;
+    for (const StepFiles& f : bundle_.steps()) {
+      if (f.step <= T) upto.push_back(f.step);
+    }
+    const size_t history = std::min(upto.size(), static_cast<size_t>(t.min_history) + 2);
+    const std::vector<int64_t> steps(upto.end() - static_cast<std::ptrdiff_t>(history), upto.end());
+    const std::string span = "steps " + std::to_string(steps.front()) + ".." + std::to_string(T);
+    std::vector<Plan> plans;
+    if (o.sample >= 0 && rewritten_into(bisected_.findings, T).empty()) {
+      std::map<int64_t, std::vector<int64_t>> one;
+      for (int64_t step : steps) one[step] = {step == T ? o.sample : batch_of_step(bundle_, step).samples.at(0).front()};
+      const std::string text = span + ", each as one sample in one micro-batch of one rank (step " +
+                               std::to_string(T) + ": sample " + std::to_string(o.sample) + ", the spike's)";
+      const int64_t cut = o.site.layer >= 0 ? o.site.layer + 1 : o.site.id == SiteId::kEmbed ? 1 : layers;
+      if (cut < layers) {
+        plans.push_back({steps, false, one, cut, text + ", layers 0.." + std::to_string(cut - 1) + " of " +
+                                                     std::to_string(layers), false, T});
+      }
+      plans.push_back({steps, false, one, layers, text + ", every layer", false, T});
+    }
+    plans.push_back({steps, true, {}, layers, span + ", whole batches, every layer", true, T});
+    if (upto.size() > steps.size()) {
+      plans.push_back({upto, true, {}, layers,
+                       "steps " + std::to_string(upto.front()) + ".." + std::to_string(T) +
+                           " (every step up to the spike), whole batches, every layer", true, T});
+    }
+    return plans;
+  }
+
   // Writes `plan` as a bundle in `dir` (created).
   void write(const Plan& plan, const fs::path& dir) {
     fs::create_directories(dir / "data");
@@ -192,6 +240,12 @@ class Minimizer {
       m.data.grad_accum_steps = 1;
       m.data.micro_batch_size = static_cast<int64_t>(plan.samples.at(plan.steps.back()).size());
     }
+    if (plan.spike_step) {
+      IncidentInfo incident = m_.incident.value_or(IncidentInfo{});
+      incident.kind = IncidentKind::kSpike;
+      incident.step = plan.spike_step;
+      m.incident = incident;
+    }
     m.steps.clear();
     for (size_t i = 0; i < plan.steps.size(); ++i) m.steps.push_back(step_entry_for(plan.steps[i], batches[i], index));
     m.minimized = MinimizedFrom{fs::absolute(bundle_.root()).lexically_normal().string(), manifest_sha256()};
@@ -211,7 +265,8 @@ class Minimizer {
   // Replays the candidate in `dir`; the origin it names, when any, and the
   // tensors it names rewritten into the origin's checkpoint.
   std::optional<FirstNonfinite> replay(const fs::path& dir, std::optional<OriginalKey>& key,
-                                       std::vector<std::string>* rewritten = nullptr) const {
+                                       std::vector<std::string>* rewritten = nullptr,
+                                       std::optional<SpikeReport>* spike = nullptr) const {
     const Bundle candidate(dir);
     validate_bundle_structure(candidate);
     BisectOptions options;
@@ -223,6 +278,13 @@ class Minimizer {
     const BisectReport report = bisect_bundle(candidate, options);
     if (report.origin) key = original_key(candidate.manifest(), report.origin->sample);
     if (report.origin && rewritten != nullptr) *rewritten = rewritten_into(report.findings, report.origin->step);
+    if (spike != nullptr) {
+      *spike = report.spike;
+      if (report.spike && report.spike->origin) {
+        key = original_key(candidate.manifest(), report.spike->origin->sample);
+        if (rewritten != nullptr) *rewritten = rewritten_into(report.findings, report.spike->origin->step);
+      }
+    }
     return report.origin;
   }
 
@@ -252,6 +314,20 @@ class Minimizer {
     if (a.kind != b.kind) return std::string("kind ") + nonfinite_kind_name(b.kind);
     if (a.position != b.position) return "position " + std::to_string(b.position) + " instead of " + std::to_string(a.position);
     if (!(original_key(m_, a.sample) == b_key)) {
+      return std::string("another sample (the run's ") + (b_key.offset ? "token offset " : "sample ") +
+             std::to_string(b_key.value) + ")";
+    }
+    return "";
+  }
+
+  // Empty when the spike origins agree (a replay of other batches scores
+  // them differently: the score is not compared); otherwise what differs.
+  std::string spike_difference(const SpikeOrigin& a, const SpikeOrigin& b, const OriginalKey& b_key) const {
+    if (a.step != b.step) return "step " + std::to_string(b.step) + " instead of " + std::to_string(a.step);
+    if (a.phase != b.phase || !(a.site == b.site)) return "site " + b.name() + " instead of " + a.name();
+    if (a.layer != b.layer || a.head != b.head || a.expert != b.expert) return "another layer, head or expert";
+    if (a.position != b.position) return "position " + std::to_string(b.position) + " instead of " + std::to_string(a.position);
+    if (a.sample >= 0 && !(original_key(m_, a.sample) == b_key)) {
       return std::string("another sample (the run's ") + (b_key.offset ? "token offset " : "sample ") +
              std::to_string(b_key.value) + ")";
     }
@@ -410,7 +486,7 @@ class Minimizer {
     } else {
       write_params(start->checkpoint, keep, dir / "model.safetensors");
     }
-    if (next_kept) {  // the update to the next kept step is checked: its optimizer state goes too
+    if (next_kept && plan.optimizer_state) {  // the update to the next kept step is checked: its optimizer state goes too
       if (files.has_model && bundle_.has_optimizer(files)) {
         // Every kept parameter's state, whatever its optimizer names it (docs/optimizers.md).
         const SafetensorsFile optimizer = SafetensorsFile::open(files.optimizer.string(), files.label("optimizer.safetensors"));
@@ -695,15 +771,19 @@ std::optional<Plan> first_reproducing(Minimizer& minimizer, const std::vector<Pl
 }
 
 // No origin: a flipped bit `run`'s update check names, else nothing (and why).
-void minimize_flip(const Bundle& bundle, Minimizer& minimizer, const MinimizeOptions& options,
-                   MinimizeOutcome& outcome) {
+void minimize_flip(const Bundle& bundle, const BisectReport& bisected, Minimizer& minimizer,
+                   const MinimizeOptions& options, MinimizeOutcome& outcome) {
   MinimizeReport& r = outcome.report;
   const ReplayReport checked = minimizer.checked(bundle);
   const std::vector<FlippedBit> flips = flips_in(checked.findings);
   if (flips.empty()) {
+    // The probe-less check cannot see what needs probes (SYSTEM_SITE_MISMATCH):
+    // bisect's full probe pass on a spike or logged site statistics did.
     std::set<std::string> codes;
-    for (const Finding& f : checked.findings) {
-      if (f.severity == Severity::kError) codes.insert(f.name());
+    for (const std::vector<Finding>* found : {&checked.findings, &bisected.findings}) {
+      for (const Finding& f : *found) {
+        if (f.severity == Severity::kError) codes.insert(f.name());
+      }
     }
     r.not_minimized.assign(codes.begin(), codes.end());
     r.reason = codes.empty()
@@ -736,6 +816,68 @@ void minimize_flip(const Bundle& bundle, Minimizer& minimizer, const MinimizeOpt
   explain_flip(r, *plan, *r.flip, others);
 }
 
+// What MIN holds and why, for a spike origin.
+void explain_spike(MinimizeReport& r, const Plan& plan, const SpikeOrigin& o) {
+  const std::string T = std::to_string(o.step);
+  r.kept.push_back("steps " + std::to_string(plan.steps.front()) + ".." + T + ": the spike's step and the healthy "
+                   "steps before it, the fewest its site's trajectory is judged against (docs/spikes.md); MIN "
+                   "declares the spike (incident.kind \"spike\", incident.step " + T + ")");
+  if (plan.original_layout) {
+    r.kept.push_back("every sample of the kept steps, ranks and micro-batches as the run had them" +
+                     std::string(plan.optimizer_state ? ", with the optimizer state the update check reads" : ""));
+  } else {
+    r.kept.push_back("sample {" + comma_list(r.kept_samples_original) + "} (" + run_numbering_words(r) +
+                     ") at step " + T + ", which carries the spike, and one sample of each step before it, each step "
+                     "one micro-batch of one rank; their finite logged values go (another batch), and no optimizer "
+                     "state: the update from another batch is not the run's");
+  }
+  r.kept.push_back(r.after.layers < r.before.layers
+                       ? "layers 0.." + std::to_string(r.after.layers - 1) + ": the spike's origin is in the forward "
+                         "pass at " + o.name() + ", which nothing after it feeds"
+                       : "every layer");
+  explain_removed(r);
+}
+
+// A reproduced spike origin and nothing non-finite: the candidates of spike_plans,
+// each kept only if bisect on it names the same spike origin, reproduced.
+void minimize_spike(const BisectReport& bisected, Minimizer& minimizer, const MinimizeOptions& options,
+                    MinimizeOutcome& outcome) {
+  MinimizeReport& r = outcome.report;
+  r.finding = "spike";
+  r.spike = bisected.spike;
+  const SpikeOrigin& o = *r.spike->origin;
+  const std::vector<std::string> rewritten = rewritten_into(bisected.findings, o.step);
+  const std::optional<Plan> plan =
+      first_reproducing(minimizer, minimizer.spike_plans(o), options, outcome, [&](const fs::path& dir) {
+        std::optional<OriginalKey> key;
+        std::vector<std::string> rewritten_after;
+        std::optional<SpikeReport> spike;
+        if (minimizer.replay(dir, key, &rewritten_after, &spike)) {
+          return MinimizeAttempt{"", false, "a non-finite value where the run had none"};
+        }
+        if (!spike || !spike->reproduced || !spike->origin) {
+          return MinimizeAttempt{"", false, spike && !spike->not_reproduced_reason.empty()
+                                                ? "spike not reproduced: " + spike->not_reproduced_reason
+                                                : "spike not reproduced"};
+        }
+        const std::string diff = minimizer.spike_difference(o, *spike->origin, key.value_or(OriginalKey{}));
+        if (!diff.empty()) return MinimizeAttempt{"", false, "spike origin changed: " + diff};
+        if (rewritten_after != rewritten) {
+          return MinimizeAttempt{"", false, std::string("the update check ") +
+                                                (rewritten.empty() ? "names" : "no longer names") + " rewritten weights"};
+        }
+        r.spike_after = spike;
+        return MinimizeAttempt{"", true, "same spike origin, reproduced"};
+      });
+  if (!plan) {
+    throw std::runtime_error("minimize: no candidate reproduces the spike origin, every step up to the spike "
+                             "included; nothing was written");
+  }
+  if (!plan->original_layout) r.kept_samples_original = minimizer.originals_of(plan->samples.at(o.step));
+  if (o.sample >= 0) r.original_sample = minimizer.originals_of({o.sample}).front();
+  explain_spike(r, *plan, o);
+}
+
 }  // namespace
 
 uint64_t directory_bytes(const fs::path& dir) {
@@ -754,8 +896,13 @@ MinimizeOutcome minimize_bundle(const Bundle& bundle, const BisectReport& bisect
   r.tool_version = options.tool_version;
   r.before = size_of(bundle);
   Minimizer minimizer(bundle, bisected, options);
+  if (!bisected.origin && bisected.spike && bisected.spike->reproduced && bisected.spike->origin) {
+    minimize_spike(bisected, minimizer, options, outcome);
+    r.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    return outcome;
+  }
   if (!bisected.origin) {
-    minimize_flip(bundle, minimizer, options, outcome);
+    minimize_flip(bundle, bisected, minimizer, options, outcome);
     r.elapsed_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     return outcome;
   }

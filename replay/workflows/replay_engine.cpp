@@ -22,6 +22,7 @@
 #include "loaders/base/error.h"
 #include "loaders/bundle/provenance.h"
 #include "replay/probing/probe_retention.h"
+#include "replay/step/checkpoint_update.h"
 #include "replay/step/layer_stream.h"
 #include "replay/step/step.h"
 #include "replay/step/step_scan.h"
@@ -30,6 +31,7 @@
 #include "reports/triage/data/origin_tokens.h"
 #include "reports/triage/numeric/numeric_rules.h"
 #include "reports/triage/spike_origin.h"
+#include "reports/triage/window_outliers.h"
 #include "reports/triage/system/self_checks.h"
 #include "reports/triage/triage.h"
 
@@ -117,6 +119,10 @@ class BundleReplay {
     report_.update_stats = updates_;
     report_.spike = judge_spike(spike_plan_, report_.steps,
                                 spike_locator_ ? spike_locator_->origin() : std::optional<SpikeOrigin>{});
+    if (outliers_ && report_.spike) {
+      report_.window_outliers = outliers_->summary(report_.spike->step);
+      if (report_.spike->origin) report_.spike->mechanism = outliers_->logit_growth(*report_.spike->origin);
+    }
   }
 
   // A spike's step and the one before, each step's batch on the other's weights (counterfactual.h).
@@ -169,6 +175,7 @@ class BundleReplay {
     for (const StepFiles* files : todo_) logged.push_back(bundle_.load_state(*files));
     spike_plan_ = plan_spike(m_.incident, logged, options_.spike);
     if (spike_plan_.active) spike_locator_.emplace(spike_plan_.thresholds);
+    if (spike_plan_.active && options_.probes) outliers_.emplace();
     if (spike_plan_.active && spike_plan_.step && options_.probes) counterfactuals_.emplace(*spike_plan_.step);
   }
 
@@ -260,10 +267,12 @@ class BundleReplay {
       }
     };
     request.locate_largest = spike_locator_.has_value();
+    request.router_logit_max = outliers_.has_value();
     StepResult step =
         replay_step({m_, bundle_.tokens(), files.step, state, batch}, checkpoint, placement_, request);
     report_.step_replays += m_.data.world_size * m_.data.grad_accum_steps;  // every pass, in whichever process
     if (spike_locator_) spike_locator_->step_done(files.step, step.probes, spike_plan_.step);
+    if (outliers_) outliers_->step_done(files.step, step.probes, step.router_logit_max, spike_plan_.step);
     if (counterfactuals_ && counterfactuals_->wants(files.step)) {  // before rolling forward moves the weights on
       counterfactuals_->keep(files, state, batch, step.probes,
                              outcome.derived ? std::optional(trajectory_.snapshot()) : std::nullopt);
@@ -364,12 +373,34 @@ class BundleReplay {
     // System layer: does the next checkpoint follow from this one by AdamW?
     const StepFiles* next = find_files(files.step + 1);
     const bool predictable = std::isfinite(step.grad_norm) || outcome.scaler_skipped;
+    std::vector<Finding> update_found;
     if (options_.check_updates && next != nullptr && next->has_model && files.has_model && m_.optimizer && state.lr &&
         predictable && bundle_.has_optimizer(files)) {
       const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
-      add(triage_update({bundle_, files, *next, checkpoint, &step, *state.lr, outcome.scaler_skipped}));
+      update_found = triage_update({bundle_, files, *next, checkpoint, &step, *state.lr, outcome.scaler_skipped});
+      add(update_found);
       updates_checked_.insert(next->step);
     }
+    if (files.has_model && (next == nullptr || next->has_model)) {
+      measure_checkpoint_update({&files, next, &checkpoint, &step, &state, outcome.scaler_skipped}, update_found);
+    }
+  }
+
+  // A step between two checkpoints (or the last one): its update as the
+  // checkpoints hold it (checkpoint_update.h). A tensor the update check found
+  // changed outside the optimizer is marked: its jump is not an update's.
+  void measure_checkpoint_update(const CheckpointUpdateInput& input, const std::vector<Finding>& update_found) {
+    const PhaseTimer timer(report_.timings, TimedPhase::kUpdateChecks);
+    StepUpdateStats measured = checkpoint_update_stats(bundle_, input);
+    if (measured.tensors.empty()) return;
+    std::set<std::string> rewritten;
+    for (const Finding& f : update_found) {
+      if (f.code == FindingCode::kSystemBitFlip || f.code == FindingCode::kSystemUpdateMismatch) {
+        rewritten.insert(f.evidence.text(K::kParam).value_or(""));
+      }
+    }
+    for (TensorUpdateStats& t : measured.tensors) t.outside_optimizer = rewritten.count(t.param) > 0;
+    updates_.push_back(std::move(measured));
   }
 
   // Parameters already non-finite in `step`'s checkpoint: the origin only propagates them.
@@ -442,11 +473,12 @@ class BundleReplay {
   bool trajectory_ok_ = true;
   LossScales loss_scales_{bundle_.rolls_forward()};
   std::optional<ModelCheckpoint> recheck_params_;
-  std::vector<StepUpdateStats> updates_;  // each derived update's statistics, in step order
+  std::vector<StepUpdateStats> updates_;  // each update's statistics (derived or between checkpoints), in step order
   ProbeRetention retention_{report_.probes};  // with on_step_probes
   std::future<HostStep> next_host_step_;  // prepare_ahead: the next step's host share
   SpikePlan spike_plan_;
   std::optional<SpikeLocator> spike_locator_;  // a spike incident only
+  std::optional<OutlierTracker> outliers_;     // a spike incident with probes: what changed over the window
   // A spike incident: its step and the one before, replayed again crosswise (counterfactual.h).
   std::optional<SpikeCounterfactuals> counterfactuals_;
   std::set<int64_t> updates_checked_;  // steps whose checkpoint the update check re-derived

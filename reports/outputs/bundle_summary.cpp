@@ -126,11 +126,12 @@ nlohmann::json summarize_bundle(const Bundle& bundle) {
             {"epoch_start_step", randperm_only(sampler.epoch_start_step)}}},
           {"incident", incident},
           {"memory", memory_summary(bundle)}};
-  if (!m.model.layer_types.empty()) {  // each layer's attention kind (Gemma 3, OLMo 3)
+  if (m.model.has_layer_kinds()) {  // each layer's attention kind (Gemma 3, OLMo 3, Llama 4)
     nlohmann::json kinds = nlohmann::json::array();
     for (int layer = 0; layer < m.model.num_layers; ++layer) kinds.push_back(attention_kind_name(m.model.attention_kind(layer)));
     summary["model"]["layer_types"] = kinds;
     summary["model"]["sliding_window"] = m.model.sliding_window;
+    summary["model"]["attention_chunk_size"] = m.model.attention_chunk_size;
   }
   // Values the writer assumed (manifest provenance "from": "default"): the first suspects of a gap.
   const std::vector<ValueSource> defaulted = defaulted_values(m.provenance);
@@ -149,10 +150,14 @@ std::string render_bundle_summary(const nlohmann::json& s) {
   if (model.contains("layer_types")) {  // one word per layer: which attention it runs
     out << "attention ";
     for (size_t layer = 0; layer < model["layer_types"].size(); ++layer) {
-      const bool sliding = model["layer_types"][layer] == "sliding_attention";
-      out << (layer ? ", " : " ") << layer << " " << (sliding ? "sliding" : "full");
+      const std::string kind = model["layer_types"][layer].get<std::string>();
+      out << (layer ? ", " : " ") << layer << " " << kind.substr(0, kind.find('_'));  // "sliding_attention": sliding
     }
-    out << " (sliding window " << model["sliding_window"] << ")\n";
+    std::vector<std::string> sizes;
+    if (model.value("sliding_window", 0) > 0) sizes.push_back("sliding window " + model["sliding_window"].dump());
+    if (model.value("attention_chunk_size", 0) > 0) sizes.push_back("chunk " + model["attention_chunk_size"].dump());
+    for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : " (") << sizes[i] << (i + 1 == sizes.size() ? ")" : "");
+    out << "\n";
   }
   out << "precision  " << s["precision"].get<std::string>() << "\n";
   const auto& data = s["data"];

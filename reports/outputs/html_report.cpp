@@ -17,6 +17,7 @@
 #include "loaders/base/error.h"
 #include "reports/triage/numeric/expert_load.h"
 #include "reports/outputs/counterfactual_output.h"
+#include "reports/outputs/outlier_output.h"
 #include "reports/outputs/damage_output.h"
 #include "reports/outputs/html_charts.h"
 #include "reports/outputs/next_step.h"
@@ -320,6 +321,12 @@ std::string render_verdict(const ReplayReport& report) {
     out << "<section class=\"counterfactuals\" id=\"counterfactuals\"><div><b>" << escape_html(counterfactuals[0])
         << "</b></div>";
     for (size_t i = 1; i < counterfactuals.size(); ++i) out << "<div class=\"meta\">" << escape_html(counterfactuals[i]) << "</div>";
+    out << "</section>";
+  }
+  const std::vector<std::string> outliers = window_outlier_lines(report.window_outliers);
+  if (!outliers.empty()) {
+    out << "<section class=\"counterfactuals\" id=\"what-changed\">";
+    for (const std::string& line : outliers) out << "<div class=\"meta\">" << escape_html(line) << "</div>";
     out << "</section>";
   }
   if (report.root_cause) {

@@ -10,7 +10,9 @@
 #include "loaders/base/error.h"
 #include "reports/triage/numeric/expert_load.h"
 #include "reports/outputs/counterfactual_output.h"
+#include "reports/outputs/outlier_output.h"
 #include "reports/outputs/damage_output.h"
+#include "reports/outputs/masked_score_output.h"
 #include "reports/outputs/next_step.h"
 #include "reports/outputs/spike_output.h"
 #include "reports/outputs/terminal_text.h"
@@ -123,11 +125,17 @@ void write_verdict(std::ostringstream& out, const ReplayReport& report) {
   } else {
     out << "# nanreplay: NOT REPRODUCED\n\n**Verdict: not reproduced.** Every replayed value is finite.\n";
   }
+  if (report.first_nonfinite && report.first_nonfinite->masked_score) {
+    out << "\n**" << escape_markdown(masked_score_sentence(*report.first_nonfinite)) << "**\n";
+  }
   out << damage_markdown(report);
   const std::vector<std::string> counterfactuals = counterfactual_lines(report.counterfactuals);
   for (size_t i = 0; i < counterfactuals.size(); ++i) {
     out << (i == 0 ? "\n**" : "- ") << escape_markdown(counterfactuals[i]) << (i == 0 ? "**\n\n" : "\n");
   }
+  const std::vector<std::string> outliers = window_outlier_lines(report.window_outliers);
+  if (!outliers.empty()) out << "\n";
+  for (const std::string& line : outliers) out << "- " << escape_markdown(line) << "\n";
   if (report.root_cause) {
     // A clean window has no cause to name, only what is worth a look.
     out << "\n**" << (verdict_names_a_cause(report) ? "Root cause" : "Clean window") << "** ("

@@ -5,6 +5,7 @@
 
 #include "loaders/base/message_text.h"
 #include "reports/outputs/report_json.h"
+#include "reports/outputs/spike_output.h"
 #include "reports/results/number_text.h"
 
 namespace nanreplay {
@@ -70,6 +71,8 @@ nlohmann::json minimize_to_json(const MinimizeReport& r) {
                          r.original_sample ? nlohmann::json(*r.original_sample) : nlohmann::json(nullptr)},
                         {"original_offset", r.origin && r.origin->original_offset ? nlohmann::json(*r.origin->original_offset)
                                                                                 : nlohmann::json(nullptr)},
+                        {"spike", spike_json(r.spike)},
+                        {"spike_after", spike_json(r.spike_after)},
                         {"bit_flip", flip_json(r.flip)},
                         {"bit_flip_after", flip_json(r.flip_after)},
                         {"reason", r.reason.empty() ? nlohmann::json(nullptr) : nlohmann::json(r.reason)},
@@ -89,7 +92,7 @@ nlohmann::json minimize_to_json(const MinimizeReport& r) {
 std::string render_minimize(const MinimizeReport& r, const TextStyle& style) {
   std::ostringstream out;
   out << "minimize  " << r.bundle << "\n";
-  if (!r.origin && !r.flip) {
+  if (!r.origin && !r.flip && !r.spike) {
     out << paint(style, "1;32", "NOTHING TO MINIMIZE") << "  " << r.reason << "; nothing was written\n";
     if (!r.not_minimized.empty()) {
       out << "  error findings not minimized:";
@@ -105,6 +108,14 @@ std::string render_minimize(const MinimizeReport& r, const TextStyle& style) {
     if (f.head >= 0) out << " head " << f.head;
     if (f.expert >= 0) out << " expert " << f.expert;
     if (f.sample >= 0) out << ", sample " << f.sample << " of the bundle" << run_numbering_note(f, " (also the run's index)");
+  } else if (r.spike && r.spike->origin) {
+    const SpikeOrigin& s = *r.spike->origin;
+    out << paint(style, "1;31", "SPIKE") << "  step " << s.step << ", " << phase_name(s.phase) << ", "
+        << paint(style, "1", s.name());
+    if (s.head >= 0) out << " head " << s.head;
+    if (s.expert >= 0) out << " expert " << s.expert;
+    out << " (" << s.statistic << ", score " << format_number(s.score) << ")";
+    if (s.sample >= 0) out << ", sample " << s.sample << " of the bundle";
   } else {
     const FlippedBit& f = *r.flip;
     out << paint(style, "1;31", "BIT FLIP") << "  step " << f.step << ", " << paint(style, "1", f.param)
@@ -127,7 +138,9 @@ std::string render_minimize(const MinimizeReport& r, const TextStyle& style) {
       << r.before.world_size << " -> " << r.after.world_size << " | micro-batches " << r.before.grad_accum_steps
       << " -> " << r.after.grad_accum_steps << "\n"
       << "\n" << paint(style, "1;32", "WROTE") << "  " << r.out
-      << (r.origin ? " (replayed: same origin)\n" : " (update check replayed: same flipped bit)\n")
+      << (r.origin  ? " (replayed: same origin)\n"
+          : r.spike ? " (replayed: same spike origin, reproduced)\n"
+                    : " (update check replayed: same flipped bit)\n")
       << "  reproduce: " << r.reproduce_command << "\n";
   return out.str();
 }

@@ -6,7 +6,9 @@
 
 #include "reports/outputs/counterfactual_output.h"
 #include "reports/outputs/damage_output.h"
+#include "reports/outputs/masked_score_output.h"
 #include "reports/outputs/next_step.h"
+#include "reports/outputs/outlier_output.h"
 #include "reports/outputs/spike_output.h"
 
 namespace nanreplay {
@@ -35,6 +37,7 @@ nlohmann::json first_to_json(const FirstNonfinite& first) {
   if (first.original_sample) out["original_sample"] = *first.original_sample;
   if (first.original_offset) out["original_offset"] = *first.original_offset;
   if (first.damage) out["damage"] = damage_json(first.damage);
+  if (first.masked_score) out["masked_score"] = masked_score_json(first);
   return out;
 }
 
@@ -190,7 +193,7 @@ nlohmann::json optional_update_number_json(const std::optional<double>& value) {
   return value ? json_number(*value) : nlohmann::json(nullptr);
 }
 
-// Rolling forward: each derived update, per tensor (docs/report-format.md).
+// Each measured update, per tensor: derived, or between checkpoints (docs/report-format.md).
 nlohmann::json update_stats_json(const std::vector<StepUpdateStats>& updates) {
   nlohmann::json out = nlohmann::json::array();
   for (const StepUpdateStats& step : updates) {
@@ -201,6 +204,7 @@ nlohmann::json update_stats_json(const std::vector<StepUpdateStats>& updates) {
                          {"g2_over_v", optional_update_number_json(t.g2_over_v)},
                          {"g2_over_v_max", optional_update_number_json(t.g2_over_v_max)},
                          {"g2_over_v_rms", optional_update_number_json(t.g2_over_v_rms)}});
+      if (t.outside_optimizer) tensors.back()["outside_optimizer"] = true;
     }
     out.push_back({{"step", step.step}, {"tensors", tensors}});
   }
@@ -221,6 +225,8 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   out["spike"] = spike_json(report.spike);
   out["counterfactuals"] = counterfactuals_json(report.counterfactuals);
   out["spike_check"] = spike_check_json(report.spike);
+  out["head_logit_growth"] = head_logit_growth_json(report.window_outliers);
+  out["expert_outliers"] = expert_outliers_json(report.window_outliers);
   out["reproduction"] = reproduction_json(report.reproduction);
   out["origin_tokens"] = origin_tokens_json(report.origin_tokens);
   nlohmann::json steps = nlohmann::json::array();

@@ -2,8 +2,10 @@
 #include "reports/outputs/spike_output.h"
 
 #include "reports/outputs/damage_output.h"
+#include "reports/outputs/outlier_output.h"
 #include "reports/results/number_text.h"
 #include "reports/results/report.h"
+#include "reports/triage/spike_origin.h"
 
 namespace nanreplay {
 
@@ -48,6 +50,7 @@ nlohmann::json spike_check_json(const std::optional<SpikeReport>& spike) {
           {"replayed_ratio", optional_number(spike->replayed_ratio)},
           {"ratio", spike->origin && spike->reproduced ? json_number(spike->origin->ratio) : nlohmann::json(nullptr)},
           {"first_departure", spike->first_departure ? departure_json(*spike->first_departure) : nlohmann::json(nullptr)},
+          {"mechanism", mechanism_json(spike->mechanism)},
           {"not_reproduced_reason",
            spike->reproduced ? nlohmann::json(nullptr) : nlohmann::json(spike->not_reproduced_reason)}};
 }
@@ -64,7 +67,7 @@ std::string spike_sentence(const SpikeReport& spike) {
   text += " (rank " + std::to_string(o.rank) + ", micro-batch " + std::to_string(o.micro_batch);
   if (o.sample >= 0) text += ", sample " + std::to_string(o.sample) + " position " + std::to_string(o.position);
   text += "): " + o.statistic + " " + format_number(o.ratio) + "x its trend, robust z " + format_number(o.score);
-  return text;
+  return text + logit_growth_clause(spike.mechanism);
 }
 
 }  // namespace nanreplay

@@ -9,7 +9,9 @@
 
 #include "loaders/base/error.h"
 #include "reports/outputs/counterfactual_output.h"
+#include "reports/outputs/outlier_output.h"
 #include "reports/outputs/damage_output.h"
+#include "reports/outputs/masked_score_output.h"
 #include "reports/outputs/next_step.h"
 #include "reports/outputs/spike_output.h"
 
@@ -169,11 +171,13 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
         << or_dash(f.micro_batch) << " | sample " << or_dash(f.sample) << original_text(f) << " | position "
         << or_dash(f.position) << "\n";
     out << token_lines(report);
+    if (f.masked_score) out << "  " << printable(masked_score_sentence(f)) << "\n";
   } else {
     out << paint(style, "1;32", "NOT REPRODUCED") << "  every replayed value is finite\n";
   }
   if (const ShownDamage damage = shown_damage(report); damage.damage) out << "  " << printable(damage_sentence(damage)) << "\n";
   for (const std::string& line : counterfactual_lines(report.counterfactuals)) out << "  " << printable(line) << "\n";
+  for (const std::string& line : window_outlier_lines(report.window_outliers)) out << "  " << printable(line) << "\n";
   out << "\n  " << pad("step", 8) << pad("loss", 14) << pad("logged loss", 14) << pad("grad norm", 14)
       << "finite\n";
   const std::vector<size_t> rows = steps_worth_listing(report);

@@ -53,14 +53,17 @@ struct MinimizeReport {
   std::string bundle;  // as given
   std::string out;     // as given; empty until written
   std::string tool_version;
-  // "origin": a non-finite origin; "bit_flip": no origin, but the update
-  // check names a flipped bit; "none": nothing to minimize (nothing written).
+  // "origin": a non-finite origin; "spike": no non-finite origin, but a
+  // reproduced spike origin (docs/spikes.md); "bit_flip": no origin, but the
+  // update check names a flipped bit; "none": nothing to minimize (nothing written).
   std::string finding = "none";
   std::string reason;  // "none": why nothing was written
   std::vector<std::string> not_minimized;  // "none": error findings minimize has no cut for (codes)
   std::optional<FirstNonfinite> origin;           // the original bundle's, as bisect names it
   std::optional<FirstNonfinite> origin_after;     // the minimized bundle's, as its replay named it
   std::optional<int64_t> original_sample;         // the origin's sample as an index of the original stream
+  std::optional<SpikeReport> spike;               // "spike": the original bundle's, as bisect names it
+  std::optional<SpikeReport> spike_after;         // "spike": the minimized bundle's
   std::optional<FlippedBit> flip;                 // "bit_flip": the original bundle's
   std::optional<FlippedBit> flip_after;           // "bit_flip": the minimized bundle's
   BundleSize before;

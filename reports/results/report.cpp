@@ -74,6 +74,7 @@ FirstNonfinite first_nonfinite_of(const ProbeRecord& record) {
   first.index = record.first_index;
   first.shape = record.shape;
   first.damage = record.damage;
+  first.masked_score = record.masked_score;
   return first;
 }
 

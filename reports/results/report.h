@@ -48,6 +48,8 @@ struct FirstNonfinite {
   std::optional<int64_t> original_offset;
   // Where the site's non-finite elements lie (probes/damage_shape.h); null: not taken.
   std::shared_ptr<const DamageShape> damage;
+  // What the mask did to the origin's row of attention scores (probes/masked_score.h); null: none.
+  std::shared_ptr<const MaskedScore> masked_score;
 
   std::string name() const { return probe_name(phase, site, param); }  // "layers.2.attn.scores"
 };
@@ -244,9 +246,12 @@ struct ReplayReport {
   std::optional<SpikeReport> spike;
   // A spike incident: the spike step's and the previous step's batches crossed with their weights.
   std::optional<Counterfactuals> counterfactuals;
+  // A spike incident: per head the largest query-key logit, per expert the
+  // largest activation, step by step up to the spike (window_outliers.h).
+  std::optional<WindowOutliers> window_outliers;
   // `run --what-if`: one outcome per what-if, in the order given.
   std::optional<std::vector<WhatIfOutcome>> what_if;
-  // Rolling forward: each derived update's statistics per tensor, in step order (update_stats.h).
+  // Each update's statistics per tensor (derived, or between checkpoints), in step order (update_stats.h).
   std::vector<StepUpdateStats> update_stats;
   // Passes replayed (one forward and backward of one micro-batch, as bisect counts them):
   // the steps', and the self-checks' (determinism, cross-check) again.

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "probes/probe_record.h"
+#include "reports/results/window_outliers.h"
 
 namespace nanreplay {
 
@@ -38,6 +39,9 @@ struct SpikeReport {
   std::optional<SpikeOrigin> origin;  // only when reproduced
   // The first record that left its trajectory up to the spike's step, reproduced or not.
   std::optional<SpikeOrigin> first_departure;
+  // Attention-logit growth, when the origin is a head's scores that grew
+  // over the healthy steps (reports/triage/window_outliers.h).
+  std::optional<LogitGrowthMechanism> mechanism;
 };
 
 }  // namespace nanreplay

@@ -1,5 +1,6 @@
 // What one optimizer step did to each parameter tensor, as a rolled-forward
-// replay derives it: the update's RMS and, for Adam-family rules, how far the
+// replay derives it or two checkpoints hold it: the update's RMS and, for
+// Adam and Adafactor, how far the
 // new squared gradient runs ahead of the second moment the update divides by
 // (docs/optimizers.md#update-statistics). Plain data: replay/optim measures
 // it, reports/triage/numeric/update_spike.h judges it.
@@ -21,9 +22,13 @@ struct TensorUpdateStats {
   std::optional<double> g2_over_v;      // mean(g^2) / mean(v_hat) over the tensor
   std::optional<double> g2_over_v_max;  // the largest element's, over elements with v_hat > 0
   std::optional<double> g2_over_v_rms;  // the elements' root mean square, same elements
+  // Between two checkpoints: the update check found this tensor changed
+  // outside the optimizer (a flipped bit, a rewrite), so its jump is not an
+  // update's and NUMERIC_UPDATE_SPIKE neither judges it nor counts it as history.
+  bool outside_optimizer = false;
 };
 
-// The update computed from step `step`'s gradients (it gives step + 1's parameters).
+// The update made from step `step`'s gradients (it gives step + 1's parameters).
 struct StepUpdateStats {
   int64_t step = 0;
   std::vector<TensorUpdateStats> tensors;  // the checkpoint's order

@@ -160,6 +160,13 @@ std::optional<TrajectoryDeviation> replayed_deviation(const std::vector<StepOutc
 
 }  // namespace
 
+std::string logit_growth_clause(const std::optional<LogitGrowthMechanism>& m) {
+  if (!m) return "";
+  return "; the mechanism is attention-logit growth: the head's largest query-key logit grew " +
+         format_number(m->healthy_growth) + "x over the healthy steps before, then " + format_number(m->spike_jump) +
+         "x into the spike";
+}
+
 void name_spike_as_cause(ReplayReport& report) {
   if (!report.spike || !report.spike->origin || report.first_nonfinite) return;
   if (report.root_cause && report.root_cause->code) return;
@@ -172,7 +179,8 @@ void name_spike_as_cause(ReplayReport& report) {
                                 "a " + std::string(report.spike->quantity == "grad_norm" ? "gradient-norm" : "loss") +
                                     " spike that stays finite at step " + std::to_string(*report.spike->step) +
                                     ": it starts at step " + std::to_string(o.step) + ", " + where + ", whose " +
-                                    o.statistic + " is " + format_number(o.ratio) + "x its trend"};
+                                    o.statistic + " is " + format_number(o.ratio) + "x its trend" +
+                                    logit_growth_clause(report.spike->mechanism)};
 }
 
 std::optional<SpikeReport> judge_spike(const SpikePlan& plan, const std::vector<StepOutcome>& steps,

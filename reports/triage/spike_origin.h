@@ -73,6 +73,9 @@ class SpikeLocator {
 // A spike origin with no finding to rest a cause on: the root cause names
 // the spike's origin instead of "no fault found" (its code stays NONE).
 void name_spike_as_cause(ReplayReport& report);
+// "; the mechanism is attention-logit growth: ..." for a sentence that names
+// the origin; empty without a mechanism.
+std::string logit_growth_clause(const std::optional<LogitGrowthMechanism>& mechanism);
 
 // After the replay: the spike report of an active plan (none otherwise).
 std::optional<SpikeReport> judge_spike(const SpikePlan& plan, const std::vector<StepOutcome>& steps,

@@ -89,7 +89,7 @@ struct WindowEvidence {
   const Bundle& bundle;
   const std::set<int64_t>& batch_samples;  // every sample a replayed step's batch holds
   const std::vector<StepState>& states;    // the replayed steps' states, in order
-  // A rolled-forward window: each derived update's statistics, in step order,
+  // Each update's statistics (derived, or between checkpoints), in step order,
   // and the incident's step (the first non-finite value's, or the spike's).
   const std::vector<StepUpdateStats>* updates = nullptr;
   std::optional<int64_t> incident_step;

@@ -1,5 +1,11 @@
 """What the model-family cross-checks (tests/py/test_family_*.py) share: a one-step v1 bundle written
-from given weights and tokens, nanreplay's replay of it through the CLI, and the check list.
+from given weights and tokens, nanreplay's replay of it through the CLI, the check list, and the pieces a
+reference needs to emulate bf16 as the bundle format does (docs/bundle-format.md, "Precision as replayed").
+
+bf16 is autocast emulated by rounding: a rounding point casts fp32 to bf16 and back (reference_model's
+rounding(), whose autograd rounds the gradient crossing it). A reference module mixes in Rounding and calls
+self.rnd at the format's rounding points; Linear rounds its input, weight and bias; set_compute(model,
+"bf16") turns them on (fp32, the default: the identity, so the fp32 checks are unchanged).
 
 Each test holds its own eager PyTorch model, transcribed from the family's upstream code (Hugging
 Face's modeling_*.py, llama2.c's model.py), never from nanreplay's; this module only moves tensors
@@ -18,11 +24,43 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "capture"))
 import nanreplay_capture  # noqa: E402  (its safetensors writer)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from reference_model import rounding  # noqa: E402  (the cast pair of a rounding point)
 
 STEP = 100
 OPTIMIZER = {"kind": "adamw", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}
 TOLERANCE = 1e-5  # relative, fp32: losses and gradient norms
+# Relative, losses and gradient norms, by compute type. bf16: autograd may sum a site's gradients in
+# another order than the replay, and one bf16 rounding flipped by that moves a value by ~1e-6 or more.
+TOLERANCES = {"fp32": TOLERANCE, "bf16": 1e-4}
 failures = []
+
+
+def keep(t):
+    """fp32's rounding point: the tensor as it is."""
+    return t
+
+
+class Rounding:
+    """Mixin of a reference module: self.rnd, the rounding point of the compute type (set_compute);
+    fp32's identity until set."""
+    rnd = staticmethod(keep)
+
+
+class Linear(Rounding, torch.nn.Linear):
+    """torch.nn.Linear under emulated autocast: input, weight and bias rounded to the compute type, the
+    product accumulated in fp32; the output stays fp32 until the site it feeds rounds it."""
+
+    def forward(self, x):
+        return F.linear(self.rnd(x), self.rnd(self.weight), None if self.bias is None else self.rnd(self.bias))
+
+
+def set_compute(model, compute):
+    """`model` with every module's rounding point that of `compute` ("fp32", "bf16"); returns it."""
+    rnd = rounding(compute)
+    for module in model.modules():
+        module.rnd = rnd
+    return model
 
 
 def check(ok, what):
@@ -49,9 +87,10 @@ def batch_of(stream, samples, seq_len):
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-def write_bundle(root, model, params, stream, samples, seq_len, logged_loss, logged_grad_norm):
-    """A one-step fp32 bundle: `model` is the manifest's model object, `params` [(key, tensor)] in the
-    parameter table's order, the step's batch samples 0..samples-1 of `stream` in one micro-batch."""
+def write_bundle(root, model, params, stream, samples, seq_len, logged_loss, logged_grad_norm, precision="fp32"):
+    """A one-step bundle computing in `precision`: `model` is the manifest's model object, `params`
+    [(key, tensor)] in the parameter table's order (stored fp32, the masters), the step's batch samples
+    0..samples-1 of `stream` in one micro-batch."""
     root = Path(root)
     if root.exists():
         shutil.rmtree(root)
@@ -61,7 +100,7 @@ def write_bundle(root, model, params, stream, samples, seq_len, logged_loss, log
     (root / "data" / "shard_000.bin").write_bytes(shard)
     manifest = {
         "format": "nanreplay.bundle", "version": 1, "model": model, "optimizer": OPTIMIZER,
-        "precision": {"compute": "fp32"},
+        "precision": {"compute": precision},
         "data": {"shards": [{"path": "data/shard_000.bin", "dtype": "uint16", "tokens": len(stream),
                              "sha256": hashlib.sha256(shard).hexdigest()}],
                  "seq_len": seq_len, "micro_batch_size": samples, "grad_accum_steps": 1, "world_size": 1,
@@ -98,16 +137,40 @@ def replay(cli, bundle, out):
     return run.returncode, report, run.stderr
 
 
-def compare_step(report, loss, grad_norm, what):
-    """The replayed step's loss and gradient norm against the reference's, within TOLERANCE."""
+def compare_step(report, loss, grad_norm, what, compute="fp32"):
+    """The replayed step's loss and gradient norm against the reference's, within TOLERANCES[compute]."""
     if not check(report is not None and report.get("steps"), f"{what}: nanreplay replayed the step"):
         return
     step = report["steps"][0]
-    check(rel_err(step["loss"], loss) <= TOLERANCE,
+    tolerance = TOLERANCES[compute]
+    check(rel_err(step["loss"], loss) <= tolerance,
           f"{what}: loss {step['loss']!r} vs reference {loss!r} (rel {rel_err(step['loss'], loss):.2e})")
-    check(rel_err(step["grad_norm"], grad_norm) <= TOLERANCE,
+    check(rel_err(step["grad_norm"], grad_norm) <= tolerance,
           f"{what}: grad norm {step['grad_norm']!r} vs reference {grad_norm!r} "
           f"(rel {rel_err(step['grad_norm'], grad_norm):.2e})")
+
+
+def check_bf16_step(cli, work, name, manifest_model, model, named, stream, samples, seq_len, what):
+    """A one-step bf16 bundle of `model` (a reference: model(input_ids, labels) is the loss; named(model) its
+    [(key, tensor)] in the parameter table's order) on samples 0..samples-1 of `stream`: nanreplay's loss and
+    gradient norm within TOLERANCES["bf16"] of the reference's with its rounding points on, and that loss
+    farther than this from the reference's fp32 loss (so the check tells bf16 from fp32). `model` stays fp32."""
+    inputs, targets = batch_of(stream, samples, seq_len)
+    with torch.no_grad():
+        fp32_loss = float(model(inputs, targets))
+    set_compute(model, "bf16")
+    try:
+        loss, norm = loss_and_grad_norm(model(inputs, targets), list(model.parameters()))
+    finally:
+        set_compute(model, "fp32")
+    check(rel_err(loss, fp32_loss) > TOLERANCES["bf16"],
+          f"{what}: the reference's bf16 loss {loss!r} departs from its fp32 loss {fp32_loss!r} "
+          f"(rel {rel_err(loss, fp32_loss):.2e})")
+    bundle = write_bundle(work / name, manifest_model, named(model), stream, samples, seq_len, loss, norm,
+                          precision="bf16")
+    rc, report, err = replay(cli, bundle, work / f"out-{name}")
+    if check(report is not None, f"{what}: nanreplay run gave a report (exit {rc}; {err.strip()[-300:]})"):
+        compare_step(report, loss, norm, what, "bf16")
 
 
 def cross_entropy(logits, targets):

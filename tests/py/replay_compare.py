@@ -2,11 +2,12 @@
 lists, report.json and trace.h5 compared bit for bit, and the workers a launcher started
 (test_stream_presets.py, test_distributed.py, test_distributed_security.py).
 Debian's python3 (h5py for the trace)."""
-import subprocess
 from pathlib import Path
 
 import h5py
 import numpy as np
+
+import synth_cache
 
 VOLATILE = ("timings", "elapsed_seconds")  # the report keys two replays of one bundle may differ in
 
@@ -35,7 +36,8 @@ def check(ok, what):
 
 
 def cli_run(cli, *args, env=None, timeout=600):
-    return subprocess.run([cli, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
+    """`cli args...`, captured as text; a plain `synth` comes from the tests' cache (synth_cache.py)."""
+    return synth_cache.run(cli, args, env=env, timeout=timeout)
 
 
 def listed_presets(cli):

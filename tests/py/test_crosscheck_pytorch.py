@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_model  # noqa: E402
+import synth_cache  # noqa: E402
 
 # The llama family's options (clean-qwen2 ... clean-llama3) in fp32 and bf16.
 OPTION_PRESETS = ["clean-qwen2", "clean-qwen3", "clean-olmo2", "clean-gemma2", "clean-llama3", "clean-combined"]
@@ -69,7 +70,7 @@ def main():
     for preset in PRESETS:
         bundle_dir = work / preset
         synth, _, precision = preset.partition("@")
-        subprocess.run([args.cli, "synth", synth, str(bundle_dir)], check=True, stdout=subprocess.DEVNULL)
+        synth_cache.synth(args.cli, synth, bundle_dir)
         if precision:
             manifest = json.loads((bundle_dir / "manifest.json").read_text())
             manifest["precision"] = {"compute": precision}
@@ -100,8 +101,7 @@ def main():
                 print(f"{status} {preset} step {row['step']} {name}: nanreplay {ours:.9g} pytorch {theirs:.9g} rel err {err:.2e}")
     for preset in ROLLED_PRESETS:
         bundle_dir = work / (preset + "-rolled")
-        subprocess.run([args.cli, "synth", preset, str(bundle_dir), "--checkpoint-every", "1000"], check=True,
-                       stdout=subprocess.DEVNULL)
+        synth_cache.synth(args.cli, preset, bundle_dir, "--checkpoint-every", "1000")
         status, report, stderr, streamed_differs = replay(args.cli, bundle_dir, work / (preset + "-rolled-out"))
         if status != 0:
             print(f"FAIL {preset} rolled: nanreplay run exited {status}: {stderr}")

@@ -21,12 +21,16 @@ query_pre_attn_scalar**-0.5 plus a finfo.min mask, the sliding window on sliding
    of Gemma 1 (model_type gemma: llama's pre-norm block with Gemma's norms, embeddings and GeGLU).
 3. A sliding layer given a scaled rotary (rope_parameters['sliding_attention'] linear) is refused by name (by
    the config reading the import and the capture helper share).
+5. A model of 2.'s config from a one-step bf16 bundle (precision.compute "bf16"): the reference rounds where
+   the bundle format does (docs/bundle-format.md, "Precision as replayed": every linear's input, weight and
+   bias, q k^T and the scaled scores, every probe site as it is produced, the QK-norm's input; Gemma's offset
+   norms compute in fp32, the embedding scale is held in the weight's fp32); loss and gradient norm within
+   1e-4 relative, and that loss departs from the fp32 one.
 
     /usr/bin/python3 tests/py/test_family_gemma3.py --cli build/nanreplay --work DIR
 """
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,9 +40,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
 import reference_model  # noqa: E402  (a bundle's batches and safetensors only)
+import synth_cache  # noqa: E402
 
 
-class Gemma3RMSNorm(torch.nn.Module):
+class Gemma3RMSNorm(fs.Rounding, torch.nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
         self.eps = eps
@@ -50,16 +55,16 @@ class Gemma3RMSNorm(torch.nn.Module):
     def forward(self, x):
         output = self._norm(x.float())
         output = output * (1.0 + self.weight.float())
-        return output.type_as(x)
+        return self.rnd(output.type_as(x))  # every norm's output is a site (or, q_norm / k_norm, rounded as one)
 
 
-class Gemma3TextScaledWordEmbedding(torch.nn.Embedding):
+class Gemma3TextScaledWordEmbedding(fs.Rounding, torch.nn.Embedding):
     def __init__(self, num_embeddings, embedding_dim, embed_scale):
         super().__init__(num_embeddings, embedding_dim)
         self.register_buffer("embed_scale", torch.tensor(embed_scale), persistent=False)
 
     def forward(self, input_ids):
-        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
+        return self.rnd(super().forward(input_ids) * self.embed_scale.to(self.weight.dtype))  # the embed site
 
 
 def rotate_half(x):
@@ -72,17 +77,17 @@ def default_inv_freq(base, dim):
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
-class Gemma3Attention(torch.nn.Module):
+class Gemma3Attention(fs.Rounding, torch.nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
         C, H, G, D = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
         self.layer_type = cfg["layer_types"][layer_idx]
         self.head_dim, self.num_key_value_groups = D, H // G
         self.scaling = cfg["query_pre_attn_scalar"] ** -0.5
-        self.q_proj = torch.nn.Linear(C, H * D, bias=False)
-        self.k_proj = torch.nn.Linear(C, G * D, bias=False)
-        self.v_proj = torch.nn.Linear(C, G * D, bias=False)
-        self.o_proj = torch.nn.Linear(H * D, C, bias=False)
+        self.q_proj = fs.Linear(C, H * D, bias=False)
+        self.k_proj = fs.Linear(C, G * D, bias=False)
+        self.v_proj = fs.Linear(C, G * D, bias=False)
+        self.o_proj = fs.Linear(H * D, C, bias=False)
         self.q_norm = Gemma3RMSNorm(D, cfg["rms_norm_eps"])
         self.k_norm = Gemma3RMSNorm(D, cfg["rms_norm_eps"])
 
@@ -91,37 +96,40 @@ class Gemma3Attention(torch.nn.Module):
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        query_states = self.q_norm(query_states)
-        key_states = self.k_norm(key_states)
+        value_states = self.rnd(self.v_proj(hidden_states)).view(hidden_shape).transpose(1, 2)  # attn.v
+        query_states = self.q_norm(self.rnd(query_states))  # the QK-norm reads the rounded projection
+        key_states = self.k_norm(self.rnd(key_states))
         cos, sin = position_embeddings
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        query_states = (query_states * cos) + (rotate_half(query_states) * sin)
-        key_states = (key_states * cos) + (rotate_half(key_states) * sin)
+        query_states = self.rnd((query_states * cos) + (rotate_half(query_states) * sin))  # attn.q
+        key_states = self.rnd((key_states * cos) + (rotate_half(key_states) * sin))  # attn.k
         key_states = key_states.repeat_interleave(self.num_key_value_groups, 1)  # repeat_kv
         value_states = value_states.repeat_interleave(self.num_key_value_groups, 1)
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
+        # q k^T rounded, then the scaled scores (the attn.scores site)
+        attn_weights = self.rnd(self.rnd(torch.matmul(query_states, key_states.transpose(2, 3))) * self.scaling)
         attn_weights = attn_weights + attention_mask
-        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
-        attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
-        return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        attn_weights = self.rnd(F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype))
+        attn_output = self.rnd(torch.matmul(attn_weights, value_states)).transpose(1, 2).contiguous()  # context
+        return self.rnd(self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()))  # attn.out
 
 
-class Gemma3MLP(torch.nn.Module):
+class Gemma3MLP(fs.Rounding, torch.nn.Module):
     def __init__(self, cfg):
         super().__init__()
         C, FF = cfg["hidden_size"], cfg["intermediate_size"]
-        self.gate_proj = torch.nn.Linear(C, FF, bias=False)
-        self.up_proj = torch.nn.Linear(C, FF, bias=False)
-        self.down_proj = torch.nn.Linear(FF, C, bias=False)
+        self.gate_proj = fs.Linear(C, FF, bias=False)
+        self.up_proj = fs.Linear(C, FF, bias=False)
+        self.down_proj = fs.Linear(FF, C, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        gate, up = self.rnd(self.gate_proj(x)), self.rnd(self.up_proj(x))  # mlp.gate, mlp.up
+        return self.rnd(self.down_proj(self.rnd(F.gelu(gate, approximate="tanh") * up)))  # mlp.act, mlp.down
 
 
 class Gemma2Attention(Gemma3Attention):
     """Gemma2Attention and its eager_attention_forward: Gemma 3's without q_norm / k_norm, the scaled
-    scores soft-capped (c * tanh(x / c)) before the mask is added."""
+    scores soft-capped (c * tanh(x / c)) before the mask is added (in bf16: from the rounded scores, in
+    fp32, not rounded again, as the bundle format rounds)."""
 
     def __init__(self, cfg, layer_idx):
         super().__init__(cfg, layer_idx)
@@ -133,25 +141,25 @@ class Gemma2Attention(Gemma3Attention):
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.rnd(self.v_proj(hidden_states)).view(hidden_shape).transpose(1, 2)  # attn.v
         cos, sin = position_embeddings
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        query_states = (query_states * cos) + (rotate_half(query_states) * sin)
-        key_states = (key_states * cos) + (rotate_half(key_states) * sin)
+        query_states = self.rnd((query_states * cos) + (rotate_half(query_states) * sin))  # attn.q
+        key_states = self.rnd((key_states * cos) + (rotate_half(key_states) * sin))  # attn.k
         key_states = key_states.repeat_interleave(self.num_key_value_groups, 1)  # repeat_kv
         value_states = value_states.repeat_interleave(self.num_key_value_groups, 1)
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
+        attn_weights = self.rnd(self.rnd(torch.matmul(query_states, key_states.transpose(2, 3))) * self.scaling)
         if self.attn_logit_softcapping is not None:
             attn_weights = attn_weights / self.attn_logit_softcapping
             attn_weights = torch.tanh(attn_weights)
             attn_weights = attn_weights * self.attn_logit_softcapping
         attn_weights = attn_weights + attention_mask
-        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
-        attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
-        return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        attn_weights = self.rnd(F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype))
+        attn_output = self.rnd(torch.matmul(attn_weights, value_states)).transpose(1, 2).contiguous()  # context
+        return self.rnd(self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()))  # attn.out
 
 
-class Gemma3DecoderLayer(torch.nn.Module):
+class Gemma3DecoderLayer(fs.Rounding, torch.nn.Module):
     """Gemma2DecoderLayer too (the same four norms), with Gemma2Attention."""
 
     def __init__(self, cfg, layer_idx, attention=Gemma3Attention):
@@ -170,15 +178,15 @@ class Gemma3DecoderLayer(torch.nn.Module):
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask)
         hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = residual + hidden_states
+        hidden_states = self.rnd(residual + hidden_states)  # attn_residual
         residual = hidden_states
         hidden_states = self.pre_feedforward_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
         hidden_states = self.post_feedforward_layernorm(hidden_states)
-        return residual + hidden_states
+        return self.rnd(residual + hidden_states)  # output
 
 
-class GemmaDecoderLayer(torch.nn.Module):
+class GemmaDecoderLayer(fs.Rounding, torch.nn.Module):
     """Gemma 1's GemmaDecoderLayer: llama's pre-norm block (input_layernorm, post_attention_layernorm)
     with Gemma's norms and GeGLU MLP."""
 
@@ -192,12 +200,12 @@ class GemmaDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = Gemma3RMSNorm(C, eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask):
-        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
-                                                       attention_mask)
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = self.rnd(hidden_states + self.self_attn(self.input_layernorm(hidden_states),
+                                                                position_embeddings, attention_mask))
+        return self.rnd(hidden_states + self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
-class Gemma3ForCausalLM(torch.nn.Module):
+class Gemma3ForCausalLM(fs.Rounding, torch.nn.Module):
     """Tied head (Gemma's), so the parameters are the text model's only. Gemma2ForCausalLM with
     `attention` Gemma2Attention: one rotary for every layer (no rope_local_base_freq) and the logits
     soft-capped by final_logit_softcapping before the loss."""
@@ -235,7 +243,7 @@ class Gemma3ForCausalLM(torch.nn.Module):
         hidden_states = self.embed_tokens(input_ids)
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings[layer.attention_type], masks[layer.attention_type])
-        logits = F.linear(self.norm(hidden_states), self.embed_tokens.weight)
+        logits = self.rnd(F.linear(self.rnd(self.norm(hidden_states)), self.rnd(self.embed_tokens.weight)))
         cap = self.cfg.get("final_logit_softcapping")
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -266,7 +274,7 @@ def config_of_manifest(m):
 def check_preset(cli, work):
     """1. every step of clean-gemma3 against the reference on the bundle's weights and batches."""
     bundle_dir = work / "clean-gemma3"
-    subprocess.run([cli, "synth", "clean-gemma3", str(bundle_dir)], check=True, stdout=subprocess.DEVNULL)
+    synth_cache.synth(cli, "clean-gemma3", bundle_dir)
     rc, report, err = fs.replay(cli, bundle_dir, work / "out-clean-gemma3")
     if not fs.check(report is not None and rc == 0, f"clean-gemma3 replays (exit {rc}; {err.strip()[-300:]})"):
         return
@@ -317,6 +325,31 @@ def transformers5(cfg):
     return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
             "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8}, "mm_tokens_per_image": 4,
             "dtype": "float32"}
+
+
+def manifest_model(cfg):
+    """Bundle v1's model section for Gemma 3's text config `cfg` (the options `nanreplay import` sets)."""
+    return {"arch": "llama", "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
+            "num_layers": cfg["num_hidden_layers"], "num_heads": cfg["num_attention_heads"],
+            "num_kv_heads": cfg["num_key_value_heads"], "head_dim": cfg["head_dim"],
+            "intermediate_size": cfg["intermediate_size"], "max_seq_len": cfg["max_position_embeddings"],
+            "norm_eps": cfg["rms_norm_eps"], "rope_theta": cfg["rope_theta"], "rope_scaling": cfg["rope_scaling"],
+            "rope_local_base_freq": cfg["rope_local_base_freq"], "query_pre_attn_scalar": cfg["query_pre_attn_scalar"],
+            "sliding_window": cfg["sliding_window"], "layer_types": cfg["layer_types"], "tie_embeddings": True,
+            "norm_layout": "sandwich", "qk_norm": "head", "rms_norm_offset": True, "scale_embeddings": True,
+            "hidden_act": "gelu_pytorch_tanh", "attention_mask": "additive_finfo_min"}
+
+
+def check_bf16(cli, work):
+    """5. CONFIG's model from a one-step bf16 bundle, against the reference with its rounding points on."""
+    torch.manual_seed(5)
+    model = Gemma3ForCausalLM(CONFIG)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.3 * torch.randn(p.shape) if "norm" in name else 0.4 * torch.randn(p.shape))
+    stream = fs.token_stream(CONFIG["vocab_size"], 2, T, seed=5)
+    fs.check_bf16_step(cli, work, "gemma3-bf16", manifest_model(CONFIG), model, named_as_hf, stream, 2, T,
+                       "Gemma 3 in bf16 (offset norms in fp32, scaled embeddings, query_pre_attn_scalar, sliding)")
 
 
 def import_case(cli, work, data, model, label, config, tensors, loss0, norm0, log):
@@ -445,6 +478,7 @@ def main():
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     check_preset(args.cli, work)
+    check_bf16(args.cli, work)
     check_imports(args.cli, work)
     fs.finish()
 

@@ -14,7 +14,11 @@ llama's dense SwiGLU, so what is checked is the attention.
    mscale/mscale_all_dim and truncate false as DeepSeek-V3 writes them): loss and gradient norm within 1e-5.
 2. GPT-OSS's attention (attention_sinks, attention_bias, o_proj_bias, head_dim, yarn, layer_types
    alternating sliding and full): loss and gradient norm within 1e-5; the same bundle without
-   attention_sinks departs from the reference (the sinks are read).
+   attention_sinks departs from the reference (the sinks are read). The same model from a one-step bf16
+   bundle (precision.compute "bf16"): the reference rounds where the bundle format does
+   (docs/bundle-format.md, "Precision as replayed": every linear's input, weight and bias, q k^T and the
+   scaled scores, every probe site as it is produced; the sink logits never, they stay fp32); loss and
+   gradient norm within 1e-4 relative, and that loss departs from the fp32 one.
 3. `nanreplay import` of a llama save_pretrained directory whose config.json has rope_scaling yarn with only
    factor and original_max_position_embeddings: HF's defaults are written out, and it replays to the loss;
    a config with model_type gpt_oss, llama4 or llama4_text is refused naming model_type and saying why.
@@ -92,7 +96,7 @@ def compute_yarn_parameters(dim, base, rope_parameters, max_position_embeddings)
     return inv_freq, attention_factor
 
 
-class GptOssRMSNorm(torch.nn.Module):
+class GptOssRMSNorm(fs.Rounding, torch.nn.Module):
     def __init__(self, hidden_size):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
@@ -102,7 +106,7 @@ class GptOssRMSNorm(torch.nn.Module):
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + EPS)
-        return (self.weight * hidden_states).to(input_dtype)
+        return self.rnd((self.weight * hidden_states).to(input_dtype))  # every norm's output is a site
 
 
 def apply_rotary_emb(x, cos, sin):
@@ -116,27 +120,30 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling):
     n_rep = H // G
     key_states = key.repeat_interleave(n_rep, dim=1)  # repeat_kv
     value_states = value.repeat_interleave(n_rep, dim=1)
-    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    rnd = module.rnd
+    # q k^T rounded, then the scaled scores (the attn.scores site)
+    attn_weights = rnd(rnd(torch.matmul(query, key_states.transpose(2, 3))) * scaling)
     attn_weights = attn_weights + attention_mask
     if module.sinks is None:  # the same attention without sinks (the what-if's model): Llama's softmax
-        probs = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
-        return torch.matmul(probs, value_states).transpose(1, 2).contiguous()
+        probs = rnd(F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype))
+        return rnd(torch.matmul(probs, value_states)).transpose(1, 2).contiguous()
+    # The sink logits stay fp32 (autocast's cat promotes them with the fp32 mask): never rounded.
     sinks = module.sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
     combined_logits = torch.cat([attn_weights, sinks], dim=-1)
     combined_logits = combined_logits - combined_logits.max(dim=-1, keepdim=True).values
     probs = F.softmax(combined_logits, dim=-1, dtype=combined_logits.dtype)
-    scores = probs[..., :-1]  # we drop the sink here
-    return torch.matmul(scores, value_states).transpose(1, 2).contiguous()
+    scores = rnd(probs[..., :-1])  # we drop the sink here; the keys' columns are the attn.probs site
+    return rnd(torch.matmul(scores, value_states)).transpose(1, 2).contiguous()  # attn.context
 
 
-class GptOssAttention(torch.nn.Module):
+class GptOssAttention(fs.Rounding, torch.nn.Module):
     def __init__(self, bias, sinks):
         super().__init__()
         self.scaling = D ** -0.5
-        self.q_proj = torch.nn.Linear(C, H * D, bias=bias)
-        self.k_proj = torch.nn.Linear(C, G * D, bias=bias)
-        self.v_proj = torch.nn.Linear(C, G * D, bias=bias)
-        self.o_proj = torch.nn.Linear(H * D, C, bias=bias)
+        self.q_proj = fs.Linear(C, H * D, bias=bias)
+        self.k_proj = fs.Linear(C, G * D, bias=bias)
+        self.v_proj = fs.Linear(C, G * D, bias=bias)
+        self.o_proj = fs.Linear(H * D, C, bias=bias)
         self.sinks = torch.nn.Parameter(torch.empty(H)) if sinks else None
 
     def forward(self, hidden_states, position_embeddings, attention_mask):
@@ -144,27 +151,30 @@ class GptOssAttention(torch.nn.Module):
         hidden_shape = (*input_shape, -1, D)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.rnd(self.v_proj(hidden_states)).view(hidden_shape).transpose(1, 2)  # attn.v
         cos, sin = position_embeddings
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        query_states, key_states = apply_rotary_emb(query_states, cos, sin), apply_rotary_emb(key_states, cos, sin)
+        # rotary in fp32 from the projections, rounded as the attn.q / attn.k sites
+        query_states = self.rnd(apply_rotary_emb(query_states, cos, sin))
+        key_states = self.rnd(apply_rotary_emb(key_states, cos, sin))
         attn_output = eager_attention_forward(self, query_states, key_states, value_states, attention_mask,
                                               self.scaling)
-        return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        return self.rnd(self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()))  # attn.out
 
 
-class DenseMLP(torch.nn.Module):  # llama's SwiGLU in place of GptOssMLP's experts
+class DenseMLP(fs.Rounding, torch.nn.Module):  # llama's SwiGLU in place of GptOssMLP's experts
     def __init__(self):
         super().__init__()
-        self.gate_proj = torch.nn.Linear(C, FF, bias=False)
-        self.up_proj = torch.nn.Linear(C, FF, bias=False)
-        self.down_proj = torch.nn.Linear(FF, C, bias=False)
+        self.gate_proj = fs.Linear(C, FF, bias=False)
+        self.up_proj = fs.Linear(C, FF, bias=False)
+        self.down_proj = fs.Linear(FF, C, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.rnd(self.gate_proj(x)), self.rnd(self.up_proj(x))  # mlp.gate, mlp.up
+        return self.rnd(self.down_proj(self.rnd(F.silu(gate) * up)))  # mlp.act, mlp.down
 
 
-class GptOssDecoderLayer(torch.nn.Module):
+class GptOssDecoderLayer(fs.Rounding, torch.nn.Module):
     def __init__(self, bias, sinks, attention_type):
         super().__init__()
         self.self_attn = GptOssAttention(bias, sinks)
@@ -176,19 +186,19 @@ class GptOssDecoderLayer(torch.nn.Module):
     def forward(self, hidden_states, attention_mask, position_embeddings):
         residual = hidden_states
         hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask)
-        hidden_states = residual + hidden_states
+        hidden_states = self.rnd(residual + hidden_states)  # attn_residual
         residual = hidden_states
-        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+        return self.rnd(residual + self.mlp(self.post_attention_layernorm(hidden_states)))  # output
 
 
-class Model(torch.nn.Module):
+class Model(fs.Rounding, torch.nn.Module):
     def __init__(self, rope_scaling, bias=False, sinks=False, layer_types=None):
         super().__init__()
         self.layer_types = layer_types or ["full_attention"] * LAYERS
         self.embed_tokens = torch.nn.Embedding(V, C)
         self.layers = torch.nn.ModuleList([GptOssDecoderLayer(bias, sinks, t) for t in self.layer_types])
         self.norm = GptOssRMSNorm(C)
-        self.lm_head = torch.nn.Linear(C, V, bias=False)
+        self.lm_head = fs.Linear(C, V, bias=False)
         self.inv_freq, self.attention_scaling = compute_yarn_parameters(D, THETA, rope_scaling, T)
 
     def forward(self, input_ids, labels):
@@ -201,10 +211,10 @@ class Model(torch.nn.Module):
                  "sliding_attention": (kv_idx > q_idx) | (kv_idx <= q_idx - WINDOW)}
         additive = {k: torch.zeros(seq, seq).masked_fill(m, torch.finfo(torch.float32).min)[None, None]
                     for k, m in masks.items()}
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.rnd(self.embed_tokens(input_ids))  # embed
         for layer in self.layers:
             hidden_states = layer(hidden_states, additive[layer.attention_type], (cos, sin))
-        return fs.cross_entropy(self.lm_head(self.norm(hidden_states)), labels)
+        return fs.cross_entropy(self.rnd(self.lm_head(self.norm(hidden_states))), labels)  # logits
 
 
 def named_as_hf(model):
@@ -252,6 +262,9 @@ def check_gpt_oss_attention(cli, work):
                           sliding_window=WINDOW, layer_types=layer_types)
     bundle, loss, _ = replay_against(cli, work, "gpt-oss-attn", manifest_model, model,
                                      "GPT-OSS attention (sinks, q/k/v/o biases, head_dim, yarn, sliding+full)")
+    fs.check_bf16_step(cli, work, "gpt-oss-attn-bf16", manifest_model, model, named_as_hf,
+                       fs.token_stream(V, SAMPLES, T, seed=4), SAMPLES, T,
+                       "GPT-OSS attention in bf16 (sinks fp32, biases rounded)")
     # The same weights without attention_sinks: the reference without sinks, and not the reference.
     without = {k: v for k, v in manifest_model.items() if k != "attention_sinks"}
     params = [(k, v) for k, v in named_as_hf(model) if not k.endswith("sinks")]

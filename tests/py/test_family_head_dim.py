@@ -12,6 +12,10 @@ passed, frequencies over that width as _compute_default_rope_parameters computes
 - partial rotary alone (head_dim = hidden / heads, factor 0.75: int(8 * 0.75) = 6, no qk_norm).
 
 Each is a one-step fp32 bundle replayed by `nanreplay run`: loss and gradient norm within 1e-5 relative.
+The second is also replayed from a bf16 bundle (precision.compute "bf16"): the reference rounds where the
+bundle format does (docs/bundle-format.md, "Precision as replayed": every linear's input, weight and bias,
+q k^T and the scaled scores, every probe site as it is produced, the QK-norm's input), and the loss and
+gradient norm agree within 1e-4 relative; that loss departs from the fp32 one.
 
     /usr/bin/python3 tests/py/test_family_head_dim.py --cli build/nanreplay --work DIR
 """
@@ -31,7 +35,7 @@ V, C, LAYERS, FF, T, SAMPLES, EPS, THETA = 64, 32, 2, 40, 12, 2, 1e-6, 10000.0
 
 # ---- transformers' modeling_qwen3.py (and modeling_phi.py's partial rotary), transcribed --------------
 
-class RMSNorm(torch.nn.Module):  # Qwen3RMSNorm
+class RMSNorm(fs.Rounding, torch.nn.Module):  # Qwen3RMSNorm
     def __init__(self, hidden_size, eps):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
@@ -42,7 +46,8 @@ class RMSNorm(torch.nn.Module):  # Qwen3RMSNorm
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        # every norm's output is a site (or, q_norm / k_norm, rounded as one)
+        return self.rnd(self.weight * hidden_states.to(input_dtype))
 
 
 def default_rope(dim, seq):
@@ -75,7 +80,7 @@ def repeat_kv(hidden_states, n_rep):
     return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
-class Attention(torch.nn.Module):  # Qwen3Attention, with PhiAttention's partial rotary
+class Attention(fs.Rounding, torch.nn.Module):  # Qwen3Attention, with PhiAttention's partial rotary
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
@@ -83,10 +88,10 @@ class Attention(torch.nn.Module):  # Qwen3Attention, with PhiAttention's partial
         self.num_key_value_groups = cfg["heads"] // cfg["kv_heads"]
         self.scaling = self.head_dim ** -0.5
         self.rotary_ndims = int(self.head_dim * cfg["partial_rotary_factor"])
-        self.q_proj = torch.nn.Linear(C, cfg["heads"] * self.head_dim, bias=False)
-        self.k_proj = torch.nn.Linear(C, cfg["kv_heads"] * self.head_dim, bias=False)
-        self.v_proj = torch.nn.Linear(C, cfg["kv_heads"] * self.head_dim, bias=False)
-        self.o_proj = torch.nn.Linear(cfg["heads"] * self.head_dim, C, bias=False)
+        self.q_proj = fs.Linear(C, cfg["heads"] * self.head_dim, bias=False)
+        self.k_proj = fs.Linear(C, cfg["kv_heads"] * self.head_dim, bias=False)
+        self.v_proj = fs.Linear(C, cfg["kv_heads"] * self.head_dim, bias=False)
+        self.o_proj = fs.Linear(cfg["heads"] * self.head_dim, C, bias=False)
         if cfg["qk_norm"]:
             self.q_norm = RMSNorm(self.head_dim, eps=EPS)  # "unlike olmo, only on the head dim"
             self.k_norm = RMSNorm(self.head_dim, eps=EPS)
@@ -96,38 +101,40 @@ class Attention(torch.nn.Module):  # Qwen3Attention, with PhiAttention's partial
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape)
         key_states = self.k_proj(hidden_states).view(hidden_shape)
-        if self.cfg["qk_norm"]:
-            query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+        if self.cfg["qk_norm"]:  # the QK-norm reads the rounded projection
+            query_states, key_states = self.q_norm(self.rnd(query_states)), self.k_norm(self.rnd(key_states))
         query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.rnd(self.v_proj(hidden_states)).view(hidden_shape).transpose(1, 2)  # attn.v
         cos, sin = position_embeddings
         query_rot, query_pass = query_states[..., : self.rotary_ndims], query_states[..., self.rotary_ndims:]
         key_rot, key_pass = key_states[..., : self.rotary_ndims], key_states[..., self.rotary_ndims:]
         query_rot, key_rot = apply_rotary_pos_emb(query_rot, key_rot, cos, sin)
-        query_states = torch.cat((query_rot, query_pass), dim=-1)
-        key_states = torch.cat((key_rot, key_pass), dim=-1)
+        query_states = self.rnd(torch.cat((query_rot, query_pass), dim=-1))  # attn.q
+        key_states = self.rnd(torch.cat((key_rot, key_pass), dim=-1))  # attn.k
         # eager_attention_forward
         key_states = repeat_kv(key_states, self.num_key_value_groups)
         value_states = repeat_kv(value_states, self.num_key_value_groups)
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
+        # q k^T rounded, then the scaled scores (the attn.scores site)
+        attn_weights = self.rnd(self.rnd(torch.matmul(query_states, key_states.transpose(2, 3))) * self.scaling)
         attn_weights = attn_weights + attention_mask[:, :, :, : key_states.shape[-2]]
-        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
-        attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
-        return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        attn_weights = self.rnd(F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype))
+        attn_output = self.rnd(torch.matmul(attn_weights, value_states)).transpose(1, 2).contiguous()  # context
+        return self.rnd(self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()))  # attn.out
 
 
-class MLP(torch.nn.Module):  # Qwen3MLP, hidden_act silu
+class MLP(fs.Rounding, torch.nn.Module):  # Qwen3MLP, hidden_act silu
     def __init__(self):
         super().__init__()
-        self.gate_proj = torch.nn.Linear(C, FF, bias=False)
-        self.up_proj = torch.nn.Linear(C, FF, bias=False)
-        self.down_proj = torch.nn.Linear(FF, C, bias=False)
+        self.gate_proj = fs.Linear(C, FF, bias=False)
+        self.up_proj = fs.Linear(C, FF, bias=False)
+        self.down_proj = fs.Linear(FF, C, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.rnd(self.gate_proj(x)), self.rnd(self.up_proj(x))  # mlp.gate, mlp.up
+        return self.rnd(self.down_proj(self.rnd(F.silu(gate) * up)))  # mlp.act, mlp.down
 
 
-class DecoderLayer(torch.nn.Module):  # Qwen3DecoderLayer
+class DecoderLayer(fs.Rounding, torch.nn.Module):  # Qwen3DecoderLayer
     def __init__(self, cfg):
         super().__init__()
         self.self_attn = Attention(cfg)
@@ -138,30 +145,30 @@ class DecoderLayer(torch.nn.Module):  # Qwen3DecoderLayer
     def forward(self, hidden_states, attention_mask, position_embeddings):
         residual = hidden_states
         hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask)
-        hidden_states = residual + hidden_states
+        hidden_states = self.rnd(residual + hidden_states)  # attn_residual
         residual = hidden_states
-        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
+        return self.rnd(residual + self.mlp(self.post_attention_layernorm(hidden_states)))  # output
 
 
-class Model(torch.nn.Module):  # Qwen3ForCausalLM (untied head)
+class Model(fs.Rounding, torch.nn.Module):  # Qwen3ForCausalLM (untied head)
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = torch.nn.Embedding(V, C)
         self.layers = torch.nn.ModuleList([DecoderLayer(cfg) for _ in range(LAYERS)])
         self.norm = RMSNorm(C, eps=EPS)
-        self.lm_head = torch.nn.Linear(C, V, bias=False)
+        self.lm_head = fs.Linear(C, V, bias=False)
 
     def forward(self, input_ids, labels):
         seq = input_ids.shape[1]
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.rnd(self.embed_tokens(input_ids))  # embed
         # create_causal_mask for eager attention: 0 where a query sees a key, finfo.min elsewhere
         future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
         mask = torch.zeros(seq, seq).masked_fill(future, torch.finfo(torch.float32).min)[None, None]
         position_embeddings = default_rope(int(self.cfg["head_dim"] * self.cfg["partial_rotary_factor"]), seq)
         for layer in self.layers:
             hidden_states = layer(hidden_states, mask, position_embeddings)
-        logits = self.lm_head(self.norm(hidden_states))
+        logits = self.rnd(self.lm_head(self.norm(hidden_states)))  # logits
         return fs.cross_entropy(logits, labels)
 
 
@@ -191,6 +198,8 @@ VARIANTS = [  # name, Hugging Face config values, the manifest's option keys
      {"num_heads": 4, "num_kv_heads": 4, "partial_rotary_factor": 0.75}),
 ]
 
+
+BF16_VARIANT = "qwen3-head_dim-partial"  # every option of the file at once, also replayed in bf16
 
 QWEN3_CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": V, "hidden_size": C,
                 "intermediate_size": FF, "num_hidden_layers": LAYERS, "num_attention_heads": 4,
@@ -264,6 +273,9 @@ def main():
             fs.compare_step(report, loss, norm, name)
             fs.check((report.get("reproduction") or {}).get("reproduces") is True,
                      f"{name}: the healthy step reproduces what the run logged ({report.get('reproduction')})")
+        if name == BF16_VARIANT:
+            fs.check_bf16_step(args.cli, work, name + "-bf16", manifest_model, model, hf_state, stream, SAMPLES, T,
+                               f"{name} in bf16 (the per-head QK-norm's input rounded, partial rotary in fp32)")
         if name == "qwen3-head_dim":
             import_qwen3(args.cli, work, model)
     # The factor changes the math: the same weights read without it do not give the reference's loss.

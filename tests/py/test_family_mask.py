@@ -11,14 +11,20 @@ attention_mask value: the same loss and gradient norm (1e-5 relative), or a NaN 
 non-finite value is the probabilities of that head's row, as PyTorch's own tensors show it; on a
 clean copy of the model (no planted inf) the absent key and both additive masks replay to PyTorch's
 finite loss and gradient norm.
+Where the planted +inf poisons the row, report.json's first_nonfinite carries masked_score (layer 0, head
+0, sample 0, query 1, masked key 7, raw score +inf, the mask and its arithmetic: +inf + (-inf) = NaN, or
++inf + finfo.min = +inf), report.md and the terminal say it in one sentence; excluded or filled, the row
+stays finite and no report names a masked score.
 Last, llama2.c's own ckpt.pt of the poisoned model goes through `nanreplay import`, which names the
-mask from the Meta naming (additive -inf), and its replay is NaN at the same head and query.
+mask from the Meta naming (additive -inf), and its replay is NaN at the same head and query, the
+masked score named the same way.
 
     /usr/bin/python3 tests/py/test_family_mask.py --cli build/nanreplay --work DIR
 """
 import argparse
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -236,6 +242,9 @@ def reference(state, masking, stream):
     return loss_value, norm, model.probs
 
 
+# What the report says each poisoning mask did to the row (docs/report-format.md, masked_score).
+ARITHMETIC = {"additive_neg_inf": "+inf + (-inf) = NaN", "additive_finfo_min": "+inf + finfo.min = +inf"}
+
 MASKS = [  # (manifest value, how the framework masks, whether the planted +inf poisons the row)
     (None, nanogpt_fill, False),  # absent: what a bundle meant before attention_mask existed
     ("exclude", nanogpt_fill, False),
@@ -279,6 +288,30 @@ def import_llama2c(cli, work, poisoned):
               and origin.get("sample") == first and origin.get("position") == POS_A and origin.get("head") == 0,
               f"llama2.c import: NaN at layer 0's probabilities, sample {first}, query {POS_A}, head 0 "
               f"(got {report['steps'][0]['loss']}, {origin})")
+        check_masked_score(origin, "additive_neg_inf", first, "llama2.c import")
+
+
+def check_masked_score(origin, mask, sample, what):
+    """The origin's masked_score: query POS_A of layer 0 head 0 scored +inf at masked key POS_B."""
+    masked = origin.get("masked_score") or {}
+    check(masked.get("layer") == 0 and masked.get("head") == 0 and masked.get("sample") == sample
+          and masked.get("query_position") == POS_A and masked.get("masked_key_positions") == [POS_B]
+          and masked.get("raw_score") == "inf" and masked.get("attention_mask") == mask
+          and masked.get("arithmetic") == ARITHMETIC[mask] and masked.get("poisons_row") is True,
+          f"{what}: first_nonfinite.masked_score names layer 0 head 0, sample {sample}, query {POS_A}, masked key "
+          f"{POS_B}, +inf, {ARITHMETIC[mask]} (got {masked})")
+
+
+def check_masked_score_text(cli, bundle, out, mask):
+    """report.md and the terminal say the same in one sentence."""
+    markdown = (out / "report.md").read_text().replace("\\", "") if (out / "report.md").exists() else ""  # unescaped
+    sentence = f"query position {POS_A} scored +inf at masked key {POS_B} (attention_mask {mask}): {ARITHMETIC[mask]}"
+    check(sentence in markdown, f"{mask}: report.md says \"{sentence}\"")
+    if mask == "additive_neg_inf":  # the terminal renders the same sentence: one run suffices
+        proc = subprocess.run([cli, "run", str(bundle), "--out", str(out.parent / "out-text")], capture_output=True,
+                              text=True)
+        check("Masked score: layer 0, head 0, sample 0, " + sentence in proc.stdout + proc.stderr,
+              f"{mask}: the terminal says \"{sentence}\" ({(proc.stdout + proc.stderr)[-600:]})")
 
 
 def main():
@@ -319,9 +352,14 @@ def main():
                   f"(got {origin.get('site')}, head {origin.get('head')}, position {origin.get('position')}, "
                   f"{origin.get('kind')})")
             check(report.get("reproduced") is True, f"{name}: the replay reproduces the logged NaN")
+            check_masked_score(origin, mask, 0, name)
+            check_masked_score_text(args.cli, bundle, work / f"out-{name}", mask)
         else:
             fs.compare_step(report, loss, norm, f"{name} (planted +inf excluded)")
             check(report.get("first_nonfinite") is None, f"{name}: no non-finite value in the replay")
+            markdown = (work / f"out-{name}" / "report.md").read_text()
+            check("masked_score" not in json.dumps(report) and "Masked score" not in markdown,
+                  f"{name}: the row stays finite, and no report names a masked score")
         if mask not in (None, "additive_neg_inf", "additive_finfo_min"):
             continue  # exclude is the absent key's; fill_finfo_min the excluding one's, checked poisoned above
         clean_bundle = fs.write_bundle(work / f"clean-{name}", model_object(mask), bundle_params(clean), stream,

@@ -7,9 +7,13 @@ h = x + post_attention_layernorm(attn(x)), out = h + post_feedforward_layernorm(
 
 1. A one-step fp32 bundle written from the model (norm_layout post, qk_norm full, attention_mask
    additive_finfo_min): nanreplay's loss and gradient norm within 1e-5 relative.
-2. The same weights read as a pre-norm model (norm_layout dropped, the post-norms renamed to llama's
+2. The same bundle in bf16 (precision.compute "bf16"): the reference rounds where the bundle format does
+   (docs/bundle-format.md, "Precision as replayed": every linear's input, weight and bias, q k^T and the
+   scaled scores, every probe site as it is produced, the QK-norm's input); loss and gradient norm within
+   1e-4 relative, and that loss departs from the fp32 one.
+3. The same weights read as a pre-norm model (norm_layout dropped, the post-norms renamed to llama's
    input_layernorm / post_attention_layernorm) do not give the reference's loss: the layout matters.
-3. `nanreplay import` of the model as save_pretrained writes it (config.json with model_type "olmo2",
+4. `nanreplay import` of the model as save_pretrained writes it (config.json with model_type "olmo2",
    model.safetensors) sets norm_layout post and qk_norm full from config.json, and replays to the loss.
 
     /usr/bin/python3 tests/py/test_family_olmo2.py --cli build/nanreplay --work DIR
@@ -29,7 +33,7 @@ V, C, H, LAYERS, FF, T, SAMPLES, EPS, THETA = 64, 32, 4, 2, 40, 12, 2, 1e-6, 100
 D = C // H
 
 
-class Olmo2RMSNorm(torch.nn.Module):
+class Olmo2RMSNorm(fs.Rounding, torch.nn.Module):
     def __init__(self, hidden_size, eps):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
@@ -40,7 +44,8 @@ class Olmo2RMSNorm(torch.nn.Module):
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return (self.weight * hidden_states).to(input_dtype)
+        # every norm's output is a site (or, q_norm / k_norm, rounded as one)
+        return self.rnd((self.weight * hidden_states).to(input_dtype))
 
 
 def rotate_half(x):
@@ -49,49 +54,52 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-class Olmo2Attention(torch.nn.Module):
+class Olmo2Attention(fs.Rounding, torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.head_dim, self.scaling = D, D ** -0.5
-        self.q_proj = torch.nn.Linear(C, H * D, bias=False)
-        self.k_proj = torch.nn.Linear(C, H * D, bias=False)
-        self.v_proj = torch.nn.Linear(C, H * D, bias=False)
-        self.o_proj = torch.nn.Linear(H * D, C, bias=False)
+        self.q_proj = fs.Linear(C, H * D, bias=False)
+        self.k_proj = fs.Linear(C, H * D, bias=False)
+        self.v_proj = fs.Linear(C, H * D, bias=False)
+        self.o_proj = fs.Linear(H * D, C, bias=False)
         self.q_norm = Olmo2RMSNorm(H * D, EPS)
         self.k_norm = Olmo2RMSNorm(H * D, EPS)
 
     def forward(self, hidden_states, position_embeddings, attention_mask):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_norm(self.q_proj(hidden_states))
-        key_states = self.k_norm(self.k_proj(hidden_states))
-        value_states = self.v_proj(hidden_states)
+        # the QK-norm reads the rounded projection
+        query_states = self.q_norm(self.rnd(self.q_proj(hidden_states)))
+        key_states = self.k_norm(self.rnd(self.k_proj(hidden_states)))
+        value_states = self.rnd(self.v_proj(hidden_states))  # attn.v
         query_states = query_states.view(hidden_shape).transpose(1, 2)
         key_states = key_states.view(hidden_shape).transpose(1, 2)
         value_states = value_states.view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        query_states = (query_states * cos) + (rotate_half(query_states) * sin)
-        key_states = (key_states * cos) + (rotate_half(key_states) * sin)
-        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) * self.scaling
+        query_states = self.rnd((query_states * cos) + (rotate_half(query_states) * sin))  # attn.q
+        key_states = self.rnd((key_states * cos) + (rotate_half(key_states) * sin))  # attn.k
+        # q k^T rounded, then the scaled scores (the attn.scores site)
+        attn_weights = self.rnd(self.rnd(torch.matmul(query_states, key_states.transpose(2, 3))) * self.scaling)
         attn_weights = attn_weights + attention_mask
-        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype)
-        attn_output = torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous()
-        return self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
+        attn_weights = self.rnd(F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query_states.dtype))
+        attn_output = self.rnd(torch.matmul(attn_weights, value_states)).transpose(1, 2).contiguous()  # context
+        return self.rnd(self.o_proj(attn_output.reshape(*input_shape, -1).contiguous()))  # attn.out
 
 
-class Olmo2MLP(torch.nn.Module):
+class Olmo2MLP(fs.Rounding, torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.gate_proj = torch.nn.Linear(C, FF, bias=False)
-        self.up_proj = torch.nn.Linear(C, FF, bias=False)
-        self.down_proj = torch.nn.Linear(FF, C, bias=False)
+        self.gate_proj = fs.Linear(C, FF, bias=False)
+        self.up_proj = fs.Linear(C, FF, bias=False)
+        self.down_proj = fs.Linear(FF, C, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.rnd(self.gate_proj(x)), self.rnd(self.up_proj(x))  # mlp.gate, mlp.up
+        return self.rnd(self.down_proj(self.rnd(F.silu(gate) * up)))  # mlp.act, mlp.down
 
 
-class Olmo2DecoderLayer(torch.nn.Module):
+class Olmo2DecoderLayer(fs.Rounding, torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.self_attn = Olmo2Attention()
@@ -103,20 +111,20 @@ class Olmo2DecoderLayer(torch.nn.Module):
         residual = hidden_states
         hidden_states = self.self_attn(hidden_states, position_embeddings, attention_mask)
         hidden_states = self.post_attention_layernorm(hidden_states)
-        hidden_states = residual + hidden_states
+        hidden_states = self.rnd(residual + hidden_states)  # attn_residual
         residual = hidden_states
         hidden_states = self.mlp(hidden_states)
         hidden_states = self.post_feedforward_layernorm(hidden_states)
-        return residual + hidden_states
+        return self.rnd(residual + hidden_states)  # output
 
 
-class Olmo2ForCausalLM(torch.nn.Module):
+class Olmo2ForCausalLM(fs.Rounding, torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(V, C)
         self.layers = torch.nn.ModuleList([Olmo2DecoderLayer() for _ in range(LAYERS)])
         self.norm = Olmo2RMSNorm(C, EPS)
-        self.lm_head = torch.nn.Linear(C, V, bias=False)
+        self.lm_head = fs.Linear(C, V, bias=False)
         self.inv_freq = 1.0 / (THETA ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
 
     def forward(self, input_ids, labels):
@@ -127,10 +135,10 @@ class Olmo2ForCausalLM(torch.nn.Module):
         position_embeddings = (emb.cos(), emb.sin())
         future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
         mask = torch.zeros(seq, seq).masked_fill(future, torch.finfo(torch.float32).min)[None, None]
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.rnd(self.embed_tokens(input_ids))  # embed
         for layer in self.layers:
             hidden_states = layer(hidden_states, mask, position_embeddings)
-        return fs.cross_entropy(self.lm_head(self.norm(hidden_states)), labels)
+        return fs.cross_entropy(self.rnd(self.lm_head(self.norm(hidden_states))), labels)  # logits
 
 
 def named_as_hf(model):
@@ -168,7 +176,9 @@ def main():
     rc, report, err = fs.replay(args.cli, bundle, work / "out-olmo2")
     if fs.check(report is not None, f"olmo2: nanreplay run gave a report (exit {rc}; {err.strip()[-300:]})"):
         fs.compare_step(report, loss, norm, "olmo2 (post-norm)")
-    # 2. the same weights as a pre-norm llama: another model
+    fs.check_bf16_step(args.cli, work, "olmo2-bf16", MODEL, model, named_as_hf, stream, SAMPLES, T,
+                       "olmo2 (post-norm) in bf16 (the full QK-norm's input and output rounded)")
+    # 3. the same weights as a pre-norm llama: another model
     renamed = [(k.replace("post_attention_layernorm", "input_layernorm")
                  .replace("post_feedforward_layernorm", "post_attention_layernorm"), v) for k, v in named_as_hf(model)]
     pre = {k: v for k, v in MODEL.items() if k != "norm_layout"}
@@ -178,7 +188,7 @@ def main():
         fs.check(fs.rel_err(report["steps"][0]["loss"], loss) > 1e-3,
                  f"the post-norm weights read as pre-norm depart from the reference ({report['steps'][0]['loss']} "
                  f"vs {loss})")
-    # 3. import of the save_pretrained directory
+    # 4. import of the save_pretrained directory
     import import_support as imp  # noqa: E402  (its token data and import runner)
     data = imp.Data(work, V, T, 2, 1, num_samples=16, seed=3)
     ids = data.rows(0)

@@ -10,6 +10,7 @@ logged loss is made up, so exit 1 is fine); an unknown class and Adam-vs-AdamW c
 refused by name, exit 2, one line. Tiny: a 1-layer llama, no training; ~10 s.
 """
 import argparse
+import math
 import contextlib
 import io
 import json
@@ -160,6 +161,77 @@ def refused(cli, work, ckpt, label, state, extra, key_part):
             f"{label}: refused, exit 2, one line naming {key_part!r} (exit {rc}: {err.strip()})")
 
 
+MUON_LR, ADAMW_LR = 0.02, 3e-4
+
+
+def reference_updates(bundle_dir, step):
+    """{param: update RMS} of `step` by the references of test_optim_crosscheck (torch.optim.AdamW
+    itself; Muon transcribed from torch/optim/_muon.py), each parameter with its own group's lr from
+    state.json, on the gradients of reference_model's replay of the imported bundle."""
+    import reference_model
+    import test_optim_crosscheck as oc
+    bundle = reference_model.Bundle(bundle_dir)
+    here = bundle_dir / "steps" / str(step)
+    optimizer = bundle.manifest["optimizer"]
+    params = {k: v.float().requires_grad_(True) for k, v in reference_model.read_safetensors(here / "model.safetensors").items()}
+    _, _, _, _, grads = reference_model.step_gradients(bundle, params, step)
+    for n in params:
+        params[n].grad = grads[n].clone()
+    if optimizer.get("grad_clip") is not None:
+        torch.nn.utils.clip_grad_norm_(list(params.values()), optimizer["grad_clip"])
+    stored = reference_model.read_safetensors(here / "optimizer.safetensors")
+    lr = json.loads((here / "state.json").read_text())["lr"]
+    out = {}
+    with torch.no_grad():
+        for n, p in params.items():
+            group, rule = oc.rule_of(optimizer, n)
+            decay = not any(reference_model.matches_glob(g, n) for g in optimizer.get("no_decay", []))
+            plain = p.detach().clone()
+            oc.step_one(plain, p.grad, oc.load_state(stored, n, rule), lr[group], rule, decay)
+            out[n] = (((plain.double() - p.detach().double()).norm() / math.sqrt(p.numel())).item(), rule["kind"])
+    return out
+
+
+def two_learning_rates(cli, work, ckpt, mu, rest):
+    """Muon at 0.02 over the 2-D weights and AdamW at 3e-4 over the rest (torchtitan's
+    OptimizersContainer, or a hand-written loop, saves each optimizer's state_dict): each optimizer's
+    lr from the log (`lr`, `aux_lr`) by group into state.json, refused by name without `aux_lr`, and
+    the rolled-forward update of each parameter by its own optimizer and lr, as the references make it."""
+    mu = dict(mu, param_groups=[dict(mu["param_groups"][0], lr=MUON_LR)])
+    torch.save(dict(rest, param_groups=[dict(rest["param_groups"][0], lr=ADAMW_LR)]), work / "two-lr-adamw.pt")
+    extra = ["--optimizer-class", "torch.optim.Muon", "--aux-optimizer", work / "two-lr-adamw.pt"]
+    refused(cli, work, ckpt, "two-lr-no-aux-lr", mu, extra, "aux_lr")
+    plain_log = (work / "log.jsonl").read_text()
+    s.write_log(work / "log.jsonl", {st: {"step": st, "lr": MUON_LR, "aux_lr": ADAMW_LR, "loss": 3.4}
+                                     for st in range(FIRST, LAST + 1)})
+    try:
+        o = imported(cli, work, ckpt, "two-lr", mu, extra, replay=False)
+    finally:
+        (work / "log.jsonl").write_text(plain_log)
+    if o is None:
+        return
+    bundle = work / "bundle-two-lr"
+    lr = json.loads((bundle / "steps" / str(FIRST) / "state.json").read_text()).get("lr")
+    want = {"default": MUON_LR, **{g["name"]: (ADAMW_LR if g["name"].startswith("aux_") else MUON_LR)
+                                   for g in o.get("groups", [])}}
+    s.check(lr == want and any(g.startswith("aux_") for g in want), f"state.json lr by group: {lr}, want {want}")
+    rp = subprocess.run([cli, "run", str(bundle), "--out", str(work / "run-two-lr"), "--json", "--no-probes"],
+                        capture_output=True, text=True)
+    s.check(rp.returncode in (0, 1), f"two-lr: run replays it (exit {rp.returncode} {rp.stderr.strip()[-300:]})")
+    if rp.returncode not in (0, 1):
+        return
+    rows = {row["step"]: row for row in json.loads(rp.stdout).get("update_stats", [])}
+    got = {t["param"]: t["update_rms"] for t in rows.get(FIRST, {}).get("tensors", [])}
+    want_rms = reference_updates(bundle, FIRST)
+    s.check(set(got) == set(want_rms), f"two-lr: update_stats of step {FIRST} for every parameter: {sorted(got)}")
+    for n, (w, kind) in want_rms.items():
+        # AdamW's elementwise update: to rounding; Muon's bf16 Newton-Schulz amplifies a one-ulp
+        # gradient difference (test_optim_crosscheck.check_per_step), still far from the other lr's 66x.
+        tolerance = 1e-2 if kind == "muon" else 1e-4
+        s.check(n in got and abs(got[n] - w) <= tolerance * w,
+                f"two-lr: {n} update RMS {got.get(n)!r}, the reference's {w!r} (its own optimizer's lr)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
@@ -255,6 +327,8 @@ def main():
     s.check(aux.get("kind") == "adamw" and aux.get("betas") == [0.9, 0.95] and aux.get("weight_decay") == 0.0
             and sorted(aux.get("params", [])) == sorted(n for n, t in params() if t.dim() == 1),
             f"the Muon run's AdamW: a group of its own over the 1-D parameters: {aux}")
+
+    two_learning_rates(cli, work, ckpt, mu, rest)
 
     # A norm in both optimizers' groups (join_optimizer_groups, shared with the capture helper).
     both = by_name(dict(rest["state"]), rest["param_groups"][0])

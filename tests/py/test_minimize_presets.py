@@ -11,12 +11,12 @@ Standard library only; the C++ test (tests/test_cli_minimize.cpp) keeps what nee
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from preset_sweep import add_all_flag, swept
+import synth_cache
 
 # A non-finite origin: MIN must be under this fraction of BUNDLE's bytes. One step of four to six, one sample,
 # often fewer layers; bit-flip, rewritten-weights and mlp-overflow (its up_proj row is edited outside the optimizer)
@@ -29,7 +29,7 @@ ORIGIN = {
     "gpt-oss-head-overflow": 0.1, "llama4-nope-overflow": 0.1,
 }
 # No origin, a flipped bit the update check names: the two steps around it (two of four checkpoints).
-FLIP = {"silent-bit-flip": 0.5}
+FLIP = {"silent-bit-flip": 0.5, "spike-bit-flip": 0.5}
 # A planted fault whose error finding minimize has no cut for: exit 1, nothing written, the codes named.
 NOT_MINIMIZED = {
     "token-out-of-range": ["DATA_TOKEN_OUT_OF_RANGE"],
@@ -38,12 +38,18 @@ NOT_MINIMIZED = {
     "not-reproducible": ["SYSTEM_NOT_REPRODUCIBLE"],
     "checksum-mismatch": ["BUNDLE_CHECKSUM_MISMATCH"],
     "wrong-seed": ["BUNDLE_DOES_NOT_REPRODUCE"],
+    "site-mismatch": ["SYSTEM_SITE_MISMATCH"],
 }
 # A planted fault that is only a warning or info (run exits 0): nothing to minimize.
 NO_ERROR = ["low-entropy", "fp8-scale-jump", "loss-scale-overflow", "router-collapse"]
-# Spike incidents (docs/spikes.md): minimize cuts around a non-finite origin or an error finding, not yet
-# around a spike's origin; listed, not run. site-mismatch's error finding has no cut either.
-SPIKE = ["spike-token", "spike-bit-flip", "site-mismatch", "spike-bad-update"]
+# A reproduced spike origin and nothing non-finite (docs/minimize.md, "A spike"): the spike's step and the
+# healthy steps its trajectory needs. spike-token keeps one sample a step and layer 0; spike-bad-update
+# (lm_head rewritten outside the optimizer) keeps those steps whole, with the optimizer state the update
+# check reads. spike-bit-flip's spike does not reproduce: its verdict is the flipped bit (FLIP), and
+# site-mismatch's SYSTEM_SITE_MISMATCH has no cut (NOT_MINIMIZED).
+# spike-logit-growth's origin (layer 1's scores, head 2) is judged against a trend of growing weights.
+SPIKE = {"spike-token": 0.3, "spike-bad-update": 0.8, "spike-logit-growth": 0.8}
+SPIKE_KEYS = ("reproduced", "step", "phase", "site", "layer", "head", "expert", "position")
 # No fault at all: not run here (tests/test_cli_minimize.cpp runs clean-fp32), but listed.
 CLEAN = ["clean-fp32", "clean-bf16", "clean-fp16", "clean-dp", "clean-accum", "clean-gqa", "clean-qwen2",
          "clean-qwen3", "clean-olmo2", "clean-gemma2", "clean-gemma3", "clean-llama3", "clean-combined", "clean-moe",
@@ -67,7 +73,8 @@ def check(ok, what):
 
 
 def cli_run(cli, *args):
-    return subprocess.run([cli, *map(str, args)], capture_output=True, text=True)
+    """`cli args...`, captured as text; a plain `synth` comes from the tests' cache (synth_cache.py)."""
+    return synth_cache.run(cli, args)
 
 
 def listed_presets(cli):
@@ -166,6 +173,28 @@ def check_flip(cli, label, bundle, out, max_ratio, work):
     check_provenance(label, out, bundle)
 
 
+def check_spike(cli, label, bundle, out, max_ratio):
+    report = minimize(cli, label, bundle, out, 0)
+    if report is None or not check(report["finding"] == "spike" and out.is_dir(), f"{label}: MIN written"):
+        return
+    before = report["spike"]
+    proc = cli_run(cli, "bisect", out, "--json", "--no-samples")
+    after = (json_or_none(proc.stdout) or {}).get("spike") or {}
+    diff = [k for k in SPIKE_KEYS if before.get(k) != after.get(k)]
+    check(proc.returncode == 1 and before["reproduced"] and not diff,
+          f"{label}: bisect on MIN names the same spike origin {before['site']} step {before['step']}, reproduced "
+          f"(exit {proc.returncode}, differs in {diff})")
+    steps = [int(p.name) for p in (out / "steps").iterdir()]
+    check(max(steps) == before["step"] and len(steps) < report["before"]["steps"],
+          f"{label}: MIN holds steps {sorted(steps)}: the spike's and the healthy ones before it")
+    if before["sample"] is not None and before["sample"] >= 0:
+        mapped = original_of(json.loads((out / "manifest.json").read_text()), after.get("sample"))
+        check(mapped == report["original_sample"],
+              f"{label}: MIN's sample {after.get('sample')} maps back to {mapped}, the original {report['original_sample']}")
+    check_size(label, report, max_ratio)
+    check_provenance(label, out, bundle)
+
+
 def check_nothing(cli, label, bundle, out, codes):
     report = minimize(cli, label, bundle, out, 1)  # nothing to minimize: exit 1, nothing written
     if report is None:
@@ -205,6 +234,9 @@ def main():
                       and (work / f"{preset}-min" / "steps" / str(report["origin"]["step"] - 1)
                            / "optimizer.safetensors").is_file(),
                       f"{preset}: two steps kept, the first with its optimizer state")
+    for preset, max_ratio in chosen(SPIKE).items():
+        if synth(cli, preset, work / preset):
+            check_spike(cli, preset, work / preset, work / f"{preset}-min", max_ratio)
     for preset, max_ratio in chosen(FLIP).items():
         if synth(cli, preset, work / preset):
             check_flip(cli, preset, work / preset, work / f"{preset}-min", max_ratio, work)

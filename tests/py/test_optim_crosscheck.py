@@ -18,9 +18,11 @@ checkpoint and the optimizer state at every step; a twin written with
    every derived step's loss equals the reference's loss of that step within
    1e-6, and every derived update's statistics (report.json update_stats:
    each tensor's update RMS, and for Adam its g^2 against the bias-corrected
-   exp_avg_sq the update starts from; docs/optimizers.md#update-statistics)
+   exp_avg_sq the update starts from, for Adafactor against its factored
+   second moment; docs/optimizers.md#update-statistics)
    equal the reference's, computed from its own update, gradients and state
-   (reference_update_stats), within 1e-3. Muon's parameters: see check_per_step.
+   (reference_update_stats), within 1e-3; so do those `run` measures on the
+   per-step bundle between its checkpoints. Muon's parameters: see check_per_step.
 
 The references: torch.optim.Adam and torch.optim.AdamW themselves (torch 1.13
 has them, amsgrad included); torch.optim.Adafactor (torch >= 2.5,
@@ -355,12 +357,34 @@ def qk_clip(params, rule_for, maxima, cfg):
     return clipped
 
 
+def adafactor_second_moment(grad, state, rule):
+    """The second moment Adafactor's update divides by, from the state before this step's gradient:
+    outer(row, col) / mean(row) for a matrix (PyTorch's floors the mean at eps1), a vector's own."""
+    shape = grad.shape
+    if rule["kind"] == "adafactor":
+        if grad.dim() <= 1:
+            return state["variance"].double()
+        eps1 = (rule.get("eps") or [None])[0] or torch.finfo(torch.float32).eps
+        row = state["row_var"].double().reshape(*shape[:-1], 1)
+        col = state["col_var"].double().reshape(*shape[:-2], 1, shape[-1])
+        return row @ col / row.mean(dim=-2, keepdim=True).clamp(min=eps1)
+    if grad.dim() < 2:
+        return state["exp_avg_sq"].double()
+    row = state["exp_avg_sq_row"].double().reshape(shape[:-1])
+    col = state["exp_avg_sq_col"].double().reshape(*shape[:-2], shape[-1])
+    return (row / row.mean(dim=-1, keepdim=True)).unsqueeze(-1) * col.unsqueeze(-2)
+
+
 def reference_update_stats(param, grad, state, rule, decay):
-    """What nanreplay reports for a parameter's update before it happens: (g2_over_v, _max, _rms) for
-    Adam and AdamW from the second update on, else Nones. g as the rule reads it (Adam's L2 term added),
-    v_hat the exp_avg_sq the update starts from over its bias correction."""
-    if rule["kind"] not in ("adam", "adamw") or state["step"] == 0:
+    """What nanreplay reports for a parameter's update before it happens: (g2_over_v, _max, _rms) from
+    the second update on, else Nones; Nones for Muon. g as the rule reads it (Adam's L2 term added),
+    v_hat Adam's exp_avg_sq over its bias correction, or Adafactor's (factored) second moment."""
+    if rule["kind"] == "muon" or state["step"] == 0:
         return None, None, None
+    if rule["kind"] in ("adafactor", "adafactor_hf"):
+        g2, v_hat = grad.double().square(), adafactor_second_moment(grad, state, rule)
+        ratio = g2[v_hat > 0] / v_hat[v_hat > 0]
+        return ((g2.mean() / v_hat.mean()).item(), ratio.max().item(), ratio.square().mean().sqrt().item())
     g = grad.double()
     wd = rule.get("weight_decay", 0.01 if rule["kind"] == "adamw" else 0.0)
     if rule["kind"] == "adam" and decay and wd != 0 and not rule.get("decoupled_weight_decay", False):
@@ -477,6 +501,19 @@ def check_update_stats(report, reference):
     return failures
 
 
+def check_per_step_stats(cli, work, name, per_step, reference_updates, optimizer):
+    """run on the per-step bundle: its update_stats, measured between checkpoints (model(s+1) - model(s),
+    g^2 / v from s's optimizer state), against the reference's update of every step. Not the heads
+    MuonClip rescales: the checkpoints hold the rescaling, the reference's RMS is before it."""
+    clipped = {n for (_, n) in reference_updates if rule_of(optimizer, n)[1].get("qk_clip")}
+    reference_updates = {k: v for k, v in reference_updates.items() if k[1] not in clipped}
+    run = subprocess.run([cli, "run", str(per_step), "--out", str(work / (name + "-per-step-out")), "--json",
+                          "--no-probes"], capture_output=True, text=True)
+    if run.returncode != 0:
+        return [f"run on the per-step bundle exited {run.returncode}: {run.stderr.strip()}"]
+    return ["per step: " + f for f in check_update_stats(json.loads(run.stdout), reference_updates)]
+
+
 def check_rolled(cli, work, name, rolled_dir, reference_losses, reference_updates):
     """run on the twin: ten steps rolled forward from its first checkpoint, its own update of the
     last but one step compared with the real last checkpoint; each derived step's loss against the
@@ -519,6 +556,7 @@ def main():
         if name in ROLLED:
             failures += check_rolled(args.cli, work, name, rolled_twin(per_step, work / (name + "-rolled")), losses,
                                      updates)
+            failures += check_per_step_stats(args.cli, work, name, per_step, updates, optimizer)
         print(f"{'FAIL' if failures else 'ok  '} {name}: {STEPS - 1} steps against the reference"
               + (", rolled forward" if name in ROLLED else "")
               + (f", {clipped} head rescalings" if clipped else ""))

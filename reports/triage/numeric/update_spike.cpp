@@ -68,7 +68,7 @@ Finding update_spike_finding(const UpdateJump& j, int64_t incident_step) {
   } else {
     message += " has RMS " + format_number(s.update_rms);
   }
-  if (s.g2_over_v) message += "; its g^2 is " + format_number(*s.g2_over_v) + "x Adam's v (bias-corrected) on average";
+  if (s.g2_over_v) message += "; its g^2 is " + format_number(*s.g2_over_v) + "x the second moment its update divides by, on average";
   if (s.g2_over_v_max) message += ", " + format_number(*s.g2_over_v_max) + "x at most";
   message += j.step < incident_step ? " (before the incident at step " + std::to_string(incident_step) + ")"
                                     : " (the incident's step)";
@@ -93,6 +93,7 @@ std::vector<Finding> update_spike_findings(const std::vector<StepUpdateStats>& u
     if (step.step > incident_step) break;
     std::vector<UpdateJump> jumps;
     for (const TensorUpdateStats& stats : step.tensors) {
+      if (stats.outside_optimizer) continue;  // SYSTEM_BIT_FLIP's or SYSTEM_UPDATE_MISMATCH's to name
       std::vector<double>& before = previous[stats.param];
       if (const std::optional<UpdateJump> jump = update_jump_of(step.step, stats, before, t)) jumps.push_back(*jump);
       if (std::isfinite(stats.update_rms)) before.push_back(stats.update_rms);

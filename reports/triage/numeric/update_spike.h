@@ -1,6 +1,6 @@
 // NUMERIC_UPDATE_SPIKE: the spike mechanism an optimizer makes visible. Up to
 // the incident step, each tensor's update RMS against the median of its own
-// previous steps, and for Adam the new squared gradient against the second
+// previous steps, and for Adam and Adafactor the new squared gradient against the second
 // moment the update divides by (a second moment that lags far behind a sudden
 // gradient lets the update jump); the tensors whose update jumped first are
 // named. Context, not a root cause (docs/triage.md).

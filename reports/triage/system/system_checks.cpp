@@ -105,18 +105,6 @@ void add_magnitudes(Deviations& out, const torch::Tensor& expected, const torch:
   out.sum_sq_diff += diff.pow(2).sum().item<double>();
 }
 
-// Rows [row, row + rows) of a stored tensor, as a TensorInfo of its own.
-TensorInfo rows_of(const TensorInfo& info, int64_t row, int64_t rows) {
-  TensorInfo slice = info;
-  if (info.shape.empty()) return slice;
-  const uint64_t row_bytes = info.nbytes() / static_cast<uint64_t>(std::max<int64_t>(1, info.shape[0]));
-  slice.shape[0] = rows;
-  slice.data = info.data + static_cast<uint64_t>(row) * row_bytes;
-  slice.begin = info.begin + static_cast<uint64_t>(row) * row_bytes;
-  slice.end = slice.begin + static_cast<uint64_t>(rows) * row_bytes;
-  return slice;
-}
-
 // model(s+1) predicted for rows [row, row + count) of a parameter.
 using SlicePrediction = std::function<torch::Tensor(int64_t row, int64_t count)>;
 
@@ -138,7 +126,7 @@ Deviations compare_with_stored(const SlicePrediction& predict, const TensorInfo&
     torch::Tensor expected = predict(row, count);
     if (actual_info.dtype == DType::kBF16) expected = expected.to(torch::kBFloat16).to(torch::kFloat32);
     if (actual_info.dtype == DType::kF16) expected = expected.to(torch::kHalf).to(torch::kFloat32);
-    const torch::Tensor actual = tensor_from_safetensors(rows_of(actual_info, row, count), label).reshape(expected.sizes());
+    const torch::Tensor actual = tensor_from_safetensors(tensor_rows(actual_info, row, count), label).reshape(expected.sizes());
     add_magnitudes(out, expected, actual);
     // Far more than rounding: beyond what any sign noise in a near-zero
     // gradient could move Adam's normalized step (a few lr), and 0.1%.
@@ -392,7 +380,7 @@ std::vector<Finding> update_findings(const Bundle& bundle, const UpdateCheckInpu
       for (const auto& [key, shape] : layout) {
         (void)shape;
         const TensorInfo& info = optimizer.at(name + "." + key);
-        state.tensors[key] = tensor_from_safetensors(rows_of(info, row, count), optimizer_label).clone().reshape(expected.sizes());
+        state.tensors[key] = tensor_from_safetensors(tensor_rows(info, row, count), optimizer_label).clone().reshape(expected.sizes());
       }
       update_param(expected, grad.narrow(0, row, count) * coef, state, lr, rule, decay);
       return expected;
