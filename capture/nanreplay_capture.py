@@ -409,8 +409,9 @@ LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe")
 _QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "olmo3": "full",
                           "gemma3_text": "head", "gemma3": "head"}
 # OLMo 2 normalises each sublayer's output (post_attention_layernorm, post_feedforward_layernorm).
+# GLM-4-0414 (Glm4DecoderLayer): norms before and after both sublayers, plain RMSNorm (renamed by the import).
 _NORM_LAYOUT_BY_MODEL_TYPE = {"olmo2": "post", "olmo3": "post", "gemma3_text": "sandwich", "gemma3": "sandwich",
-                              "gemma2": "sandwich"}
+                              "gemma2": "sandwich", "glm4": "sandwich"}
 # Qwen2Config has no attention_bias: Qwen2's q, k and v projections always carry one.
 _BIAS_BY_MODEL_TYPE = {"qwen2": True}
 # Models whose window applies to every other layer only, which bundle v1 cannot express.
@@ -424,6 +425,19 @@ _LLAMA4_EXPERTS = ("Llama 4's experts (a shared expert beside top-1 routed ones,
                    "bundle v1's moe", "qk_norm 'l2', no_rope_layers, attn_temperature_tuning, attention_chunk_size, "
                    "llama3 rope_scaling, interleaved rope_style")
 UNSUPPORTED_MODEL_TYPES = {"gpt_oss": _GPT_OSS_EXPERTS, "llama4": _LLAMA4_EXPERTS, "llama4_text": _LLAMA4_EXPERTS}
+# Families whose blocks are not bundle v1's llama at all, refused by model_type the same way: {model_type: why}.
+REFUSED_MODEL_TYPES = {
+    "phi": "Phi-1/Phi-2 run attention and the MLP in parallel off one LayerNorm with biases (dense, fc1, fc2, a "
+           "biased lm_head); bundle v1's llama is sequential, with RMSNorm and a SwiGLU MLP",
+    "stablelm": "StableLM normalises with LayerNorm (mean subtracted, with biases); bundle v1's llama with RMSNorm",
+}
+# GLM (GLM-4) and GLM-4-0414 rotate adjacent pairs (rotate_half over x[0::2], x[1::2] with cos/sin
+# repeat_interleave'd) on the first int(head_dim * partial_rotary_factor) dims: bundle v1's interleaved style.
+_ROPE_STYLE_BY_MODEL_TYPE = {"glm": "interleaved", "glm4": "interleaved"}
+# GlmConfig's / Glm4Config's class defaults, which a config written by hand may leave out.
+_GLM_DEFAULTS = {"attention_bias": True, "partial_rotary_factor": 0.5}
+# Training dropout draws masks the replay cannot reproduce: a config with any of these nonzero is refused.
+_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout")
 _LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # YaRN's optional keys and Hugging Face's _compute_yarn_parameters defaults (None: absent, as HF reads them).
 _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
@@ -585,6 +599,8 @@ def _refuse_model_type(config):
         why, attention = UNSUPPORTED_MODEL_TYPES[kind]
         raise CaptureError(f"model.config.model_type {kind!r} cannot be captured: {why} (its attention, {attention}, "
                            "is: a dense model with it is captured from model_config, without this model.config)")
+    if isinstance(kind, str) and kind in REFUSED_MODEL_TYPES:
+        raise CaptureError(f"model.config.model_type {kind!r} cannot be captured: {REFUSED_MODEL_TYPES[kind]}")
 
 
 def _config_window(config, model_type, num_layers):
@@ -773,7 +789,16 @@ def _options_from_config(config, num_layers):
     options it is silent on are left out (model_config, or the default, then decides)."""
     said = {}
     model_type = _config_attr(config, "model_type")
-    if isinstance(model_type, str):  # every transformers PretrainedConfig has one
+    for attr in _DROPOUT_KEYS:
+        p = _config_attr(config, attr)
+        if _is_number(p) and p != 0:
+            raise CaptureError(f"model.config.{attr} is {p!r}: training dropout draws random masks bundle v1 cannot "
+                               "replay (its models have no dropout); a run without it has 0 here")
+    if model_type in _ROPE_STYLE_BY_MODEL_TYPE:
+        said["rope_style"] = (_ROPE_STYLE_BY_MODEL_TYPE[model_type],
+                              f"model.config.model_type {model_type!r} (GLM's rotary turns adjacent pairs: "
+                              "rotate_half over x[0::2], x[1::2], cos/sin repeat_interleave'd)")
+    elif isinstance(model_type, str):  # every transformers PretrainedConfig has one
         said["rope_style"] = ("rotate_half", f"model.config (Hugging Face {model_type or 'model'}, "
                                              "whose rotary embeddings rotate halves)")
     layered = _layered_rope(config)  # transformers >= 5, Gemma 3: rope_parameters per layer type
@@ -792,6 +817,9 @@ def _options_from_config(config, num_layers):
         said["attention_bias"] = (_BIAS_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
     elif _config_attr(config, "attention_bias") is not _MISSING:
         said["attention_bias"] = (bool(_config_attr(config, "attention_bias")), "model.config.attention_bias")
+    elif model_type in ("glm", "glm4"):
+        said["attention_bias"] = (_GLM_DEFAULTS["attention_bias"], f"{model_type}'s class default attention_bias "
+                                                                   "(True), which the config leaves out")
     if model_type in _NORM_LAYOUT_BY_MODEL_TYPE:
         said["norm_layout"] = (_NORM_LAYOUT_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
     if model_type in _QK_NORM_BY_MODEL_TYPE:
@@ -814,10 +842,12 @@ def _options_from_config(config, num_layers):
     params = _config_attr(config, "rope_parameters")
     if factor is _MISSING and isinstance(params, dict) and "partial_rotary_factor" in params:
         factor = params["partial_rotary_factor"]
+    where = "model.config.partial_rotary_factor"
+    if factor is _MISSING and model_type in ("glm", "glm4"):
+        factor = _GLM_DEFAULTS["partial_rotary_factor"]
+        where = f"{model_type}'s class default partial_rotary_factor ({factor}), which the config leaves out"
     if factor is not _MISSING and factor is not None:
-        said["partial_rotary_factor"] = (_option_value("partial_rotary_factor", factor,
-                                                       "model.config.partial_rotary_factor"),
-                                         "model.config.partial_rotary_factor")
+        said["partial_rotary_factor"] = (_option_value("partial_rotary_factor", factor, where), where)
     if _config_attr(config, "_attn_implementation") == "eager":  # a live model: its own code path
         said["attention_mask"] = ("additive_finfo_min", "model.config._attn_implementation 'eager' (Hugging Face's "
                                                         "eager attention adds finfo.min at masked keys)")

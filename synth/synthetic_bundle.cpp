@@ -418,6 +418,11 @@ void edit_checkpoint(const SyntheticSpec& spec, ParamMap& params, SyntheticOutco
     outcome.fault_element = inject_bit_flip(params, f);
   }
   if (f.kind == FaultKind::kLogitGrowth) scale_head_qk(spec, params, kLogitGrowthAtSpike);
+  if (f.kind == FaultKind::kNormGainOverflow) {
+    params.at(f.param)[0].fill_(f.weight_scale);
+    outcome.fault_param = f.param;
+    outcome.fault_element = 0;
+  }
   if (f.kind == FaultKind::kRewrittenWeights) {
     for (ParamRole role : {ParamRole::kQProj, ParamRole::kKProj}) {
       params.at(param_key(spec.model.arch, role, f.layer)).mul_(f.weight_scale);
@@ -505,7 +510,8 @@ struct Trainer {
   bool has_checkpoint(int64_t s) const {
     const FaultKind kind = spec.fault.kind;
     const bool edited = s == spec.fault.step && (kind == FaultKind::kBitFlip || kind == FaultKind::kMlpOverflow ||
-                                                 kind == FaultKind::kRewrittenWeights || kind == FaultKind::kBadUpdate);
+                                                 kind == FaultKind::kRewrittenWeights || kind == FaultKind::kBadUpdate ||
+                                                 kind == FaultKind::kNormGainOverflow);
     return edited || (s - spec.first_step) % std::max<int64_t>(1, spec.checkpoint_every) == 0;
   }
 
@@ -921,6 +927,17 @@ const std::vector<PresetDef>& preset_table() {
        }},
       {{"clean-olmo2", "nothing, OLMo 2's QK-norm over the whole projection (qk_norm full)"},
        [](SyntheticSpec& s) { s.model.qk_norm = QkNorm::kFull; }},
+      {{"olmo2-postnorm-overflow", "fp16 OLMo 2 (post-norm, QK-norm over the projection): one gain of layer 1's "
+                                   "post-attention norm rewritten to 1e5 at the last step overflows that norm's output"},
+       [](SyntheticSpec& s) {
+         s.model.qk_norm = QkNorm::kFull;
+         s.model.norm_layout = NormLayout::kPost;
+         s.compute = Compute::kFp16;
+         fault_at_last(s, FaultKind::kNormGainOverflow);
+         s.fault.layer = 1;
+         s.fault.param = "model.layers.1.post_attention_layernorm.weight";
+         s.fault.weight_scale = 1e5;  // fp16's largest is 65504: every token whose normalised value there exceeds 0.66
+       }},
       {{"clean-gemma2", "nothing, Gemma 2's attention and final soft caps, and a sliding window of 8"}, gemma2_attention},
       {{"clean-llama3", "nothing, Meta's interleaved rotary with Llama 3.1's frequency scaling"}, llama3_rotary},
       {{"clean-gemma3", "nothing, Gemma 3's text model: sandwich norms (1 + weight), scaled embeddings, GeGLU, "

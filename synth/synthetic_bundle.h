@@ -51,6 +51,7 @@ enum class FaultKind {
   kRewrittenWeights,  // layer `layer`'s q_proj and k_proj multiplied by `weight_scale` before the step
   kBadUpdate,         // the update of `param` into the step's checkpoint applied `weight_scale` times over
   kLogitGrowth,       // head `head` of `layer`: its q and k rows grow in every checkpoint of the window, faster at `step`
+  kNormGainOverflow,  // the first gain of norm weight `param` rewritten to `weight_scale` (an edit)
 };
 
 struct FaultSpec {
@@ -68,7 +69,7 @@ struct FaultSpec {
   int slot = 0;           // planted token: the sample's index in that rank's list for the step
   int occurrences = 1;    // glitch token: samples holding it (slots slot, slot + 1, ...)
   double embedding_value = 1e5;  // glitch token: every element of its embedding row
-  double weight_scale = 1e20;    // rewritten weights, bad update: the factor
+  double weight_scale = 1e20;    // rewritten weights, bad update: the factor; norm gain overflow: the gain
   // Repeat run: one head of `layer` also amplifies the repeated token, so
   // the poisoned sample holds the first non-finite value.
   bool trigger_head = false;

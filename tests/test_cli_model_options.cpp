@@ -211,7 +211,8 @@ TEST_CASE("an incident in a model with options: run and bisect name the same hea
   CHECK(t.report["reproduction"]["reproduces"] == true);
 }
 
-TEST_CASE("Gemma 3: run and bisect name the overflowing head of the sliding layer", "[cli][options][incident]") {
+TEST_CASE("Gemma 3: run and bisect name the overflowing head of the sliding layer; a shorter window does not help",
+          "[cli][options][incident][what-if]") {
   ScratchDir dir("options-gemma3");
   const Triaged t = triage(dir, "gemma3-local-overflow");  // also checks that bisect names run's origin
   CHECK(t.status == 1);
@@ -221,6 +222,35 @@ TEST_CASE("Gemma 3: run and bisect name the overflowing head of the sliding laye
   CHECK(first["step"] == t.planted["fault_step"]);
   CHECK(first["sample"] == t.planted["fault_sample"]);
   CHECK(t.report["reproduction"]["reproduces"] == true);
+  // The rare token's query against its own key overflows: no window leaves that key out.
+  const auto run = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "wi").string(), "--what-if", "window=1"});
+  INFO(run.err);
+  REQUIRE(run.status == 1);
+  const nlohmann::json outcomes = read_json(dir / "wi" / "report.json")["what_if"];
+  REQUIRE(outcomes.size() == 1);
+  CHECK(outcomes[0]["resolved"] == false);
+  CHECK(outcomes[0]["change"] == "sliding window 8 -> 1 keys on the sliding layers (0)");
+  check_one_error_line(run_cli({"run", (dir / "bundle").string(), "--out", (dir / "o2").string(), "--what-if", "window=0"}),
+                       {"window=0", ">= 1"});
+}
+
+TEST_CASE("OLMo 2: a post-norm gain's overflow is named at that norm's output; fp32 there resolves it",
+          "[cli][options][incident][what-if]") {
+  ScratchDir dir("options-olmo2-post");
+  const Triaged t = triage(dir, "olmo2-postnorm-overflow");  // also checks that bisect names run's origin
+  CHECK(t.status == 1);
+  const nlohmann::json& first = t.report["first_nonfinite"];
+  CHECK(first["site"] == "layers.1.attn.post_norm");  // where the gain multiplies, before the residual add
+  CHECK(first["step"] == t.planted["fault_step"]);
+  CHECK(t.report["reproduction"]["reproduces"] == true);
+  const auto run = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "wi").string(), "--what-if",
+                            "fp32-layers=1", "--what-if", "fp32-layers=0"});
+  INFO(run.err);
+  REQUIRE(run.status == 1);
+  const nlohmann::json outcomes = read_json(dir / "wi" / "report.json")["what_if"];
+  REQUIRE(outcomes.size() == 2);
+  CHECK(outcomes[0]["resolved"] == true);   // 1e5 times a normalised value fits fp32
+  CHECK(outcomes[1]["resolved"] == false);  // the other layer computed in fp32 changes nothing there
 }
 
 TEST_CASE("GPT-OSS attention: run and bisect name the overflowing head; sinks=off does not resolve it",

@@ -244,6 +244,24 @@ TEST_CASE("a mixture of experts declared a spike lists its experts' largest acti
   CHECK(contains(r.out, "Largest expert activation (steps 100-103)"));
 }
 
+// docs/spikes.md's calibration on the presets whose sites the dense presets
+// lack: sandwich norms and local layers, sinks (a probability near 0 that
+// follows the data), NoPE layers and the L2 QK-norm.
+TEST_CASE("the model families' clean windows declared spikes leave no site's trajectory", "[cli][spike][families]") {
+  for (const std::string preset : {"clean-gemma3", "clean-gpt-oss-attn", "clean-llama4-attn"}) {
+    DYNAMIC_SECTION(preset) {
+      ScratchDir dir("spike-clean-family");
+      synth_spike_bundle(dir, preset);
+      const SpikeRun r = run_spike_bundle(dir, {"--incident-kind", "spike"});
+      INFO(r.err);
+      CHECK(r.status == 0);
+      CHECK(r.report["spike"]["reproduced"] == false);
+      CHECK(r.report["spike_check"]["first_departure"].is_null());
+      CHECK(r.report["findings"].empty());
+    }
+  }
+}
+
 TEST_CASE("a logged spike the replay does not make is said first, every origin field null", "[cli][spike]") {
   ScratchDir dir("spike-not-reproduced");
   synth_spike_bundle(dir, "clean-fp32");

@@ -70,8 +70,15 @@ def settle_model_section(args, arch, naming, sd, configs):
                 G = (qkv.shape[0] // (C // H) - H) // 2  # rows = (H + 2G) * D
             heads_cfg["num_kv_heads"] = G
             heads_cfg["hidden_size"] = C
+    model_type = next((raw["model_type"] for raw, _ in configs if isinstance(raw.get("model_type"), str)), None)
     mapper = Mapper(naming, {"num_heads": heads_cfg["num_heads"], "num_kv_heads": heads_cfg.get("num_kv_heads", heads_cfg["num_heads"]),
-                             "hidden_size": heads_cfg.get("hidden_size", 0) or 1})
+                             "hidden_size": heads_cfg.get("hidden_size", 0) or 1, "head_dim": heads_cfg.get("head_dim"),
+                             "model_type": model_type})
+    if mapper.hf_table:
+        say(f"fused parameters: {model_type}'s qkv_proj / gate_up_proj split into llama's q/k/v_proj and gate/up_proj"
+            if model_type == "phi3" else f"fused parameters: {model_type}'s gate_up_proj split into gate_proj and up_proj"
+            + (", its post_self_attn / post_attention / post_mlp norms read as the sandwich layout's" if
+               model_type == "glm4" else ""))
     mapped = mapper.map(sd, args.checkpoint)
     model, notes = settle_model(arch, mapped, naming, configs, args)
     opts, opt_notes = model_options(naming, configs, model, args)

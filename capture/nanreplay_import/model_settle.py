@@ -163,6 +163,8 @@ def refuse_model_type(configs):
             why, attention = _capture.UNSUPPORTED_MODEL_TYPES[kind]
             raise BadInput(w, "model_type", f"{kind!r} is not importable: {why}; its attention ({attention}) is, "
                                             "for a dense model given in --config")
+        if isinstance(kind, str) and kind in _capture.REFUSED_MODEL_TYPES:
+            raise BadInput(w, "model_type", f"{kind!r} is not importable: {_capture.REFUSED_MODEL_TYPES[kind]}")
 
 
 def required_values(arch, configs, naming, where):

@@ -183,8 +183,8 @@ def _group_param_keys(group, mapper, model):
                 continue
         if target is None or target.startswith("?"):
             continue
-        if target.startswith("qkv:"):
-            keys += [target[4:].format(x) for x in "qkv"]
+        if target.startswith("qkv:") or target.startswith("hfqkv:"):
+            keys += [target.split(":", 1)[1].format(x) for x in "qkv"]
         elif target.startswith("fc1:"):
             keys += [target[4:].format(x) for x in ("gate", "up")]
         else:
@@ -364,7 +364,7 @@ def read_optimizer_general(opt, kind, where, source_sd, mapper, model, args):
                 if not isinstance(t, torch.Tensor):
                     raise BadInput(where, f"state.{name}.{entry}", f"a {type(t).__name__}, not a tensor")
                 target = mapper.target(name) or ""
-                if entry not in _ELEMENTWISE and (target.startswith("qkv:") or target.startswith("fc1:")):
+                if entry not in _ELEMENTWISE and target.startswith(("qkv:", "hfqkv:", "fc1:")):
                     raise BadInput(where, f"state.{name}.{entry}", f"{kind}'s {entry} of a fused parameter does not "
                                                                    "split into the bundle's separate ones")
                 per_entry.setdefault(entry, {})[name] = t

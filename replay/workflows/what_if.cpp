@@ -189,6 +189,20 @@ std::string z_loss(const WhatIf& w, const Manifest& m, StepOverrides& overrides)
          " (the loss and its gradient change; the forward values do not, so a forward overflow stays)";
 }
 
+// window: the sliding layers' window, in keys (the query's own included, as sliding_window counts).
+std::string sliding_window_change(const WhatIf& w, const Manifest& m, StepOverrides& overrides) {
+  const auto window = static_cast<int64_t>(w.value);
+  overrides.change_model = [window](ModelConfig& model) { model.sliding_window = window; };
+  std::string layers;
+  for (int layer = 0; layer < m.model.num_layers && !m.model.layer_types.empty(); ++layer) {
+    if (m.model.attention_kind(layer) != AttentionKind::kSliding) continue;
+    layers += (layers.empty() ? "" : ", ") + std::to_string(layer);
+  }
+  const std::string where = layers.empty() ? "every layer" : "the sliding layers (" + layers + ")";
+  return "sliding window " + std::to_string(m.model.sliding_window) + " -> " + std::to_string(window) + " keys on " +
+         where + (window == m.model.sliding_window ? " (no change)" : "");
+}
+
 // A what-if's value after '=': none, required, or optional (with the row's default).
 enum class WhatIfValue { kNone, kRequired, kOptional };
 
@@ -333,6 +347,21 @@ const std::vector<WhatIfRow>& what_if_rows() {
          o.change_model = [](ModelConfig& model) { model.attention_sinks = false; };
          return std::string("attention sinks off: each head's softmax over its keys only (the sink logits unread)");
        }},
+      {WhatIf::Kind::kWindow, "window", "window=4",
+       "the sliding layers' window in keys (model.sliding_window only; full-attention layers unchanged)",
+       WhatIfValue::kRequired,
+       [](WhatIf& w, WhatIfText v) {
+         w.value = parse_number(w.text, *v);
+         if (!(w.value >= 1) || w.value != std::floor(w.value) || w.value > 1e9) {
+           bad_spec(w.text, "the window must be a whole number of keys >= 1");
+         }
+       },
+       [](const WhatIf& w, const Manifest& m) {
+         if (m.model.sliding_window <= 0) {
+           bad_spec(w.text, "the bundle's model has no sliding window (model.sliding_window)");
+         }
+       },
+       [](const WhatIf& w, WhatIfAt at, StepOverrides& o) { return sliding_window_change(w, at.manifest, o); }},
   };
   return rows;
 }

@@ -14,6 +14,15 @@ namespace {
 
 bool usable_magnitude(double value) { return std::isfinite(value) && value > 0; }
 
+// Probabilities (a head's attention, its sink's share, the router's) are
+// shares of a row in [0, 1] that move with the data: in clean-gpt-oss-attn
+// one batch moves a sink's share 30x near 1e-4, and a clean step takes
+// another from 0.08 to 0.26. They are not judged; what they do to the
+// stream is, at attn.context, attn.out and the expert sites after them.
+bool probability_site(SiteId id) {
+  return id == SiteId::kAttnProbs || id == SiteId::kAttnSink || id == SiteId::kMlpRouterProbs;
+}
+
 // A series' values as logged, one per step (none where not logged).
 std::vector<std::optional<double>> logged_series(const std::vector<StepState>& states, bool loss) {
   std::vector<std::optional<double>> series;
@@ -71,9 +80,11 @@ SpikePlan plan_spike(const std::optional<IncidentInfo>& incident, const std::vec
                      const SpikeOverrides& overrides) {
   SpikePlan plan;
   plan.thresholds = with_overrides(incident && incident->spike ? *incident->spike : SpikeThresholds{}, overrides);
-  const std::optional<IncidentKind> kind =
-      overrides.spike ? std::optional(*overrides.spike ? IncidentKind::kSpike : IncidentKind::kNonfinite)
-                      : (incident ? incident->kind : std::nullopt);
+  // What the incident is declared to be: the flag, else the manifest; neither says: undeclared.
+  const bool flagged = overrides.spike.has_value();
+  const bool declared_spike = flagged ? *overrides.spike : (incident && incident->kind == IncidentKind::kSpike);
+  const bool declared_other =
+      flagged ? !*overrides.spike : (incident && incident->kind && *incident->kind != IncidentKind::kSpike);
   const SpikeThresholds& t = plan.thresholds;
   auto loss = first_series_spike(logged_series(logged, true), t.loss_ratio, t);
   auto norm = first_series_spike(logged_series(logged, false), t.grad_norm_ratio, t);
@@ -84,8 +95,8 @@ SpikePlan plan_spike(const std::optional<IncidentInfo>& incident, const std::vec
     plan.quantity = norm_first ? "grad_norm" : "loss";
     plan.logged_ratio = first->second.ratio;
   }
-  plan.declared = kind == IncidentKind::kSpike;
-  plan.active = plan.declared || (!kind && first && !logs_nonfinite(logged));
+  plan.declared = declared_spike;
+  plan.active = declared_spike || (!declared_other && first && !logs_nonfinite(logged));
   if (plan.declared && incident && incident->step) plan.step = *incident->step;
   return plan;
 }
@@ -100,14 +111,15 @@ std::optional<SpikeOrigin> SpikeLocator::judge(int64_t step, const std::vector<P
   const ProbeRecord* best = nullptr;
   SpikeOrigin found;
   for (const ProbeRecord& r : records) {
-    if (r.phase != Phase::kForward) continue;
+    if (r.phase != Phase::kForward || probability_site(r.site.id)) continue;
     const auto seen = history_.find(Key{static_cast<int>(r.site.id), r.layer, r.head, r.expert});
     if (seen == history_.end()) continue;
     for (const char* statistic : {"max_abs", "rms"}) {
       const bool max_abs = statistic[0] == 'm';
       std::vector<double> before;
       for (const Point& p : seen->second) before.push_back(max_abs ? p.max_abs : p.rms);
-      const auto d = deviation_from_trajectory(before, max_abs ? r.stats.max_abs : r.stats.rms(), thresholds_);
+      const double value = max_abs ? r.stats.max_abs : r.stats.rms();
+      const auto d = deviation_from_trajectory(before, value, thresholds_);
       if (!d || d->score < thresholds_.site_zscore || d->ratio < thresholds_.site_ratio) continue;
       // Earliest in execution order; at one place, a head or expert over the
       // whole, then the larger score.

@@ -127,9 +127,10 @@ def loss_and_grad_norm(loss, params):
     return float(loss), float(norm)
 
 
-def replay(cli, bundle, out):
-    """`nanreplay run --json` of the bundle: (exit status, report or None, stderr)."""
-    run = subprocess.run([cli, "run", str(bundle), "--out", str(out), "--json"], capture_output=True, text=True)
+def replay(cli, bundle, out, flags=()):
+    """`nanreplay run --json` of the bundle, `flags` (e.g. ["--steps", "100,101"]) added: (exit status, report
+    or None, stderr)."""
+    run = subprocess.run([cli, "run", str(bundle), "--out", str(out), "--json", *flags], capture_output=True, text=True)
     try:
         report = json.loads(run.stdout)
     except ValueError:

@@ -8,7 +8,8 @@ mask, each head's sink logit concatenated as one more key column, the row's max 
 sink column dropped), GptOssAttention (q/k/v/o biases, head_dim of its own, sliding_window on the
 "sliding_attention" layers of layer_types) and the decoder layer's pre-norm residuals. GPT-OSS's MLP is a
 mixture of experts bundle v1 cannot express (import refuses model_type gpt_oss): the reference's MLP is
-llama's dense SwiGLU, so what is checked is the attention.
+llama's dense SwiGLU, so what is checked is the attention. The classes take their shape from `cfg`
+(GptOssConfig's names; CONFIG, the constants below, when left out).
 
 1. YaRN alone (a llama with rope_scaling yarn, two parameter sets: HF's defaults, and beta_fast/beta_slow,
    mscale/mscale_all_dim and truncate false as DeepSeek-V3 writes them): loss and gradient norm within 1e-5.
@@ -22,6 +23,11 @@ llama's dense SwiGLU, so what is checked is the attention.
 3. `nanreplay import` of a llama save_pretrained directory whose config.json has rope_scaling yarn with only
    factor and original_max_position_embeddings: HF's defaults are written out, and it replays to the loss;
    a config with model_type gpt_oss, llama4 or llama4_text is refused naming model_type and saying why.
+4. `nanreplay synth clean-gpt-oss-attn`: its manifest says only what the reference implements (sinks,
+   attention_bias with o_proj_bias, as GptOssConfig's one attention_bias, yarn, layer_types sliding and full,
+   head_dim, an untied head, fp32); the reference built from the model section (config_of_manifest) on each
+   of the first two steps' model.safetensors and own batches (micro_batch_size by grad_accum_steps, the
+   loss the micro-batches' mean): the replayed loss and gradient norm within 1e-5 relative.
 
     /usr/bin/python3 tests/py/test_family_gpt_oss_attn.py --cli build/nanreplay --work DIR
 """
@@ -36,9 +42,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
+import reference_model  # noqa: E402  (a bundle's batches and safetensors only)
+import synth_cache  # noqa: E402
 
 V, C, H, G, D, LAYERS, FF, T, SAMPLES, EPS, THETA = 64, 32, 4, 2, 12, 2, 40, 16, 2, 1e-5, 10000.0
 WINDOW = 5
+# The reference's shape and options under GptOssConfig's names, defaulting to the constants above (the
+# classes below take a `cfg` like it; config_of_manifest gives a bundle's).
+CONFIG = {"vocab_size": V, "hidden_size": C, "num_attention_heads": H, "num_key_value_heads": G, "head_dim": D,
+          "num_hidden_layers": LAYERS, "intermediate_size": FF, "rms_norm_eps": EPS, "rope_theta": THETA,
+          "sliding_window": WINDOW, "max_position_embeddings": T}
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}
 # DeepSeek-V3's spelling: mscale and mscale_all_dim (the attention factor is their ratio), no truncation.
 YARN_DEEPSEEK = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 48, "beta_fast": 16.0,
@@ -97,15 +110,16 @@ def compute_yarn_parameters(dim, base, rope_parameters, max_position_embeddings)
 
 
 class GptOssRMSNorm(fs.Rounding, torch.nn.Module):
-    def __init__(self, hidden_size):
+    def __init__(self, hidden_size, eps=EPS):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
 
     def forward(self, hidden_states):
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + EPS)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.rnd((self.weight * hidden_states).to(input_dtype))  # every norm's output is a site
 
 
@@ -117,7 +131,7 @@ def apply_rotary_emb(x, cos, sin):
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling):
-    n_rep = H // G
+    n_rep = module.num_key_value_groups
     key_states = key.repeat_interleave(n_rep, dim=1)  # repeat_kv
     value_states = value.repeat_interleave(n_rep, dim=1)
     rnd = module.rnd
@@ -137,8 +151,11 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling):
 
 
 class GptOssAttention(fs.Rounding, torch.nn.Module):
-    def __init__(self, bias, sinks):
+    def __init__(self, bias, sinks, cfg=None):
         super().__init__()
+        cfg = cfg or CONFIG
+        C, H, G, D = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        self.head_dim, self.num_key_value_groups = D, H // G
         self.scaling = D ** -0.5
         self.q_proj = fs.Linear(C, H * D, bias=bias)
         self.k_proj = fs.Linear(C, G * D, bias=bias)
@@ -148,7 +165,7 @@ class GptOssAttention(fs.Rounding, torch.nn.Module):
 
     def forward(self, hidden_states, position_embeddings, attention_mask):
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, D)
+        hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value_states = self.rnd(self.v_proj(hidden_states)).view(hidden_shape).transpose(1, 2)  # attn.v
@@ -163,8 +180,10 @@ class GptOssAttention(fs.Rounding, torch.nn.Module):
 
 
 class DenseMLP(fs.Rounding, torch.nn.Module):  # llama's SwiGLU in place of GptOssMLP's experts
-    def __init__(self):
+    def __init__(self, cfg=None):
         super().__init__()
+        cfg = cfg or CONFIG
+        C, FF = cfg["hidden_size"], cfg["intermediate_size"]
         self.gate_proj = fs.Linear(C, FF, bias=False)
         self.up_proj = fs.Linear(C, FF, bias=False)
         self.down_proj = fs.Linear(FF, C, bias=False)
@@ -175,12 +194,13 @@ class DenseMLP(fs.Rounding, torch.nn.Module):  # llama's SwiGLU in place of GptO
 
 
 class GptOssDecoderLayer(fs.Rounding, torch.nn.Module):
-    def __init__(self, bias, sinks, attention_type):
+    def __init__(self, bias, sinks, attention_type, cfg=None):
         super().__init__()
-        self.self_attn = GptOssAttention(bias, sinks)
-        self.mlp = DenseMLP()
-        self.input_layernorm = GptOssRMSNorm(C)
-        self.post_attention_layernorm = GptOssRMSNorm(C)
+        cfg = cfg or CONFIG
+        self.self_attn = GptOssAttention(bias, sinks, cfg)
+        self.mlp = DenseMLP(cfg)
+        self.input_layernorm = GptOssRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = GptOssRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.attention_type = attention_type
 
     def forward(self, hidden_states, attention_mask, position_embeddings):
@@ -192,14 +212,20 @@ class GptOssDecoderLayer(fs.Rounding, torch.nn.Module):
 
 
 class Model(fs.Rounding, torch.nn.Module):
-    def __init__(self, rope_scaling, bias=False, sinks=False, layer_types=None):
+    """GptOssForCausalLM (untied lm_head) with DenseMLP; `cfg` its shape (CONFIG when left out)."""
+
+    def __init__(self, rope_scaling, bias=False, sinks=False, layer_types=None, cfg=None):
         super().__init__()
-        self.layer_types = layer_types or ["full_attention"] * LAYERS
+        cfg = cfg or CONFIG
+        C, V = cfg["hidden_size"], cfg["vocab_size"]
+        self.layer_types = layer_types or ["full_attention"] * cfg["num_hidden_layers"]
+        self.sliding_window = cfg["sliding_window"]
         self.embed_tokens = torch.nn.Embedding(V, C)
-        self.layers = torch.nn.ModuleList([GptOssDecoderLayer(bias, sinks, t) for t in self.layer_types])
-        self.norm = GptOssRMSNorm(C)
+        self.layers = torch.nn.ModuleList([GptOssDecoderLayer(bias, sinks, t, cfg) for t in self.layer_types])
+        self.norm = GptOssRMSNorm(C, cfg["rms_norm_eps"])
         self.lm_head = fs.Linear(C, V, bias=False)
-        self.inv_freq, self.attention_scaling = compute_yarn_parameters(D, THETA, rope_scaling, T)
+        self.inv_freq, self.attention_scaling = compute_yarn_parameters(
+            cfg["head_dim"], cfg["rope_theta"], rope_scaling, cfg["max_position_embeddings"])
 
     def forward(self, input_ids, labels):
         seq = input_ids.shape[1]
@@ -208,7 +234,7 @@ class Model(fs.Rounding, torch.nn.Module):
         cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
         q_idx, kv_idx = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
         masks = {"full_attention": kv_idx > q_idx,  # masked: future keys, and beyond the window when sliding
-                 "sliding_attention": (kv_idx > q_idx) | (kv_idx <= q_idx - WINDOW)}
+                 "sliding_attention": (kv_idx > q_idx) | (kv_idx <= q_idx - self.sliding_window)}
         additive = {k: torch.zeros(seq, seq).masked_fill(m, torch.finfo(torch.float32).min)[None, None]
                     for k, m in masks.items()}
         hidden_states = self.rnd(self.embed_tokens(input_ids))  # embed
@@ -286,6 +312,65 @@ def check_gpt_oss_attention(cli, work):
                  f"without attention_sinks: the reference without its sink column ({replayed} vs {ref})")
 
 
+# The model section's keys the reference reads (config_of_manifest); a preset saying anything else fails check 4.
+UNDERSTOOD = {"arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "intermediate_size", "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "rope_scaling",
+              "attention_sinks", "attention_bias", "o_proj_bias", "sliding_window", "layer_types", "attention_mask"}
+
+
+def config_of_manifest(m):
+    """GptOssConfig's values of a bundle's model section (the reference's inputs; nanreplay never reads it)."""
+    return {"vocab_size": m["vocab_size"], "hidden_size": m["hidden_size"], "num_attention_heads": m["num_heads"],
+            "num_key_value_heads": m.get("num_kv_heads", m["num_heads"]),
+            "head_dim": m.get("head_dim") or m["hidden_size"] // m["num_heads"], "num_hidden_layers": m["num_layers"],
+            "intermediate_size": m["intermediate_size"], "rms_norm_eps": m["norm_eps"], "rope_theta": m["rope_theta"],
+            "sliding_window": m.get("sliding_window"), "max_position_embeddings": m["max_seq_len"]}
+
+
+def check_preset(cli, work, preset="clean-gpt-oss-attn"):
+    """4. the first two steps of the preset against the reference on the bundle's weights and batches."""
+    bundle_dir = work / preset
+    synth_cache.synth(cli, preset, bundle_dir)
+    bundle = reference_model.Bundle(bundle_dir)
+    first_two = [e["step"] for e in bundle.manifest["steps"][:2]]  # the others: CI's time
+    rc, report, err = fs.replay(cli, bundle_dir, work / f"out-{preset}", ["--steps", ",".join(map(str, first_two))])
+    if not fs.check(report is not None and rc == 0 and [r["step"] for r in report["steps"]] == first_two,
+                    f"{preset} replays its steps {first_two} (exit {rc}; {err.strip()[-300:]})"):
+        return
+    m = bundle.manifest["model"]
+    # What Hugging Face's GptOssAttention can say: one attention_bias for q, k, v and o; an untied head; the
+    # mask as an additive finfo.min (or -inf, the default: the same probabilities, every causal row having
+    # an unmasked key); yarn; the reference's compute type.
+    fs.check(set(m) <= UNDERSTOOD and m.get("attention_sinks") is True and m.get("tie_embeddings") is False
+             and m.get("attention_bias", False) == m.get("o_proj_bias", False)
+             and m.get("attention_mask", "additive_neg_inf") in ("additive_neg_inf", "additive_finfo_min")
+             and (m.get("rope_scaling") or {}).get("rope_type") == "yarn"
+             and bundle.manifest["precision"]["compute"] == "fp32"
+             and set(m.get("layer_types", [])) == {"sliding_attention", "full_attention"},
+             f"{preset}'s manifest says only what the reference implements, sinks, yarn and both layer kinds "
+             f"(not understood: {sorted(set(m) - UNDERSTOOD)}; {m})")
+    cfg = config_of_manifest(m)
+    d = bundle.manifest["data"]
+    dirs = {e["step"]: e["dir"] for e in bundle.manifest["steps"]}
+    for row in report["steps"]:
+        model = Model(m["rope_scaling"], bias=m.get("attention_bias", False), sinks=True,
+                      layer_types=m["layer_types"], cfg=cfg)
+        weights = reference_model.read_safetensors(bundle.root / dirs[row["step"]] / "model.safetensors")
+        with torch.no_grad():
+            for k, p in named_as_hf(model):
+                p.copy_(weights.pop(k))
+        fs.check(not weights, f"{preset} step {row['step']}: every tensor is a reference parameter ({sorted(weights)})")
+        ids = bundle.samples(row["step"])[0]  # one rank
+        mbs, accum = d["micro_batch_size"], d.get("grad_accum_steps", 1)
+        total = 0.0
+        for micro in range(accum):
+            loss = model(*bundle.batch(ids[micro * mbs:(micro + 1) * mbs]))
+            total += float(loss)
+            (loss / accum).backward()
+        norm = float(torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
+        fs.compare_step({"steps": [row]}, total / accum, norm, f"{preset} step {row['step']}")
+
+
 LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": C,
                 "intermediate_size": FF, "num_hidden_layers": LAYERS, "num_attention_heads": H,
                 "num_key_value_heads": G, "head_dim": D, "max_position_embeddings": 512, "rms_norm_eps": EPS,
@@ -347,6 +432,7 @@ def main():
     check_gpt_oss_attention(args.cli, work)
     check_import(args.cli, work)
     check_refused_model_types()
+    check_preset(args.cli, work)
     fs.finish()
 
 

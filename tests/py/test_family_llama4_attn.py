@@ -6,10 +6,12 @@ low_freq_factor == high_freq_factor: torch.where never takes the 0/0 blend), app
 as complex numbers over adjacent pairs, times polar(1, angle): bundle v1's interleaved rope_style),
 Llama4TextAttention (rotary and then the L2 QK-norm on layers whose no_rope_layers entry is 1; on the
 NoPE layers, 0, neither, and with attn_temperature_tuning q times log(floor((pos + 1) / floor_scale) + 1)
-* attn_scale + 1), eager_attention_forward (scores * head_dim**-0.5 plus the finfo.min mask; the chunked
-mask of the rotary layers is the causal one, every sequence being within one attention_chunk_size chunk)
-and the decoder layer's pre-norm residuals. Llama 4's MoE layers are not bundle v1's moe (import refuses
-model_type llama4): the MLP is Llama4TextMLP, its dense layers' SwiGLU.
+* attn_scale + 1), eager_attention_forward (scores * head_dim**-0.5 plus the finfo.min mask: the chunked
+causal mask on the rotary layers, layer_types' default, and the causal one on the NoPE layers; the same
+here, every sequence being within one attention_chunk_size chunk) and the decoder layer's pre-norm
+residuals. Llama 4's MoE layers are not bundle v1's moe (import refuses model_type llama4): the MLP is
+Llama4TextMLP, its dense layers' SwiGLU. The classes take their shape from `cfg` (Llama4TextConfig's names;
+CONFIG, the constants below, when left out).
 
 1. A one-step fp32 bundle (qk_norm l2, no_rope_layers [1, 0], attn_temperature_tuning, llama3 rope_scaling
    with equal factors, attention_chunk_size): loss and gradient norm within 1e-5 relative.
@@ -21,6 +23,12 @@ model_type llama4): the MLP is Llama4TextMLP, its dense layers' SwiGLU.
 2. The same bundle without attn_temperature_tuning, and with no_rope_layers [1, 1], departs from it.
 3. An attention_chunk_size shorter than data.seq_len changes the loss (chunks are checked against
    Hugging Face's mask in test_family_chunked_attention.py).
+4. `nanreplay synth clean-llama4-attn`: its manifest says only what the reference implements (interleaved
+   rotary with llama3 scaling, qk_norm l2, no_rope_layers with a rotary and a NoPE layer,
+   attn_temperature_tuning, attention_chunk_size, an untied head, fp32); the reference built from the model
+   section (config_of_manifest) on each of the first two steps' model.safetensors and own batches
+   (micro_batch_size by grad_accum_steps, the loss the micro-batches' mean): the replayed loss and gradient
+   norm within 1e-5 relative.
 
     /usr/bin/python3 tests/py/test_family_llama4_attn.py --cli build/nanreplay --work DIR
 """
@@ -34,6 +42,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
+import reference_model  # noqa: E402  (a bundle's batches and safetensors only)
+import synth_cache  # noqa: E402
 
 V, C, H, G, LAYERS, FF, T, SAMPLES, EPS, THETA = 64, 32, 4, 2, 2, 40, 16, 2, 1e-5, 10000.0
 D = C // H
@@ -41,6 +51,11 @@ ROPE = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_fre
         "original_max_position_embeddings": 16}
 NO_ROPE_LAYERS = [1, 0]
 FLOOR_SCALE, ATTN_SCALE, CHUNK = 2.0, 0.5, 32  # strong enough to show in 16 positions
+# The reference's shape and options under Llama4TextConfig's names, defaulting to the constants above (the
+# classes below take a `cfg` like it; config_of_manifest gives a bundle's).
+CONFIG = {"vocab_size": V, "hidden_size": C, "num_attention_heads": H, "num_key_value_heads": G, "head_dim": D,
+          "intermediate_size": FF, "rms_norm_eps": EPS, "rope_theta": THETA, "rope_scaling": ROPE,
+          "floor_scale": FLOOR_SCALE, "attn_scale": ATTN_SCALE, "attention_chunk_size": CHUNK}
 
 
 def compute_llama3_parameters(dim, base, rope_parameters):
@@ -64,17 +79,22 @@ def compute_llama3_parameters(dim, base, rope_parameters):
 
 
 class Llama4TextL2Norm(fs.Rounding, torch.nn.Module):
+    def __init__(self, eps=EPS):  # Llama4TextAttention gives it config.rms_norm_eps
+        super().__init__()
+        self.eps = eps
+
     def forward(self, x):  # the QK-norm's output is rounded like a site's
-        return self.rnd((x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)).type_as(x))
+        return self.rnd((x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x))
 
 
 class Llama4TextRMSNorm(fs.Rounding, torch.nn.Module):
-    def __init__(self, hidden_size):
+    def __init__(self, hidden_size, eps=EPS):
         super().__init__()
+        self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x):
-        output = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)).type_as(x)
+        output = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
         return self.rnd(output * self.weight)  # every norm's output is a site
 
 
@@ -87,8 +107,12 @@ def apply_rotary_emb(xq, xk, freqs_cis):
 
 
 class Llama4TextAttention(fs.Rounding, torch.nn.Module):
-    def __init__(self, use_rope, tuning):
+    def __init__(self, use_rope, tuning, cfg=None):
         super().__init__()
+        cfg = cfg or CONFIG
+        C, H, G, D = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        self.head_dim, self.num_key_value_groups = D, H // G
+        self.floor_scale, self.attn_scale = cfg["floor_scale"], cfg["attn_scale"]
         self.scaling = D ** -0.5
         self.use_rope, self.tuning = use_rope, tuning
         self.q_proj = fs.Linear(C, H * D, bias=False)
@@ -96,13 +120,13 @@ class Llama4TextAttention(fs.Rounding, torch.nn.Module):
         self.v_proj = fs.Linear(C, G * D, bias=False)
         self.o_proj = fs.Linear(H * D, C, bias=False)
         if use_rope:
-            self.qk_norm = Llama4TextL2Norm()
+            self.qk_norm = Llama4TextL2Norm(cfg["rms_norm_eps"])
 
     def forward(self, hidden_states, freqs_cis, attention_mask, cache_position):
         input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, D)
+        hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape)
-        key_states = self.k_proj(hidden_states).view(*input_shape, -1, D)
+        key_states = self.k_proj(hidden_states).view(*input_shape, -1, self.head_dim)
         value_states = self.rnd(self.v_proj(hidden_states)).view(hidden_shape).transpose(1, 2)  # attn.v
         if self.use_rope:
             query_states, key_states = apply_rotary_emb(query_states, key_states, freqs_cis)
@@ -110,13 +134,14 @@ class Llama4TextAttention(fs.Rounding, torch.nn.Module):
             query_states = self.qk_norm(self.rnd(query_states))
             key_states = self.qk_norm(self.rnd(key_states))
         if self.tuning and not self.use_rope:
-            attn_scales = torch.log(torch.floor((cache_position.float() + 1.0) / FLOOR_SCALE) + 1.0) * ATTN_SCALE + 1.0
+            attn_scales = (torch.log(torch.floor((cache_position.float() + 1.0) / self.floor_scale) + 1.0)
+                           * self.attn_scale + 1.0)
             attn_scales = attn_scales.view((1, input_shape[-1], 1, 1)).expand((*input_shape, 1, 1))
             query_states = (query_states * attn_scales).to(query_states.dtype)
         query_states = self.rnd(query_states).transpose(1, 2)  # attn.q
         key_states = self.rnd(key_states).transpose(1, 2)  # attn.k
-        key_states = key_states.repeat_interleave(H // G, dim=1)  # repeat_kv
-        value_states = value_states.repeat_interleave(H // G, dim=1)
+        key_states = key_states.repeat_interleave(self.num_key_value_groups, dim=1)  # repeat_kv
+        value_states = value_states.repeat_interleave(self.num_key_value_groups, dim=1)
         # q k^T rounded, then the scaled scores (the attn.scores site)
         attn_weights = self.rnd(self.rnd(torch.matmul(query_states, key_states.transpose(2, 3))) * self.scaling)
         attn_weights = self.rnd(F.softmax(attn_weights + attention_mask, dim=-1))  # attn.probs
@@ -125,8 +150,10 @@ class Llama4TextAttention(fs.Rounding, torch.nn.Module):
 
 
 class Llama4TextMLP(fs.Rounding, torch.nn.Module):
-    def __init__(self):
+    def __init__(self, cfg=None):
         super().__init__()
+        cfg = cfg or CONFIG
+        C, FF = cfg["hidden_size"], cfg["intermediate_size"]
         self.gate_proj = fs.Linear(C, FF, bias=False)
         self.up_proj = fs.Linear(C, FF, bias=False)
         self.down_proj = fs.Linear(FF, C, bias=False)
@@ -137,12 +164,15 @@ class Llama4TextMLP(fs.Rounding, torch.nn.Module):
 
 
 class Llama4TextDecoderLayer(fs.Rounding, torch.nn.Module):
-    def __init__(self, use_rope, tuning):
+    def __init__(self, use_rope, tuning, cfg=None):
         super().__init__()
-        self.self_attn = Llama4TextAttention(use_rope, tuning)
-        self.mlp = Llama4TextMLP()
-        self.input_layernorm = Llama4TextRMSNorm(C)
-        self.post_attention_layernorm = Llama4TextRMSNorm(C)
+        cfg = cfg or CONFIG
+        self.self_attn = Llama4TextAttention(use_rope, tuning, cfg)
+        self.mlp = Llama4TextMLP(cfg)
+        self.input_layernorm = Llama4TextRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = Llama4TextRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        # Llama4TextConfig's default layer_types: chunked where the layer is rotary (no_rope_layers 1)
+        self.attention_type = "chunked_attention" if use_rope else "full_attention"
 
     def forward(self, hidden_states, mask, freqs_cis, cache_position):
         residual = hidden_states
@@ -153,13 +183,19 @@ class Llama4TextDecoderLayer(fs.Rounding, torch.nn.Module):
 
 
 class Llama4Text(fs.Rounding, torch.nn.Module):
-    def __init__(self, no_rope_layers, tuning=True):
+    """Llama4ForCausalLM's text model (untied lm_head), every layer dense; `cfg` its shape (CONFIG when left out)."""
+
+    def __init__(self, no_rope_layers, tuning=True, cfg=None):
         super().__init__()
+        cfg = cfg or CONFIG
+        C, V = cfg["hidden_size"], cfg["vocab_size"]
+        self.attention_chunk_size = cfg["attention_chunk_size"]
         self.embed_tokens = torch.nn.Embedding(V, C)
-        self.layers = torch.nn.ModuleList([Llama4TextDecoderLayer(bool(r), tuning) for r in no_rope_layers])
-        self.norm = Llama4TextRMSNorm(C)
+        self.layers = torch.nn.ModuleList([Llama4TextDecoderLayer(bool(r), tuning, cfg) for r in no_rope_layers])
+        self.norm = Llama4TextRMSNorm(C, cfg["rms_norm_eps"])
         self.lm_head = fs.Linear(C, V, bias=False)
-        self.inv_freq, self.attention_scaling = compute_llama3_parameters(D, THETA, ROPE)
+        self.inv_freq, self.attention_scaling = compute_llama3_parameters(cfg["head_dim"], cfg["rope_theta"],
+                                                                          cfg["rope_scaling"])
 
     def forward(self, input_ids, labels):
         seq = input_ids.shape[1]
@@ -168,12 +204,17 @@ class Llama4Text(fs.Rounding, torch.nn.Module):
         freqs = (self.inv_freq[None, :, None].float() @ position_ids[:, None, :]).transpose(1, 2)
         freqs_cis = torch.polar(torch.ones_like(freqs), freqs) * self.attention_scaling
         q_idx, kv_idx = cache_position[:, None], cache_position[None, :]
-        # Chunked (rotary layers) and full (NoPE): both causal within one chunk.
-        masked = (kv_idx > q_idx) | (q_idx // CHUNK != kv_idx // CHUNK)
-        mask = torch.zeros(seq, seq).masked_fill(masked, torch.finfo(torch.float32).min)[None, None]
+        # create_chunked_causal_mask (rotary layers) and create_causal_mask (NoPE): every sequence here is
+        # within one attention_chunk_size chunk, so both are the causal mask (test_family_chunked_attention.py
+        # checks shorter chunks against Hugging Face's mask functions).
+        chunk = self.attention_chunk_size or seq
+        masked = {"chunked_attention": (kv_idx > q_idx) | (q_idx // chunk != kv_idx // chunk),
+                  "full_attention": kv_idx > q_idx}
+        masks = {k: torch.zeros(seq, seq).masked_fill(m, torch.finfo(torch.float32).min)[None, None]
+                 for k, m in masked.items()}
         hidden_states = self.rnd(self.embed_tokens(input_ids))  # embed
         for layer in self.layers:
-            hidden_states = layer(hidden_states, mask, freqs_cis, cache_position)
+            hidden_states = layer(hidden_states, masks[layer.attention_type], freqs_cis, cache_position)
         return fs.cross_entropy(self.rnd(self.lm_head(self.norm(hidden_states))), labels)  # logits
 
 
@@ -187,6 +228,68 @@ MODEL = {"arch": "llama", "vocab_size": V, "hidden_size": C, "num_layers": LAYER
          "no_rope_layers": NO_ROPE_LAYERS,
          "attn_temperature_tuning": {"floor_scale": FLOOR_SCALE, "attn_scale": ATTN_SCALE},
          "attention_chunk_size": CHUNK, "attention_mask": "additive_finfo_min"}
+
+
+# The model section's keys the reference reads (config_of_manifest); a preset saying anything else fails check 4.
+UNDERSTOOD = {"arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "intermediate_size", "max_seq_len", "norm_eps", "rope_theta", "tie_embeddings", "rope_style",
+              "rope_scaling", "qk_norm", "no_rope_layers", "attn_temperature_tuning", "attention_chunk_size",
+              "attention_mask"}
+
+
+def config_of_manifest(m):
+    """Llama4TextConfig's values of a bundle's model section (the reference's inputs; nanreplay never reads it)."""
+    tuning = m.get("attn_temperature_tuning") or {}
+    return {"vocab_size": m["vocab_size"], "hidden_size": m["hidden_size"], "num_attention_heads": m["num_heads"],
+            "num_key_value_heads": m.get("num_kv_heads", m["num_heads"]),
+            "head_dim": m.get("head_dim") or m["hidden_size"] // m["num_heads"],
+            "intermediate_size": m["intermediate_size"], "rms_norm_eps": m["norm_eps"], "rope_theta": m["rope_theta"],
+            "rope_scaling": m["rope_scaling"], "floor_scale": tuning.get("floor_scale"),
+            "attn_scale": tuning.get("attn_scale"), "attention_chunk_size": m.get("attention_chunk_size")}
+
+
+def check_preset(cli, work, preset="clean-llama4-attn"):
+    """4. the first two steps of the preset against the reference on the bundle's weights and batches."""
+    bundle_dir = work / preset
+    synth_cache.synth(cli, preset, bundle_dir)
+    bundle = reference_model.Bundle(bundle_dir)
+    first_two = [e["step"] for e in bundle.manifest["steps"][:2]]  # the others: CI's time
+    rc, report, err = fs.replay(cli, bundle_dir, work / f"out-{preset}", ["--steps", ",".join(map(str, first_two))])
+    if not fs.check(report is not None and rc == 0 and [r["step"] for r in report["steps"]] == first_two,
+                    f"{preset} replays its steps {first_two} (exit {rc}; {err.strip()[-300:]})"):
+        return
+    m = bundle.manifest["model"]
+    # What the reference implements: Llama 4's interleaved rotary with llama3 scaling, the L2 QK-norm, a
+    # rotary and a NoPE layer, the temperature on the NoPE layer, an untied head, an additive finfo.min mask
+    # (or -inf, the default: the same probabilities, every causal row having an unmasked key), fp32.
+    rope_layers = m.get("no_rope_layers") or []
+    fs.check(set(m) <= UNDERSTOOD and m.get("rope_style") == "interleaved" and m.get("qk_norm") == "l2"
+             and m.get("tie_embeddings") is False and set(rope_layers) == {0, 1}
+             and len(rope_layers) == m["num_layers"] and m.get("attn_temperature_tuning")
+             and m.get("attention_mask", "additive_neg_inf") in ("additive_neg_inf", "additive_finfo_min")
+             and (m.get("rope_scaling") or {}).get("rope_type") == "llama3"
+             and bundle.manifest["precision"]["compute"] == "fp32",
+             f"{preset}'s manifest says only what the reference implements, a NoPE layer with temperature tuning "
+             f"(not understood: {sorted(set(m) - UNDERSTOOD)}; {m})")
+    cfg = config_of_manifest(m)
+    d = bundle.manifest["data"]
+    dirs = {e["step"]: e["dir"] for e in bundle.manifest["steps"]}
+    for row in report["steps"]:
+        model = Llama4Text(rope_layers, tuning=True, cfg=cfg)
+        weights = reference_model.read_safetensors(bundle.root / dirs[row["step"]] / "model.safetensors")
+        with torch.no_grad():
+            for k, p in named(model):
+                p.copy_(weights.pop(k))
+        fs.check(not weights, f"{preset} step {row['step']}: every tensor is a reference parameter ({sorted(weights)})")
+        ids = bundle.samples(row["step"])[0]  # one rank
+        mbs, accum = d["micro_batch_size"], d.get("grad_accum_steps", 1)
+        total = 0.0
+        for micro in range(accum):
+            loss = model(*bundle.batch(ids[micro * mbs:(micro + 1) * mbs]))
+            total += float(loss)
+            (loss / accum).backward()
+        norm = float(torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
+        fs.compare_step({"steps": [row]}, total / accum, norm, f"{preset} step {row['step']}")
 
 
 def main():
@@ -226,6 +329,7 @@ def main():
     if fs.check(report is not None, f"attention_chunk_size {T // 2} < seq_len: a report (exit {rc}; {err.strip()[-300:]})"):
         fs.check(fs.rel_err(report["steps"][0]["loss"], loss) > 1e-4,
                  f"attention_chunk_size {T // 2} < seq_len: the loss departs ({report['steps'][0]['loss']} vs {loss})")
+    check_preset(args.cli, work)
     fs.finish()
 
 

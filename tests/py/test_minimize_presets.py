@@ -19,14 +19,14 @@ from preset_sweep import add_all_flag, swept
 import synth_cache
 
 # A non-finite origin: MIN must be under this fraction of BUNDLE's bytes. One step of four to six, one sample,
-# often fewer layers; bit-flip, rewritten-weights and mlp-overflow (its up_proj row is edited outside the optimizer)
-# keep two steps (the update into the checkpoint is the evidence).
+# often fewer layers; bit-flip, rewritten-weights, mlp-overflow and olmo2-postnorm-overflow (an up_proj row, a norm
+# gain edited outside the optimizer) keep two steps (the update into the checkpoint is the evidence).
 ORIGIN = {
     "head-overflow": 0.1, "qwen2-head-overflow": 0.1, "gemma3-local-overflow": 0.1, "repeat-run": 0.1, "mlp-overflow": 0.4,
     "zero-embedding": 0.1, "poisoned-token": 0.1, "fp8-scale-collapse": 0.1, "mislabeled-rope": 0.1,
     "cascade": 0.1, "transient-fp16": 0.1, "router-overflow": 0.1, "expert-overflow": 0.1,
     "glitch-token": 0.1, "demo": 0.1, "bit-flip": 0.5, "rewritten-weights": 0.6,
-    "gpt-oss-head-overflow": 0.1, "llama4-nope-overflow": 0.1,
+    "gpt-oss-head-overflow": 0.1, "llama4-nope-overflow": 0.1, "olmo2-postnorm-overflow": 0.6,
 }
 # No origin, a flipped bit the update check names: the two steps around it (two of four checkpoints).
 FLIP = {"silent-bit-flip": 0.5, "spike-bit-flip": 0.5}
@@ -229,7 +229,7 @@ def main():
         if synth(cli, preset, work / preset):
             report = check_origin(cli, preset, work / preset, work / f"{preset}-min", max_ratio)
             # The checkpoint holds NaN (bit-flip) or rewritten weights: the update that brought them is kept.
-            if preset in ("bit-flip", "rewritten-weights", "mlp-overflow") and report:
+            if preset in ("bit-flip", "rewritten-weights", "mlp-overflow", "olmo2-postnorm-overflow") and report:
                 check(report["after"]["steps"] == 2
                       and (work / f"{preset}-min" / "steps" / str(report["origin"]["step"] - 1)
                            / "optimizer.safetensors").is_file(),
