@@ -31,8 +31,8 @@ struct StepSources {
   const Bundle& bundle;
   const CheckpointUpdateInput& in;
   const OptimizerConfig* config = nullptr;    // none: no rule, the RMS only
-  std::optional<SafetensorsFile> optimizer;  // s's state, where the bundle has it
-  torch::Tensor clip;                        // clip_grad_norm_'s factor; undefined: no usable gradients
+  std::optional<SafetensorsFile> optimizer{};  // s's state, where the bundle has it
+  torch::Tensor clip{};                      // clip_grad_norm_'s factor; undefined: no usable gradients
 };
 
 // One tensor: s's value and its clipped gradient, both viewed [rows, -1], and its rule.
