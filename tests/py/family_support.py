@@ -127,6 +127,21 @@ def loss_and_grad_norm(loss, params):
     return float(loss), float(norm)
 
 
+def compare_bundle_step(bundle, row, model, what):
+    """One replayed step `row` of a reference_model.Bundle against `model` (its weights already that step's):
+    the step's micro-batches of rank 0, the mean loss, the gradient norm, compared as compare_step does."""
+    d = bundle.manifest["data"]
+    ids = bundle.samples(row["step"])[0]  # one rank
+    mbs, accum = d["micro_batch_size"], d.get("grad_accum_steps", 1)
+    total = 0.0
+    for micro in range(accum):
+        loss = model(*bundle.batch(ids[micro * mbs:(micro + 1) * mbs]))
+        total += float(loss)
+        (loss / accum).backward()
+    norm = float(torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
+    compare_step({"steps": [row]}, total / accum, norm, what)
+
+
 def replay(cli, bundle, out, flags=()):
     """`nanreplay run --json` of the bundle, `flags` (e.g. ["--steps", "100,101"]) added: (exit status, report
     or None, stderr)."""

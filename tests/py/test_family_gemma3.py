@@ -282,21 +282,11 @@ def check_preset(cli, work):
     m = bundle.manifest["model"]
     fs.check(m.get("layer_types") == ["sliding_attention", "full_attention"] and m.get("norm_layout") == "sandwich",
              f"clean-gemma3's manifest has both attention kinds and sandwich norms ({m})")
-    d = bundle.manifest["data"]
     dirs = {e["step"]: e["dir"] for e in bundle.manifest["steps"]}
     for row in report["steps"][:2]:
         model = Gemma3ForCausalLM(config_of_manifest(m))
         load(model, reference_model.read_safetensors(bundle.root / dirs[row["step"]] / "model.safetensors"))
-        params = list(model.parameters())
-        ids = bundle.samples(row["step"])[0]  # one rank
-        mbs, accum = d["micro_batch_size"], d.get("grad_accum_steps", 1)
-        total = 0.0
-        for micro in range(accum):
-            loss = model(*bundle.batch(ids[micro * mbs:(micro + 1) * mbs]))
-            total += float(loss)
-            (loss / accum).backward()
-        norm = float(torch.norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
-        fs.compare_step({"steps": [row]}, total / accum, norm, f"clean-gemma3 step {row['step']}")
+        fs.compare_bundle_step(bundle, row, model, f"clean-gemma3 step {row['step']}")
 
 
 CONFIG = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 40, "num_hidden_layers": 2,

@@ -350,7 +350,6 @@ def check_preset(cli, work, preset="clean-gpt-oss-attn"):
              f"{preset}'s manifest says only what the reference implements, sinks, yarn and both layer kinds "
              f"(not understood: {sorted(set(m) - UNDERSTOOD)}; {m})")
     cfg = config_of_manifest(m)
-    d = bundle.manifest["data"]
     dirs = {e["step"]: e["dir"] for e in bundle.manifest["steps"]}
     for row in report["steps"]:
         model = Model(m["rope_scaling"], bias=m.get("attention_bias", False), sinks=True,
@@ -360,15 +359,7 @@ def check_preset(cli, work, preset="clean-gpt-oss-attn"):
             for k, p in named_as_hf(model):
                 p.copy_(weights.pop(k))
         fs.check(not weights, f"{preset} step {row['step']}: every tensor is a reference parameter ({sorted(weights)})")
-        ids = bundle.samples(row["step"])[0]  # one rank
-        mbs, accum = d["micro_batch_size"], d.get("grad_accum_steps", 1)
-        total = 0.0
-        for micro in range(accum):
-            loss = model(*bundle.batch(ids[micro * mbs:(micro + 1) * mbs]))
-            total += float(loss)
-            (loss / accum).backward()
-        norm = float(torch.norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
-        fs.compare_step({"steps": [row]}, total / accum, norm, f"{preset} step {row['step']}")
+        fs.compare_bundle_step(bundle, row, model, f"{preset} step {row['step']}")
 
 
 LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": V, "hidden_size": C,
