@@ -63,24 +63,33 @@ def _read_json(path, limit=_MAX_JSON_BYTES):
         raise BadInput(path, "json", f"not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def _log_lines(path):
-    """(line number, text) of a JSON-lines log, streamed: the file's size and each line bounded."""
-    _check_regular(path, "--log")
+def bounded_lines(path, max_bytes, max_line, too_big, too_long):
+    """(line number, text) of a text file, streamed: refused before reading when over `max_bytes`
+    (`too_big(size)` says why), each line at most `max_line` bytes (`too_long` says why) and UTF-8."""
     size = os.stat(path).st_size
-    if size > _MAX_LOG_BYTES:
-        raise BadInput(path, "file", f"{size} bytes, more than the {_MAX_LOG_BYTES >> 30} GiB a log of the steps "
-                                     "to import needs (cut it to the steps around them); refused before reading")
+    if size > max_bytes:
+        raise BadInput(path, "file", too_big(size))
     try:
         with open(path, "rb") as f:
-            for n, raw in enumerate(iter(lambda: f.readline(_MAX_LOG_LINE + 1), b""), 1):
-                if len(raw) > _MAX_LOG_LINE:
-                    raise BadInput(path, f"line {n}", f"longer than {_MAX_LOG_LINE >> 20} MiB: not a log line")
+            for n, raw in enumerate(iter(lambda: f.readline(max_line + 1), b""), 1):
+                if len(raw) > max_line:
+                    raise BadInput(path, f"line {n}", too_long)
                 try:
                     yield n, raw.decode("utf-8")
                 except UnicodeDecodeError as e:
                     raise BadInput(path, f"line {n}", f"not UTF-8 text ({e.reason})") from None
     except OSError as e:
         raise BadInput(path, "file", f"cannot be read ({e.strerror})") from None
+
+
+def _log_lines(path):
+    """(line number, text) of a JSON-lines log, streamed: the file's size and each line bounded."""
+    _check_regular(path, "--log")
+    return bounded_lines(
+        path, _MAX_LOG_BYTES, _MAX_LOG_LINE,
+        lambda size: (f"{size} bytes, more than the {_MAX_LOG_BYTES >> 30} GiB a log of the steps to import needs "
+                      "(cut it to the steps around them); refused before reading"),
+        f"longer than {_MAX_LOG_LINE >> 20} MiB: not a log line")
 
 
 def _check_shape(path, name, shape):

@@ -21,6 +21,7 @@ import os
 import re
 from pathlib import Path
 
+from ..inputs import bounded_lines
 from ..outcome import BadInput, say, warn
 
 _MAX_FILE_BYTES = 2**30  # one step's captures: a few hundred bytes per op
@@ -78,21 +79,12 @@ def _lines(path):
     """(line number, text) of one log, streamed, the file and each line bounded."""
     if not os.path.isfile(path):
         raise BadInput(path, "file", "is not a regular file")
-    size = os.stat(path).st_size
-    if size > _MAX_FILE_BYTES:
-        raise BadInput(path, "file", f"{size} bytes, more than the {_MAX_FILE_BYTES >> 30} GiB one step's "
-                                     "captures take; refused before reading")
-    try:
-        with open(path, "rb") as f:
-            for n, raw in enumerate(iter(lambda: f.readline(_MAX_LINE + 1), b""), 1):
-                if len(raw) > _MAX_LINE:
-                    raise BadInput(path, f"line {n}", f"longer than {_MAX_LINE >> 20} MiB: not a numerics log line")
-                try:
-                    yield n, raw.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError as e:
-                    raise BadInput(path, f"line {n}", f"not UTF-8 text ({e.reason})") from None
-    except OSError as e:
-        raise BadInput(path, "file", f"cannot be read ({e.strerror})") from None
+    lines = bounded_lines(
+        path, _MAX_FILE_BYTES, _MAX_LINE,
+        lambda size: f"{size} bytes, more than the {_MAX_FILE_BYTES >> 30} GiB one step's captures take; refused before reading",
+        f"longer than {_MAX_LINE >> 20} MiB: not a numerics log line")
+    for n, text in lines:
+        yield n, text.rstrip("\r\n")
 
 
 def _number(text, path, where):
