@@ -230,6 +230,37 @@ META_NAMES = [  # Meta's reference llama, torchtitan (incl. its attention.qkv_li
 NAMING_PRESETS = ("hf", "meta", "torchtitan", "megatron", "nanogpt")
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
+# Hugging Face families whose parameters fuse or rename llama's, by config model_type: a fused tensor is
+# split into row blocks (fused_row_blocks), a renamed one mapped (GLM-4-0414's sandwich norms onto the
+# sandwich layout's names). One table for the recorder (views of the live tensors) and `nanreplay import`
+# (nanreplay_import/naming.py, which also maps optimizer moments through it).
+_HF_FUSED_QKV = (r"model\.layers\.(\d+)\.self_attn\.qkv_proj\.(weight|bias)", "hfqkv:model.layers.{0}.self_attn.{{}}_proj.{1}")
+_HF_FUSED_FC1 = (r"model\.layers\.(\d+)\.mlp\.gate_up_proj\.weight", "fc1:model.layers.{0}.mlp.{{}}_proj.weight")
+_HF_GLM4_NORMS = [
+    (r"model\.layers\.(\d+)\.post_self_attn_layernorm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "model.layers.{0}.pre_feedforward_layernorm.weight"),
+    (r"model\.layers\.(\d+)\.post_mlp_layernorm\.weight", "model.layers.{0}.post_feedforward_layernorm.weight"),
+]
+HF_FUSED_NAMES = {"phi3": [_HF_FUSED_QKV, _HF_FUSED_FC1], "glm": [_HF_FUSED_FC1],
+                  "glm4": [_HF_FUSED_FC1, *_HF_GLM4_NORMS]}
+
+
+def fused_row_blocks(kind, rows, heads=None):
+    """[(part, first row, row count)] of a fused tensor of `rows` rows. 'hfqkv': Phi-3's qkv_proj, every
+    query head's rows, then the key heads', then the value heads' (Phi3Attention slices qkv[..., :H*D],
+    then G*D, then the rest); `heads` is (H, G, D). 'fc1': gate then up, halves of the rows (Phi3MLP:
+    `gate, up = gate_up_proj(x).chunk(2, dim=-1)`; Megatron's linear_fc1 alike). CaptureError when the
+    rows do not fit."""
+    if kind == "fc1":
+        if rows % 2:
+            raise CaptureError(f"has {rows} rows: gate and up stacked need an even count")
+        return [("gate", 0, rows // 2), ("up", rows // 2, rows // 2)]
+    H, G, D = heads
+    if rows != (H + 2 * G) * D:
+        raise CaptureError(f"has {rows} rows; {H} query heads and {G} key/value heads of head_dim {D} need "
+                           f"(H + 2G) * D = {(H + 2 * G) * D}")
+    return [("q", 0, H * D), ("k", H * D, G * D), ("v", (H + G) * D, G * D)]
+
 
 def _unwrapped(name):
     """A parameter name without torch.compile's, DDP's and FSDP's wrapper components."""
@@ -272,6 +303,60 @@ def _renamer(param_names, arch, model_config):
         raise CaptureError(f"param_names={param_names!r} is Meta's layout, whose rotary rotates adjacent pairs; "
                            f"model_config says rope_style={model_config['rope_style']!r}")
     return rename, model_config
+
+
+def _config_head_dim(model):
+    """model.config's head_dim (an integer > 0), GlmConfig's default where a GLM config leaves it out, else None."""
+    config = getattr(model, "config", None) or {}
+    said = _config_attr(config, "head_dim")
+    if said is _MISSING and glm_default(_config_attr(config, "model_type"), "head_dim"):
+        said = glm_default(_config_attr(config, "model_type"), "head_dim")[0]
+    return said if isinstance(said, int) and not isinstance(said, bool) and said > 0 else None
+
+
+def _fused_heads(model, given, named):
+    """(H, G, D) a fused qkv_proj is split by: model_config's, else model.config's (num_key_value_heads
+    None meaning H, and head_dim hidden_size // H where it has none, as Phi3Config reads them)."""
+    config = getattr(model, "config", None) or {}
+
+    def said(key, attr):
+        value = given.get(key, _config_attr(config, attr))
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    H = said("num_heads", "num_attention_heads")
+    if H is None:
+        raise CaptureError("model_config needs 'num_heads' to split the fused qkv_proj (model.config does not say it)")
+    G = said("num_kv_heads", "num_key_value_heads") or H
+    embed = named.get("model.embed_tokens.weight")
+    D = said("head_dim", "head_dim") or _config_head_dim(model) or (embed.shape[1] // H if embed is not None else None)
+    if D is None:
+        raise CaptureError("model_config needs 'head_dim' to split the fused qkv_proj (no model.embed_tokens.weight)")
+    return H, G, D
+
+
+def _split_fused(named, model, given):
+    """`named` with model.config.model_type's fused parameters (HF_FUSED_NAMES) as views of their row
+    blocks under llama's names, and its renamed ones renamed. Returns (named, {bundle name: (the model's
+    name, the fused parameter, first row, row count)}): the optimizer holds the fused parameter, whose
+    state is split the same way."""
+    kind = _config_attr(getattr(model, "config", None) or {}, "model_type")
+    table = [(re.compile(p), t) for p, t in HF_FUSED_NAMES.get(kind, [])] if isinstance(kind, str) else []
+    if not table:
+        return named, {}
+    out, fused = {}, {}
+    for name, p in named.items():
+        target = next((t.format(*m.groups()) for rx, t in table for m in [rx.fullmatch(name)] if m), name)
+        split, _, template = target.rpartition(":")
+        if not split:
+            out.setdefault(target, p)
+            continue
+        try:
+            blocks = fused_row_blocks(split, p.shape[0], _fused_heads(model, given, named) if split == "hfqkv" else None)
+        except CaptureError as e:
+            raise CaptureError(f"{name} (model.config.model_type {kind!r}) {e}") from None
+        for part, first, count in blocks:
+            out[template.format(part)] = p.detach().narrow(0, first, count)
+            fused[template.format(part)] = (name, p, first, count)
+    return out, fused
 
 
 def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
@@ -324,8 +409,7 @@ def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
         else:  # no dense MLP to read it off: model.config's (Qwen3-MoE keeps one), else the experts' width
             width = _config_attr(getattr(model, "config", None) or {}, "intermediate_size")
             cfg.setdefault("intermediate_size", width if _is_number(width) and width >= 1 else moe["intermediate_size"])
-        said_dim = _config_attr(getattr(model, "config", None) or {}, "head_dim")
-        head_dim = (given.get("head_dim") or (said_dim if isinstance(said_dim, int) and said_dim > 0 else None)
+        head_dim = (given.get("head_dim") or _config_head_dim(model)
                     or C // cfg["num_heads"])
         settle("num_kv_heads", shape("model.layers.0.self_attn.k_proj.weight")[0] // head_dim if layers else None)
         head = named.get("lm_head.weight")
@@ -357,7 +441,7 @@ def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
         if head is not None and head is not named["transformer.wte.weight"]:
             raise CaptureError("gpt2 in bundle v1 ties the output head to transformer.wte.weight, "
                                "but lm_head.weight is a separate tensor")
-    own_head_dim = given.get("head_dim") or _config_attr(getattr(model, "config", None) or {}, "head_dim")
+    own_head_dim = given.get("head_dim") or _config_head_dim(model)
     if (cfg["hidden_size"] % cfg["num_heads"] and not isinstance(own_head_dim, int)) or cfg["num_heads"] % cfg["num_kv_heads"]:
         raise CaptureError("num_heads must divide hidden_size (unless the model has a head_dim of its own) and "
                            "num_kv_heads must divide num_heads")
@@ -405,7 +489,8 @@ ATTENTION_MASKS = ("exclude", "additive_neg_inf", "additive_finfo_min", "fill_fi
 # Every llama option key of the manifest's model object, in the order of nanreplay's option table
 # (loaders/arch/llama_options.cpp): those above, then the mixture of experts (MOE_KEYS below).
 # tests/test_arch_model_options.cpp checks this list against that table.
-LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe")
+# latent_attention (DeepSeek-V3's MLA) is known by name only: its capture is not written (_model_options refuses it).
+LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe", "latent_attention")
 _QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "olmo3": "full",
                           "gemma3_text": "head", "gemma3": "head"}
 # OLMo 2 normalises each sublayer's output (post_attention_layernorm, post_feedforward_layernorm).
@@ -434,8 +519,10 @@ REFUSED_MODEL_TYPES = {
 # GLM (GLM-4) and GLM-4-0414 rotate adjacent pairs (rotate_half over x[0::2], x[1::2] with cos/sin
 # repeat_interleave'd) on the first int(head_dim * partial_rotary_factor) dims: bundle v1's interleaved style.
 _ROPE_STYLE_BY_MODEL_TYPE = {"glm": "interleaved", "glm4": "interleaved"}
-# GlmConfig's / Glm4Config's class defaults, which a config written by hand may leave out.
-_GLM_DEFAULTS = {"attention_bias": True, "partial_rotary_factor": 0.5}
+# GlmConfig's / Glm4Config's class defaults (transformers' configuration_glm.py, configuration_glm4.py),
+# which a config written by hand may leave out; transformers then computes with them, and so does the replay.
+_GLM_DEFAULTS = {"attention_bias": True, "partial_rotary_factor": 0.5, "head_dim": 128}
+GLM_CONFIG_CLASSES = {"glm": "GlmConfig", "glm4": "Glm4Config"}
 # Training dropout draws masks the replay cannot reproduce: a config with any of these nonzero is refused.
 _DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout")
 _LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -447,6 +534,15 @@ _BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.bias")
 _QK_NORM_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_(?:norm|layernorm)\.weight")
 _O_BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.o_proj\.bias")
 _MISSING = object()
+
+
+def glm_default(model_type, key):
+    """(GlmConfig's / Glm4Config's default for `key`, where that is said) for a config of model_type
+    glm / glm4 that leaves `key` out; None for other model types."""
+    if not isinstance(model_type, str) or model_type not in GLM_CONFIG_CLASSES:  # hostile configs: any JSON
+        return None
+    value = _GLM_DEFAULTS[key]
+    return value, f"{GLM_CONFIG_CLASSES[model_type]}'s default {key} ({value}), which the config leaves out"
 
 
 def _is_number(x):
@@ -817,9 +913,8 @@ def _options_from_config(config, num_layers):
         said["attention_bias"] = (_BIAS_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
     elif _config_attr(config, "attention_bias") is not _MISSING:
         said["attention_bias"] = (bool(_config_attr(config, "attention_bias")), "model.config.attention_bias")
-    elif model_type in ("glm", "glm4"):
-        said["attention_bias"] = (_GLM_DEFAULTS["attention_bias"], f"{model_type}'s class default attention_bias "
-                                                                   "(True), which the config leaves out")
+    elif glm_default(model_type, "attention_bias"):
+        said["attention_bias"] = glm_default(model_type, "attention_bias")
     if model_type in _NORM_LAYOUT_BY_MODEL_TYPE:
         said["norm_layout"] = (_NORM_LAYOUT_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
     if model_type in _QK_NORM_BY_MODEL_TYPE:
@@ -832,20 +927,21 @@ def _options_from_config(config, num_layers):
             said[key] = (_option_value(key, value, attr), f"Gemma2Config's default {attr} ({value})")
         elif value is not _MISSING:
             said[key] = (_option_value(key, value, f"model.config.{attr}"), f"model.config.{attr}")
-    head_dim = _config_attr(config, "head_dim")  # Qwen3, Gemma 3: a head width of its own
+    head_dim, where = _config_attr(config, "head_dim"), "model.config.head_dim"  # Qwen3, Gemma 3: a width of its own
+    if head_dim is _MISSING and glm_default(model_type, "head_dim"):
+        head_dim, where = glm_default(model_type, "head_dim")
     hidden, heads = _config_attr(config, "hidden_size"), _config_attr(config, "num_attention_heads")
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and head_dim == hidden / heads:
         head_dim = _MISSING  # bundle v1's own hidden_size / num_heads: nothing to say
     if head_dim is not _MISSING and head_dim is not None:
-        said["head_dim"] = (_option_value("head_dim", head_dim, "model.config.head_dim"), "model.config.head_dim")
+        said["head_dim"] = (_option_value("head_dim", head_dim, where), where)
     factor = _config_attr(config, "partial_rotary_factor")  # Phi, GLM, StableLM; transformers 5: in rope_parameters
     params = _config_attr(config, "rope_parameters")
     if factor is _MISSING and isinstance(params, dict) and "partial_rotary_factor" in params:
         factor = params["partial_rotary_factor"]
     where = "model.config.partial_rotary_factor"
-    if factor is _MISSING and model_type in ("glm", "glm4"):
-        factor = _GLM_DEFAULTS["partial_rotary_factor"]
-        where = f"{model_type}'s class default partial_rotary_factor ({factor}), which the config leaves out"
+    if factor is _MISSING and glm_default(model_type, "partial_rotary_factor"):
+        factor, where = glm_default(model_type, "partial_rotary_factor")
     if factor is not _MISSING and factor is not None:
         said["partial_rotary_factor"] = (_option_value("partial_rotary_factor", factor, where), where)
     if _config_attr(config, "_attn_implementation") == "eager":  # a live model: its own code path
@@ -864,6 +960,10 @@ def _options_from_config(config, num_layers):
 def _model_options(arch, model, named, given, cfg):
     """The model options that differ from their defaults, for the manifest's model section:
     model.config's word where it has one, model_config's otherwise; the two must agree."""
+    if given.get("latent_attention") is not None:
+        raise CaptureError("model_config['latent_attention']: capturing DeepSeek-V3's multi-head latent attention "
+                           "is not supported yet (nanreplay replays such bundles; write the manifest's "
+                           "model.latent_attention and the q_a/kv_a/kv_b parameters yourself)")
     given = {k: given[k] for k in LLAMA_OPTION_DEFAULTS if k in given}
     if arch != "llama":
         on = [k for k, v in given.items() if _option_value(k, v, f"model_config[{k!r}]") != LLAMA_OPTION_DEFAULTS[k]]
@@ -1328,8 +1428,11 @@ def _head_count_variants(cfg):
     G = cfg.get("num_kv_heads") or H
     kv_rows = G * (C // H)
     out = []
+    factor = cfg.get("partial_rotary_factor", 1.0)
     for h in (H // 2, H * 2, C // 64, C // 128):
         if h < 1 or h == H or C % h or any(v["num_heads"] == h for v in out):
+            continue
+        if int(C // h * factor) % 2:  # no rotary turns an odd width (Phi-3's 0.75 of a head of 4)
             continue
         if cfg["arch"] != "llama":
             out.append({"num_heads": h, "num_kv_heads": h})
@@ -1966,6 +2069,9 @@ _OPTIMIZER_PLUMBING = ("params", "lr", "initial_lr", "foreach", "fused", "captur
 # AdamW's hyper-parameters, written for an AdamW beside another optimizer (its groups are then groups of
 # their own kind, which start from the class's defaults: every setting is written).
 _ADAMW_HYPER = ("betas", "eps", "weight_decay")
+# The kinds whose update and state act on each element alone: the only ones a fused parameter's parts
+# (Phi-3's qkv_proj, gate_up_proj) take apart as the fused tensor took them.
+_ELEMENTWISE_KINDS = ("adamw", "adam")
 
 
 def join_optimizer_groups(section, taken, kind, groups, prefix):
@@ -2005,11 +2111,18 @@ class _OptimizerByName:
         j = self._owner[i]
         return self.optimizers[j], self._opt_kinds[j]
 
+    def _held_indices(self):
+        """{id(tensor an optimizer holds): [bundle indices]}: a fused parameter holds several (_split_fused)."""
+        index = {}
+        for i, held in enumerate(self._held):
+            index.setdefault(id(held), []).append(i)
+        return index
+
     def _group_settings(self, j):
         """Optimizer j's param groups as [(bundle keys, settings under the class's own names)]."""
         opt, kind = self.optimizers[j], self._opt_kinds[j]
-        index = {id(p): i for i, p in enumerate(self.params)}
-        return [([self.names[index[id(p)]] for p in g["params"]],
+        index = self._held_indices()
+        return [([self.names[i] for p in g["params"] for i in index[id(p)]],
                  {k: _json_hyper(g[k]) for k in _KIND_HYPER.get(kind, _ADAMW_HYPER) if k in g})
                 for g in opt.param_groups]
 
@@ -2049,7 +2162,7 @@ class _OptimizerByName:
         if slot.entries[i]:
             return [(f"{name}.{k}", slot.state_bufs[(k, i)]) for k in slot.entries[i]]
         opt, kind = self._param_owner(i)
-        p, group = slot.params[i], next(g for g in opt.param_groups if any(q is self.params[i] for q in g["params"]))
+        p, group = slot.params[i], next(g for g in opt.param_groups if any(q is self._held[i] for q in g["params"]))
         shape = tuple(p.shape)
         if kind == "adam":
             shapes = {"exp_avg": shape, "exp_avg_sq": shape}
@@ -2090,7 +2203,7 @@ class _OptimizerByName:
         if self._sharded is not None:  # it holds shards (or flat parameters): names are checked at each gather
             self._owner = [0] * len(self.params)
             return
-        wanted = {id(p): i for i, p in enumerate(self.params)}
+        wanted = self._held_indices()
         owner = {}
         for j, opt in enumerate(self.optimizers):
             label = f"optimizer {j} ({type(opt).__qualname__}) " if len(self.optimizers) > 1 else "optimizer "
@@ -2100,15 +2213,21 @@ class _OptimizerByName:
                         raise CaptureError(f"{label}param_groups[{g}] holds a tensor that is not one of the "
                                            "model's bundle parameters")
                     if id(p) in owner and owner[id(p)] != j:
-                        raise CaptureError(f"{self.names[wanted[id(p)]]} is updated by two optimizers "
+                        raise CaptureError(f"{self.names[wanted[id(p)][0]]} is updated by two optimizers "
                                            f"({type(self.optimizers[owner[id(p)]]).__qualname__} and "
                                            f"{type(opt).__qualname__}); each parameter has one")
                     owner[id(p)] = j
-        missing = [self.names[i] for pid, i in wanted.items() if pid not in owner]
+        missing = [self.names[i] for pid, held in wanted.items() if pid not in owner for i in held]
         if missing:
             raise CaptureError(f"parameters the optimizer does not update: {missing[:6]}"
                                + (" (none of the optimizers given updates them)" if len(self.optimizers) > 1 else ""))
-        self._owner = [owner[id(p)] for p in self.params]
+        self._owner = [owner[id(p)] for p in self._held]
+        for i, name in enumerate(self.names):
+            kind = self._opt_kinds[self._owner[i]]
+            if name in self._fused and kind not in _ELEMENTWISE_KINDS:
+                raise CaptureError(f"{self._fused[name][0]} is fused and updated by {kind}, whose update of the "
+                                   "fused matrix is not that of its parts (bundle v1 holds the parts): AdamW and "
+                                   "Adam only, whose state splits row by row as the parameter does")
 
     def _optimizer_manifest(self):
         """The manifest's optimizer section: the first optimizer at the top level, the others' param
@@ -2127,15 +2246,15 @@ class _OptimizerByName:
         if len(nonzero) > 1:
             raise CaptureError(f"bundle v1 expresses one weight decay plus no_decay globs; groups use {sorted(decays)}")
         decay = nonzero.pop() if nonzero else 0.0
-        index = {id(p): i for i, p in enumerate(self.params)}
+        index = self._held_indices()
         if self._sharded is not None:  # the optimizer holds the sharded tensors: map them by name
-            index = {pid: self.names.index(n) for pid, n in self._sharded_names.items() if n in self.names}
+            index = {pid: [self.names.index(n)] for pid, n in self._sharded_names.items() if n in self.names}
             if decay and any(id(p) not in index for g in groups if float(g["weight_decay"]) == 0.0
                              for p in g["params"]):
                 raise CaptureError("under FSDP with flat parameters (use_orig_params=False) the recorder cannot "
                                    "tell which parameters a weight_decay=0 group holds; use one weight decay")
-        no_decay = sorted(self.names[index[id(p)]] for g in groups if float(g["weight_decay"]) == 0.0 and decay
-                          for p in g["params"])
+        no_decay = sorted(self.names[i] for g in groups if float(g["weight_decay"]) == 0.0 and decay
+                          for p in g["params"] for i in index[id(p)])
         out = {"kind": "adamw", "betas": list(betas.pop()), "eps": eps.pop(), "weight_decay": decay}
         if no_decay:
             out["no_decay"] = no_decay  # exact keys are globs that match only themselves
@@ -2264,6 +2383,11 @@ class Recorder(_OptimizerByName):
         named = {}
         for name, p in _all_named_parameters(model):
             named.setdefault(rename(name), p)
+        named, self._fused = _split_fused(named, model, model_config or {})
+        if self._fused and self._sharded is not None:
+            raise CaptureError(f"{next(iter(self._fused.values()))[0]} is fused: under FSDP the recorder gathers "
+                               "whole parameters by name and does not split them; save a checkpoint and run "
+                               "`nanreplay import` on it (docs/import.md)")
         self.defaulted = {}  # what bundle v1's defaults filled in: the manifest's provenance says so
         self.model_config = _infer_model_config(arch, model, named, model_config or {}, self.data["seq_len"],
                                                 self.defaulted)
@@ -2281,6 +2405,8 @@ class Recorder(_OptimizerByName):
             if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise CaptureError(f"{name} is {p.dtype}; bundle v1 stores F32, BF16 or F16")
             self.params.append(p)
+        # What the optimizer holds for each bundle parameter: itself, or the fused parameter it is rows of.
+        self._held = [self._fused[n][1] if n in self._fused else p for n, p in zip(self.names, self.params)]
         wanted = {id(p) for p in self.params}
         extra = sorted({n for n, p in named.items() if id(p) not in wanted})
         if extra:
@@ -2551,18 +2677,21 @@ class Recorder(_OptimizerByName):
         device_steps = []
         for i, p in enumerate(self.params):
             opt, kind = self._param_owner(i)
-            st = opt.state.get(p)
+            st = opt.state.get(self._held[i])
             if kind != "adamw":  # the class's state entries by name
                 entries = [k for k in _KIND_STATE[kind] if isinstance((st or {}).get(k), torch.Tensor)]
                 slot.entries[i] = entries
-                pairs += [(slot.state_buffer(k, i, st[k]), st[k]) for k in entries]
+                for k in entries:
+                    entry = self._rows_of(i, st[k])
+                    pairs.append((slot.state_buffer(k, i, entry), entry))
                 if not st or "step" not in st:
                     continue
             elif not st or "exp_avg" not in st:
                 continue
             else:
-                pairs.append((slot.moment_buffer("exp_avg", i, st["exp_avg"]), st["exp_avg"]))
-                pairs.append((slot.moment_buffer("exp_avg_sq", i, st["exp_avg_sq"]), st["exp_avg_sq"]))
+                for which in ("exp_avg", "exp_avg_sq"):
+                    moment = self._rows_of(i, st[which])
+                    pairs.append((slot.moment_buffer(which, i, moment), moment))
                 slot.has_moments[i] = True
             step = st.get("step", 0)  # AdamW bumps it in place: keep its value, not the tensor
             if isinstance(step, torch.Tensor) and step.is_cuda:
@@ -2585,6 +2714,12 @@ class Recorder(_OptimizerByName):
                 slot.device_steps.copy_(torch.stack(device_steps), non_blocking=True)
             slot.event = torch.cuda.Event()
             slot.event.record(self._copy_stream)
+
+    def _rows_of(self, i, t):
+        """Parameter i's part of `t`, a state tensor shaped as what the optimizer holds (_held): all of it,
+        or a fused parameter's rows of this part (the split the parameters take, _split_fused)."""
+        fused = self._fused.get(self.names[i])
+        return t if fused is None else t.narrow(0, fused[2], fused[3])
 
     def _order_update_after_copies(self, *_):
         """The update about to run rewrites what the newest full slot is still copying: make it wait."""

@@ -16,7 +16,7 @@ Shape vocab_rows(const ModelConfig& m) { return {m.vocab_size, m.hidden_size}; }
 Shape kv_rows(const ModelConfig& m) { return {m.num_kv_heads * m.head_dim(), m.hidden_size}; }
 // An explicit head_dim (Qwen3, Gemma 3) makes q_proj [heads * head_dim, hidden] and o_proj its transpose.
 Shape q_rows(const ModelConfig& m) { return {m.num_heads * m.head_dim(), m.hidden_size}; }
-Shape o_cols(const ModelConfig& m) { return {m.hidden_size, m.num_heads * m.head_dim()}; }
+Shape o_cols(const ModelConfig& m) { return {m.hidden_size, m.num_heads * m.v_head_dim()}; }
 Shape mlp_in(const ModelConfig& m) { return {m.intermediate_size, m.hidden_size}; }
 Shape mlp_out(const ModelConfig& m) { return {m.hidden_size, m.intermediate_size}; }
 Shape qkv(const ModelConfig& m) { return {3 * m.hidden_size, m.hidden_size}; }
@@ -29,10 +29,30 @@ Shape kv_width(const ModelConfig& m) { return {m.num_kv_heads * m.head_dim()}; }
 Shape router(const ModelConfig& m) { return {m.moe->num_experts, m.hidden_size}; }
 Shape expert_in(const ModelConfig& m) { return {m.moe->intermediate_size, m.hidden_size}; }
 Shape expert_out(const ModelConfig& m) { return {m.hidden_size, m.moe->intermediate_size}; }
+Shape expert_width(const ModelConfig& m) { return {m.moe->intermediate_size}; }
+Shape per_expert_row(const ModelConfig& m) { return {m.moe->num_experts}; }
 Shape q_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead ? Shape{m.head_dim()} : q_width(m); }
 Shape k_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead ? Shape{m.head_dim()} : kv_width(m); }
 
+// DeepseekV3Attention's projections (model.latent_attention), [out, in] as nn.Linear holds them.
+Shape q_a_rows(const ModelConfig& m) { return {m.latent_attention->q_lora_rank, m.hidden_size}; }
+Shape q_a_width(const ModelConfig& m) { return {m.latent_attention->q_lora_rank}; }
+Shape q_b_rows(const ModelConfig& m) { return {m.num_heads * m.head_dim(), m.latent_attention->q_lora_rank}; }
+Shape kv_a_rows(const ModelConfig& m) {
+  return {m.latent_attention->kv_lora_rank + m.latent_attention->qk_rope_head_dim, m.hidden_size};
+}
+Shape kv_a_width(const ModelConfig& m) { return {m.latent_attention->kv_lora_rank}; }
+Shape kv_b_rows(const ModelConfig& m) {
+  const LatentAttention& a = *m.latent_attention;
+  return {m.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank};
+}
+
 // Which model option brings a parameter (loaders/arch/llama_options.cpp's rows).
+// Latent attention replaces k_proj and v_proj, and q_proj where it compresses q.
+bool separate_kv(const ModelConfig& m) { return !m.latent_attention; }
+bool plain_q(const ModelConfig& m) { return !m.latent_attention || m.latent_attention->q_lora_rank == 0; }
+bool compressed_q(const ModelConfig& m) { return m.latent_attention && m.latent_attention->q_lora_rank > 0; }
+bool latent_kv(const ModelConfig& m) { return m.latent_attention.has_value(); }
 bool with_attention_bias(const ModelConfig& m) { return m.attention_bias; }
 // Llama 4's L2 QK-norm has no weight.
 bool with_qk_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead || m.qk_norm == QkNorm::kFull; }
@@ -42,6 +62,8 @@ Shape per_head(const ModelConfig& m) { return {m.num_heads}; }
 bool untied_head(const ModelConfig& m) { return !m.tie_embeddings; }
 bool dense_mlp(const ModelConfig& m) { return !m.moe; }
 bool experts(const ModelConfig& m) { return m.moe.has_value(); }
+bool with_router_bias(const ModelConfig& m) { return m.moe && m.moe->router_bias; }
+bool with_expert_bias(const ModelConfig& m) { return m.moe && m.moe->expert_bias; }
 bool pre_norms(const ModelConfig& m) { return m.norm_layout == NormLayout::kPre; }
 bool sandwich_norms(const ModelConfig& m) { return m.norm_layout == NormLayout::kSandwich; }
 bool norm_before_sublayer(const ModelConfig& m) { return m.norm_layout != NormLayout::kPost; }
@@ -68,11 +90,18 @@ const std::vector<ParamDef>& param_table(Arch arch) {
       // Hugging Face's module order: a bias after its weight, q_norm and k_norm after o_proj;
       // GPT-OSS's sinks, the attention module's own parameter, before its projections.
       {R::kSinks, "model.layers.{i}.self_attn.sinks", ParamPlace::kLayer, per_head, with_sinks},
-      {R::kQProj, "model.layers.{i}.self_attn.q_proj.weight", ParamPlace::kLayer, q_rows},
+      {R::kQProj, "model.layers.{i}.self_attn.q_proj.weight", ParamPlace::kLayer, q_rows, plain_q},
       {R::kQBias, "model.layers.{i}.self_attn.q_proj.bias", ParamPlace::kLayer, q_width, with_attention_bias},
-      {R::kKProj, "model.layers.{i}.self_attn.k_proj.weight", ParamPlace::kLayer, kv_rows},
+      // DeepseekV3Attention's order: q_proj or q_a_proj, q_a_layernorm, q_b_proj; then the kv latent's.
+      {R::kQAProj, "model.layers.{i}.self_attn.q_a_proj.weight", ParamPlace::kLayer, q_a_rows, compressed_q},
+      {R::kQALayernorm, "model.layers.{i}.self_attn.q_a_layernorm.weight", ParamPlace::kLayer, q_a_width, compressed_q},
+      {R::kQBProj, "model.layers.{i}.self_attn.q_b_proj.weight", ParamPlace::kLayer, q_b_rows, compressed_q},
+      {R::kKvAProj, "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", ParamPlace::kLayer, kv_a_rows, latent_kv},
+      {R::kKvALayernorm, "model.layers.{i}.self_attn.kv_a_layernorm.weight", ParamPlace::kLayer, kv_a_width, latent_kv},
+      {R::kKvBProj, "model.layers.{i}.self_attn.kv_b_proj.weight", ParamPlace::kLayer, kv_b_rows, latent_kv},
+      {R::kKProj, "model.layers.{i}.self_attn.k_proj.weight", ParamPlace::kLayer, kv_rows, separate_kv},
       {R::kKBias, "model.layers.{i}.self_attn.k_proj.bias", ParamPlace::kLayer, kv_width, with_attention_bias},
-      {R::kVProj, "model.layers.{i}.self_attn.v_proj.weight", ParamPlace::kLayer, kv_rows},
+      {R::kVProj, "model.layers.{i}.self_attn.v_proj.weight", ParamPlace::kLayer, kv_rows, separate_kv},
       {R::kVBias, "model.layers.{i}.self_attn.v_proj.bias", ParamPlace::kLayer, kv_width, with_attention_bias},
       {R::kOProj, "model.layers.{i}.self_attn.o_proj.weight", ParamPlace::kLayer, o_cols},
       {R::kOProjBias, "model.layers.{i}.self_attn.o_proj.bias", ParamPlace::kLayer, hidden, with_o_proj_bias},
@@ -83,10 +112,16 @@ const std::vector<ParamDef>& param_table(Arch arch) {
       {R::kUpProj, "model.layers.{i}.mlp.up_proj.weight", ParamPlace::kLayer, mlp_in, dense_mlp},
       {R::kDownProj, "model.layers.{i}.mlp.down_proj.weight", ParamPlace::kLayer, mlp_out, dense_mlp},
       // Qwen3MoeSparseMoeBlock's order: the router, then expert 0's projections, expert 1's, ...
+      // GPT-OSS's biases (router_bias, expert_bias) each after its weight; its fused, interleaved
+      // gate_up_proj is stored split into these per-expert keys (docs/bundle-format.md).
       {R::kRouter, "model.layers.{i}.mlp.gate.weight", ParamPlace::kLayer, router, experts},
+      {R::kRouterBias, "model.layers.{i}.mlp.gate.bias", ParamPlace::kLayer, per_expert_row, with_router_bias},
       {R::kExpertGateProj, "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", ParamPlace::kLayer, expert_in, experts},
+      {R::kExpertGateBias, "model.layers.{i}.mlp.experts.{e}.gate_proj.bias", ParamPlace::kLayer, expert_width, with_expert_bias},
       {R::kExpertUpProj, "model.layers.{i}.mlp.experts.{e}.up_proj.weight", ParamPlace::kLayer, expert_in, experts},
+      {R::kExpertUpBias, "model.layers.{i}.mlp.experts.{e}.up_proj.bias", ParamPlace::kLayer, expert_width, with_expert_bias},
       {R::kExpertDownProj, "model.layers.{i}.mlp.experts.{e}.down_proj.weight", ParamPlace::kLayer, expert_out, experts},
+      {R::kExpertDownBias, "model.layers.{i}.mlp.experts.{e}.down_proj.bias", ParamPlace::kLayer, hidden, with_expert_bias},
       // OLMo 2's post-norms (Olmo2DecoderLayer's order: after the MLP). Hugging Face names the
       // attention output's norm post_attention_layernorm, the key llama's pre-MLP norm has.
       // Gemma 3's sandwich (Gemma3DecoderLayer's order): input, post-attention, pre- and post-feedforward.

@@ -12,6 +12,8 @@ namespace nanreplay {
 
 namespace {
 bool with_attention_sinks(const ModelConfig& m) { return m.attention_sinks; }
+bool with_q_latent(const ModelConfig& m) { return m.latent_attention && m.latent_attention->q_lora_rank > 0; }
+bool with_kv_latent(const ModelConfig& m) { return m.latent_attention.has_value(); }
 }  // namespace
 
 const std::vector<SiteDef>& site_table() {
@@ -21,6 +23,10 @@ const std::vector<SiteDef>& site_table() {
       {SiteId::kEmbed, "embed", false, L::kTokens, false, true, true},
       {SiteId::kInput, "input", true, L::kTokens, false, true, true},
       {SiteId::kAttnNorm, "attn_norm", true, L::kTokens, false, true, true, M::kAny, NormLayout::kPre},
+      // Latent attention (DeepSeek-V3): the compressed q and kv, each after its RMSNorm.
+      {SiteId::kAttnQLatent, "attn.q_latent", true, L::kTokens, false, true, false, M::kAny, std::nullopt, with_q_latent},
+      {SiteId::kAttnKvLatent, "attn.kv_latent", true, L::kTokens, false, true, false, M::kAny, std::nullopt,
+       with_kv_latent},
       {SiteId::kAttnQ, "attn.q", true, L::kTokens, false, true, true},
       {SiteId::kAttnK, "attn.k", true, L::kTokens, false, true, true},
       {SiteId::kAttnV, "attn.v", true, L::kTokens, false, true, true},

@@ -16,6 +16,8 @@ enum class SiteId : uint8_t {
   kEmbed,
   kInput,
   kAttnNorm,
+  kAttnQLatent,      // model.latent_attention (DeepSeek-V3) with a q_lora_rank: q_a_layernorm's output
+  kAttnKvLatent,     // model.latent_attention: kv_a_layernorm's output
   kAttnQ,
   kAttnK,
   kAttnV,

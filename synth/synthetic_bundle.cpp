@@ -168,16 +168,20 @@ ParamMap init_params(const SyntheticSpec& spec, std::vector<std::string>& order)
   for (const ParamSpec& p : expected_parameters(spec.model)) {
     const bool norm = p.name.find("norm") != std::string::npos || p.name.find("ln_") != std::string::npos;
     const bool bias = p.name.size() > 5 && p.name.compare(p.name.size() - 5, 5, ".bias") == 0;
-    const bool qk = p.name.find("q_proj") != std::string::npos || p.name.find("k_proj") != std::string::npos;
+    // Latent attention's q_b_proj and kv_a_proj_with_mqa make its q and k.
+    const bool qk = p.name.find("q_proj") != std::string::npos || p.name.find("k_proj") != std::string::npos ||
+                    p.name.find("q_b_proj") != std::string::npos || p.name.find("kv_a_proj") != std::string::npos;
     // The options' extra parameters start away from their neutral values, so
     // a replay that ignored or misplaced one would not match the run.
-    const bool attention_extra = p.name.find("self_attn.") != std::string::npos && (bias || norm);
+    // GPT-OSS's router and expert biases too (none of Qwen3-MoE's parameters is a bias).
+    const bool moe_bias = bias && p.name.find(".mlp.") != std::string::npos && spec.model.moe.has_value();
+    const bool attention_extra = (p.name.find("self_attn.") != std::string::npos && (bias || norm)) || moe_bias;
     // Gemma's norms scale by 1 + weight: theirs start near 0 (a replay without the offset would double them).
     const double unit = spec.model.rms_norm_offset ? 0.0 : 1.0;
     torch::Tensor t = attention_extra ? (bias ? torch::randn(p.shape) * 0.1 : unit + torch::randn(p.shape) * 0.1)
                       : bias          ? torch::zeros(p.shape)
                       : norm          ? (spec.model.rms_norm_offset ? torch::randn(p.shape) * 0.1 : torch::ones(p.shape))
-                                      : torch::randn(p.shape) * (qk ? spec.attention_init_std : 0.02);
+                                      : torch::randn(p.shape) * (qk ? spec.attention_init_std : spec.init_std);
     t.requires_grad_(true);
     params.emplace(p.name, t);
     order.push_back(p.name);
@@ -216,6 +220,22 @@ void amplify_through_head_norm(const SyntheticSpec& spec, ParamMap& params, int6
   for (R norm : {R::kQNorm, R::kKNorm}) weight(norm)[0] = m.rms_norm_offset ? gain - 1.0 : gain;
 }
 
+// With the QK-norm over the whole projection (OLMo 2, 3) the token's q is
+// normalised across every head: its planted head, the only one reading the
+// feature, holds about sqrt(num_heads) per dimension (k: sqrt(num_kv_heads)).
+// The norms' weights are per dimension of every head, so gains on the planted
+// head's dimensions take the token's q k^T at itself to 4x fp16's maximum;
+// every other token is zero there, and so is every gradient through the gains.
+void amplify_through_full_norm(const SyntheticSpec& spec, ParamMap& params, int64_t kv_head) {
+  const ModelConfig& m = spec.model;
+  const FaultSpec& f = spec.fault;
+  const int64_t D = m.head_dim();
+  const double heads = std::sqrt(static_cast<double>(m.num_heads * m.num_kv_heads));
+  const double gain = std::sqrt(4.0 * 65504.0 / (static_cast<double>(D) * heads));
+  params.at(param_key(m.arch, ParamRole::kQNorm, f.layer)).narrow(0, f.head * D, D).fill_(gain);
+  params.at(param_key(m.arch, ParamRole::kKNorm, f.layer)).narrow(0, kv_head * D, D).fill_(gain);
+}
+
 void amplify_token_in_head(const SyntheticSpec& spec, ParamMap& params, int64_t token) {
   const ModelConfig& m = spec.model;
   const FaultSpec& f = spec.fault;
@@ -234,10 +254,13 @@ void amplify_token_in_head(const SyntheticSpec& spec, ParamMap& params, int64_t 
     if (m.o_proj_bias) weight(R::kOProjBias, layer)[kFeature].zero_();  // GPT-OSS: a bias writes every token
   }
   if (!m.tie_embeddings) weight(R::kLmHead, -1).select(1, kFeature).zero_();
+  // Partial rotary (Phi, GLM): the head reads the feature only in the dims
+  // rotary leaves as they are, so its score is the same at every distance.
+  const int64_t rotated = m.partial_rotary_factor < 1.0 ? m.rotary_dim() : 0;
   // At a normalized value of 1 (the token's is larger) q k^T is 4x fp16's maximum.
-  const double c = std::sqrt(4.0 * 65504.0 / static_cast<double>(D));
+  const double c = std::sqrt(4.0 * 65504.0 / static_cast<double>(D - rotated));
   const torch::Tensor reads_feature = torch::zeros({D, C});
-  reads_feature.select(1, kFeature).fill_(c);
+  reads_feature.narrow(0, rotated, D - rotated).select(1, kFeature).fill_(c);
   const int64_t kv_head = f.head / (m.num_heads / m.num_kv_heads);
   if (m.qk_norm == QkNorm::kHead) {
     amplify_through_head_norm(spec, params, kFeature);
@@ -249,6 +272,7 @@ void amplify_token_in_head(const SyntheticSpec& spec, ParamMap& params, int64_t 
     weight(R::kQBias, f.layer).narrow(0, f.head * D, D).zero_();
     weight(R::kKBias, f.layer).narrow(0, kv_head * D, D).zero_();
   }
+  if (m.qk_norm == QkNorm::kFull) amplify_through_full_norm(spec, params, kv_head);
 }
 
 // A mixture of experts' faults, through a feature only `token`'s embedding
@@ -283,6 +307,11 @@ void amplify_token_in_experts(const SyntheticSpec& spec, ParamMap& params, int64
     }
   }
   if (!m.tie_embeddings) weight(R::kLmHead, -1).select(1, kFeature).zero_();
+  // GPT-OSS's biases write every token's feature: zeroed there, as the projections.
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    if (m.o_proj_bias) weight(R::kOProjBias, layer)[kFeature].zero_();
+    for (int e = 0; e < m.moe->num_experts && m.moe->expert_bias; ++e) weight(R::kExpertDownBias, layer, e)[kFeature].zero_();
+  }
   // The token's normalized feature is several times 1, so a gain just inside
   // fp16's range (the weight itself must round to a finite value) overflows.
   const double overflowing = 60000.0;
@@ -291,6 +320,13 @@ void amplify_token_in_experts(const SyntheticSpec& spec, ParamMap& params, int64
     return;
   }
   weight(R::kRouter, f.layer)[f.expert][kFeature] = 30.0;  // probability ~1 for the token
+  if (m.moe->expert_activation == ExpertActivation::kGptOss) {
+    // GPT-OSS's experts: gate and up each a few hundred, finite, their product
+    // (the activation, unclamped) past fp16's range; a swiglu_limit catches it.
+    weight(R::kExpertGateProj, f.layer, f.expert)[0][kFeature] = 200.0;
+    weight(R::kExpertUpProj, f.layer, f.expert)[0][kFeature] = 200.0;
+    return;
+  }
   weight(R::kExpertGateProj, f.layer, f.expert)[0][kFeature] = 1.0;
   weight(R::kExpertUpProj, f.layer, f.expert)[0][kFeature] = overflowing;
 }
@@ -795,6 +831,22 @@ void qwen3_moe(SyntheticSpec& spec) {
   spec.model.moe = MoeConfig{4, 2, 48, true, 0.01, 0.001};
 }
 
+// GPT-OSS's mixture of experts: 4 experts of width 48, 2 per token, the
+// softmax over the top 2 logits, router and expert biases, gate and up fused,
+// the clamped activation (alpha 1.702, limit 7, GptOssExperts' constants),
+// the aux loss.
+void gpt_oss_moe(SyntheticSpec& spec) {
+  MoeConfig moe{4, 2, 48, false, 0.01, 0.0};
+  moe.router = RouterKind::kTopKSoftmax;
+  moe.router_bias = true;
+  moe.expert_bias = true;
+  moe.fused_gate_up = true;
+  moe.expert_activation = ExpertActivation::kGptOss;
+  moe.swiglu_alpha = 1.702;
+  moe.swiglu_limit = 7.0;
+  spec.model.moe = moe;
+}
+
 // fp16 MoE faults in layer 1 at the last step, trained at a small learning
 // rate (amplify_token_in_experts says why). The loss scale has backed off to
 // 1: the planted gains pass every token's gradient through the amplified
@@ -845,6 +897,55 @@ void gemma3_text(SyntheticSpec& spec) {
   spec.attention_init_std = 0.3;
 }
 
+// OLMo 2's block: post-norm (each sublayer reads the residual itself and its
+// output is normalised before the add) and the QK-norm over the whole projection.
+// Weights at 1/sqrt(hidden_size): at 0.02 this toy width's sublayer outputs
+// have a mean square below norm_eps, which the zero-norm check flags once a
+// norm reads them directly.
+void olmo2_block(SyntheticSpec& spec) {
+  spec.model.norm_layout = NormLayout::kPost;
+  spec.model.qk_norm = QkNorm::kFull;
+  spec.init_std = 0.125;
+}
+
+// OLMo 3's text model: OLMo 2's block in 4 layers, three sliding (a window of
+// 8, a quarter of the sequence) to one full, Olmo3Config's default
+// layer_types; one rotary for every layer, unscaled.
+void olmo3_text(SyntheticSpec& spec) {
+  olmo2_block(spec);
+  ModelConfig& m = spec.model;
+  m.num_layers = 4;
+  m.sliding_window = 8;
+  m.layer_types = {AttentionKind::kSliding, AttentionKind::kSliding, AttentionKind::kSliding, AttentionKind::kFull};
+  spec.attention_init_std = 0.3;
+}
+
+// Phi-4-mini's shape of Phi-3: rotary on the first 3/4 of each head
+// (partial_rotary_factor 0.75), a tied head, grouped-query attention, and
+// Phi-3-mini's sliding window on every layer (8 keys here).
+void phi3_model(SyntheticSpec& spec) {
+  ModelConfig& m = spec.model;
+  m.partial_rotary_factor = 0.75;
+  m.tie_embeddings = true;
+  m.num_kv_heads = 2;
+  m.sliding_window = 8;
+  spec.attention_init_std = 0.3;
+}
+
+// GLM-4-0414: GLM's rotary (adjacent pairs, the first half of each head),
+// q/k/v biases, grouped-query attention and sandwich norms (a norm after
+// attention and after the MLP too).
+void glm4_model(SyntheticSpec& spec) {
+  ModelConfig& m = spec.model;
+  m.partial_rotary_factor = 0.5;
+  m.rope_style = RopeStyle::kInterleaved;
+  m.attention_bias = true;
+  m.num_kv_heads = 2;
+  m.norm_layout = NormLayout::kSandwich;
+  spec.attention_init_std = 0.3;
+  spec.init_std = 0.125;  // as OLMo's (olmo2_block): a norm reads each sublayer's output
+}
+
 // GPT-OSS's attention on a dense llama block: sink logits, q/k/v and o_proj
 // biases, a head_dim of its own, grouped-query attention, YaRN over an
 // original context of 256 (its ramp spans the first 5 of 12 frequencies), and
@@ -888,6 +989,33 @@ void llama4_attention(SyntheticSpec& spec) {
   spec.attention_init_std = 0.3;
 }
 
+// DeepSeek-V3's multi-head latent attention on a dense llama block, at a
+// tiny size: q through a rank-16 latent, a rank-8 kv latent, heads of 8
+// nope + 4 rotary dims for q and k and 8 for v, interleaved rotary (its
+// rope_interleave), YaRN over an original context of 16 with mscale and
+// mscale_all_dim unequal, so both cos/sin and the softmax scale carry a factor.
+void deepseek_latent_attention(SyntheticSpec& spec) {
+  ModelConfig& m = spec.model;
+  m.hidden_size = 32;
+  m.intermediate_size = 64;
+  LatentAttention latent;
+  latent.q_lora_rank = 16;
+  latent.kv_lora_rank = 8;
+  latent.qk_nope_head_dim = 8;
+  latent.qk_rope_head_dim = 4;
+  latent.v_head_dim = 8;
+  m.latent_attention = latent;
+  m.rope_style = RopeStyle::kInterleaved;
+  RopeScaling yarn;
+  yarn.type = RopeScalingType::kYarn;
+  yarn.factor = 4.0;
+  yarn.original_max_position_embeddings = 16;
+  yarn.mscale = 1.0;
+  yarn.mscale_all_dim = 0.8;
+  m.rope_scaling = yarn;
+  spec.attention_init_std = 0.3;
+}
+
 // Meta's interleaved rotary and Llama 3.1's scaling with a short original
 // context, so the 32-position window spans all three frequency bands.
 void llama3_rotary(SyntheticSpec& spec) {
@@ -925,18 +1053,39 @@ const std::vector<PresetDef>& preset_table() {
          s.model.qk_norm = QkNorm::kHead;
          s.model.num_kv_heads = 2;
        }},
-      {{"clean-olmo2", "nothing, OLMo 2's QK-norm over the whole projection (qk_norm full)"},
-       [](SyntheticSpec& s) { s.model.qk_norm = QkNorm::kFull; }},
+      {{"clean-olmo2", "nothing, OLMo 2's block: post-norm and the QK-norm over the whole projection (qk_norm full)"},
+       olmo2_block},
       {{"olmo2-postnorm-overflow", "fp16 OLMo 2 (post-norm, QK-norm over the projection): one gain of layer 1's "
                                    "post-attention norm rewritten to 1e5 at the last step overflows that norm's output"},
        [](SyntheticSpec& s) {
-         s.model.qk_norm = QkNorm::kFull;
-         s.model.norm_layout = NormLayout::kPost;
+         olmo2_block(s);
          s.compute = Compute::kFp16;
          fault_at_last(s, FaultKind::kNormGainOverflow);
          s.fault.layer = 1;
          s.fault.param = "model.layers.1.post_attention_layernorm.weight";
          s.fault.weight_scale = 1e5;  // fp16's largest is 65504: every token whose normalised value there exceeds 0.66
+       }},
+      {{"clean-olmo3", "nothing, OLMo 3's text model: OLMo 2's block, 4 layers, three sliding (window 8) to one full"},
+       olmo3_text},
+      {{"olmo3-window-overflow", "fp16 OLMo 3: head 2 of the sliding layer 1 overflows q k^T on a rare token through "
+                                 "its QK-norm gains, at the last step"},
+       [](SyntheticSpec& s) {
+         olmo3_text(s);
+         head_overflow(s);  // layer 1 (sliding), head 2
+       }},
+      {{"clean-phi3", "nothing, Phi-3 as Phi-4-mini: rotary on 3/4 of each head, a tied head, a sliding window of 8"},
+       phi3_model},
+      {{"clean-glm4", "nothing, GLM-4-0414: rotary on adjacent pairs of half of each head, q/k/v biases, sandwich norms"},
+       glm4_model},
+      {{"glm4-partial-rotary-overflow", "fp16 GLM-4-0414: head 2 of layer 0 overflows q k^T on a rare token in the "
+                                        "half of the head rotary leaves alone, at the last step"},
+       [](SyntheticSpec& s) {
+         glm4_model(s);
+         head_overflow(s);
+         // Layer 0 reads the embeddings: deeper, each normalised sublayer output added to the stream
+         // dilutes the token's feature below the overflow.
+         s.fault.layer = 0;
+         s.model.num_kv_heads = s.model.num_heads;  // a shared kv head: gpt-oss-head-overflow says why not
        }},
       {{"clean-gemma2", "nothing, Gemma 2's attention and final soft caps, and a sliding window of 8"}, gemma2_attention},
       {{"clean-llama3", "nothing, Meta's interleaved rotary with Llama 3.1's frequency scaling"}, llama3_rotary},
@@ -986,6 +1135,21 @@ const std::vector<PresetDef>& preset_table() {
          s.fault.kind = FaultKind::kRouterCollapse;
          s.fault.step = s.first_step;
          s.fault.layer = 0;
+       }},
+      // GPT-OSS's mixture of experts (issue 40), on GPT-OSS's attention.
+      {{"clean-gpt-oss-moe", "nothing, GPT-OSS: its attention and mixture of experts (4 experts, top 2 logits "
+                             "softmaxed, router and expert biases, the activation clamped at 7, aux loss)"},
+       [](SyntheticSpec& s) {
+         gpt_oss_attention(s);
+         gpt_oss_moe(s);
+       }},
+      {{"gpt-oss-expert-overflow", "fp16 GPT-OSS run without the SwiGLU clamp: layer 1 routes a rare token to "
+                                   "expert 2, whose activation overflows on it (swiglu-clamp=7 resolves it)"},
+       [](SyntheticSpec& s) {
+         gpt_oss_attention(s);
+         moe_fault(s, FaultKind::kExpertOverflow);
+         gpt_oss_moe(s);
+         s.model.moe->swiglu_limit.reset();
        }},
       // Spikes that never go non-finite (docs/spikes.md).
       {{"clean-site-stats", "nothing, every step logging its forward sites' max |x| and rms (logged.site_stats)"},
@@ -1066,6 +1230,14 @@ const std::vector<PresetDef>& preset_table() {
       {{"clean-llama4-attn", "nothing, Llama 4's text attention (interleaved rotary, llama3 scaling with equal factors, "
                              "L2 QK-norm on the rotary layer, a NoPE layer with temperature tuning) on a dense MLP"},
        llama4_attention},
+      {{"clean-deepseek-mla", "nothing, DeepSeek-V3's multi-head latent attention (q and kv latents, a rotary key head "
+                              "shared by every head, v narrower than q and k, YaRN's mscale) on a dense MLP"},
+       deepseek_latent_attention},
+      {{"clean-deepseek-mla-bf16", "nothing, DeepSeek-V3's multi-head latent attention in bf16"},
+       [](SyntheticSpec& s) {
+         deepseek_latent_attention(s);
+         s.compute = Compute::kBf16;
+       }},
       {{"llama4-nope-overflow", "fp16 Llama 4 attention: head 2 of layer 1, a NoPE layer (no rotary, no QK-norm), "
                                 "amplifies a rare token at the last step"},
        [](SyntheticSpec& s) {

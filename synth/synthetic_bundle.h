@@ -110,7 +110,8 @@ struct SyntheticSpec {
   // check): q/k weights stored in Meta's interleaved-rotary layout while the
   // manifest says rotate-half, or a manifest naming another sampler seed.
   bool mislabel_rope = false;
-  double attention_init_std = 0.02;  // q/k weights at initialisation (others: 0.02)
+  double attention_init_std = 0.02;  // q/k weights at initialisation (others: init_std)
+  double init_std = 0.02;            // every other weight matrix and the embeddings at initialisation
   std::optional<uint64_t> manifest_sampler_seed;
   // Each state.json also logs every forward site's max |x| and rms (logged.site_stats).
   bool log_site_stats = false;

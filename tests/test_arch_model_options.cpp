@@ -63,6 +63,13 @@ const std::map<std::string, json>& option_examples() {
         {"norm_topk_prob", true},
         {"router_aux_loss_coef", 0.01},
         {"router_z_loss_coef", 0.001}}},
+      {"latent_attention",
+       {{"q_lora_rank", 8},
+        {"kv_lora_rank", 4},
+        {"qk_nope_head_dim", 4},
+        {"qk_rope_head_dim", 4},
+        {"v_head_dim", 6},
+        {"norm_eps", 1e-6}}},
   };
   return examples;
 }
@@ -131,13 +138,15 @@ TEST_CASE("each llama option is read and written back as given, and not written 
     manifest["model"][key] = nullptr;  // null is the default, as absent
     CHECK_FALSE(model_round_trip(manifest).contains(key));
   }
-  // Every option at once, but Gemma's GeGLU: the mixture of experts refuses it (its experts are silu).
+  // Every option at once, but Gemma's GeGLU (the mixture of experts refuses it: its experts are silu) and
+  // latent attention (it refuses the QK-norm, head_dim and the other attention options it has no part of).
+  const auto left_out = [](const std::string& key) { return key == "hidden_act" || key == "latent_attention"; };
   json all = options_test_manifest("llama");
   for (const auto& [key, value] : option_examples()) {
-    if (key != "hidden_act") all["model"][key] = value;
+    if (!left_out(key)) all["model"][key] = value;
   }
   const json written = model_round_trip(all);
-  for (const auto& [key, value] : option_examples()) CHECK(written.value(key, json()) == (key == "hidden_act" ? json() : value));
+  for (const auto& [key, value] : option_examples()) CHECK(written.value(key, json()) == (left_out(key) ? json() : value));
 }
 
 TEST_CASE("rope_scaling yarn is written back with Hugging Face's defaults filled; llama3 takes equal factors",

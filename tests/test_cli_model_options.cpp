@@ -14,6 +14,7 @@
 
 using nanreplay_test::check_one_error_line;
 using nanreplay_test::read_json;
+using nanreplay_test::run_bundle;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
 using nanreplay_test::triage;
@@ -48,7 +49,7 @@ TEST_CASE("every model option's preset replays its own run: reproduced, clean, t
   const std::vector<std::pair<std::string, std::vector<std::string>>> presets = {
       {"clean-qwen2", {"attention_bias"}},
       {"clean-qwen3", {"qk_norm"}},
-      {"clean-olmo2", {"qk_norm"}},
+      {"clean-olmo2", {"qk_norm", "norm_layout"}},
       {"clean-gemma2", {"sliding_window", "attn_logit_softcap", "final_logit_softcap"}},
       {"clean-llama3", {"rope_style", "rope_scaling"}},
       {"clean-gemma3", {"layer_types", "sliding_window", "rope_local_base_freq", "rope_scaling", "norm_layout",
@@ -251,6 +252,50 @@ TEST_CASE("OLMo 2: a post-norm gain's overflow is named at that norm's output; f
   REQUIRE(outcomes.size() == 2);
   CHECK(outcomes[0]["resolved"] == true);   // 1e5 times a normalised value fits fp32
   CHECK(outcomes[1]["resolved"] == false);  // the other layer computed in fp32 changes nothing there
+}
+
+TEST_CASE("OLMo 3: run and bisect name the overflowing head of a sliding layer; the window does not matter",
+          "[cli][options][incident][what-if]") {
+  ScratchDir dir("options-olmo3");
+  const auto synth = run_cli({"synth", "olmo3-window-overflow", (dir / "bundle").string()});
+  REQUIRE(synth.status == 0);
+  // The what-ifs in run's own replay (one process fewer); bisect must still name run's origin.
+  Triaged t = run_bundle(dir, {"--what-if", "window=1", "--what-if", "fp32-layers=1"});
+  t.planted = nlohmann::json::parse(synth.out);
+  CHECK(t.status == 1);
+  const nlohmann::json& first = t.report["first_nonfinite"];
+  CHECK(first["site"] == "layers.1.attn.scores");  // layer 1: sliding (layer_types)
+  CHECK(first["head"] == 2);
+  CHECK(first["step"] == t.planted["fault_step"]);
+  CHECK(first["sample"] == t.planted["fault_sample"]);
+  CHECK(t.report["reproduction"]["reproduces"] == true);
+  // The rare token's query overflows against its own key, which every window keeps; in fp32 it fits.
+  const nlohmann::json& outcomes = t.report["what_if"];
+  REQUIRE(outcomes.size() == 2);
+  CHECK(outcomes[0]["resolved"] == false);
+  CHECK(outcomes[0]["change"] == "sliding window 8 -> 1 keys on the sliding layers (0, 1, 2)");
+  CHECK(outcomes[1]["resolved"] == true);
+}
+
+TEST_CASE("GLM-4: an overflow in the dims partial rotary leaves alone is named at its head; qk-norm resolves it",
+          "[cli][options][incident][what-if]") {
+  ScratchDir dir("options-glm4");
+  const auto synth = run_cli({"synth", "glm4-partial-rotary-overflow", (dir / "bundle").string()});
+  REQUIRE(synth.status == 0);
+  Triaged t = run_bundle(dir, {"--what-if", "qk-norm", "--what-if", "softcap=30"});  // bisect: run's origin too
+  t.planted = nlohmann::json::parse(synth.out);
+  CHECK(t.status == 1);
+  const nlohmann::json& first = t.report["first_nonfinite"];
+  CHECK(first["site"] == "layers.0.attn.scores");
+  CHECK(first["head"] == 2);
+  CHECK(first["step"] == t.planted["fault_step"]);
+  CHECK(first["sample"] == t.planted["fault_sample"]);
+  CHECK(t.report["reproduction"]["reproduces"] == true);
+  const nlohmann::json& outcomes = t.report["what_if"];
+  REQUIRE(outcomes.size() == 2);
+  CHECK(outcomes[0]["resolved"] == true);   // unit-weight RMS-normalised q and k bound |q.k| by head_dim
+  CHECK(outcomes[1]["resolved"] == false);  // q k^T overflows before any cap reads it
+  CHECK(outcomes[1]["first_nonfinite_after"]["site"] == "layers.0.attn.scores");
 }
 
 TEST_CASE("GPT-OSS attention: run and bisect name the overflowing head; sinks=off does not resolve it",

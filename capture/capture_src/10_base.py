@@ -231,6 +231,37 @@ META_NAMES = [  # Meta's reference llama, torchtitan (incl. its attention.qkv_li
 NAMING_PRESETS = ("hf", "meta", "torchtitan", "megatron", "nanogpt")
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
+# Hugging Face families whose parameters fuse or rename llama's, by config model_type: a fused tensor is
+# split into row blocks (fused_row_blocks), a renamed one mapped (GLM-4-0414's sandwich norms onto the
+# sandwich layout's names). One table for the recorder (views of the live tensors) and `nanreplay import`
+# (nanreplay_import/naming.py, which also maps optimizer moments through it).
+_HF_FUSED_QKV = (r"model\.layers\.(\d+)\.self_attn\.qkv_proj\.(weight|bias)", "hfqkv:model.layers.{0}.self_attn.{{}}_proj.{1}")
+_HF_FUSED_FC1 = (r"model\.layers\.(\d+)\.mlp\.gate_up_proj\.weight", "fc1:model.layers.{0}.mlp.{{}}_proj.weight")
+_HF_GLM4_NORMS = [
+    (r"model\.layers\.(\d+)\.post_self_attn_layernorm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "model.layers.{0}.pre_feedforward_layernorm.weight"),
+    (r"model\.layers\.(\d+)\.post_mlp_layernorm\.weight", "model.layers.{0}.post_feedforward_layernorm.weight"),
+]
+HF_FUSED_NAMES = {"phi3": [_HF_FUSED_QKV, _HF_FUSED_FC1], "glm": [_HF_FUSED_FC1],
+                  "glm4": [_HF_FUSED_FC1, *_HF_GLM4_NORMS]}
+
+
+def fused_row_blocks(kind, rows, heads=None):
+    """[(part, first row, row count)] of a fused tensor of `rows` rows. 'hfqkv': Phi-3's qkv_proj, every
+    query head's rows, then the key heads', then the value heads' (Phi3Attention slices qkv[..., :H*D],
+    then G*D, then the rest); `heads` is (H, G, D). 'fc1': gate then up, halves of the rows (Phi3MLP:
+    `gate, up = gate_up_proj(x).chunk(2, dim=-1)`; Megatron's linear_fc1 alike). CaptureError when the
+    rows do not fit."""
+    if kind == "fc1":
+        if rows % 2:
+            raise CaptureError(f"has {rows} rows: gate and up stacked need an even count")
+        return [("gate", 0, rows // 2), ("up", rows // 2, rows // 2)]
+    H, G, D = heads
+    if rows != (H + 2 * G) * D:
+        raise CaptureError(f"has {rows} rows; {H} query heads and {G} key/value heads of head_dim {D} need "
+                           f"(H + 2G) * D = {(H + 2 * G) * D}")
+    return [("q", 0, H * D), ("k", H * D, G * D), ("v", (H + G) * D, G * D)]
+
 
 def _unwrapped(name):
     """A parameter name without torch.compile's, DDP's and FSDP's wrapper components."""
@@ -273,6 +304,60 @@ def _renamer(param_names, arch, model_config):
         raise CaptureError(f"param_names={param_names!r} is Meta's layout, whose rotary rotates adjacent pairs; "
                            f"model_config says rope_style={model_config['rope_style']!r}")
     return rename, model_config
+
+
+def _config_head_dim(model):
+    """model.config's head_dim (an integer > 0), GlmConfig's default where a GLM config leaves it out, else None."""
+    config = getattr(model, "config", None) or {}
+    said = _config_attr(config, "head_dim")
+    if said is _MISSING and glm_default(_config_attr(config, "model_type"), "head_dim"):
+        said = glm_default(_config_attr(config, "model_type"), "head_dim")[0]
+    return said if isinstance(said, int) and not isinstance(said, bool) and said > 0 else None
+
+
+def _fused_heads(model, given, named):
+    """(H, G, D) a fused qkv_proj is split by: model_config's, else model.config's (num_key_value_heads
+    None meaning H, and head_dim hidden_size // H where it has none, as Phi3Config reads them)."""
+    config = getattr(model, "config", None) or {}
+
+    def said(key, attr):
+        value = given.get(key, _config_attr(config, attr))
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    H = said("num_heads", "num_attention_heads")
+    if H is None:
+        raise CaptureError("model_config needs 'num_heads' to split the fused qkv_proj (model.config does not say it)")
+    G = said("num_kv_heads", "num_key_value_heads") or H
+    embed = named.get("model.embed_tokens.weight")
+    D = said("head_dim", "head_dim") or _config_head_dim(model) or (embed.shape[1] // H if embed is not None else None)
+    if D is None:
+        raise CaptureError("model_config needs 'head_dim' to split the fused qkv_proj (no model.embed_tokens.weight)")
+    return H, G, D
+
+
+def _split_fused(named, model, given):
+    """`named` with model.config.model_type's fused parameters (HF_FUSED_NAMES) as views of their row
+    blocks under llama's names, and its renamed ones renamed. Returns (named, {bundle name: (the model's
+    name, the fused parameter, first row, row count)}): the optimizer holds the fused parameter, whose
+    state is split the same way."""
+    kind = _config_attr(getattr(model, "config", None) or {}, "model_type")
+    table = [(re.compile(p), t) for p, t in HF_FUSED_NAMES.get(kind, [])] if isinstance(kind, str) else []
+    if not table:
+        return named, {}
+    out, fused = {}, {}
+    for name, p in named.items():
+        target = next((t.format(*m.groups()) for rx, t in table for m in [rx.fullmatch(name)] if m), name)
+        split, _, template = target.rpartition(":")
+        if not split:
+            out.setdefault(target, p)
+            continue
+        try:
+            blocks = fused_row_blocks(split, p.shape[0], _fused_heads(model, given, named) if split == "hfqkv" else None)
+        except CaptureError as e:
+            raise CaptureError(f"{name} (model.config.model_type {kind!r}) {e}") from None
+        for part, first, count in blocks:
+            out[template.format(part)] = p.detach().narrow(0, first, count)
+            fused[template.format(part)] = (name, p, first, count)
+    return out, fused
 
 
 def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
@@ -325,8 +410,7 @@ def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
         else:  # no dense MLP to read it off: model.config's (Qwen3-MoE keeps one), else the experts' width
             width = _config_attr(getattr(model, "config", None) or {}, "intermediate_size")
             cfg.setdefault("intermediate_size", width if _is_number(width) and width >= 1 else moe["intermediate_size"])
-        said_dim = _config_attr(getattr(model, "config", None) or {}, "head_dim")
-        head_dim = (given.get("head_dim") or (said_dim if isinstance(said_dim, int) and said_dim > 0 else None)
+        head_dim = (given.get("head_dim") or _config_head_dim(model)
                     or C // cfg["num_heads"])
         settle("num_kv_heads", shape("model.layers.0.self_attn.k_proj.weight")[0] // head_dim if layers else None)
         head = named.get("lm_head.weight")
@@ -358,7 +442,7 @@ def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
         if head is not None and head is not named["transformer.wte.weight"]:
             raise CaptureError("gpt2 in bundle v1 ties the output head to transformer.wte.weight, "
                                "but lm_head.weight is a separate tensor")
-    own_head_dim = given.get("head_dim") or _config_attr(getattr(model, "config", None) or {}, "head_dim")
+    own_head_dim = given.get("head_dim") or _config_head_dim(model)
     if (cfg["hidden_size"] % cfg["num_heads"] and not isinstance(own_head_dim, int)) or cfg["num_heads"] % cfg["num_kv_heads"]:
         raise CaptureError("num_heads must divide hidden_size (unless the model has a head_dim of its own) and "
                            "num_kv_heads must divide num_heads")

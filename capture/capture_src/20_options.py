@@ -35,7 +35,8 @@ ATTENTION_MASKS = ("exclude", "additive_neg_inf", "additive_finfo_min", "fill_fi
 # Every llama option key of the manifest's model object, in the order of nanreplay's option table
 # (loaders/arch/llama_options.cpp): those above, then the mixture of experts (MOE_KEYS below).
 # tests/test_arch_model_options.cpp checks this list against that table.
-LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe")
+# latent_attention (DeepSeek-V3's MLA) is known by name only: its capture is not written (_model_options refuses it).
+LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe", "latent_attention")
 _QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "olmo3": "full",
                           "gemma3_text": "head", "gemma3": "head"}
 # OLMo 2 normalises each sublayer's output (post_attention_layernorm, post_feedforward_layernorm).
@@ -64,8 +65,10 @@ REFUSED_MODEL_TYPES = {
 # GLM (GLM-4) and GLM-4-0414 rotate adjacent pairs (rotate_half over x[0::2], x[1::2] with cos/sin
 # repeat_interleave'd) on the first int(head_dim * partial_rotary_factor) dims: bundle v1's interleaved style.
 _ROPE_STYLE_BY_MODEL_TYPE = {"glm": "interleaved", "glm4": "interleaved"}
-# GlmConfig's / Glm4Config's class defaults, which a config written by hand may leave out.
-_GLM_DEFAULTS = {"attention_bias": True, "partial_rotary_factor": 0.5}
+# GlmConfig's / Glm4Config's class defaults (transformers' configuration_glm.py, configuration_glm4.py),
+# which a config written by hand may leave out; transformers then computes with them, and so does the replay.
+_GLM_DEFAULTS = {"attention_bias": True, "partial_rotary_factor": 0.5, "head_dim": 128}
+GLM_CONFIG_CLASSES = {"glm": "GlmConfig", "glm4": "Glm4Config"}
 # Training dropout draws masks the replay cannot reproduce: a config with any of these nonzero is refused.
 _DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout")
 _LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -77,6 +80,15 @@ _BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qkv]_proj\.bias")
 _QK_NORM_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.[qk]_(?:norm|layernorm)\.weight")
 _O_BIAS_PARAM = re.compile(r"model\.layers\.\d+\.self_attn\.o_proj\.bias")
 _MISSING = object()
+
+
+def glm_default(model_type, key):
+    """(GlmConfig's / Glm4Config's default for `key`, where that is said) for a config of model_type
+    glm / glm4 that leaves `key` out; None for other model types."""
+    if not isinstance(model_type, str) or model_type not in GLM_CONFIG_CLASSES:  # hostile configs: any JSON
+        return None
+    value = _GLM_DEFAULTS[key]
+    return value, f"{GLM_CONFIG_CLASSES[model_type]}'s default {key} ({value}), which the config leaves out"
 
 
 def _is_number(x):
@@ -447,9 +459,8 @@ def _options_from_config(config, num_layers):
         said["attention_bias"] = (_BIAS_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
     elif _config_attr(config, "attention_bias") is not _MISSING:
         said["attention_bias"] = (bool(_config_attr(config, "attention_bias")), "model.config.attention_bias")
-    elif model_type in ("glm", "glm4"):
-        said["attention_bias"] = (_GLM_DEFAULTS["attention_bias"], f"{model_type}'s class default attention_bias "
-                                                                   "(True), which the config leaves out")
+    elif glm_default(model_type, "attention_bias"):
+        said["attention_bias"] = glm_default(model_type, "attention_bias")
     if model_type in _NORM_LAYOUT_BY_MODEL_TYPE:
         said["norm_layout"] = (_NORM_LAYOUT_BY_MODEL_TYPE[model_type], f"model.config.model_type {model_type!r}")
     if model_type in _QK_NORM_BY_MODEL_TYPE:
@@ -462,20 +473,21 @@ def _options_from_config(config, num_layers):
             said[key] = (_option_value(key, value, attr), f"Gemma2Config's default {attr} ({value})")
         elif value is not _MISSING:
             said[key] = (_option_value(key, value, f"model.config.{attr}"), f"model.config.{attr}")
-    head_dim = _config_attr(config, "head_dim")  # Qwen3, Gemma 3: a head width of its own
+    head_dim, where = _config_attr(config, "head_dim"), "model.config.head_dim"  # Qwen3, Gemma 3: a width of its own
+    if head_dim is _MISSING and glm_default(model_type, "head_dim"):
+        head_dim, where = glm_default(model_type, "head_dim")
     hidden, heads = _config_attr(config, "hidden_size"), _config_attr(config, "num_attention_heads")
     if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and head_dim == hidden / heads:
         head_dim = _MISSING  # bundle v1's own hidden_size / num_heads: nothing to say
     if head_dim is not _MISSING and head_dim is not None:
-        said["head_dim"] = (_option_value("head_dim", head_dim, "model.config.head_dim"), "model.config.head_dim")
+        said["head_dim"] = (_option_value("head_dim", head_dim, where), where)
     factor = _config_attr(config, "partial_rotary_factor")  # Phi, GLM, StableLM; transformers 5: in rope_parameters
     params = _config_attr(config, "rope_parameters")
     if factor is _MISSING and isinstance(params, dict) and "partial_rotary_factor" in params:
         factor = params["partial_rotary_factor"]
     where = "model.config.partial_rotary_factor"
-    if factor is _MISSING and model_type in ("glm", "glm4"):
-        factor = _GLM_DEFAULTS["partial_rotary_factor"]
-        where = f"{model_type}'s class default partial_rotary_factor ({factor}), which the config leaves out"
+    if factor is _MISSING and glm_default(model_type, "partial_rotary_factor"):
+        factor, where = glm_default(model_type, "partial_rotary_factor")
     if factor is not _MISSING and factor is not None:
         said["partial_rotary_factor"] = (_option_value("partial_rotary_factor", factor, where), where)
     if _config_attr(config, "_attn_implementation") == "eager":  # a live model: its own code path
@@ -494,6 +506,10 @@ def _options_from_config(config, num_layers):
 def _model_options(arch, model, named, given, cfg):
     """The model options that differ from their defaults, for the manifest's model section:
     model.config's word where it has one, model_config's otherwise; the two must agree."""
+    if given.get("latent_attention") is not None:
+        raise CaptureError("model_config['latent_attention']: capturing DeepSeek-V3's multi-head latent attention "
+                           "is not supported yet (nanreplay replays such bundles; write the manifest's "
+                           "model.latent_attention and the q_a/kv_a/kv_b parameters yourself)")
     given = {k: given[k] for k in LLAMA_OPTION_DEFAULTS if k in given}
     if arch != "llama":
         on = [k for k, v in given.items() if _option_value(k, v, f"model_config[{k!r}]") != LLAMA_OPTION_DEFAULTS[k]]

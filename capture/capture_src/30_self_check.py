@@ -261,8 +261,11 @@ def _head_count_variants(cfg):
     G = cfg.get("num_kv_heads") or H
     kv_rows = G * (C // H)
     out = []
+    factor = cfg.get("partial_rotary_factor", 1.0)
     for h in (H // 2, H * 2, C // 64, C // 128):
         if h < 1 or h == H or C % h or any(v["num_heads"] == h for v in out):
+            continue
+        if int(C // h * factor) % 2:  # no rotary turns an odd width (Phi-3's 0.75 of a head of 4)
             continue
         if cfg["arch"] != "llama":
             out.append({"num_heads": h, "num_kv_heads": h})

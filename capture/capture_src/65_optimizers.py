@@ -24,6 +24,9 @@ _OPTIMIZER_PLUMBING = ("params", "lr", "initial_lr", "foreach", "fused", "captur
 # AdamW's hyper-parameters, written for an AdamW beside another optimizer (its groups are then groups of
 # their own kind, which start from the class's defaults: every setting is written).
 _ADAMW_HYPER = ("betas", "eps", "weight_decay")
+# The kinds whose update and state act on each element alone: the only ones a fused parameter's parts
+# (Phi-3's qkv_proj, gate_up_proj) take apart as the fused tensor took them.
+_ELEMENTWISE_KINDS = ("adamw", "adam")
 
 
 def join_optimizer_groups(section, taken, kind, groups, prefix):
@@ -63,11 +66,18 @@ class _OptimizerByName:
         j = self._owner[i]
         return self.optimizers[j], self._opt_kinds[j]
 
+    def _held_indices(self):
+        """{id(tensor an optimizer holds): [bundle indices]}: a fused parameter holds several (_split_fused)."""
+        index = {}
+        for i, held in enumerate(self._held):
+            index.setdefault(id(held), []).append(i)
+        return index
+
     def _group_settings(self, j):
         """Optimizer j's param groups as [(bundle keys, settings under the class's own names)]."""
         opt, kind = self.optimizers[j], self._opt_kinds[j]
-        index = {id(p): i for i, p in enumerate(self.params)}
-        return [([self.names[index[id(p)]] for p in g["params"]],
+        index = self._held_indices()
+        return [([self.names[i] for p in g["params"] for i in index[id(p)]],
                  {k: _json_hyper(g[k]) for k in _KIND_HYPER.get(kind, _ADAMW_HYPER) if k in g})
                 for g in opt.param_groups]
 
@@ -107,7 +117,7 @@ class _OptimizerByName:
         if slot.entries[i]:
             return [(f"{name}.{k}", slot.state_bufs[(k, i)]) for k in slot.entries[i]]
         opt, kind = self._param_owner(i)
-        p, group = slot.params[i], next(g for g in opt.param_groups if any(q is self.params[i] for q in g["params"]))
+        p, group = slot.params[i], next(g for g in opt.param_groups if any(q is self._held[i] for q in g["params"]))
         shape = tuple(p.shape)
         if kind == "adam":
             shapes = {"exp_avg": shape, "exp_avg_sq": shape}
@@ -148,7 +158,7 @@ class _OptimizerByName:
         if self._sharded is not None:  # it holds shards (or flat parameters): names are checked at each gather
             self._owner = [0] * len(self.params)
             return
-        wanted = {id(p): i for i, p in enumerate(self.params)}
+        wanted = self._held_indices()
         owner = {}
         for j, opt in enumerate(self.optimizers):
             label = f"optimizer {j} ({type(opt).__qualname__}) " if len(self.optimizers) > 1 else "optimizer "
@@ -158,15 +168,21 @@ class _OptimizerByName:
                         raise CaptureError(f"{label}param_groups[{g}] holds a tensor that is not one of the "
                                            "model's bundle parameters")
                     if id(p) in owner and owner[id(p)] != j:
-                        raise CaptureError(f"{self.names[wanted[id(p)]]} is updated by two optimizers "
+                        raise CaptureError(f"{self.names[wanted[id(p)][0]]} is updated by two optimizers "
                                            f"({type(self.optimizers[owner[id(p)]]).__qualname__} and "
                                            f"{type(opt).__qualname__}); each parameter has one")
                     owner[id(p)] = j
-        missing = [self.names[i] for pid, i in wanted.items() if pid not in owner]
+        missing = [self.names[i] for pid, held in wanted.items() if pid not in owner for i in held]
         if missing:
             raise CaptureError(f"parameters the optimizer does not update: {missing[:6]}"
                                + (" (none of the optimizers given updates them)" if len(self.optimizers) > 1 else ""))
-        self._owner = [owner[id(p)] for p in self.params]
+        self._owner = [owner[id(p)] for p in self._held]
+        for i, name in enumerate(self.names):
+            kind = self._opt_kinds[self._owner[i]]
+            if name in self._fused and kind not in _ELEMENTWISE_KINDS:
+                raise CaptureError(f"{self._fused[name][0]} is fused and updated by {kind}, whose update of the "
+                                   "fused matrix is not that of its parts (bundle v1 holds the parts): AdamW and "
+                                   "Adam only, whose state splits row by row as the parameter does")
 
     def _optimizer_manifest(self):
         """The manifest's optimizer section: the first optimizer at the top level, the others' param
@@ -185,15 +201,15 @@ class _OptimizerByName:
         if len(nonzero) > 1:
             raise CaptureError(f"bundle v1 expresses one weight decay plus no_decay globs; groups use {sorted(decays)}")
         decay = nonzero.pop() if nonzero else 0.0
-        index = {id(p): i for i, p in enumerate(self.params)}
+        index = self._held_indices()
         if self._sharded is not None:  # the optimizer holds the sharded tensors: map them by name
-            index = {pid: self.names.index(n) for pid, n in self._sharded_names.items() if n in self.names}
+            index = {pid: [self.names.index(n)] for pid, n in self._sharded_names.items() if n in self.names}
             if decay and any(id(p) not in index for g in groups if float(g["weight_decay"]) == 0.0
                              for p in g["params"]):
                 raise CaptureError("under FSDP with flat parameters (use_orig_params=False) the recorder cannot "
                                    "tell which parameters a weight_decay=0 group holds; use one weight decay")
-        no_decay = sorted(self.names[index[id(p)]] for g in groups if float(g["weight_decay"]) == 0.0 and decay
-                          for p in g["params"])
+        no_decay = sorted(self.names[i] for g in groups if float(g["weight_decay"]) == 0.0 and decay
+                          for p in g["params"] for i in index[id(p)])
         out = {"kind": "adamw", "betas": list(betas.pop()), "eps": eps.pop(), "weight_decay": decay}
         if no_decay:
             out["no_decay"] = no_decay  # exact keys are globs that match only themselves

@@ -103,6 +103,11 @@ class Recorder(_OptimizerByName):
         named = {}
         for name, p in _all_named_parameters(model):
             named.setdefault(rename(name), p)
+        named, self._fused = _split_fused(named, model, model_config or {})
+        if self._fused and self._sharded is not None:
+            raise CaptureError(f"{next(iter(self._fused.values()))[0]} is fused: under FSDP the recorder gathers "
+                               "whole parameters by name and does not split them; save a checkpoint and run "
+                               "`nanreplay import` on it (docs/import.md)")
         self.defaulted = {}  # what bundle v1's defaults filled in: the manifest's provenance says so
         self.model_config = _infer_model_config(arch, model, named, model_config or {}, self.data["seq_len"],
                                                 self.defaulted)
@@ -120,6 +125,8 @@ class Recorder(_OptimizerByName):
             if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise CaptureError(f"{name} is {p.dtype}; bundle v1 stores F32, BF16 or F16")
             self.params.append(p)
+        # What the optimizer holds for each bundle parameter: itself, or the fused parameter it is rows of.
+        self._held = [self._fused[n][1] if n in self._fused else p for n, p in zip(self.names, self.params)]
         wanted = {id(p) for p in self.params}
         extra = sorted({n for n, p in named.items() if id(p) not in wanted})
         if extra:
@@ -390,18 +397,21 @@ class Recorder(_OptimizerByName):
         device_steps = []
         for i, p in enumerate(self.params):
             opt, kind = self._param_owner(i)
-            st = opt.state.get(p)
+            st = opt.state.get(self._held[i])
             if kind != "adamw":  # the class's state entries by name
                 entries = [k for k in _KIND_STATE[kind] if isinstance((st or {}).get(k), torch.Tensor)]
                 slot.entries[i] = entries
-                pairs += [(slot.state_buffer(k, i, st[k]), st[k]) for k in entries]
+                for k in entries:
+                    entry = self._rows_of(i, st[k])
+                    pairs.append((slot.state_buffer(k, i, entry), entry))
                 if not st or "step" not in st:
                     continue
             elif not st or "exp_avg" not in st:
                 continue
             else:
-                pairs.append((slot.moment_buffer("exp_avg", i, st["exp_avg"]), st["exp_avg"]))
-                pairs.append((slot.moment_buffer("exp_avg_sq", i, st["exp_avg_sq"]), st["exp_avg_sq"]))
+                for which in ("exp_avg", "exp_avg_sq"):
+                    moment = self._rows_of(i, st[which])
+                    pairs.append((slot.moment_buffer(which, i, moment), moment))
                 slot.has_moments[i] = True
             step = st.get("step", 0)  # AdamW bumps it in place: keep its value, not the tensor
             if isinstance(step, torch.Tensor) and step.is_cuda:
@@ -424,6 +434,12 @@ class Recorder(_OptimizerByName):
                 slot.device_steps.copy_(torch.stack(device_steps), non_blocking=True)
             slot.event = torch.cuda.Event()
             slot.event.record(self._copy_stream)
+
+    def _rows_of(self, i, t):
+        """Parameter i's part of `t`, a state tensor shaped as what the optimizer holds (_held): all of it,
+        or a fused parameter's rows of this part (the split the parameters take, _split_fused)."""
+        fused = self._fused.get(self.names[i])
+        return t if fused is None else t.narrow(0, fused[2], fused[3])
 
     def _order_update_after_copies(self, *_):
         """The update about to run rewrites what the newest full slot is still copying: make it wait."""

@@ -18,7 +18,7 @@ from .model_settle import (FLAGS_WHERE, _FLOAT_TYPES, _kind_of, _moe_config, che
                            normalize_config, required_values, settle_activation, settle_model,
                            text_model)
 from .naming import Mapper, detect_naming, strip_prefix, unstack_megatron_layers
-from .optimizer import _unflatten_optimizer, infer_kind, merge_aux, optimizer_kind, read_optimizer, read_optimizer_general, step_entries
+from .optimizer import _unflatten_optimizer, aux_optimizer_state, infer_kind, merge_aux, optimizer_kind, read_optimizer, read_optimizer_general, step_entries
 from .outcome import BadInput, say, warn
 from .provenance import (_hyper_provenance, _provenance_entry, check_first, check_incident_window, checkpoint_counters,
                          hf_trainer_file)
@@ -221,18 +221,13 @@ def build(args):
         optimizer_kind(args.optimizer_class, args.checkpoint)  # an unknown class is refused even without state
     if args.aux_optimizer is not None and opt is None:
         raise BadInput("command line", "--aux-optimizer", "needs the run's first optimizer state (--optimizer)")
-    by_name = isinstance(opt, dict) and (opt_kind != "adamw" or args.aux_optimizer is not None or any(
+    aux, aux_path = aux_optimizer_state(opt, optimizer_path or args.checkpoint, args)  # or a chained one's
+    by_name = isinstance(opt, dict) and (opt_kind != "adamw" or aux is not None or any(
         isinstance(g, dict) and (g.get("amsgrad") or g.get("maximize")) for g in opt.get("param_groups") or []))
     if by_name:  # AdamW with amsgrad or maximize too: the manifest says them
         opt_tensors, step_values, section, every, opt_notes = read_optimizer_general(
             opt, opt_kind, optimizer_path or args.checkpoint, source_sd, mapper, model, args)
-        if args.aux_optimizer is not None:
-            aux_path = Path(args.aux_optimizer)
-            if not aux_path.is_file():
-                raise BadInput(aux_path, "--aux-optimizer", "is not a torch.save file")
-            aux, _ = find_optimizer_state(_torch_load(aux_path, aux_path), aux_path)
-            if aux is None:
-                raise BadInput(aux_path, "optimizer", "no optimizer state ('state' and 'param_groups') in it")
+        if aux is not None:
             aux_kind, provenance["optimizer.aux_kind"] = _optimizer_kind(
                 aux, args.aux_optimizer_class, "--aux-optimizer-class", aux_path)
             aux_tensors, aux_steps, _, aux_every, aux_notes = read_optimizer_general(
@@ -242,8 +237,7 @@ def build(args):
             step_values = dict(step_values, **aux_steps)
             opt_where += f" and {aux_path} ({aux_kind})"
             opt_notes += [f"second optimizer {aux_kind}: " + "; ".join(aux_notes)]
-        lr_by_optimizer = _optimizers_lrs(opt, optimizer_path or args.checkpoint,
-                                          aux if args.aux_optimizer is not None else None, args.aux_optimizer)
+        lr_by_optimizer = _optimizers_lrs(opt, optimizer_path or args.checkpoint, aux, aux_path)
         adam_step, per_param_steps = step_entries(step_values)
         opt_tensors += per_param_steps
         moments, hyper = None, {}
@@ -337,7 +331,7 @@ def build(args):
         e = log[step]
         state = {"step": step}
         if "lr" in e:
-            state["lr"] = _lr_of_groups(e, section) if "aux_lr" in e and args.aux_optimizer is not None else e["lr"]
+            state["lr"] = _lr_of_groups(e, section) if "aux_lr" in e and aux is not None else e["lr"]
         if "loss_scale" in e:
             state["loss_scale"] = _capture._json_number(e["loss_scale"])
         if "skipped" in e:

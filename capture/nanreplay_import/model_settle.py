@@ -40,6 +40,9 @@ def normalize_config(raw, where):
             if value is not None:
                 cfg[key] = (value, name)
                 break
+    default = _capture.glm_default(raw.get("model_type"), "head_dim") if "head_dim" not in raw else None
+    if default:  # GlmConfig's head_dim (128), not hidden_size / num_heads: the shapes below read it
+        cfg["head_dim"] = default
     params = raw.get("rope_parameters")  # transformers >= 5 keeps rope_theta there
     if "rope_theta" not in cfg and isinstance(params, dict) and params.get("rope_theta") is not None:
         cfg["rope_theta"] = (params["rope_theta"], "rope_parameters.rope_theta")
@@ -342,7 +345,8 @@ def settle_activation(arch, naming, configs, args):
 # The llama option keys this importer settles: model_options() those of the capture helper's
 # LLAMA_OPTION_DEFAULTS, _moe_config() "moe". tests/test_arch_model_options.cpp checks them against
 # nanreplay's option table (loaders/arch/llama_options.cpp).
-LLAMA_OPTION_KEYS = (*_capture.LLAMA_OPTION_DEFAULTS, "moe")
+# latent_attention: known by name, not settled (an import of DeepSeek-V3's MLA is not written yet).
+LLAMA_OPTION_KEYS = (*_capture.LLAMA_OPTION_DEFAULTS, "moe", "latent_attention")
 
 
 def model_options(naming, configs, model, args):

@@ -50,17 +50,10 @@ _MEGATRON = [  # Megatron-core (GPTModel with TransformerEngine's fused LayerNor
     (r"output_layer\.weight", "lm_head.weight"),
 ]
 
-# Hugging Face families whose checkpoints fuse or rename llama's parameters, by config model_type: split
-# (Phi-3's qkv_proj: q, k, v stacked along the rows; Phi-3's and GLM's gate_up_proj: gate then up, as
-# Phi3MLP's chunk(2)) or renamed (GLM-4-0414's sandwich norms onto Gemma's names).
-_HF_FUSED_QKV = (r"model\.layers\.(\d+)\.self_attn\.qkv_proj\.(weight|bias)", "hfqkv:model.layers.{0}.self_attn.{{}}_proj.{1}")
-_HF_FUSED_FC1 = (r"model\.layers\.(\d+)\.mlp\.gate_up_proj\.weight", "fc1:model.layers.{0}.mlp.{{}}_proj.weight")
-_HF_GLM4_NORMS = [
-    (r"model\.layers\.(\d+)\.post_self_attn_layernorm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
-    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "model.layers.{0}.pre_feedforward_layernorm.weight"),
-    (r"model\.layers\.(\d+)\.post_mlp_layernorm\.weight", "model.layers.{0}.post_feedforward_layernorm.weight"),
-]
-HF_FUSED = {"phi3": [_HF_FUSED_QKV, _HF_FUSED_FC1], "glm": [_HF_FUSED_FC1], "glm4": [_HF_FUSED_FC1, *_HF_GLM4_NORMS]}
+# Hugging Face families whose checkpoints fuse or rename llama's parameters, by config model_type (Phi-3's
+# qkv_proj and gate_up_proj, GLM's gate_up_proj, GLM-4-0414's sandwich norms): the capture helper's table,
+# which splits a live model's the same way.
+HF_FUSED = _capture.HF_FUSED_NAMES
 
 _HF_MOE = re.compile(r"model\.layers\.\d+\.mlp\.(gate\.weight|experts\.\d+\.(gate|up|down)_proj\.weight)")
 
@@ -178,14 +171,8 @@ class Mapper:
             if target.startswith("qkv:"):
                 for part, piece in zip("qkv", self.split_qkv(t, key, where)):
                     out[target[4:].format(part)] = piece
-            elif target.startswith("hfqkv:"):
-                for part, piece in zip("qkv", self.split_stacked_qkv(t, key, where)):
-                    out[target[6:].format(part)] = piece
-            elif target.startswith("fc1:"):
-                if t.shape[0] % 2:
-                    raise BadInput(where, key, f"has {t.shape[0]} rows: gate and up stacked need an even count")
-                gate, up = t.split(t.shape[0] // 2, 0)
-                out[target[4:].format("gate")], out[target[4:].format("up")] = gate.contiguous(), up.contiguous()
+            elif target.startswith(("hfqkv:", "fc1:")):
+                out.update(self.split_rows(t, key, where, target))
             else:
                 if target in out:
                     raise BadInput(where, key, f"maps onto {target}, which another key also maps onto")
@@ -214,14 +201,17 @@ class Mapper:
         v = per[:, H // G * D + D:].reshape((G * D,) + rest)
         return q.contiguous(), k.contiguous(), v.contiguous()
 
-    def split_stacked_qkv(self, t, key, where):
-        """Phi-3's qkv_proj: all query heads' rows, then the key heads', then the value heads'
-        (Phi3Attention: qkv[..., :H*D], then G*D, then the rest)."""
-        H, G = self.cfg["num_heads"], self.cfg["num_kv_heads"]
-        D = self.cfg.get("head_dim") or self.cfg["hidden_size"] // H
-        rows = (H + 2 * G) * D
-        if t.shape[0] != rows:
-            raise BadInput(where, key, f"has {t.shape[0]} rows; {H} query heads and {G} key/value heads of head_dim "
-                                       f"{D} need (H + 2G) * D = {rows}")
-        q, k, v = t.split([H * D, G * D, G * D], 0)
-        return q.contiguous(), k.contiguous(), v.contiguous()
+    def split_rows(self, t, key, where, target):
+        """{bundle key: rows} of a tensor fused in row blocks ('hfqkv:' Phi-3's qkv_proj, 'fc1:' gate then
+        up): the capture helper's split (nanreplay_capture.fused_row_blocks), so a live capture and an
+        import take a fused parameter and its moments apart alike."""
+        kind, _, template = target.partition(":")
+        heads = None
+        if kind == "hfqkv":
+            H, G = self.cfg["num_heads"], self.cfg["num_kv_heads"]
+            heads = (H, G, self.cfg.get("head_dim") or self.cfg["hidden_size"] // H)
+        try:
+            blocks = _capture.fused_row_blocks(kind, t.shape[0], heads)
+        except _capture.CaptureError as e:
+            raise BadInput(where, key, str(e)) from None
+        return {template.format(part): t.narrow(0, first, count).contiguous() for part, first, count in blocks}

@@ -4,6 +4,7 @@ v1's parameters; its hyper-parameters from the param groups, flags or PyTorch's 
 import json
 import math
 import re
+from pathlib import Path
 
 import torch
 
@@ -430,3 +431,24 @@ def merge_aux(section, every, aux_kind, aux_every, where):
                                               "aux_")
     except _capture.CaptureError as e:
         raise BadInput(where, "param_groups", str(e)) from None
+
+
+def aux_optimizer_state(opt, where, args):
+    """The run's second optimizer and where it came from: --aux-optimizer's file, or the second class of a
+    Megatron ChainedOptimizer in a torch_dist checkpoint (megatron_optim.torch_dist_state); (None, None)
+    when there is none. Both at once is bad input: the run had one second optimizer."""
+    from .checkpoint_state import find_optimizer_state
+    from .safe_pickle import _torch_load
+    chained = opt.get(megatron_optim.CHAINED_AUX) if isinstance(opt, dict) else None
+    if args.aux_optimizer is None:
+        return chained, (where if chained is not None else None)
+    aux_path = Path(args.aux_optimizer)
+    if chained is not None:
+        raise BadInput("command line", "--aux-optimizer", f"{where} holds a ChainedOptimizer whose second optimizer "
+                                                          "is read from it already")
+    if not aux_path.is_file():
+        raise BadInput(aux_path, "--aux-optimizer", "is not a torch.save file")
+    aux, _ = find_optimizer_state(_torch_load(aux_path, aux_path), aux_path)
+    if aux is None:
+        raise BadInput(aux_path, "optimizer", "no optimizer state ('state' and 'param_groups') in it")
+    return aux, aux_path

@@ -81,8 +81,21 @@ struct RopeScaling {
 // are set, else get_mscale(factor), get_mscale(s, m) = 0.1 m ln(s) + 1 (1 for s <= 1).
 double yarn_attention_factor(const RopeScaling& s);
 
+// How a mixture of experts' router turns logits into routing weights.
+enum class RouterKind : uint8_t {
+  kSoftmaxTopK,  // "softmax_top_k" (Qwen3-MoE): softmax over every expert, then the top_k probabilities
+  kTopKSoftmax,  // "top_k_softmax" (GPT-OSS): the top_k logits, then a softmax over those k alone
+};
+
+// What each expert computes from its gate and up projections g and u.
+enum class ExpertActivation : uint8_t {
+  kSilu,    // "silu" (Qwen3-MoE): silu(g) * u
+  kGptOss,  // "gpt_oss" (GPT-OSS): (u + 1) * g * sigmoid(swiglu_alpha * g)
+};
+
 // A mixture of experts in place of every layer's dense MLP, routed as Hugging
-// Face's Qwen3-MoE (docs/bundle-format.md, "Mixture of experts"); llama only.
+// Face's Qwen3-MoE by default, or as GPT-OSS with its options
+// (docs/bundle-format.md, "Mixture of experts"); llama only.
 struct MoeConfig {
   int64_t num_experts = 0;
   int64_t top_k = 0;
@@ -90,6 +103,32 @@ struct MoeConfig {
   bool norm_topk_prob = false;    // renormalize the top-k probabilities to sum 1
   double router_aux_loss_coef = 0.0;  // times load_balancing_loss_func over all layers
   double router_z_loss_coef = 0.0;    // times the mean of logsumexp(router logits)^2
+  RouterKind router = RouterKind::kSoftmaxTopK;
+  bool router_bias = false;  // GPT-OSS: mlp.gate.bias
+  bool expert_bias = false;  // GPT-OSS: a bias on each expert's gate, up and down projections
+  // GPT-OSS: each expert's gate and up projections are one matmul (its gate_up_proj): in bf16/fp16
+  // the input is rounded once for both, and its gradient is summed over both before it is rounded.
+  bool fused_gate_up = false;
+  ExpertActivation expert_activation = ExpertActivation::kSilu;
+  double swiglu_alpha = 0.0;  // gpt_oss only: the sigmoid's gain (GPT-OSS: 1.702)
+  // GPT-OSS: g clamped to at most the limit and u to [-limit, limit] before the activation; absent: no clamp.
+  std::optional<double> swiglu_limit;
+};
+
+// DeepSeek-V3 / Kimi K2's multi-head latent attention (model.latent_attention,
+// docs/bundle-format.md "Multi-head latent attention"), as Hugging Face's
+// DeepseekV3Attention: q (through a compressed latent when q_lora_rank is set)
+// and a compressed kv latent with one rotary key head shared by every head.
+struct LatentAttention {
+  int64_t q_lora_rank = 0;       // 0 (null in the manifest): a plain q_proj
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;  // each head's q and k width without rotary
+  int64_t qk_rope_head_dim = 0;  // the rotary width, k's shared across heads
+  int64_t v_head_dim = 0;
+  // The latents' RMSNorm eps: Hugging Face builds q_a_layernorm and kv_a_layernorm
+  // with DeepseekV3RMSNorm's default 1e-6, not rms_norm_eps (torchtitan: norm_eps).
+  double norm_eps = 1e-6;
+  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
 };
 
 struct ModelConfig {
@@ -129,6 +168,7 @@ struct ModelConfig {
   std::optional<double> final_logit_softcap;  // Gemma 2: c * tanh(logits / c)
   int64_t sliding_window = 0;                 // Mistral: 0 = full causal attention
   std::optional<MoeConfig> moe;               // Qwen3-MoE: experts in place of the dense MLP
+  std::optional<LatentAttention> latent_attention;  // DeepSeek-V3: in place of q/k/v_proj
   int64_t explicit_head_dim = 0;              // Qwen3, Gemma 3: 0 = hidden_size / num_heads
   double partial_rotary_factor = 1.0;         // Phi, GLM: rotary on the first int(head_dim * factor) dims
   AttentionMask attention_mask = AttentionMask::kExclude;
@@ -172,9 +212,17 @@ struct ModelConfig {
   bool rotary_layer(int layer) const {
     return no_rope_layers.empty() || no_rope_layers.at(static_cast<size_t>(layer)) != 0;
   }
-  int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_heads; }
-  // As Hugging Face computes it: int(head_dim * partial_rotary_factor), the product in double.
+  // One head's q and k width (latent attention: qk_nope_head_dim + qk_rope_head_dim).
+  int64_t head_dim() const {
+    if (latent_attention) return latent_attention->qk_head_dim();
+    return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_heads;
+  }
+  // One head's v width: head_dim but for latent attention's own v_head_dim.
+  int64_t v_head_dim() const { return latent_attention ? latent_attention->v_head_dim : head_dim(); }
+  // As Hugging Face computes it: int(head_dim * partial_rotary_factor), the product in double;
+  // latent attention turns its qk_rope_head_dim (DeepseekV3Config's head_dim).
   int64_t rotary_dim() const {
+    if (latent_attention) return latent_attention->qk_rope_head_dim;
     return static_cast<int64_t>(static_cast<double>(head_dim()) * partial_rotary_factor);
   }
 };
@@ -200,6 +248,12 @@ enum class ParamRole : uint8_t {
   kQkvBias,
   kOProj,
   kOProjBias,          // gpt2; llama with o_proj_bias (GPT-OSS)
+  kQAProj,             // llama with latent_attention (DeepSeek-V3) and a q_lora_rank
+  kQALayernorm,
+  kQBProj,
+  kKvAProj,            // llama with latent_attention: kv_a_proj_with_mqa, its norm, kv_b_proj
+  kKvALayernorm,
+  kKvBProj,
   kSinks,              // llama with attention_sinks (GPT-OSS): (num_heads,) logits
   kMlpNorm,
   kMlpNormBias,
@@ -212,9 +266,13 @@ enum class ParamRole : uint8_t {
   kDownProj,
   kDownBias,
   kRouter,             // llama with moe (Qwen3-MoE): the router's gate, then every expert's projections
+  kRouterBias,         // moe with router_bias (GPT-OSS)
   kExpertGateProj,
+  kExpertGateBias,     // moe with expert_bias (GPT-OSS)
   kExpertUpProj,
+  kExpertUpBias,
   kExpertDownProj,
+  kExpertDownBias,
   kFinalNorm,
   kFinalNormBias,
   kLmHead,             // llama without tied embeddings

@@ -95,7 +95,9 @@ void check_format_and_version(const JsonReader& root) {
 // After the options: an explicit head_dim frees hidden_size from num_heads,
 // and partial_rotary_factor sets how many dimensions rotary turns.
 void check_head_layout(const JsonReader& model, const ModelConfig& config) {
-  if (config.explicit_head_dim == 0 && config.hidden_size % config.num_heads != 0) {
+  // Latent attention's head widths are its own (model.latent_attention checks them).
+  const bool own_widths = config.explicit_head_dim > 0 || config.latent_attention;
+  if (!own_widths && config.hidden_size % config.num_heads != 0) {
     throw InputError(model.file(), model.key_path("hidden_size"),
                      "expected a multiple of model.num_heads (" +
                          std::to_string(config.num_heads) + "), got " +
@@ -121,7 +123,8 @@ void check_head_layout(const JsonReader& model, const ModelConfig& config) {
                          exact_number_text(config.partial_rotary_factor) + ") = " +
                          std::to_string(config.rotary_dim()));
   }
-  if (config.arch == Arch::kLlama && config.partial_rotary_factor == 1.0 && config.head_dim() % 2 != 0) {
+  if (config.arch == Arch::kLlama && config.partial_rotary_factor == 1.0 && !config.latent_attention &&
+      config.head_dim() % 2 != 0) {
     if (config.explicit_head_dim > 0) {
       throw InputError(model.file(), model.key_path("head_dim"),
                        "expected an even head_dim for llama's rotary embeddings, got " +

@@ -5,6 +5,8 @@
 // [tokens, experts, features] tensor exists.
 #include "replay/arch/experts.h"
 
+#include <functional>
+
 #include <torch/torch.h>
 
 #include "probes/param_table.h"
@@ -23,16 +25,25 @@ struct Routing {
   std::shared_ptr<ExpertRouting> host;  // the same on the host, for the per-expert probes
 };
 
-// The top_k experts of every token by probability, ties to the lower expert
-// index (a stable descending sort), weights renormalized when norm_topk_prob.
-Routing route(const MoeConfig& moe, const torch::Tensor& probs, int64_t seq_len) {
-  const int64_t tokens = probs.size(0), k = moe.top_k, E = moe.num_experts;
-  torch::Tensor chosen;
-  {
-    torch::NoGradGuard no_grad;
-    chosen = std::get<1>(probs.detach().sort(/*stable=*/true, /*dim=*/-1, /*descending=*/true)).narrow(1, 0, k);
-  }
-  torch::Tensor weights = probs.gather(1, chosen);  // (tokens, k)
+// The top_k experts of every token by `ranking` (probabilities or logits, as
+// the router kind says), ties to the lower expert index (a stable descending sort).
+torch::Tensor top_k_experts(const torch::Tensor& ranking, int64_t k) {
+  torch::NoGradGuard no_grad;
+  return std::get<1>(ranking.detach().sort(/*stable=*/true, /*dim=*/-1, /*descending=*/true)).narrow(1, 0, k);
+}
+
+// GPT-OSS's routing scores: a softmax over each token's top_k logits alone,
+// scattered over zeros at the other experts (GptOssTopKRouter's router_scores).
+torch::Tensor top_k_softmax_scores(const torch::Tensor& logits, const torch::Tensor& chosen) {
+  const torch::Tensor top = torch::softmax(logits.gather(1, chosen), -1);
+  return torch::zeros_like(logits).scatter(1, chosen, top);
+}
+
+// The routed rows of the chosen experts, weighted by `scores` (tokens, E) at
+// them, renormalized when norm_topk_prob.
+Routing route(const MoeConfig& moe, const torch::Tensor& scores, const torch::Tensor& chosen, int64_t seq_len) {
+  const int64_t tokens = scores.size(0), k = moe.top_k, E = moe.num_experts;
+  torch::Tensor weights = scores.gather(1, chosen);  // (tokens, k)
   if (moe.norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
   Routing r;
   torch::Tensor order;
@@ -56,54 +67,112 @@ Routing route(const MoeConfig& moe, const torch::Tensor& probs, int64_t seq_len)
   return r;
 }
 
+// What an expert computes from its gate and up projections: the optional
+// clamp (GPT-OSS's swiglu_limit), then silu(g) * u or GPT-OSS's
+// (u + 1) * g * sigmoid(alpha * g).
+torch::Tensor expert_activation(const MoeConfig& moe, torch::Tensor gate, torch::Tensor up) {
+  if (moe.swiglu_limit) {
+    gate = gate.clamp_max(*moe.swiglu_limit);
+    up = up.clamp(-*moe.swiglu_limit, *moe.swiglu_limit);
+  }
+  if (moe.expert_activation == ExpertActivation::kGptOss) {
+    return (up + 1) * (gate * torch::sigmoid(gate * moe.swiglu_alpha));
+  }
+  return F::silu(gate) * up;
+}
+
+}  // namespace
+
+namespace {
+
+// The layer's router: its logits (the mlp.router site), then routing scores
+// (mlp.router_probs) and the rows they route; appends what the router losses read.
+Routing route_layer(const ModelConfig& m, const ParamMap& p, const torch::Tensor& h, int layer,
+                    const Numerics& numerics, ProbeSession& probes, RouterOutputs& router) {
+  const MoeConfig& moe = *m.moe;
+  const int64_t B = h.size(0), T = h.size(1);
+  const torch::Tensor bias =
+      moe.router_bias ? p.at(param_key(m.arch, ParamRole::kRouterBias, layer)) : torch::Tensor();
+  // The router: its matmul rounded like any linear (unless router-fp32), its softmax in fp32 and not rounded.
+  const Numerics gate_numerics = numerics.for_router();
+  const torch::Tensor logits =
+      probes.site({SiteId::kMlpRouter, layer},
+                  gate_numerics.linear(h, p.at(param_key(m.arch, ParamRole::kRouter, layer)), bias,
+                                       module_key(m.arch, ParamRole::kRouter, layer)));
+  RouterLogitRecorder::record(layer, logits);  // a spike incident's per-expert maxima, when asked for
+  Routing routing;
+  torch::Tensor balance_probs;  // what load_balancing_loss_func softmaxes: the router's first output
+  if (moe.router == RouterKind::kTopKSoftmax) {
+    const torch::Tensor flat_logits = logits.view({B * T, -1}).to(torch::kFloat32);
+    const torch::Tensor chosen = top_k_experts(flat_logits, moe.top_k);
+    const torch::Tensor scores = probes.site({SiteId::kMlpRouterProbs, layer},
+                                             top_k_softmax_scores(flat_logits, chosen).view({B, T, -1}));
+    routing = route(moe, scores.view({B * T, -1}), chosen, T);
+    balance_probs = torch::softmax(scores.view({B * T, -1}), -1);
+  } else {
+    const torch::Tensor probs =
+        probes.site({SiteId::kMlpRouterProbs, layer}, torch::softmax(logits.to(torch::kFloat32), -1));  // (B, T, E)
+    balance_probs = probs.view({B * T, -1});
+    routing = route(moe, balance_probs, top_k_experts(balance_probs, moe.top_k), T);
+  }
+  router.logits.push_back(logits.view({B * T, -1}));
+  router.probs.push_back(balance_probs);
+  router.expert_tokens.push_back(routing.expert_tokens);
+  return routing;
+}
+
 }  // namespace
 
 torch::Tensor experts_mlp(const ModelConfig& m, const ParamMap& p, const torch::Tensor& h, int layer,
                           const Numerics& numerics, ProbeSession& probes, RouterOutputs& router) {
+  using R = ParamRole;
   const MoeConfig& moe = *m.moe;
   const int64_t B = h.size(0), T = h.size(1), C = h.size(2);
-  auto weight = [&](ParamRole role, int expert = -1) -> const torch::Tensor& {
-    return p.at(param_key(m.arch, role, layer, expert));
-  };
-  auto module = [&](ParamRole role, int expert = -1) { return module_key(m.arch, role, layer, expert); };
-  // The router: its matmul rounded like any linear (unless router-fp32), its softmax in fp32 and not rounded.
-  const Numerics gate_numerics = numerics.for_router();
-  const torch::Tensor logits = probes.site(
-      {SiteId::kMlpRouter, layer}, gate_numerics.linear(h, weight(ParamRole::kRouter), {}, module(ParamRole::kRouter)));
-  RouterLogitRecorder::record(layer, logits);  // a spike incident's per-expert maxima, when asked for
-  const torch::Tensor probs =
-      probes.site({SiteId::kMlpRouterProbs, layer}, torch::softmax(logits.to(torch::kFloat32), -1));  // (B, T, E)
-  const Routing routing = route(moe, probs.view({B * T, -1}), T);
-  router.logits.push_back(logits.view({B * T, -1}));
-  router.probs.push_back(probs.view({B * T, -1}));
-  router.expert_tokens.push_back(routing.expert_tokens);
-
+  const Routing routing = route_layer(m, p, h, layer, numerics, probes, router);
   const std::vector<int64_t>& offsets = routing.host->offsets;
   std::vector<int64_t> counts;
   for (int e = 0; e < moe.num_experts; ++e) counts.push_back(offsets[e + 1] - offsets[e]);
+  auto weight = [&](R role, int e) -> const torch::Tensor& { return p.at(param_key(m.arch, role, layer, e)); };
+  auto bias = [&](R role, int e) { return moe.expert_bias ? weight(role, e) : torch::Tensor(); };
   // One matmul per expert over its slice of the routed rows, concatenated in expert order.
   // The slices come from one split_with_sizes, whose backward joins the experts'
   // gradients with one cat; a narrow per expert would have each backward fill a
   // zero tensor the size of all the routed rows and autograd add the E of them
   // (the same values, at E times the memory traffic: 15-20 % of the layer).
-  auto per_expert = [&](const torch::Tensor& rows, ParamRole role) {
+  auto per_expert = [&](const torch::Tensor& rows, const std::function<torch::Tensor(const torch::Tensor&, int)>& project) {
     const std::vector<torch::Tensor> slices = rows.split_with_sizes(counts, 0);
     std::vector<torch::Tensor> parts;
-    for (int e = 0; e < moe.num_experts; ++e) {
-      parts.push_back(numerics.linear(slices[static_cast<size_t>(e)], weight(role, e), {}, module(role, e)));
-    }
+    for (int e = 0; e < moe.num_experts; ++e) parts.push_back(project(slices[static_cast<size_t>(e)], e));
     return torch::cat(parts, 0);
+  };
+  auto linear = [&](R role, R bias_role) {
+    return [&, role, bias_role](const torch::Tensor& rows, int e) {
+      return numerics.linear(rows, weight(role, e), bias(bias_role, e), module_key(m.arch, role, layer, e));
+    };
   };
   const auto& shared_routing = routing.host;
   const torch::Tensor x = h.reshape({B * T, C}).index_select(0, routing.token_of_row);  // (rows, C)
-  const torch::Tensor gate =
-      probes.expert_site({SiteId::kMlpExpertGate, layer}, per_expert(x, ParamRole::kExpertGateProj), shared_routing);
-  const torch::Tensor up =
-      probes.expert_site({SiteId::kMlpExpertUp, layer}, per_expert(x, ParamRole::kExpertUpProj), shared_routing);
+  torch::Tensor gate, up;
+  if (moe.fused_gate_up) {  // GPT-OSS's gate_up_proj: gate's rows then up's, one matmul (fp8: gate_proj's scales)
+    const torch::Tensor both = per_expert(x, [&](const torch::Tensor& rows, int e) {
+      const torch::Tensor b = moe.expert_bias ? torch::cat({bias(R::kExpertGateBias, e), bias(R::kExpertUpBias, e)})
+                                              : torch::Tensor();
+      return numerics.linear(rows, torch::cat({weight(R::kExpertGateProj, e), weight(R::kExpertUpProj, e)}), b,
+                             module_key(m.arch, R::kExpertGateProj, layer, e));
+    });
+    gate = probes.expert_site({SiteId::kMlpExpertGate, layer}, both.narrow(1, 0, moe.intermediate_size), shared_routing);
+    up = probes.expert_site({SiteId::kMlpExpertUp, layer}, both.narrow(1, moe.intermediate_size, moe.intermediate_size),
+                            shared_routing);
+  } else {
+    gate = probes.expert_site({SiteId::kMlpExpertGate, layer}, per_expert(x, linear(R::kExpertGateProj, R::kExpertGateBias)),
+                              shared_routing);
+    up = probes.expert_site({SiteId::kMlpExpertUp, layer}, per_expert(x, linear(R::kExpertUpProj, R::kExpertUpBias)),
+                            shared_routing);
+  }
   const torch::Tensor act =
-      probes.expert_site({SiteId::kMlpExpertAct, layer}, F::silu(gate) * up, shared_routing);
-  const torch::Tensor down =
-      probes.expert_site({SiteId::kMlpExpertDown, layer}, per_expert(act, ParamRole::kExpertDownProj), shared_routing);
+      probes.expert_site({SiteId::kMlpExpertAct, layer}, expert_activation(moe, gate, up), shared_routing);
+  const torch::Tensor down = probes.expert_site(
+      {SiteId::kMlpExpertDown, layer}, per_expert(act, linear(R::kExpertDownProj, R::kExpertDownBias)), shared_routing);
   // The weighted sum from zeros, lower experts first (Hugging Face's index_add_ loop).
   const torch::Tensor combined = torch::zeros({B * T, C}, down.options())
                                      .index_add(0, routing.token_of_row, down * routing.weight_of_row.unsqueeze(1));

@@ -13,6 +13,7 @@
 #include "replay/probing/device_stats.h"
 #include "replay/arch/experts.h"
 #include "replay/arch/head_logit_max.h"
+#include "replay/arch/latent_attention.h"
 
 namespace nanreplay {
 
@@ -220,7 +221,7 @@ torch::Tensor llama4_after_rotary(const ModelConfig& m, int layer, const torch::
 struct AttentionInputs {
   torch::Tensor q;  // (B, T, H*D) as probed
   torch::Tensor k;  // (B, T, G*D)
-  torch::Tensor v;  // (B, T, G*D)
+  torch::Tensor v;  // (B, T, G*Dv): Dv = D but for latent attention's v_head_dim
   torch::Tensor sinks;  // (H) GPT-OSS's sink logits (model.attention_sinks), else undefined
 };
 
@@ -237,21 +238,28 @@ std::pair<torch::Tensor, torch::Tensor> softmax_with_sinks(const torch::Tensor& 
   return {all.narrow(-1, 0, all.size(-1) - 1), all.narrow(-1, all.size(-1) - 1, 1)};
 }
 
-// Scores, probabilities and context of causal attention; returns (B, T, H*D).
+// The scores' scale as Numerics::attention_scores takes it: Gemma's query_pre_attn_scalar, or
+// latent attention's scaling s as the scalar whose ** -0.5 it is; none: divided by sqrt(D).
+std::optional<double> scores_scalar(const ModelConfig& m) {
+  if (!m.latent_attention) return m.query_pre_attn_scalar;
+  return std::pow(latent_attention_scaling(m), -2.0);
+}
+
+// Scores, probabilities and context of causal attention; returns (B, T, H*Dv).
 torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, int layer,
                                const Numerics& numerics, ProbeSession& probes) {
   const int64_t B = in.q.size(0), T = in.q.size(1), H = m.num_heads, G = m.num_kv_heads,
-                D = m.head_dim();
+                D = m.head_dim(), Dv = m.v_head_dim();
   torch::Tensor q = in.q.view({B, T, H, D}).transpose(1, 2);  // (B, H, T, D)
   torch::Tensor k = in.k.view({B, T, G, D}).transpose(1, 2);  // (B, G, T, D)
-  torch::Tensor v = in.v.view({B, T, G, D}).transpose(1, 2);  // (B, G, T, D)
+  torch::Tensor v = in.v.view({B, T, G, Dv}).transpose(1, 2);  // (B, G, T, Dv)
   if (G != H) {  // query head h reads kv head h / (H / G)
     k = k.repeat_interleave(H / G, 1);  // (B, H, T, D)
     v = v.repeat_interleave(H / G, 1);
   }
   // The scores site is before any soft cap: the cap hides how close they came to overflowing.
   const torch::Tensor scores =
-      probes.site({SiteId::kAttnScores, layer}, numerics.attention_scores(q, k, m.query_pre_attn_scalar));  // (B, H, T, T)
+      probes.site({SiteId::kAttnScores, layer}, numerics.attention_scores(q, k, scores_scalar(m)));  // (B, H, T, T)
   const torch::Tensor visible = visible_keys(T, m.span_of(layer), scores.device());
   probes.hold_scores(layer, scores);  // for what the mask does to a row with a non-finite masked score
   HeadLogitRecorder::record(layer, scores, visible.logical_not());  // MuonClip's per-head maxima, when asked for
@@ -270,8 +278,8 @@ torch::Tensor causal_attention(const ModelConfig& m, const AttentionInputs& in, 
     probs = probes.site({SiteId::kAttnProbs, layer}, torch::softmax(logits, -1));
   }
   const torch::Tensor context =
-      probes.site({SiteId::kAttnContext, layer}, numerics.matmul(probs, v));  // (B, H, T, D)
-  return context.transpose(1, 2).reshape({B, T, H * D});
+      probes.site({SiteId::kAttnContext, layer}, numerics.matmul(probs, v));  // (B, H, T, Dv)
+  return context.transpose(1, 2).reshape({B, T, H * Dv});
 }
 
 // Cross-entropy in fp32 from the (rounded) logits; the loss site itself.
@@ -313,6 +321,21 @@ torch::Tensor gated_mlp(const ModelConfig& m, const Weights& w, int layer, const
                                       : F::silu(gate);
   const torch::Tensor act = probes.site({SiteId::kMlpAct, layer}, activated * up);  // (B, T, F)
   return probes.site({SiteId::kMlpDown, layer}, proj(act, R::kDownProj));
+}
+
+// The block's linears, latent norms and rotary as latent attention reads them (latent_attention.h).
+LatentAttentionOps latent_ops(const ModelConfig& m, const Weights& w, int layer, const torch::Tensor& cos,
+                              const torch::Tensor& sin, const Numerics& block, ProbeSession& probes) {
+  LatentAttentionOps ops;
+  ops.linear = [w, layer, &block](const torch::Tensor& in, ParamRole role) {
+    return block.linear(in, w(role, layer), torch::Tensor(), w.module(role, layer));
+  };
+  ops.norm = [&m, w, layer, &probes](const torch::Tensor& in, ParamRole weight, SiteId site) {
+    const SiteRef ref{site, layer};
+    return probes.site(ref, rms_norm(in, w(weight, layer), m.latent_attention->norm_eps, probes, ref));
+  };
+  ops.rotary = [&m, cos, sin](const torch::Tensor& x) { return apply_rotary(x, cos, sin, m.rope_style); };
+  return ops;
 }
 
 }  // namespace
@@ -366,7 +389,7 @@ torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor
   using R = ParamRole;
   const Weights w{p, Arch::kLlama};
   // With the layers split across devices, the activations follow the layer's weights.
-  const torch::Device device = w(R::kQProj, layer).device();
+  const torch::Device device = w(R::kOProj, layer).device();
   // Pre-norm (llama): each sublayer reads a norm of the stream. Post-norm (OLMo 2): it reads the
   // stream itself, and its output is normalised before the residual add.
   // Sandwich (Gemma 2, 3): both.
@@ -413,9 +436,16 @@ torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor
     const torch::Tensor roped = rope(qk_normed(proj(h, projection, with_bias(bias)), norm, site, heads), heads);
     return probes.site({site, layer}, llama4_after_rotary(m, layer, roped, heads, site == SiteId::kAttnQ, block, probes));
   };
-  attn.q = q_or_k(R::kQProj, R::kQBias, R::kQNorm, SiteId::kAttnQ, H);
-  attn.k = q_or_k(R::kKProj, R::kKBias, R::kKNorm, SiteId::kAttnK, G);
-  attn.v = probes.site({SiteId::kAttnV, layer}, proj(h, R::kVProj, with_bias(R::kVBias)));
+  if (m.latent_attention) {
+    const LatentQkv qkv = latent_attention_qkv(m, layer, h, latent_ops(m, w, layer, cos, sin, block, probes), block, probes);
+    attn.q = qkv.q;
+    attn.k = qkv.k;
+    attn.v = qkv.v;
+  } else {
+    attn.q = q_or_k(R::kQProj, R::kQBias, R::kQNorm, SiteId::kAttnQ, H);
+    attn.k = q_or_k(R::kKProj, R::kKBias, R::kKNorm, SiteId::kAttnK, G);
+    attn.v = probes.site({SiteId::kAttnV, layer}, proj(h, R::kVProj, with_bias(R::kVBias)));
+  }
   if (m.attention_sinks) attn.sinks = w(R::kSinks, layer);
   const torch::Tensor context = causal_attention(m, attn, layer, block, probes);
   const std::optional<R> o_bias = m.o_proj_bias ? std::optional<R>(R::kOProjBias) : std::nullopt;

@@ -268,6 +268,7 @@ struct ProbeSession::State {
   int last_order = -1;        // the forward order of the last site produced
   bool recomputing = false;   // begin_recompute(): hooks only
   int64_t head_dim = 0;             // attn.q/k/v: one head's width, for the shape of the damage
+  int64_t v_head_dim = 0;           // attn.v's (latent attention's v_head_dim, else head_dim)
   bool nonfinite_damage_taken = false;  // the pass's first non-finite forward site has its damage
   // hold_scores(): one layer's attn.scores, from that site to its attn.probs.
   int held_scores_layer = -1;
@@ -390,6 +391,9 @@ struct ProbeSession::State {
     return block > 0 && ref.id == SiteId::kOutput && ref.layer == block - 1;
   }
 
+  // One head's width in the site's tensor: attn.v's may differ from q's and k's (latent attention).
+  int64_t width_of_head(const SiteRef& ref) const { return ref.id == SiteId::kAttnV ? v_head_dim : head_dim; }
+
   // The shape of the damage (damage_mask.h): the non-finite elements of the
   // pass's first non-finite forward site, else on a spike incident the outliers.
   void take_damage(std::vector<ProbeRecord>& records, const torch::Tensor& tensor, const SiteRef& ref, bool outliers) {
@@ -397,10 +401,10 @@ struct ProbeSession::State {
     std::optional<DamageShape> damage;
     if (!records[0].stats.all_finite() && !nonfinite_damage_taken) {
       nonfinite_damage_taken = true;
-      damage = nonfinite_damage(tensor, ref, head_dim, span_at(ref.layer));
+      damage = nonfinite_damage(tensor, ref, width_of_head(ref), span_at(ref.layer));
       take_masked_score(records, tensor, ref);
     } else if (outliers && records[0].stats.all_finite()) {
-      damage = outlier_damage(tensor, ref, head_dim, span_at(ref.layer));
+      damage = outlier_damage(tensor, ref, width_of_head(ref), span_at(ref.layer));
     }
     if (!damage) return;
     if (damage->batch_row >= 0 && damage->batch_row < static_cast<int64_t>(context.sample_ids.size())) {
@@ -463,6 +467,7 @@ ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, const
   state_->defer_host = defer_host;
   for (int layer = 0; layer < model.num_layers; ++layer) state_->attention_spans.push_back(model.span_of(layer));
   state_->head_dim = model.num_heads > 0 ? model.head_dim() : 0;
+  state_->v_head_dim = model.num_heads > 0 ? model.v_head_dim() : 0;
   state_->attention_mask = model.attention_mask;
   state_->soft_capped = model.attn_logit_softcap.has_value();
   const std::vector<SiteRef> sites = forward_sites(model);

@@ -160,6 +160,11 @@ void check_optimizer_fits_model(const Manifest& m) {
     throw InputError("manifest.json", "optimizer.qk_clip",
                      "MuonClip rescales q_proj and k_proj heads (the llama family); this model has no separate ones");
   }
+  if (uses_qk_clip(config) && m.model.latent_attention) {
+    throw InputError("manifest.json", "optimizer.qk_clip",
+                     "MuonClip of model.latent_attention (Kimi K2's per-part rescaling of q_b_proj and kv_b_proj) "
+                     "is not replayed; this rescales q_proj and k_proj heads");
+  }
 }
 
 // Each step whose update the replay derives needs the lr of every group with parameters.

@@ -68,10 +68,26 @@ ParamCount moe_parameters(const MoeConfig& moe, const Dims& d) {
   return {E * d.C + E * 3 * static_cast<double>(moe.intermediate_size) * d.C, 1 + 3 * E};
 }
 
+// Latent attention's projections, latent norms and o_proj in a layer (model.latent_attention).
+ParamCount latent_attention_parameters(const LatentAttention& a, const Dims& d) {
+  const double Q = static_cast<double>(a.q_lora_rank), L = static_cast<double>(a.kv_lora_rank);
+  const double N = static_cast<double>(a.qk_nope_head_dim), R = static_cast<double>(a.qk_rope_head_dim);
+  const double Dv = static_cast<double>(a.v_head_dim);
+  const double q = Q > 0 ? Q * d.C + Q + d.H * (N + R) * Q : d.H * (N + R) * d.C;
+  return {q + (L + R) * d.C + L + d.H * (N + Dv) * L + d.C * d.H * Dv, Q > 0 ? 7.0 : 5.0};
+}
+
 ParamCount count_parameters(const ModelConfig& model, const Dims& d) {
   if (model.arch == Arch::kLlama) {
     const double kv = d.G * d.D;
     const ParamCount mlp = model.moe ? moe_parameters(*model.moe, d) : ParamCount{3 * d.F * d.C, 3};
+    if (model.latent_attention) {
+      const ParamCount attn = latent_attention_parameters(*model.latent_attention, d);
+      const double per_layer = 2 * d.C + attn.elements + mlp.elements;
+      const double head = model.tie_embeddings ? 0 : d.V * d.C;
+      return {d.V * d.C + d.L * per_layer + d.C + head,
+              2 + (2 + attn.tensors + mlp.tensors) * d.L + (model.tie_embeddings ? 0 : 1)};
+    }
     const double per_layer = 2 * d.C + 2 * d.H * d.D * d.C + 2 * kv * d.C + mlp.elements;  // q and o: heads x head_dim
     const double head = model.tie_embeddings ? 0 : d.V * d.C;
     return {d.V * d.C + d.L * per_layer + d.C + head, 2 + (6 + mlp.tensors) * d.L + (model.tie_embeddings ? 0 : 1)};

@@ -232,6 +232,10 @@ class Minimizer {
 
     Manifest m = m_;
     m.model.num_layers = plan.num_layers;
+    // The per-layer lists follow the layers kept (Gemma 3's and OLMo 3's layer_types, Llama 4's no_rope_layers).
+    const auto kept = static_cast<size_t>(plan.num_layers);
+    if (!m.model.layer_types.empty()) m.model.layer_types.resize(kept);
+    if (!m.model.no_rope_layers.empty()) m.model.no_rope_layers.resize(kept);
     m.data.shards = {shard_};
     m.data.sampler = SamplerSpec{};
     m.data.sampler.kind = SamplerSpec::Kind::kExplicit;

@@ -145,8 +145,20 @@ void llama_only(const WhatIf& w, const Manifest& m) {
   if (m.model.arch != Arch::kLlama) bad_spec(w.text, "the llama family's attention only: this bundle's model is gpt2");
 }
 
+// The qk-norm what-if normalises q_proj's and k_proj's heads, which latent attention has not.
+void plain_attention_only(const WhatIf& w, const Manifest& m) {
+  llama_only(w, m);
+  if (m.model.latent_attention) {
+    bad_spec(w.text, "q_proj and k_proj heads only: this bundle's model has model.latent_attention");
+  }
+}
+
 void experts_only(const WhatIf& w, const Manifest& m) {
   if (!m.model.moe) bad_spec(w.text, "a mixture of experts' router only: this bundle's model has no model.moe");
+}
+
+void experts_mlp_only(const WhatIf& w, const Manifest& m) {
+  if (!m.model.moe) bad_spec(w.text, "a mixture of experts' experts only: this bundle's model has no model.moe");
 }
 
 void fp8_only(const WhatIf& w, const Manifest& m) {
@@ -187,6 +199,19 @@ std::string z_loss(const WhatIf& w, const Manifest& m, StepOverrides& overrides)
   if (w.value == now) return "no change: the router z-loss coefficient is already " + format_number(w.value);
   return "router z-loss coefficient " + format_number(now) + " -> " + format_number(w.value) +
          " (the loss and its gradient change; the forward values do not, so a forward overflow stays)";
+}
+
+// swiglu-clamp: GPT-OSS's clamp on every expert's gate (at most L) and up (within +-L) projections.
+std::string swiglu_clamp(const WhatIf& w, const Manifest& m, StepOverrides& overrides) {
+  experts_mlp_only(w, m);
+  overrides.change_model = [limit = w.value](ModelConfig& model) {
+    if (model.moe) model.moe->swiglu_limit = limit;
+  };
+  const std::optional<double>& now = m.model.moe->swiglu_limit;
+  const std::string clamp = "the experts' gate clamped to at most " + format_number(w.value) + " and up to [-" +
+                            format_number(w.value) + ", " + format_number(w.value) + "] before the activation";
+  if (now && *now == w.value) return "no change: " + clamp + " already (model.moe.swiglu_limit)";
+  return clamp + (now ? " (instead of " + format_number(*now) + ")" : "");
 }
 
 // window: the sliding layers' window, in keys (the query's own included, as sliding_window counts).
@@ -287,7 +312,7 @@ const std::vector<WhatIfRow>& what_if_rows() {
       {WhatIf::Kind::kQkNorm, "qk-norm", "qk-norm",
        "q and k RMS-normalised per head with unit weights before rotary (Qwen3's QK-norm; llama only)",
        WhatIfValue::kNone, nullptr,
-       llama_only,
+       plain_attention_only,
        [](const WhatIf&, WhatIfAt at, StepOverrides& o) {
          // Unit weights: no checkpoint holds q_norm and k_norm weights for a model without them.
          o.change_model = [](ModelConfig& model) {
@@ -362,6 +387,15 @@ const std::vector<WhatIfRow>& what_if_rows() {
          }
        },
        [](const WhatIf& w, WhatIfAt at, StepOverrides& o) { return sliding_window_change(w, at.manifest, o); }},
+      {WhatIf::Kind::kSwigluClamp, "swiglu-clamp", "swiglu-clamp=7",
+       "every expert's gate clamped to <= 7 and up to [-7, 7] before its activation, as GPT-OSS (model.moe only)",
+       WhatIfValue::kRequired,
+       [](WhatIf& w, WhatIfText v) {
+         w.value = parse_number(w.text, *v);
+         if (!(w.value > 0)) bad_spec(w.text, "the limit must be a finite number > 0");
+       },
+       experts_mlp_only,
+       [](const WhatIf& w, WhatIfAt at, StepOverrides& o) { return swiglu_clamp(w, at.manifest, o); }},
   };
   return rows;
 }

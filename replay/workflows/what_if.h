@@ -31,13 +31,15 @@ struct WhatIf {
     kZLoss,          // z-loss=1e-3: the router z-loss coefficient (ST-MoE)
     kSinksOff,       // sinks=off: the softmax without GPT-OSS's sink column
     kWindow,         // window=4: the sliding layers' window (Mistral, Gemma 2/3, GPT-OSS, OLMo 3)
+    kSwigluClamp,    // swiglu-clamp=7: the experts' gate clamped to <= 7 and up to [-7, 7] (GPT-OSS)
   };
   Kind kind = Kind::kStableSoftmax;
   std::string text;               // as written
   std::vector<int64_t> samples;   // drop-samples
   std::vector<int> layers;        // fp32-layers
   bool all_layers = false;        // fp32-layers=all
-  double value = 0.0;             // norm-eps, the damping factor, the soft cap, the z-loss coefficient or the window
+  double value = 0.0;             // norm-eps, the damping factor, the soft cap, the z-loss coefficient, the window
+                                  // or the SwiGLU limit
 };
 
 // Parses one --what-if; throws UsageError naming the spec and what is wrong.

@@ -164,7 +164,10 @@ def llama_loss(cfg, p, inputs, targets, rnd=lambda t: t):
     rope_scaling (Llama 3.1), attention_bias (Qwen2: q/k/v biases, none on o_proj), qk_norm ("head": Qwen3,
     "full": OLMo 2; before rotary), attn_logit_softcap and final_logit_softcap (Gemma 2), sliding_window
     (Mistral, every layer), moe (Qwen3-MoE's sparse MLP in every layer, moe_mlp; the loss adds the router's
-    load-balancing and z losses). Absent or null is the default."""
+    load-balancing and z losses), norm_layout "post" (OLMo 2, transformers' modeling_olmo2.py
+    Olmo2DecoderLayer.forward: each sublayer reads the residual itself and its output is normalised,
+    post_attention_layernorm after attention, post_feedforward_layernorm after the MLP, before the add).
+    Absent or null is the default."""
     H, G = cfg["num_heads"], cfg.get("num_kv_heads", cfg["num_heads"])
     eps, theta = cfg.get("norm_eps", 1e-5), cfg.get("rope_theta", 10000.0)
     B, T = inputs.shape
@@ -176,6 +179,9 @@ def llama_loss(cfg, p, inputs, targets, rnd=lambda t: t):
         raise ValueError(f"rope_style: expected rotate_half or interleaved, got {style!r}")
     if qk_norm not in (None, "head", "full"):
         raise ValueError(f"qk_norm: expected null, head or full, got {qk_norm!r}")
+    post_norm = cfg.get("norm_layout") == "post"
+    if cfg.get("norm_layout") not in (None, "pre", "post"):
+        raise ValueError(f"norm_layout: only pre and post are modelled, got {cfg.get('norm_layout')!r}")
     inv_freq = rope_inv_freq(D, theta, cfg.get("rope_scaling"))
     moe, router_logits = cfg.get("moe"), []
 
@@ -200,22 +206,30 @@ def llama_loss(cfg, p, inputs, targets, rnd=lambda t: t):
             t = rnd(norm(t.view(B, T, heads, D), w).reshape(B, T, heads * D) if qk_norm == "head" else norm(t, w))
         return rnd(rope(t, heads))
 
+    def sublayer_input(x, key):  # pre-norm: the normalised residual (a site); post-norm: the residual itself
+        return x if post_norm else rnd(norm(x, p[key]))
+
+    def sublayer_output(t, key):  # post-norm: the sublayer's output normalised before the add (a site)
+        return rnd(norm(t, p[key])) if post_norm else t
+
     x = rnd(F.embedding(inputs, p["model.embed_tokens.weight"]))
     for i in range(cfg["num_layers"]):
         pre = f"model.layers.{i}."
-        h = rnd(norm(x, p[pre + "input_layernorm.weight"]))
+        h = sublayer_input(x, pre + "input_layernorm.weight")
         q, k, v = q_or_k(h, pre, "q", H), q_or_k(h, pre, "k", G), rnd(proj(h, pre, "v"))
         att = attention(q, k, v, H, G, rnd, softcap, window)
-        x = rnd(x + rnd(lin(att, p[pre + "self_attn.o_proj.weight"])))
-        h = rnd(norm(x, p[pre + "post_attention_layernorm.weight"]))
+        att = rnd(lin(att, p[pre + "self_attn.o_proj.weight"]))
+        x = rnd(x + sublayer_output(att, pre + "post_attention_layernorm.weight"))
+        h = sublayer_input(x, pre + "post_attention_layernorm.weight")
         if moe is not None:
             mixed, logits = moe_mlp(moe, p, pre, h, rnd, lin)
             router_logits.append(logits)
-            x = rnd(x + mixed)
+            x = rnd(x + sublayer_output(mixed, pre + "post_feedforward_layernorm.weight"))
             continue
         gate = rnd(lin(h, p[pre + "mlp.gate_proj.weight"]))
         up = rnd(lin(h, p[pre + "mlp.up_proj.weight"]))
-        x = rnd(x + rnd(lin(rnd(F.silu(gate) * up), p[pre + "mlp.down_proj.weight"])))
+        down = rnd(lin(rnd(F.silu(gate) * up), p[pre + "mlp.down_proj.weight"]))
+        x = rnd(x + sublayer_output(down, pre + "post_feedforward_layernorm.weight"))
     x = rnd(norm(x, p["model.norm.weight"]))
     head = p["model.embed_tokens.weight"] if cfg.get("tie_embeddings", False) else p["lm_head.weight"]
     logits = rnd(lin(x, head))

@@ -7,7 +7,8 @@ gradients in another order, and one bf16 rounding flip moves the norm ~1e-6).
 "PRESET@bf16" replays a synthetic preset's weights with the manifest's
 precision switched to bf16. Rolled-forward windows (one checkpoint, every
 later step derived) are checked against torch.optim.AdamW stepping the same
-model: losses within 1e-5 relative. clean-moe (llama with model.moe, Hugging Face Qwen3-MoE's routing
+model: losses within 1e-5 relative. clean-olmo2 is OLMo 2's post-norm block (reference_model's norm_layout
+"post", transcribed from transformers' modeling_olmo2.py). clean-moe (llama with model.moe, Hugging Face Qwen3-MoE's routing
 and router losses: reference_model.moe_mlp) is checked in fp32, bf16 and rolled forward.
 
 Bundles come from `nanreplay synth`; the report from `nanreplay run --json`, which `run --stream` (the

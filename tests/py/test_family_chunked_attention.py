@@ -19,6 +19,11 @@ fourth.) The attention, rotary, norms and MLP are test_family_llama4_attn.py's t
 3. The same weights with chunking off (no attention_chunk_size): nanreplay replays the unchunked
    reference, and its loss departs from the chunked one.
 4. `nanreplay inspect` names layer 0 chunked and layer 1 full.
+5. The bundle of 1. in bf16 (precision.compute "bf16"): the reference rounds where the bundle format does
+   (docs/bundle-format.md, "Precision as replayed": every linear's input, weight and bias, q k^T and the
+   scaled scores, every probe site as it is produced, the L2 QK-norm's input); the chunk mask is added to
+   the rounded scores in fp32. Loss and gradient norm within 1e-4 relative, and that loss departs from the
+   fp32 one.
 
     /usr/bin/python3 tests/py/test_family_chunked_attention.py --cli build/nanreplay --work DIR
 """
@@ -76,13 +81,13 @@ def eager_mask(mask_function, batch_size, seq):
 
 # ---- Llama4TextModel's per-layer masks over test_family_llama4_attn.py's layers ---------------------
 
-class Llama4TextChunked(torch.nn.Module):
+class Llama4TextChunked(fs.Rounding, torch.nn.Module):
     def __init__(self, no_rope_layers, chunk_size):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(l4.V, l4.C)
         self.layers = torch.nn.ModuleList([l4.Llama4TextDecoderLayer(bool(r), True) for r in no_rope_layers])
         self.norm = l4.Llama4TextRMSNorm(l4.C)
-        self.lm_head = torch.nn.Linear(l4.C, l4.V, bias=False)
+        self.lm_head = fs.Linear(l4.C, l4.V, bias=False)
         self.inv_freq, self.attention_scaling = l4.compute_llama3_parameters(l4.D, l4.THETA, l4.ROPE)
         self.chunk_size = chunk_size
         # Llama4TextConfig: layer_types from no_rope_layers (chunked where the layer is rotary).
@@ -99,11 +104,11 @@ class Llama4TextChunked(torch.nn.Module):
         if self.chunk_size:
             masks["chunked_attention"] = eager_mask(chunked_causal_mask_function(self.chunk_size, left_padding),
                                                     batch_size, seq)
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.rnd(self.embed_tokens(input_ids))  # embed
         for layer, layer_type in zip(self.layers, self.layer_types):
             mask = masks[layer_type if self.chunk_size else "full_attention"]
             hidden_states = layer(hidden_states, mask, freqs_cis, cache_position)
-        return fs.cross_entropy(self.lm_head(self.norm(hidden_states)), labels)
+        return fs.cross_entropy(self.rnd(self.lm_head(self.norm(hidden_states))), labels)  # logits
 
 
 MODEL = dict(l4.MODEL, no_rope_layers=NO_ROPE_LAYERS, attention_chunk_size=CHUNK)
@@ -143,6 +148,9 @@ def main():
     _, report = replay_loss(args.cli, work, "listed", listed, weights, stream, loss, norm)
     if report:
         fs.compare_step(report, loss, norm, "layer_types naming chunked_attention")
+
+    fs.check_bf16_step(args.cli, work, "chunked-bf16", MODEL, model, l4.named, stream, l4.SAMPLES, l4.T,
+                       f"chunked attention in bf16 (chunks of {CHUNK} over {l4.T} positions)")
 
     unchunked = Llama4TextChunked(NO_ROPE_LAYERS, None)
     unchunked.load_state_dict(model.state_dict())

@@ -34,53 +34,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
 from family_support import check  # noqa: E402
+from llama2c_model import RMSNorm, apply_rotary_emb, precompute_freqs_cis  # noqa: E402
 
 V, C, H, LAYERS, FF, T, SAMPLES = 64, 32, 4, 2, 48, 12, 2
 D = C // H
 TOKEN_A, TOKEN_B = 3, 5        # A's embedding alone holds feature 0, B's feature 1
 POS_A, POS_B = 1, 7            # cos(7 - 1) > 0: the rotated q_A . k_B stays positive
 BIG = 1e19                     # q_A[0] * k_B[0] ~ 1e39: +inf in fp32
-
-
-# ---- llama2.c's model.py, transcribed (ModelArgs fields as used; dropout 0; flash off) -----------------
-
-class RMSNorm(torch.nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(dim))
-
-    def _norm(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-
-    def forward(self, x):
-        return self._norm(x.float()).type_as(x) * self.weight
-
-
-def precompute_freqs_cis(dim, end, theta=10000.0):
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
-    t = torch.arange(end, device=freqs.device)
-    freqs = torch.outer(t, freqs).float()
-    return torch.cos(freqs), torch.sin(freqs)
-
-
-def reshape_for_broadcast(freqs_cis, x):
-    shape = [d if i == 1 or i == x.ndim - 1 else 1 for i, d in enumerate(x.shape)]
-    return freqs_cis.view(shape)
-
-
-def apply_rotary_emb(xq, xk, freqs_cos, freqs_sin):
-    xq_r, xq_i = xq.float().reshape(xq.shape[:-1] + (-1, 2)).unbind(-1)
-    xk_r, xk_i = xk.float().reshape(xk.shape[:-1] + (-1, 2)).unbind(-1)
-    freqs_cos = reshape_for_broadcast(freqs_cos, xq_r)
-    freqs_sin = reshape_for_broadcast(freqs_sin, xq_r)
-    xq_out_r = xq_r * freqs_cos - xq_i * freqs_sin
-    xq_out_i = xq_r * freqs_sin + xq_i * freqs_cos
-    xk_out_r = xk_r * freqs_cos - xk_i * freqs_sin
-    xk_out_i = xk_r * freqs_sin + xk_i * freqs_cos
-    xq_out = torch.stack([xq_out_r, xq_out_i], dim=-1).flatten(3)
-    xk_out = torch.stack([xk_out_r, xk_out_i], dim=-1).flatten(3)
-    return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
 # How each framework masks the scores (T, T) of a causal attention; `future` is True above the diagonal.
@@ -100,6 +60,9 @@ def nanogpt_fill(scores, future):       # nanoGPT: att.masked_fill(bias == 0, fl
 def hf_gpt2_where(scores, future):      # Hugging Face GPT-2 eager: torch.where(causal_mask, w, finfo.min)
     return torch.where(~future, scores, torch.tensor(torch.finfo(scores.dtype).min))
 
+
+# ---- llama2.c's model.py, transcribed (ModelArgs fields as used; dropout 0; flash off; its norm and
+# rotary in llama2c_model.py) ----
 
 class Attention(torch.nn.Module):
     def __init__(self, masking, seen):

@@ -19,6 +19,7 @@ h = x + post_attention_layernorm(attn(x)), out = h + post_feedforward_layernorm(
     /usr/bin/python3 tests/py/test_family_olmo2.py --cli build/nanreplay --work DIR
 """
 import argparse
+import collections
 import json
 import sys
 from pathlib import Path
@@ -31,6 +32,10 @@ import family_support as fs  # noqa: E402
 
 V, C, H, LAYERS, FF, T, SAMPLES, EPS, THETA = 64, 32, 4, 2, 40, 12, 2, 1e-6, 10000.0
 D = C // H
+# The sizes the classes below read (Olmo2Config's hidden_size, num_attention_heads, intermediate_size,
+# rms_norm_eps); test_family_olmo3.py builds them at a preset's sizes.
+Dims = collections.namedtuple("Dims", "C H FF EPS")
+DIMS = Dims(C, H, FF, EPS)
 
 
 class Olmo2RMSNorm(fs.Rounding, torch.nn.Module):
@@ -55,8 +60,10 @@ def rotate_half(x):
 
 
 class Olmo2Attention(fs.Rounding, torch.nn.Module):
-    def __init__(self):
+    def __init__(self, dims=DIMS):
         super().__init__()
+        C, H, EPS = dims.C, dims.H, dims.EPS
+        D = C // H
         self.head_dim, self.scaling = D, D ** -0.5
         self.q_proj = fs.Linear(C, H * D, bias=False)
         self.k_proj = fs.Linear(C, H * D, bias=False)
@@ -88,8 +95,9 @@ class Olmo2Attention(fs.Rounding, torch.nn.Module):
 
 
 class Olmo2MLP(fs.Rounding, torch.nn.Module):
-    def __init__(self):
+    def __init__(self, dims=DIMS):
         super().__init__()
+        C, FF = dims.C, dims.FF
         self.gate_proj = fs.Linear(C, FF, bias=False)
         self.up_proj = fs.Linear(C, FF, bias=False)
         self.down_proj = fs.Linear(FF, C, bias=False)
@@ -100,12 +108,12 @@ class Olmo2MLP(fs.Rounding, torch.nn.Module):
 
 
 class Olmo2DecoderLayer(fs.Rounding, torch.nn.Module):
-    def __init__(self):
+    def __init__(self, dims=DIMS):
         super().__init__()
-        self.self_attn = Olmo2Attention()
-        self.mlp = Olmo2MLP()
-        self.post_attention_layernorm = Olmo2RMSNorm(C, EPS)
-        self.post_feedforward_layernorm = Olmo2RMSNorm(C, EPS)
+        self.self_attn = Olmo2Attention(dims)
+        self.mlp = Olmo2MLP(dims)
+        self.post_attention_layernorm = Olmo2RMSNorm(dims.C, dims.EPS)
+        self.post_feedforward_layernorm = Olmo2RMSNorm(dims.C, dims.EPS)
 
     def forward(self, hidden_states, attention_mask, position_embeddings):
         residual = hidden_states

@@ -22,6 +22,13 @@ with two changes the reference here transcribes:
 3. Config readings: a flat rope_parameters (transformers 5 releases with one rotary for every layer) is
    YaRN on every layer; a scaled sliding_attention rotary is refused by name; no sliding_window is
    Olmo3Config's default 4096 with its pattern (recorded as such); sliding_window null is no window.
+4. `nanreplay synth clean-olmo3` (post-norm, qk_norm full, layers sliding, sliding, sliding, full with a
+   window of 8 over 32 positions, one unscaled rotary): every step's replayed loss and gradient norm
+   against the reference on the bundle's own weights and batches, within 1e-5 relative.
+5. The model of 1. (YaRN on the full layers) from a one-step bf16 bundle: the reference rounds where the
+   bundle format does (docs/bundle-format.md, "Precision as replayed": every linear's input, weight and
+   bias, q k^T and the scaled scores, every probe site as it is produced, the QK-norm's input); loss and
+   gradient norm within 1e-4 relative, and that loss departs from the fp32 one.
 
     /usr/bin/python3 tests/py/test_family_olmo3.py --cli build/nanreplay --work DIR
 """
@@ -35,6 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
 import import_support  # noqa: E402  (its token data and import runner)
+import reference_model  # noqa: E402  (a bundle's batches and safetensors only)
+import synth_cache  # noqa: E402
 import test_family_olmo2 as olmo2  # noqa: E402  (Olmo2's layer, norm: Olmo3's)
 from test_family_gpt_oss_attn import compute_yarn_parameters  # noqa: E402
 
@@ -57,19 +66,20 @@ def default_inv_freq(base, dim):
 class Olmo3Model(torch.nn.Module):
     def __init__(self, cfg):
         super().__init__()
+        dims = olmo2.Dims(cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"], cfg["rms_norm_eps"])
         self.embed_tokens = torch.nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = torch.nn.ModuleList([olmo2.Olmo2DecoderLayer() for _ in range(cfg["num_hidden_layers"])])
+        self.layers = torch.nn.ModuleList([olmo2.Olmo2DecoderLayer(dims) for _ in range(cfg["num_hidden_layers"])])
         self.norm = olmo2.Olmo2RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
 
-class Olmo3ForCausalLM(torch.nn.Module):
+class Olmo3ForCausalLM(fs.Rounding, torch.nn.Module):
     """`cfg`: Olmo3Config's attributes (layer_types given: the config's __init__ fills the default)."""
 
     def __init__(self, cfg, sliding_rotary="default"):
         super().__init__()
         self.cfg = cfg
         self.model = Olmo3Model(cfg)
-        self.lm_head = torch.nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = fs.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         D = cfg["hidden_size"] // cfg["num_attention_heads"]
         scaling = cfg.get("rope_scaling")
         full = (compute_yarn_parameters(D, cfg["rope_theta"], scaling, cfg["max_position_embeddings"]) if scaling
@@ -92,10 +102,10 @@ class Olmo3ForCausalLM(torch.nn.Module):
         masks = {"full_attention": torch.zeros(seq, seq).masked_fill(k > q, lowest)[None, None],
                  "sliding_attention": torch.zeros(seq, seq).masked_fill((k > q) | (k <= q - self.cfg["sliding_window"]),
                                                                         lowest)[None, None]}
-        hidden_states = self.model.embed_tokens(input_ids)
+        hidden_states = self.rnd(self.model.embed_tokens(input_ids))  # embed
         for layer, kind in zip(self.model.layers, self.cfg["layer_types"]):
             hidden_states = layer(hidden_states, masks[kind], position_embeddings[kind])
-        return fs.cross_entropy(self.lm_head(self.model.norm(hidden_states)), labels)
+        return fs.cross_entropy(self.rnd(self.lm_head(self.model.norm(hidden_states))), labels)  # logits
 
 
 def init(model, seed):
@@ -193,6 +203,54 @@ def check_config_readings():
              f"sliding_window null: every layer full ({said.get('layer_types')})")
 
 
+def config_of_manifest(m):
+    """Olmo3Config's attributes for a bundle's model section (the reference's inputs; nanreplay never reads it)."""
+    return {"vocab_size": m["vocab_size"], "hidden_size": m["hidden_size"], "intermediate_size": m["intermediate_size"],
+            "num_hidden_layers": m["num_layers"], "num_attention_heads": m["num_heads"],
+            "num_key_value_heads": m.get("num_kv_heads", m["num_heads"]), "max_position_embeddings": m["max_seq_len"],
+            "rms_norm_eps": m["norm_eps"], "rope_theta": m["rope_theta"], "rope_scaling": m.get("rope_scaling"),
+            "sliding_window": m["sliding_window"], "layer_types": m["layer_types"]}
+
+
+def check_preset(cli, work):
+    """4. every step of clean-olmo3 against the reference on the bundle's weights and batches."""
+    bundle_dir = work / "clean-olmo3"
+    synth_cache.synth(cli, "clean-olmo3", bundle_dir)
+    rc, report, err = fs.replay(cli, bundle_dir, work / "out-clean-olmo3")
+    if not fs.check(report is not None and rc == 0, f"clean-olmo3 replays (exit {rc}; {err.strip()[-300:]})"):
+        return
+    bundle = reference_model.Bundle(bundle_dir)
+    m = bundle.manifest["model"]
+    fs.check(m.get("layer_types") == DEFAULT_PATTERN and m.get("norm_layout") == "post" and m.get("qk_norm") == "full"
+             and m["sliding_window"] < bundle.seq_len,
+             f"clean-olmo3's manifest: post-norm, the full QK-norm, 3 sliding to 1 full, a window under seq_len ({m})")
+    dirs = {e["step"]: e["dir"] for e in bundle.manifest["steps"]}
+    for row in report["steps"]:
+        model = Olmo3ForCausalLM(config_of_manifest(m))
+        weights = reference_model.read_safetensors(bundle.root / dirs[row["step"]] / "model.safetensors")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(weights[name])
+        fs.compare_bundle_step(bundle, row, model, f"clean-olmo3 step {row['step']}")
+
+
+# Bundle v1's model section of CONFIG (the options `nanreplay import` writes for it).
+MODEL = {"arch": "llama", "vocab_size": olmo2.V, "hidden_size": olmo2.C, "num_layers": LAYERS, "num_heads": olmo2.H,
+         "intermediate_size": olmo2.FF, "max_seq_len": CONFIG["max_position_embeddings"], "norm_eps": olmo2.EPS,
+         "rope_theta": olmo2.THETA, "rope_local_base_freq": olmo2.THETA, "tie_embeddings": False,
+         "rope_scaling": dict(YARN, beta_fast=32.0, beta_slow=1.0, truncate=True), "qk_norm": "full",
+         "norm_layout": "post", "attention_mask": "additive_finfo_min", "sliding_window": WINDOW,
+         "layer_types": EXPLICIT_PATTERN}
+
+
+def check_bf16(cli, work):
+    """5. CONFIG's model from a one-step bf16 bundle, against the reference with its rounding points on."""
+    model = init(Olmo3ForCausalLM(CONFIG), 6)
+    stream = fs.token_stream(olmo2.V, 2, T, seed=6)
+    fs.check_bf16_step(cli, work, "olmo3-bf16", MODEL, model, lambda m: list(m.named_parameters()), stream, 2, T,
+                       "OLMo 3 in bf16 (post-norm, the full QK-norm, sliding and YaRN full layers)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
@@ -203,6 +261,8 @@ def main():
     data = import_support.Data(work, olmo2.V, T, 2, 1, num_samples=16, seed=3)
     check_controls(data)
     check_config_readings()
+    check_preset(args.cli, work)
+    check_bf16(args.cli, work)
     import_and_replay(args.cli, work, data, "olmo3-t4-explicit", init(Olmo3ForCausalLM(CONFIG), 1),
                       transformers4(CONFIG))
     defaulted = dict(CONFIG, layer_types=DEFAULT_PATTERN)

@@ -17,6 +17,13 @@ modeling_phi3.py, modeling_glm.py and modeling_glm4.py.
    tied head left out) is imported and replayed: loss and gradient norm within 1e-5 relative.
 2. Controls: the imported bundle with k and v (split out of qkv_proj) or gate and up (out of
    gate_up_proj) swapped replays away from the reference, so the split is what the comparisons check.
+4. `nanreplay synth clean-phi3` and `clean-glm4`: every step's replayed loss and gradient norm against
+   the reference on the bundle's own weights (q/k/v and gate/up stacked back into qkv_proj and
+   gate_up_proj, GLM-4's norms from the sandwich keys) and batches, within 1e-5 relative.
+5. Phi-3 and GLM-4-0414 from one-step bf16 bundles: the reference rounds where the bundle format does
+   (docs/bundle-format.md, "Precision as replayed": every linear's input, weight and bias, q k^T and the
+   scaled scores, every probe site as it is produced; q and k rotated in fp32, the pass-through dims
+   with them); loss and gradient norm within 1e-4 relative, and that loss departs from the fp32 one.
 3. Refusals: `nanreplay import` of model_type phi exits 2 with one line naming it; the import's model_type
    check refuses phi and stablelm, the config reading it shares with the capture helper longrope / su
    and nonzero dropouts (resid_pdrop, embd_pdrop, attention_dropout), each by name; GlmConfig's defaults
@@ -25,6 +32,7 @@ modeling_phi3.py, modeling_glm.py and modeling_glm4.py.
     /usr/bin/python3 tests/py/test_family_phi3_glm.py --cli build/nanreplay --work DIR
 """
 import argparse
+import collections
 import json
 import shutil
 import sys
@@ -37,14 +45,21 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
 import import_support  # noqa: E402  (its token data and import runner)
+import reference_model  # noqa: E402  (a bundle's batches only)
+import synth_cache  # noqa: E402
 from reference_model import read_safetensors  # noqa: E402
 
 V, C, H, G, D, FF, LAYERS, T, EPS, THETA = 64, 32, 4, 2, 8, 48, 2, 12, 1e-5, 10000.0
 
 
 # ---- transcribed from modeling_phi3.py / modeling_glm.py / modeling_glm4.py -------------------------
+# bf16 (set_compute): rounded where docs/bundle-format.md's "Precision as replayed" says, each site marked.
 
-class RMSNorm(nn.Module):  # Phi3RMSNorm, GlmRMSNorm, Glm4RMSNorm
+Dims = collections.namedtuple("Dims", "V C H G D FF LAYERS EPS THETA")
+DIMS = Dims(V, C, H, G, D, FF, LAYERS, EPS, THETA)
+
+
+class RMSNorm(fs.Rounding, nn.Module):  # Phi3RMSNorm, GlmRMSNorm, Glm4RMSNorm
     def __init__(self, hidden_size, eps):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -55,20 +70,34 @@ class RMSNorm(nn.Module):  # Phi3RMSNorm, GlmRMSNorm, Glm4RMSNorm
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        return self.rnd(self.weight * hidden_states.to(input_dtype))  # every norm's output is a site
 
 
-class MLP(nn.Module):  # Phi3MLP (GlmMLP, Glm4MLP are it)
-    def __init__(self):
+class SplitLinear(fs.Linear):
+    """A fused projection (qkv_proj, gate_up_proj) as the bundle replays it in bf16: the import splits it into
+    llama's linears, and each of those rounds its own input (so the gradient reaching the input is rounded per
+    block, then summed); fp32: F.linear by blocks of `rows`."""
+
+    def __init__(self, in_features, rows):
+        super().__init__(in_features, sum(rows), bias=False)
+        self.rows = rows
+
+    def forward(self, x):
+        return torch.cat([F.linear(self.rnd(x), self.rnd(w)) for w in self.weight.split(self.rows)], dim=-1)
+
+
+class MLP(fs.Rounding, nn.Module):  # Phi3MLP (GlmMLP, Glm4MLP are it)
+    def __init__(self, dims=DIMS):
         super().__init__()
-        self.gate_up_proj = nn.Linear(C, 2 * FF, bias=False)
-        self.down_proj = nn.Linear(FF, C, bias=False)
+        self.gate_up_proj = SplitLinear(dims.C, [dims.FF, dims.FF])
+        self.down_proj = fs.Linear(dims.FF, dims.C, bias=False)
 
     def forward(self, hidden_states):
         up_states = self.gate_up_proj(hidden_states)
         gate, up_states = up_states.chunk(2, dim=-1)
-        up_states = up_states * F.silu(gate)
-        return self.down_proj(up_states)
+        gate, up_states = self.rnd(gate), self.rnd(up_states)  # mlp.gate, mlp.up
+        up_states = self.rnd(up_states * F.silu(gate))  # mlp.act
+        return self.rnd(self.down_proj(up_states))  # mlp.down
 
 
 def rotate_half(x):  # modeling_phi3.py
@@ -105,52 +134,60 @@ def glm_apply_rotary_pos_emb(q, k, cos, sin):
     return q_embed, k_embed
 
 
-def eager_attention(q, k, v, mask):
-    k = k.repeat_interleave(H // G, dim=1)  # repeat_kv
-    v = v.repeat_interleave(H // G, dim=1)
-    w = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + mask
-    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(w, v).transpose(1, 2).contiguous()
+def eager_attention(q, k, v, mask, dims, rnd):
+    """q, k (rotated in fp32) and v: rounded here as the attn.q, attn.k and attn.v sites."""
+    q, k, v = rnd(q), rnd(k), rnd(v)
+    k = k.repeat_interleave(dims.H // dims.G, dim=1)  # repeat_kv
+    v = v.repeat_interleave(dims.H // dims.G, dim=1)
+    w = rnd(rnd(torch.matmul(q, k.transpose(2, 3))) * dims.D ** -0.5) + mask  # q k^T, then the scaled scores
+    w = rnd(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype))  # attn.probs
+    return rnd(torch.matmul(w, v)).transpose(1, 2).contiguous()  # the context
 
 
-class Phi3Attention(nn.Module):
-    def __init__(self):
+class Phi3Attention(fs.Rounding, nn.Module):
+    def __init__(self, dims=DIMS):
         super().__init__()
-        self.o_proj = nn.Linear(H * D, C, bias=False)
-        self.qkv_proj = nn.Linear(C, (H + 2 * G) * D, bias=False)
+        self.dims = dims
+        self.o_proj = fs.Linear(dims.H * dims.D, dims.C, bias=False)
+        self.qkv_proj = SplitLinear(dims.C, [dims.H * dims.D, dims.G * dims.D, dims.G * dims.D])
 
     def forward(self, x, mask, cos, sin):
         B, S, _ = x.shape
+        H, G, D = self.dims.H, self.dims.G, self.dims.D
         qkv = self.qkv_proj(x)
         q = qkv[..., :H * D]
         k = qkv[..., H * D:H * D + G * D]
         v = qkv[..., H * D + G * D:]
         q, k, v = (t.view(B, S, -1, D).transpose(1, 2) for t in (q, k, v))
         q, k = phi3_apply_rotary_pos_emb(q, k, cos, sin)
-        return self.o_proj(eager_attention(q, k, v, mask).reshape(B, S, -1))
+        return self.rnd(self.o_proj(eager_attention(q, k, v, mask, self.dims, self.rnd).reshape(B, S, -1)))  # attn.out
 
 
-class GlmAttention(nn.Module):  # LlamaAttention with config.attention_bias, GLM's rotary
-    def __init__(self):
+class GlmAttention(fs.Rounding, nn.Module):  # LlamaAttention with config.attention_bias, GLM's rotary
+    def __init__(self, dims=DIMS):
         super().__init__()
-        self.q_proj = nn.Linear(C, H * D, bias=True)
-        self.k_proj = nn.Linear(C, G * D, bias=True)
-        self.v_proj = nn.Linear(C, G * D, bias=True)
-        self.o_proj = nn.Linear(H * D, C, bias=False)
+        self.dims = dims
+        C, H, G, D = dims.C, dims.H, dims.G, dims.D
+        self.q_proj = fs.Linear(C, H * D, bias=True)
+        self.k_proj = fs.Linear(C, G * D, bias=True)
+        self.v_proj = fs.Linear(C, G * D, bias=True)
+        self.o_proj = fs.Linear(H * D, C, bias=False)
 
     def forward(self, x, mask, cos, sin):
         B, S, _ = x.shape
+        D = self.dims.D
         q, k, v = (p(x).view(B, S, -1, D).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         q, k = glm_apply_rotary_pos_emb(q, k, cos, sin)
-        return self.o_proj(eager_attention(q, k, v, mask).reshape(B, S, -1))
+        return self.rnd(self.o_proj(eager_attention(q, k, v, mask, self.dims, self.rnd).reshape(B, S, -1)))  # attn.out
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, family):
+class DecoderLayer(fs.Rounding, nn.Module):
+    def __init__(self, family, dims=DIMS):
         super().__init__()
         self.family = family
-        self.self_attn = Phi3Attention() if family == "phi3" else GlmAttention()
-        self.mlp = MLP()
+        C, EPS = dims.C, dims.EPS
+        self.self_attn = Phi3Attention(dims) if family == "phi3" else GlmAttention(dims)
+        self.mlp = MLP(dims)
         self.input_layernorm = RMSNorm(C, EPS)
         self.post_attention_layernorm = RMSNorm(C, EPS)
         if family == "glm4":
@@ -160,29 +197,29 @@ class DecoderLayer(nn.Module):
     def forward(self, x, mask, cos, sin):
         if self.family == "glm4":  # Glm4DecoderLayer
             h = self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), mask, cos, sin))
-            x = x + h
-            return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)  # resid_attn_dropout: p 0
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = self.rnd(x + h)  # attn_residual
+            return self.rnd(x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x))))  # output
+        x = self.rnd(x + self.self_attn(self.input_layernorm(x), mask, cos, sin))  # resid_attn_dropout: p 0
+        return self.rnd(x + self.mlp(self.post_attention_layernorm(x)))
 
 
-class Inner(nn.Module):
-    def __init__(self, family):
+class Inner(fs.Rounding, nn.Module):
+    def __init__(self, family, dims=DIMS):
         super().__init__()
-        self.embed_tokens = nn.Embedding(V, C)
-        self.layers = nn.ModuleList([DecoderLayer(family) for _ in range(LAYERS)])
-        self.norm = RMSNorm(C, EPS)
+        self.embed_tokens = nn.Embedding(dims.V, dims.C)
+        self.layers = nn.ModuleList([DecoderLayer(family, dims) for _ in range(dims.LAYERS)])
+        self.norm = RMSNorm(dims.C, dims.EPS)
 
 
-class ForCausalLM(nn.Module):
-    def __init__(self, family, factor, window=None, tied=False):
+class ForCausalLM(fs.Rounding, nn.Module):
+    def __init__(self, family, factor, window=None, tied=False, dims=DIMS):
         super().__init__()
         self.family, self.window, self.tied = family, window, tied
-        self.model = Inner(family)
+        self.model = Inner(family, dims)
         if not tied:
-            self.lm_head = nn.Linear(C, V, bias=False)
-        dim = int(D * factor)  # compute_default_rope_parameters
-        self.inv_freq = 1.0 / (THETA ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            self.lm_head = fs.Linear(dims.C, dims.V, bias=False)
+        dim = int(dims.D * factor)  # compute_default_rope_parameters
+        self.inv_freq = 1.0 / (dims.THETA ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
     def forward(self, input_ids, labels):
         S = input_ids.shape[1]
@@ -195,12 +232,12 @@ class ForCausalLM(nn.Module):
         if self.window is not None:
             masked = masked | (k <= q - self.window)
         mask = torch.zeros(S, S).masked_fill(masked, torch.finfo(torch.float32).min)[None, None]
-        x = self.model.embed_tokens(input_ids)
+        x = self.rnd(self.model.embed_tokens(input_ids))  # embed
         for layer in self.model.layers:
             x = layer(x, mask, cos, sin)
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return fs.cross_entropy(F.linear(x, head), labels)
+        return fs.cross_entropy(self.rnd(F.linear(self.rnd(x), self.rnd(head))), labels)  # logits
 
 
 def init(model, seed):
@@ -234,6 +271,46 @@ def glm_config(model_type):
             "max_position_embeddings": 64, "initializer_range": 0.02, "rms_norm_eps": EPS, "use_cache": True,
             "tie_word_embeddings": False, "rope_theta": THETA, "pad_token_id": 0, "eos_token_id": [2, 3],
             "bos_token_id": None, "attention_bias": True, "torch_dtype": "float32", "transformers_version": "4.51.3"}
+
+
+# ---- the bundle's names (nanreplay's parameter table: llama's, q/k/v and gate/up apart) -----------------
+
+# Glm4DecoderLayer's norms under the sandwich layout's keys (Gemma's: post-attention, pre- and post-feedforward).
+GLM4_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm",
+              "post_attention_layernorm": "pre_feedforward_layernorm",
+              "post_mlp_layernorm": "post_feedforward_layernorm"}
+
+
+def bundle_keys(name, family):
+    """The bundle keys whose rows, stacked, make the reference's parameter `name`: qkv_proj is q, k and v
+    (Phi3Attention's slices), gate_up_proj gate and up (Phi3MLP's chunk); GLM-4's norms are renamed."""
+    if name.count(".") < 2:  # lm_head.weight
+        return [name]
+    prefix, leaf, kind = name.rsplit(".", 2)
+    if leaf == "qkv_proj":
+        return [f"{prefix}.{n}_proj.{kind}" for n in "qkv"]
+    if leaf == "gate_up_proj":
+        return [f"{prefix}.gate_proj.{kind}", f"{prefix}.up_proj.{kind}"]
+    if family == "glm4" and leaf in GLM4_NORMS:
+        return [f"{prefix}.{GLM4_NORMS[leaf]}.{kind}"]
+    return [name]
+
+
+def split_named(model, dims=DIMS):
+    """[(bundle key, tensor)] of `model`, in its module order."""
+    out = []
+    for name, t in model.named_parameters():
+        keys = bundle_keys(name, model.family)
+        rows = {3: [dims.H * dims.D, dims.G * dims.D, dims.G * dims.D], 2: [t.shape[0] // 2] * 2, 1: [t.shape[0]]}
+        out += list(zip(keys, t.split(rows[len(keys)])))
+    return out
+
+
+def load_bundle_weights(model, weights):
+    """`model`'s parameters from a bundle checkpoint `weights` (split_named's inverse)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.cat([weights[k] for k in bundle_keys(name, model.family)]))
 
 
 def save(directory, model, config_json, state=None):
@@ -355,6 +432,65 @@ def check_moment_split(model):
              "a moment of qkv_proj / gate_up_proj splits into q, k, v and gate, up as the parameters do")
 
 
+# ---- the presets, and bf16 ---------------------------------------------------------------------------
+
+# Each preset's family and the options its manifest must say (the reference reads its sizes from the manifest).
+PRESETS = {"clean-phi3": ("phi3", {"partial_rotary_factor": 0.75, "tie_embeddings": True, "sliding_window": 8}),
+           "clean-glm4": ("glm4", {"partial_rotary_factor": 0.5, "rope_style": "interleaved",
+                                   "attention_bias": True, "norm_layout": "sandwich"})}
+
+
+def dims_of_manifest(m):
+    return Dims(m["vocab_size"], m["hidden_size"], m["num_heads"], m.get("num_kv_heads", m["num_heads"]),
+                m["hidden_size"] // m["num_heads"], m["intermediate_size"], m["num_layers"], m["norm_eps"],
+                m["rope_theta"])
+
+
+def check_preset(cli, work, preset):
+    """Every step of `nanreplay synth PRESET` against the reference on the bundle's own weights and batches."""
+    family, options = PRESETS[preset]
+    bundle_dir = work / preset
+    synth_cache.synth(cli, preset, bundle_dir)
+    rc, report, err = fs.replay(cli, bundle_dir, work / f"out-{preset}")
+    if not fs.check(report is not None and rc == 0, f"{preset} replays (exit {rc}; {err.strip()[-300:]})"):
+        return
+    bundle = reference_model.Bundle(bundle_dir)
+    m = bundle.manifest["model"]
+    wrong = {k: m.get(k) for k, v in options.items() if m.get(k) != v}
+    fs.check(not wrong, f"{preset}'s manifest says the family's options (differing: {wrong})")
+    dirs = {e["step"]: e["dir"] for e in bundle.manifest["steps"]}
+    for row in report["steps"]:
+        model = ForCausalLM(family, m["partial_rotary_factor"], window=m.get("sliding_window"),
+                            tied=m.get("tie_embeddings", False), dims=dims_of_manifest(m))
+        load_bundle_weights(model, read_safetensors(bundle.root / dirs[row["step"]] / "model.safetensors"))
+        fs.compare_bundle_step(bundle, row, model, f"{preset} step {row['step']}")
+
+
+def manifest_model(family, factor, window=None, tied=False):
+    """Bundle v1's model section of this file's sizes for `family` (the options `nanreplay import` sets)."""
+    m = {"arch": "llama", "vocab_size": V, "hidden_size": C, "num_layers": LAYERS, "num_heads": H, "num_kv_heads": G,
+         "intermediate_size": FF, "max_seq_len": 64, "norm_eps": EPS, "rope_theta": THETA, "tie_embeddings": tied,
+         "partial_rotary_factor": factor, "attention_mask": "additive_finfo_min"}
+    if window is not None:
+        m["sliding_window"] = window
+    if family != "phi3":
+        m.update(rope_style="interleaved", attention_bias=True)
+    if family == "glm4":
+        m["norm_layout"] = "sandwich"
+    return m
+
+
+def check_bf16(cli, work, data):
+    """Phi-3 (partial rotary 0.75, tied, a window of 5) and GLM-4-0414 from one-step bf16 bundles, against the
+    reference with its rounding points on."""
+    stream = fs.token_stream(V, 2, T, seed=7)
+    cases = [("phi3", 0.75, 5, True, 5), ("glm4", 0.5, None, False, 6)]
+    for family, factor, window, tied, seed in cases:
+        model = init(ForCausalLM(family, factor, window=window, tied=tied), seed)
+        fs.check_bf16_step(cli, work, f"{family}-bf16", manifest_model(family, factor, window, tied), model,
+                           split_named, stream, 2, T, f"{family} in bf16 (partial rotary {factor})")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
@@ -388,6 +524,10 @@ def main():
                   "model.layers.0.mlp.up_proj.weight", glm_loss)
     glm4 = init(ForCausalLM("glm4", 0.5), 4)
     import_and_replay(cli, work, data, "glm4", glm4, glm_config("glm4"), dict(glm_want, norm_layout="sandwich"))
+
+    for preset in PRESETS:
+        check_preset(cli, work, preset)
+    check_bf16(cli, work, data)
 
     # 3. A refusal through the command.
     refusal(cli, work, data, "phi", phi3, dict(phi3_config(), model_type="phi"), "'phi'")

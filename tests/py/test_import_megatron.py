@@ -16,7 +16,10 @@ child module here, so a hook sees its output as the bundle's layers.0.attn_norm)
 Then the same AdamW state in Megatron's own optimizer files, written by hand with Megatron's key names
 (megatron_optimizer_cases): torch_dist's optimizer.state.<entry>.<stacked key> tensors with their
 common.pt import byte for byte as the name-keyed state does (as --optimizer, and as the whole
---checkpoint); the layouts that name no parameter, and what would be guessed, are one line each.
+--checkpoint); a ChainedOptimizer's torch_dist state (ChainedOptimizer.sharded_state_dict in
+megatron/core/optimizer/optimizer.py: chained_<i>. prefixes or none, common.pt's optimizer {i: ...}) of two
+AdamW, of torch.optim.Muon + AdamW and of Megatron's Muon + AdamW (chained_cases); the layouts that name no
+parameter, and what would be guessed, are one line each.
 """
 import argparse
 import json
@@ -226,8 +229,9 @@ def write_megatron_optimizer_files(work, model, keyed):
     bad.mkdir(exist_ok=True)
     torch.save({k: (t + 1 if k.startswith("optimizer.state.fp32_param.output_layer") else t) for k, t in flat.items()},
                bad / "optim_tensors.pt")  # fp32 main weights ahead of the bf16 model's: not the model's weights
-    chained = dict(flat, **{f"chained_1.optimizer.state.momentum_buffer.{k}": t for k, t in _stacked(weights).items()})
-    torch.save(chained, bad / "chained.pt")
+    mixed = dict(flat, **{f"chained_1.optimizer.state.momentum_buffer.{k}": t for k, t in _stacked(weights).items()})
+    torch.save(mixed, bad / "chained.pt")  # one optimizer's tensors with the chained_<i>. prefix, one's without
+    write_chained_files(work, weights, keyed, groups, step)
     torch.save(flat, bad / "no_common.pt")  # the tensors without their common.pt: no update count, no hyper-parameters
     muon = work / "dist-muon"  # Megatron's Muon (emerging_optimizers' OrthogonalizedOptimizer's group keys)
     muon.mkdir(exist_ok=True)
@@ -252,6 +256,80 @@ def write_megatron_optimizer_files(work, model, keyed):
              "param_groups": [dict(g, params=[ids[x] for x in keyed["param_groups"][0]["params"]]) for g in groups]}
     torch.save([plain, {"state": {}, "param_groups": []}], bad / "layer_wise_optimizer_0.pt")
     torch.save({"optimizer.distributed.dp_group_idx_0.param_state": {"buckets_coalesced": True}}, bad / "dp_reshardable.pt")
+
+
+# ---- A ChainedOptimizer in a torch_dist checkpoint (megatron/core/optimizer/optimizer.py ChainedOptimizer.
+# sharded_state_dict: each optimizer's sharded state under chained_<i>. unless metadata's chained_optim_avoid_prefix,
+# which megatron/training/checkpointing.py sets; common.pt's "optimizer" then {i: that optimizer's param_groups}).
+
+# The parameters a chained split gives the second optimizer (as an expert-parallel optimizer takes the experts).
+SECOND = ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight")
+# torch.optim.Muon's parameters in the Muon + AdamW chain: the unfused matrices (Muon of a fused linear_qkv
+# is other math, refused by name).
+MUON_KEYS = ("decoder.layers.self_attention.linear_proj.weight", "decoder.layers.mlp.linear_fc2.weight")
+MEGATRON_GROUP_KEYS = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
+                       "max_lr": 1e-3, "min_lr": 0.0}
+TORCH_MUON = {"weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "ns_coefficients": (3.4445, -4.775, 2.0315),
+              "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None}
+
+
+def _distopt_part(group, step):
+    """DistributedOptimizer.sharded_state_dict's non-tensor part (fully_sharded_model_space), as common.pt keeps it."""
+    return {"optimizer": {"param_groups": [dict(group, step=step, **MEGATRON_GROUP_KEYS)]},
+            "param_state_sharding_type": "fully_sharded_model_space"}
+
+
+def _write_chain(d, weights, parts, prefixed):
+    """d/optim_tensors.pt and d/common.pt of a chain: parts = [(common.pt part, {stacked key: {entry: tensor}})]."""
+    d.mkdir(exist_ok=True)
+    flat = dict(_stacked(weights))
+    for i, (_, state) in enumerate(parts):
+        prefix = f"chained_{i}." if prefixed else ""
+        for key, entries in state.items():
+            for entry, t in dict(entries, fp32_param=flat[key].float().clone()).items():
+                flat[f"{prefix}optimizer.state.{entry}.{key}"] = t
+    torch.save(flat, d / "optim_tensors.pt")
+    torch.save({"optimizer": {i: part for i, (part, _) in enumerate(parts)}, "iteration": FIRST,
+                "checkpoint_version": 3.0}, d / "common.pt")
+
+
+def write_chained_files(work, weights, keyed, groups, step):
+    """Chains of the run's AdamW state: two AdamW (dense + the rest, with and without the chained_<i>. prefix;
+    without it and with two weight decays, refused); torch.optim.Muon + AdamW, and the same two as files for
+    --aux-optimizer; Megatron's own Muon + AdamW."""
+    adam = {k: {e: t for e, t in st.items() if e != "step"} for k, st in _stacked_state(keyed).items()}
+    first = {k: v for k, v in adam.items() if k not in SECOND}
+    second = {k: v for k, v in adam.items() if k in SECOND}
+    two = [(_distopt_part(groups[0], step), first), (_distopt_part(groups[0], step), second)]
+    _write_chain(work / "dist-chained", weights, two, prefixed=True)
+    _write_chain(work / "dist-chained-noprefix", weights, two, prefixed=False)
+    decays = [two[0], (_distopt_part(dict(groups[0], weight_decay=0.0), step), second)]
+    _write_chain(work / "dist-chained-ambiguous", weights, decays, prefixed=False)
+    g = torch.Generator().manual_seed(4)
+    stacked = _stacked(weights)
+    muon = {k: {"momentum_buffer": torch.randn(stacked[k].shape, generator=g) * 1e-3} for k in MUON_KEYS}
+    rest = {k: v for k, v in adam.items() if k not in MUON_KEYS}
+    muon_group = dict(TORCH_MUON, lr=groups[0]["lr"], **MEGATRON_GROUP_KEYS)  # one scheduler: one lr for both
+    _write_chain(work / "dist-chained-muon", weights, [({"param_groups": [muon_group]}, muon),
+                                                       (_distopt_part(groups[0], step), rest)], prefixed=False)
+    unstacked = {f"decoder.layers.{i}.{k[len('decoder.layers.'):]}": v["momentum_buffer"][i]
+                 for k, v in muon.items() for i in range(L)}
+    torch.save({"state": {k: {"momentum_buffer": t} for k, t in unstacked.items()},
+                "param_groups": [dict(muon_group, params=list(unstacked))]}, work / "muon-files-muon.pt")
+    names = [n for n in keyed["state"] if n not in unstacked]
+    torch.save({"state": {n: keyed["state"][n] for n in names}, "param_groups": [dict(groups[0], params=names)]},
+               work / "muon-files-adamw.pt")
+    emerging = {"lr": groups[0]["lr"], "momentum_beta": 0.95, "use_nesterov": True, "weight_decay": 0.1,
+                "use_decoupled_wd": True, "use_independent_wd": False}
+    _write_chain(work / "dist-chained-emerging", weights, [({"param_groups": [emerging]}, muon),
+                                                           (_distopt_part(groups[0], step), rest)], prefixed=True)
+
+
+def _stacked_state(keyed):
+    """The name-keyed AdamW state as torch_dist holds it: {stacked key: {entry: tensor}}."""
+    entries = {e for st in keyed["state"].values() for e in st if e != "step"}
+    per_entry = {e: _stacked({n: st[e] for n, st in keyed["state"].items()}) for e in entries}
+    return {k: {e: per_entry[e][k] for e in entries} for k in next(iter(per_entry.values()))}
 
 
 def import_in_process(argv, out):
@@ -291,7 +369,7 @@ def megatron_optimizer_cases(cli, work, base, margs):
     s.check(same, f"the torch_dist dict as --checkpoint: the same model and optimizer files ({rc}: {err.strip()[-300:]})")
     for label, path, key in (("fp32 main params", work / "dist-bad" / "optim_tensors.pt",
                               "optimizer.state.fp32_param.output_layer.weight"),
-                             ("chained Muon + AdamW", work / "dist-bad" / "chained.pt", "chained_1.optimizer.state"),
+                             ("chained_<i>. on some tensors only", work / "dist-bad" / "chained.pt", "chained_1.optimizer.state"),
                              ("distrib_optim.pt", work / "dist-bad" / "distrib_optim.pt", "buckets_coalesced"),
                              ("layer-wise", work / "dist-bad" / "layer_wise_optimizer_0.pt", "0.state"),
                              ("dp_reshardable", work / "dist-bad" / "dp_reshardable.pt",
@@ -308,6 +386,64 @@ def megatron_optimizer_cases(cli, work, base, margs):
         where = path.parent / "common.pt" if "common.pt" in label else path
         s.check(rc == 2 and f"{where}: {key}" in err and len(err.splitlines()) == 1 and "Traceback" not in err
                 and not (work / "bundle-refused").exists(), f"Megatron {label}: refused naming {key} ({err})")
+    chained_cases(work, flags + data_flags)
+
+
+def _optimizer_files(bundle):
+    """(manifest's optimizer section with each group's params sorted, {name: tensor} of the first step's
+    optimizer.safetensors)."""
+    import reference_model
+    section = json.loads((bundle / "manifest.json").read_text())["optimizer"]
+    for g in section.get("groups", []):
+        g["params"] = sorted(g["params"])
+    return section, reference_model.read_safetensors(bundle / "steps" / str(FIRST) / "optimizer.safetensors")
+
+
+def _same_optimizer(a, b):
+    (sa, ta), (sb, tb) = _optimizer_files(a), _optimizer_files(b)
+    return sa == sb and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), sa
+
+
+def chained_cases(work, flags):
+    """A ChainedOptimizer in torch_dist: two AdamW import as the unchained state does (the same manifest section
+    and optimizer.safetensors, so the same replay), with or without the chained_<i>. prefix; torch.optim.Muon +
+    AdamW as the first optimizer and the second (as --aux-optimizer gives them); Megatron's Muon, and a chain
+    whose files do not say which optimizer holds a parameter, refused by name."""
+    # In process: no interpreter and torch start each (the CLI reads Megatron's files in megatron_optimizer_cases).
+    rc, err = import_in_process(flags + ["--optimizer", work / "dist-chained" / "optim_tensors.pt"],
+                                work / "bundle-chained")
+    s.check(rc == 0 and _same_optimizer(work / "bundle-chained", work / "bundle")[0]
+            and (work / "bundle-chained" / "steps" / str(FIRST) / "model.safetensors").read_bytes()
+            == (work / "bundle" / "steps" / str(FIRST) / "model.safetensors").read_bytes(),
+            f"chained_0/chained_1 AdamW (dense + the rest): the unchained import's bundle ({err.strip()[-300:]})")
+    rc, err = import_in_process(flags + ["--optimizer", work / "dist-chained-noprefix" / "optim_tensors.pt"],
+                                work / "bundle-chained-noprefix")
+    s.check(rc == 0 and _same_optimizer(work / "bundle-chained-noprefix", work / "bundle")[0],
+            f"two AdamW of one setting without the chained_<i>. prefix: the same ({err.strip()[-300:]})")
+    rc0, err0 = import_in_process(flags + ["--optimizer", work / "dist-chained-muon" / "optim_tensors.pt"],
+                                  work / "bundle-chained-muon")
+    rc, err = import_in_process(flags + ["--optimizer", work / "muon-files-muon.pt", "--aux-optimizer",
+                                         work / "muon-files-adamw.pt"], work / "bundle-muon-files")
+    same, section = (_same_optimizer(work / "bundle-chained-muon", work / "bundle-muon-files")
+                     if rc0 == 0 and rc == 0 else (False, None))
+    aux = [g for g in (section or {}).get("groups", []) if g["name"].startswith("aux_")]
+    s.check(same and section["kind"] == "muon" and len(aux) == 1 and aux[0]["kind"] == "adamw"
+            and len(aux[0]["params"]) == 3 + 7 * L, f"torch.optim.Muon + AdamW chained: Muon first, AdamW second, as "
+            f"--aux-optimizer gives them ({section}; {err0.strip()[-200:]} {err.strip()[-200:]})")
+    rc, err = import_in_process(flags + ["--optimizer", work / "dist-chained-muon" / "optim_tensors.pt",
+                                         "--aux-optimizer", work / "muon-files-adamw.pt"], work / "bundle-refused")
+    s.check(rc == 2 and "command line: --aux-optimizer" in err, f"--aux-optimizer beside a chain of two classes: "
+                                                                f"refused by the flag ({err.strip()[-300:]})")
+    common = work / "dist-chained-emerging" / "common.pt"
+    rc, err = import_in_process(flags + ["--optimizer", work / "dist-chained-emerging" / "optim_tensors.pt"],
+                                work / "bundle-refused")
+    lines = [x for x in err.strip().splitlines() if not x.startswith("nanreplay: warning: ")]
+    s.check(rc == 2 and len(lines) == 1 and f"{common}: optimizer.0.param_groups.0.momentum_beta" in lines[0],
+            f"Megatron's Muon chained with an AdamW: refused by its param_groups key ({err.strip()})")
+    tensors = work / "dist-chained-ambiguous" / "optim_tensors.pt"
+    rc, err = import_in_process(flags + ["--optimizer", tensors], work / "bundle-refused")
+    s.check(rc == 2 and f"{tensors}: optimizer.state.exp_avg." in err and len(err.strip().splitlines()) == 1,
+            f"two AdamW with two weight decays, no prefix: which holds what is not in the files, refused ({err.strip()})")
 
 
 def main():

@@ -7,7 +7,13 @@ with the entry and key names of upstream's torch/optim/_adafactor.py, torch/opti
 transformers/optimization.py. Each import must give the manifest the right `kind` and
 hyper-parameters and be replayed by `nanreplay run` (which checks the bundle as `inspect` does; the
 logged loss is made up, so exit 1 is fine); an unknown class and Adam-vs-AdamW contradictions are
-refused by name, exit 2, one line. Tiny: a 1-layer llama, no training; ~10 s.
+refused by name, exit 2, one line. Tiny: a 1-layer llama, no training.
+
+Then a Muon run end to end (muon_run_rolled): a 2-layer llama (torch_models) trained ten steps in PyTorch
+with torch.optim.Muon over its hidden matrices, transcribed from upstream's torch/optim/_muon.py in
+test_optim_crosscheck.muon_step (imported, not copied), and torch.optim.AdamW itself over the rest, each on
+its own lr schedule; imported at its first step by the importer `nanreplay import` runs, with
+--aux-optimizer and the log's lr and aux_lr, rolled forward by `nanreplay run` and compared with the PyTorch run step by step.
 """
 import argparse
 import math
@@ -164,39 +170,11 @@ def refused(cli, work, ckpt, label, state, extra, key_part):
 MUON_LR, ADAMW_LR = 0.02, 3e-4
 
 
-def reference_updates(bundle_dir, step):
-    """{param: update RMS} of `step` by the references of test_optim_crosscheck (torch.optim.AdamW
-    itself; Muon transcribed from torch/optim/_muon.py), each parameter with its own group's lr from
-    state.json, on the gradients of reference_model's replay of the imported bundle."""
-    import reference_model
-    import test_optim_crosscheck as oc
-    bundle = reference_model.Bundle(bundle_dir)
-    here = bundle_dir / "steps" / str(step)
-    optimizer = bundle.manifest["optimizer"]
-    params = {k: v.float().requires_grad_(True) for k, v in reference_model.read_safetensors(here / "model.safetensors").items()}
-    _, _, _, _, grads = reference_model.step_gradients(bundle, params, step)
-    for n in params:
-        params[n].grad = grads[n].clone()
-    if optimizer.get("grad_clip") is not None:
-        torch.nn.utils.clip_grad_norm_(list(params.values()), optimizer["grad_clip"])
-    stored = reference_model.read_safetensors(here / "optimizer.safetensors")
-    lr = json.loads((here / "state.json").read_text())["lr"]
-    out = {}
-    with torch.no_grad():
-        for n, p in params.items():
-            group, rule = oc.rule_of(optimizer, n)
-            decay = not any(reference_model.matches_glob(g, n) for g in optimizer.get("no_decay", []))
-            plain = p.detach().clone()
-            oc.step_one(plain, p.grad, oc.load_state(stored, n, rule), lr[group], rule, decay)
-            out[n] = (((plain.double() - p.detach().double()).norm() / math.sqrt(p.numel())).item(), rule["kind"])
-    return out
-
-
 def two_learning_rates(cli, work, ckpt, mu, rest):
     """Muon at 0.02 over the 2-D weights and AdamW at 3e-4 over the rest (torchtitan's
     OptimizersContainer, or a hand-written loop, saves each optimizer's state_dict): each optimizer's
-    lr from the log (`lr`, `aux_lr`) by group into state.json, refused by name without `aux_lr`, and
-    the rolled-forward update of each parameter by its own optimizer and lr, as the references make it."""
+    lr from the log (`lr`, `aux_lr`) by group into state.json, refused by name without `aux_lr`. The
+    replay of such a run over ten steps: muon_run_rolled."""
     mu = dict(mu, param_groups=[dict(mu["param_groups"][0], lr=MUON_LR)])
     torch.save(dict(rest, param_groups=[dict(rest["param_groups"][0], lr=ADAMW_LR)]), work / "two-lr-adamw.pt")
     extra = ["--optimizer-class", "torch.optim.Muon", "--aux-optimizer", work / "two-lr-adamw.pt"]
@@ -210,32 +188,149 @@ def two_learning_rates(cli, work, ckpt, mu, rest):
         (work / "log.jsonl").write_text(plain_log)
     if o is None:
         return
-    bundle = work / "bundle-two-lr"
-    lr = json.loads((bundle / "steps" / str(FIRST) / "state.json").read_text()).get("lr")
+    lr = json.loads((work / "bundle-two-lr" / "steps" / str(FIRST) / "state.json").read_text()).get("lr")
     want = {"default": MUON_LR, **{g["name"]: (ADAMW_LR if g["name"].startswith("aux_") else MUON_LR)
                                    for g in o.get("groups", [])}}
     s.check(lr == want and any(g.startswith("aux_") for g in want), f"state.json lr by group: {lr}, want {want}")
-    rp = subprocess.run([cli, "run", str(bundle), "--out", str(work / "run-two-lr"), "--json", "--no-probes"],
-                        capture_output=True, text=True)
-    s.check(rp.returncode in (0, 1), f"two-lr: run replays it (exit {rp.returncode} {rp.stderr.strip()[-300:]})")
-    if rp.returncode not in (0, 1):
-        return
-    rows = {row["step"]: row for row in json.loads(rp.stdout).get("update_stats", [])}
-    got = {t["param"]: t["update_rms"] for t in rows.get(FIRST, {}).get("tensors", [])}
-    want_rms = reference_updates(bundle, FIRST)
-    s.check(set(got) == set(want_rms), f"two-lr: update_stats of step {FIRST} for every parameter: {sorted(got)}")
-    for n, (w, kind) in want_rms.items():
-        # AdamW's elementwise update: to rounding; Muon's bf16 Newton-Schulz amplifies a one-ulp
-        # gradient difference (test_optim_crosscheck.check_per_step), still far from the other lr's 66x.
-        tolerance = 1e-2 if kind == "muon" else 1e-4
-        s.check(n in got and abs(got[n] - w) <= tolerance * w,
-                f"two-lr: {n} update RMS {got.get(n)!r}, the reference's {w!r} (its own optimizer's lr)")
+
+
+# ---- A Muon run rolled forward ten steps against the references (muon_run_rolled) ----
+RUN = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 4,
+       "num_kv_heads": 2, "rope_theta": 10000.0, "norm_eps": 1e-5}
+RUN_HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+          "hidden_act": "silu", "torch_dtype": "float32"}
+RUN_MUON = {"weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "ns_coefficients": (3.4445, -4.775, 2.0315),
+            "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": "match_rms_adamw"}
+RUN_FIRST, RUN_STEPS, RUN_SEQ, RUN_MBS = 2, 10, 16, 2
+RUN_TOLERANCE, RUN_STATS_TOLERANCE = 1e-6, 1e-3  # losses and gradient norms; update RMS (test_optim_crosscheck)
+
+
+def muon_lr(step):
+    """Muon's schedule: a decay. With adjust_lr_fn "match_rms_adamw" Muon takes AdamW-sized rates."""
+    return 4e-4 * (1.0 - step / 40)
+
+
+def adamw_lr(step):
+    """AdamW's own schedule, a warmup: each step's pair of rates differs."""
+    return 2e-3 * min(1.0, (step + 1) / 8)
+
+
+def train_muon_run(work):
+    """The reference run: a tiny llama (torch_models), torch.optim.Muon over the hidden matrices (the
+    transcription of torch/optim/_muon.py in test_optim_crosscheck.muon_step) and torch.optim.AdamW over
+    the rest, each with its own lr schedule, clip_grad_norm_ 1.0. Saved at the start of RUN_FIRST as a
+    Hugging Face directory and two name-keyed optimizer state dicts. Returns (log, {(step, param):
+    update RMS}, data)."""
+    import test_optim_crosscheck as oc
+    import torch_models
+    torch.manual_seed(11)
+    model = torch_models.LlamaForCausalLM(RUN)
+    data = s.Data(work, RUN["vocab_size"], RUN_SEQ, RUN_MBS, 1, num_samples=64, seed=3)
+    named = dict(model.named_parameters())
+    hidden = [n for n, p in named.items() if p.dim() == 2 and n.startswith("model.layers.")]
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in hidden], lr=adamw_lr(0), betas=(0.9, 0.95),
+                              eps=1e-8, weight_decay=0.1, foreach=False)
+    muon = {n: {"momentum_buffer": torch.zeros_like(named[n]), "step": 0} for n in hidden}
+    log, updates = {}, {}
+    for step in range(RUN_FIRST + RUN_STEPS + 1):
+        if step == RUN_FIRST:
+            save_muon_run(work, model, adamw, muon, hidden, step)
+        for g in adamw.param_groups:
+            g["lr"] = adamw_lr(step)
+        loss = model(*data.batch(data.rows(step)))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(list(named.values()), 1.0)
+        log[step] = {"step": step, "lr": muon_lr(step), "aux_lr": adamw_lr(step), "loss": loss.item(),
+                     "grad_norm": float(norm)}
+        before = {n: p.detach().double().clone() for n, p in named.items()}
+        with torch.no_grad():
+            for n in hidden:
+                oc.muon_step(named[n].data, named[n].grad, muon[n], muon_lr(step), **RUN_MUON)
+        adamw.step()
+        model.zero_grad(set_to_none=True)
+        for n, p in named.items():
+            updates[(step, n)] = ((p.detach().double() - before[n]).norm() / math.sqrt(p.numel())).item()
+    return log, updates, data
+
+
+def save_muon_run(work, model, adamw, muon, hidden, step):
+    ckpt = work / "hf"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / "config.json").write_text(json.dumps(RUN_HF))
+    cap.write_safetensors(ckpt / "model.safetensors", [(k, v.detach().clone()) for k, v in model.state_dict().items()])
+    group = dict(RUN_MUON, lr=muon_lr(step - 1), use_addmm=False, params=hidden)  # the scheduler's last lr
+    torch.save({"state": {n: {"momentum_buffer": muon[n]["momentum_buffer"].clone()} for n in hidden},
+                "param_groups": [group]}, work / "muon.pt")
+    torch.save(s.name_keyed(model, adamw), work / "adamw.pt")
+
+
+def rolled_departures(cli, work, label, log, updates, data):
+    """Import the run's first checkpoint with `log` (every later step derived), replay it, and list every
+    derived step whose loss or gradient norm (of the derived parameters) or any tensor's update RMS departs
+    from the reference run's."""
+    last = RUN_FIRST + RUN_STEPS
+    s.write_log(work / f"{label}.jsonl", log)
+    # The importer's main(), which `nanreplay import` runs, in this process: no interpreter and torch start.
+    rc, err = import_in_process(["--checkpoint", work / "hf", "--optimizer", work / "muon.pt",
+                                 "--optimizer-class", "torch.optim.Muon", "--aux-optimizer", work / "adamw.pt",
+                                 "--aux-optimizer-class", "torch.optim.AdamW", *data.flags(), "--log",
+                                 work / f"{label}.jsonl", "--steps", f"{RUN_FIRST}:{last}", "--grad-clip", 1.0],
+                                work / f"bundle-{label}")
+    if rc != 0:
+        return [f"import exits {rc}: {err.strip()[-300:]}"]
+    rp = subprocess.run([cli, "run", str(work / f"bundle-{label}"), "--out", str(work / f"run-{label}"), "--json",
+                         "--no-probes"], capture_output=True, text=True)
+    if rp.returncode not in (0, 1) or not rp.stdout.strip():
+        return [f"run exits {rp.returncode}: {rp.stderr.strip()[-300:]}"]
+    report = json.loads(rp.stdout)
+    rows = {r["step"]: r for r in report["steps"]}
+    out = [] if [rows[k]["params"] for k in sorted(rows)] == ["checkpoint"] + ["derived"] * RUN_STEPS else [
+        f"steps {[(k, rows[k]['params']) for k in sorted(rows)]}, want {RUN_FIRST} then {RUN_STEPS} derived"]
+    worst = 0.0
+    for step in range(RUN_FIRST + 1, last + 1):
+        for key in ("loss", "grad_norm"):
+            got, want = (rows.get(step) or {}).get(key), log[step][key]
+            relative = s.rel_err(got, want) if got is not None else math.inf
+            worst = max(worst, relative)
+            if relative > RUN_TOLERANCE:
+                out.append(f"derived step {step} {key} {got!r}, the reference's {want!r} ({relative:.3g} relative)")
+    for row in report.get("update_stats", []):
+        for t in row["tensors"]:
+            want = updates[(row["step"], t["param"])]
+            if abs(t["update_rms"] - want) > RUN_STATS_TOLERANCE * want:
+                out.append(f"step {row['step']} {t['param']} update RMS {t['update_rms']!r}, the reference's {want!r}")
+    print(f"{label}: largest relative difference of a derived step's loss or gradient norm {worst:.3g}")
+    return out
+
+
+def muon_run_rolled(cli, work, show_departure):
+    """A Muon run's two optimizers, each with its own lr schedule, imported at one checkpoint and rolled
+    forward ten steps (docs/rolling-forward.md): every derived step's loss and gradient norm equal the
+    reference run's to 1e-6 relative (they are functions of the derived parameters), every update's RMS to
+    1e-3. With --show-departure, the same with the log's aux_lr replaced by its lr (AdamW at Muon's rate):
+    the check must fail, and the departures are printed."""
+    work.mkdir(parents=True, exist_ok=True)
+    log, updates, data = train_muon_run(work)
+    failures = rolled_departures(cli, work, "muon-run", log, updates, data)
+    for f in failures[:8]:
+        print("     " + f)
+    s.check(not failures, f"Muon + AdamW rolled forward {RUN_STEPS} steps from one checkpoint: derived losses "
+                          f"and gradient norms within {RUN_TOLERANCE}, update RMS within {RUN_STATS_TOLERANCE}")
+    if show_departure:
+        wrong = {k: dict(e, aux_lr=e["lr"]) for k, e in log.items()}
+        departed = rolled_departures(cli, work, "muon-run-aux-lr-ignored", wrong, updates, data)
+        for f in departed[:6]:
+            print("     " + f)
+        s.check(bool(departed), f"with aux_lr ignored (AdamW at Muon's lr) the check fails: {len(departed)} departures")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
     ap.add_argument("--work", required=True)
+    ap.add_argument("--show-departure", action="store_true", help="also replay with aux_lr ignored: must fail")
     args = ap.parse_args()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -329,6 +424,7 @@ def main():
             f"the Muon run's AdamW: a group of its own over the 1-D parameters: {aux}")
 
     two_learning_rates(cli, work, ckpt, mu, rest)
+    muon_run_rolled(cli, work / "muon-run", args.show_departure)
 
     # A norm in both optimizers' groups (join_optimizer_groups, shared with the capture helper).
     both = by_name(dict(rest["state"]), rest["param_groups"][0])

@@ -27,6 +27,7 @@ ORIGIN = {
     "cascade": 0.1, "transient-fp16": 0.1, "router-overflow": 0.1, "expert-overflow": 0.1,
     "glitch-token": 0.1, "demo": 0.1, "bit-flip": 0.5, "rewritten-weights": 0.6,
     "gpt-oss-head-overflow": 0.1, "llama4-nope-overflow": 0.1, "olmo2-postnorm-overflow": 0.6,
+    "olmo3-window-overflow": 0.1, "glm4-partial-rotary-overflow": 0.1,
 }
 # No origin, a flipped bit the update check names: the two steps around it (two of four checkpoints).
 FLIP = {"silent-bit-flip": 0.5, "spike-bit-flip": 0.5}
@@ -52,8 +53,14 @@ SPIKE = {"spike-token": 0.3, "spike-bad-update": 0.8, "spike-logit-growth": 0.8}
 SPIKE_KEYS = ("reproduced", "step", "phase", "site", "layer", "head", "expert", "position")
 # No fault at all: not run here (tests/test_cli_minimize.cpp runs clean-fp32), but listed.
 CLEAN = ["clean-fp32", "clean-bf16", "clean-fp16", "clean-dp", "clean-accum", "clean-gqa", "clean-qwen2",
-         "clean-qwen3", "clean-olmo2", "clean-gemma2", "clean-gemma3", "clean-llama3", "clean-combined", "clean-moe",
+         "clean-qwen3", "clean-olmo2", "clean-olmo3", "clean-phi3", "clean-glm4",
+         "clean-gemma2", "clean-gemma3", "clean-llama3", "clean-combined", "clean-moe",
          "clean-moe-bf16", "clean-gpt2", "clean-site-stats", "clean-gpt-oss-attn", "clean-llama4-attn"]
+# Issue 40's frontier mixtures of experts: GPT-OSS's experts (an activation overflow, and the clean model).
+ORIGIN["gpt-oss-expert-overflow"] = 0.1
+CLEAN += ["clean-gpt-oss-moe"]
+# Issue 40's DeepSeek-V3 multi-head latent attention, fp32 and bf16.
+CLEAN += ["clean-deepseek-mla", "clean-deepseek-mla-bf16"]
 # Rolled forward (synth --checkpoint-every 10: one checkpoint, and the one a fault edits): fewer bytes to
 # start with, so larger ratios.
 ROLLED = {"head-overflow": 0.35, "cascade": 0.3, "bit-flip": 0.7, "silent-bit-flip": 0.7}
