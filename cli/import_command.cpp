@@ -43,7 +43,7 @@ constexpr const char* kImportHelp =
     "The bundle rolls forward from the checkpoint (docs/import.md).\n\n"
     "usage: nanreplay import --checkpoint PATH [--optimizer PATH] [--format " NANREPLAY_IMPORT_FORMATS "]\n"
     "         [--optimizer-class CLASS] [--aux-optimizer PATH [--aux-optimizer-class CLASS]]\n"
-    "         [--naming auto|hf|meta|torchtitan|megatron|nanogpt] [--config FILE]\n"
+    "         [--naming auto|hf|meta|torchtitan|megatron|deepseek|nanogpt] [--config FILE]\n"
     "         --data SHARD... [--token-dtype uint16|uint32] --seq-len N --micro-batch-size N\n"
     "         [--grad-accum N] [--world-size N]\n"
     "         (--sampler-seed N [--epoch N] [--epoch-start-step N] | --samples FILE)\n"

@@ -31,6 +31,8 @@ Shape expert_in(const ModelConfig& m) { return {m.moe->intermediate_size, m.hidd
 Shape expert_out(const ModelConfig& m) { return {m.hidden_size, m.moe->intermediate_size}; }
 Shape expert_width(const ModelConfig& m) { return {m.moe->intermediate_size}; }
 Shape per_expert_row(const ModelConfig& m) { return {m.moe->num_experts}; }
+Shape shared_in(const ModelConfig& m) { return {m.moe->shared_expert_intermediate_size, m.hidden_size}; }
+Shape shared_out(const ModelConfig& m) { return {m.hidden_size, m.moe->shared_expert_intermediate_size}; }
 Shape q_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead ? Shape{m.head_dim()} : q_width(m); }
 Shape k_norm(const ModelConfig& m) { return m.qk_norm == QkNorm::kHead ? Shape{m.head_dim()} : kv_width(m); }
 
@@ -60,10 +62,13 @@ bool with_o_proj_bias(const ModelConfig& m) { return m.o_proj_bias; }
 bool with_sinks(const ModelConfig& m) { return m.attention_sinks; }
 Shape per_head(const ModelConfig& m) { return {m.num_heads}; }
 bool untied_head(const ModelConfig& m) { return !m.tie_embeddings; }
-bool dense_mlp(const ModelConfig& m) { return !m.moe; }
 bool experts(const ModelConfig& m) { return m.moe.has_value(); }
 bool with_router_bias(const ModelConfig& m) { return m.moe && m.moe->router_bias; }
 bool with_expert_bias(const ModelConfig& m) { return m.moe && m.moe->expert_bias; }
+bool with_shared_expert(const ModelConfig& m) { return m.moe && m.moe->shared_expert_intermediate_size > 0; }
+// Which layers hold the dense MLP and which the experts (model.moe.layers; every layer when absent).
+bool dense_layer(const ModelConfig& m, int layer) { return !m.moe_layer(layer); }
+bool expert_layer(const ModelConfig& m, int layer) { return m.moe_layer(layer); }
 bool pre_norms(const ModelConfig& m) { return m.norm_layout == NormLayout::kPre; }
 bool sandwich_norms(const ModelConfig& m) { return m.norm_layout == NormLayout::kSandwich; }
 bool norm_before_sublayer(const ModelConfig& m) { return m.norm_layout != NormLayout::kPost; }
@@ -108,20 +113,24 @@ const std::vector<ParamDef>& param_table(Arch arch) {
       {R::kQNorm, "model.layers.{i}.self_attn.q_norm.weight", ParamPlace::kLayer, q_norm, with_qk_norm},
       {R::kKNorm, "model.layers.{i}.self_attn.k_norm.weight", ParamPlace::kLayer, k_norm, with_qk_norm},
       {R::kMlpNorm, "model.layers.{i}.post_attention_layernorm.weight", ParamPlace::kLayer, hidden, pre_norms},
-      {R::kGateProj, "model.layers.{i}.mlp.gate_proj.weight", ParamPlace::kLayer, mlp_in, dense_mlp},
-      {R::kUpProj, "model.layers.{i}.mlp.up_proj.weight", ParamPlace::kLayer, mlp_in, dense_mlp},
-      {R::kDownProj, "model.layers.{i}.mlp.down_proj.weight", ParamPlace::kLayer, mlp_out, dense_mlp},
+      {R::kGateProj, "model.layers.{i}.mlp.gate_proj.weight", ParamPlace::kLayer, mlp_in, nullptr, dense_layer},
+      {R::kUpProj, "model.layers.{i}.mlp.up_proj.weight", ParamPlace::kLayer, mlp_in, nullptr, dense_layer},
+      {R::kDownProj, "model.layers.{i}.mlp.down_proj.weight", ParamPlace::kLayer, mlp_out, nullptr, dense_layer},
       // Qwen3MoeSparseMoeBlock's order: the router, then expert 0's projections, expert 1's, ...
       // GPT-OSS's biases (router_bias, expert_bias) each after its weight; its fused, interleaved
       // gate_up_proj is stored split into these per-expert keys (docs/bundle-format.md).
-      {R::kRouter, "model.layers.{i}.mlp.gate.weight", ParamPlace::kLayer, router, experts},
-      {R::kRouterBias, "model.layers.{i}.mlp.gate.bias", ParamPlace::kLayer, per_expert_row, with_router_bias},
-      {R::kExpertGateProj, "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", ParamPlace::kLayer, expert_in, experts},
-      {R::kExpertGateBias, "model.layers.{i}.mlp.experts.{e}.gate_proj.bias", ParamPlace::kLayer, expert_width, with_expert_bias},
-      {R::kExpertUpProj, "model.layers.{i}.mlp.experts.{e}.up_proj.weight", ParamPlace::kLayer, expert_in, experts},
-      {R::kExpertUpBias, "model.layers.{i}.mlp.experts.{e}.up_proj.bias", ParamPlace::kLayer, expert_width, with_expert_bias},
-      {R::kExpertDownProj, "model.layers.{i}.mlp.experts.{e}.down_proj.weight", ParamPlace::kLayer, expert_out, experts},
-      {R::kExpertDownBias, "model.layers.{i}.mlp.experts.{e}.down_proj.bias", ParamPlace::kLayer, hidden, with_expert_bias},
+      // Then the shared expert (Llama 4's shared_expert, DeepSeek-V3's shared_experts).
+      {R::kRouter, "model.layers.{i}.mlp.gate.weight", ParamPlace::kLayer, router, experts, expert_layer},
+      {R::kRouterBias, "model.layers.{i}.mlp.gate.bias", ParamPlace::kLayer, per_expert_row, with_router_bias, expert_layer},
+      {R::kExpertGateProj, "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", ParamPlace::kLayer, expert_in, experts, expert_layer},
+      {R::kExpertGateBias, "model.layers.{i}.mlp.experts.{e}.gate_proj.bias", ParamPlace::kLayer, expert_width, with_expert_bias, expert_layer},
+      {R::kExpertUpProj, "model.layers.{i}.mlp.experts.{e}.up_proj.weight", ParamPlace::kLayer, expert_in, experts, expert_layer},
+      {R::kExpertUpBias, "model.layers.{i}.mlp.experts.{e}.up_proj.bias", ParamPlace::kLayer, expert_width, with_expert_bias, expert_layer},
+      {R::kExpertDownProj, "model.layers.{i}.mlp.experts.{e}.down_proj.weight", ParamPlace::kLayer, expert_out, experts, expert_layer},
+      {R::kExpertDownBias, "model.layers.{i}.mlp.experts.{e}.down_proj.bias", ParamPlace::kLayer, hidden, with_expert_bias, expert_layer},
+      {R::kSharedGateProj, "model.layers.{i}.mlp.shared_expert.gate_proj.weight", ParamPlace::kLayer, shared_in, with_shared_expert, expert_layer},
+      {R::kSharedUpProj, "model.layers.{i}.mlp.shared_expert.up_proj.weight", ParamPlace::kLayer, shared_in, with_shared_expert, expert_layer},
+      {R::kSharedDownProj, "model.layers.{i}.mlp.shared_expert.down_proj.weight", ParamPlace::kLayer, shared_out, with_shared_expert, expert_layer},
       // OLMo 2's post-norms (Olmo2DecoderLayer's order: after the MLP). Hugging Face names the
       // attention output's norm post_attention_layernorm, the key llama's pre-MLP norm has.
       // Gemma 3's sandwich (Gemma3DecoderLayer's order): input, post-attention, pre- and post-feedforward.
@@ -153,7 +162,15 @@ const std::vector<ParamDef>& param_table(Arch arch) {
   return arch == Arch::kLlama ? llama : gpt2;
 }
 
-bool has_parameter(const ParamDef& def, const ModelConfig& m) { return def.present == nullptr || def.present(m); }
+bool has_parameter(const ParamDef& def, const ModelConfig& m, int layer) {
+  if (def.present != nullptr && !def.present(m)) return false;
+  if (def.in_layer == nullptr) return true;
+  if (layer >= 0) return def.in_layer(m, layer);
+  for (int any = 0; any < m.num_layers; ++any) {
+    if (def.in_layer(m, any)) return true;
+  }
+  return false;
+}
 
 bool is_per_expert(const ParamDef& def) { return std::string(def.key).find("{e}") != std::string::npos; }
 

@@ -28,10 +28,14 @@ struct ParamDef {
   // null: always; else the model option that brings it (a row of
   // loaders/arch/llama_options.cpp) or the dimension that decides it.
   bool (*present)(const ModelConfig& m) = nullptr;
+  // null: in every layer the model has it in; else which layers hold it
+  // (the dense MLP or the experts, by model.moe.layers).
+  bool (*in_layer)(const ModelConfig& m, int layer) = nullptr;
 };
 
-// Whether the model has this parameter (its options decide for some).
-bool has_parameter(const ParamDef& def, const ModelConfig& m);
+// Whether the model has this parameter (its options decide for some), in
+// `layer` for a per-layer one (-1: in any layer).
+bool has_parameter(const ParamDef& def, const ModelConfig& m, int layer = -1);
 
 // The architecture's parameters in the bundle format's order within a layer
 // and outside (embeddings, layers, final norm, head).

@@ -14,6 +14,7 @@ namespace {
 bool with_attention_sinks(const ModelConfig& m) { return m.attention_sinks; }
 bool with_q_latent(const ModelConfig& m) { return m.latent_attention && m.latent_attention->q_lora_rank > 0; }
 bool with_kv_latent(const ModelConfig& m) { return m.latent_attention.has_value(); }
+bool with_shared_expert_sites(const ModelConfig& m) { return m.moe && m.moe->shared_expert_intermediate_size > 0; }
 }  // namespace
 
 const std::vector<SiteDef>& site_table() {
@@ -50,6 +51,15 @@ const std::vector<SiteDef>& site_table() {
       {SiteId::kMlpExpertUp, "mlp.expert.up", true, L::kExperts, false, true, false, M::kExperts},
       {SiteId::kMlpExpertAct, "mlp.expert.act", true, L::kExperts, false, true, false, M::kExperts},
       {SiteId::kMlpExpertDown, "mlp.expert.down", true, L::kExperts, false, true, false, M::kExperts},
+      // The shared expert beside the routed ones: a dense SwiGLU MLP on every token.
+      {SiteId::kMlpSharedGate, "mlp.shared.gate", true, L::kTokens, false, true, false, M::kExperts, std::nullopt,
+       with_shared_expert_sites},
+      {SiteId::kMlpSharedUp, "mlp.shared.up", true, L::kTokens, false, true, false, M::kExperts, std::nullopt,
+       with_shared_expert_sites},
+      {SiteId::kMlpSharedAct, "mlp.shared.act", true, L::kTokens, false, true, false, M::kExperts, std::nullopt,
+       with_shared_expert_sites},
+      {SiteId::kMlpSharedDown, "mlp.shared.down", true, L::kTokens, false, true, false, M::kExperts, std::nullopt,
+       with_shared_expert_sites},
       {SiteId::kMlpCombine, "mlp.combine", true, L::kTokens, false, true, false, M::kExperts},
       {SiteId::kMlpPostNorm, "mlp.post_norm", true, L::kTokens, false, true, false, M::kAny, NormLayout::kPost},
       {SiteId::kOutput, "output", true, L::kTokens, false, true, true},
@@ -69,12 +79,20 @@ bool is_per_head(SiteId id) {
 
 bool is_per_expert(SiteId id) { return site_def(id).layout == SiteLayout::kExperts; }
 
-bool site_present(const SiteDef& def, const ModelConfig& model) {
+bool site_present(const SiteDef& def, const ModelConfig& model, int layer) {
   if (!(model.arch == Arch::kLlama ? def.llama : def.gpt2)) return false;
   if (def.option && !def.option(model)) return false;
   // Sandwich norms (Gemma 3) have both the pre-norm and the post-norm sites.
   if (def.norms && *def.norms != model.norm_layout && model.norm_layout != NormLayout::kSandwich) return false;
-  return def.mlp == MlpKind::kAny || (def.mlp == MlpKind::kExperts) == model.moe.has_value();
+  return def.mlp == MlpKind::kAny || (def.mlp == MlpKind::kExperts) == model.moe_layer(layer);
+}
+
+bool site_present(const SiteDef& def, const ModelConfig& model) {
+  if (!def.in_layer) return site_present(def, model, -1);
+  for (int layer = 0; layer < model.num_layers; ++layer) {
+    if (site_present(def, model, layer)) return true;
+  }
+  return false;
 }
 
 std::string site_name(const SiteRef& ref) {
@@ -108,7 +126,7 @@ std::vector<SiteRef> forward_sites(const ModelConfig& model) {
   order.push_back({SiteId::kEmbed, -1});
   for (int layer = 0; layer < model.num_layers; ++layer) {
     for (const SiteDef& def : site_table()) {
-      if (def.in_layer && site_present(def, model)) order.push_back({def.id, layer});
+      if (def.in_layer && site_present(def, model, layer)) order.push_back({def.id, layer});
     }
   }
   order.push_back({SiteId::kFinalNorm, -1});
@@ -128,7 +146,7 @@ std::vector<ParamSpec> expected_parameters(const ModelConfig& m) {
       per_expert.clear();
     };
     for (const ParamDef& def : param_table(m.arch)) {
-      if (def.place != place || !has_parameter(def, m)) continue;
+      if (def.place != place || !has_parameter(def, m, layer)) continue;
       if (is_per_expert(def)) {
         per_expert.push_back(&def);
         continue;

@@ -39,6 +39,10 @@ enum class SiteId : uint8_t {
   kMlpExpertUp,
   kMlpExpertAct,
   kMlpExpertDown,
+  kMlpSharedGate,    // moe with a shared expert (Llama 4, DeepSeek-V3): its gate ... down, on every token
+  kMlpSharedUp,
+  kMlpSharedAct,
+  kMlpSharedDown,
   kMlpCombine,
   kMlpPostNorm,      // norm_layout post: the norm of the MLP's output
   kOutput,
@@ -57,7 +61,7 @@ enum class SiteLayout {
   kScalar,       // the loss
 };
 
-// Which MLP a layer site belongs to: every layer has one or the other.
+// Which MLP a layer site belongs to: every layer has one or the other (model.moe.layers decides).
 enum class MlpKind : uint8_t { kAny, kDense, kExperts };
 
 struct SiteDef {
@@ -85,8 +89,9 @@ struct SiteRef {
 std::string site_name(const SiteRef& ref);
 bool is_per_head(SiteId id);
 bool is_per_expert(SiteId id);
-// Whether the model's forward produces this site.
+// Whether the model's forward produces this site in some layer; with `layer`, in that layer.
 bool site_present(const SiteDef& def, const ModelConfig& model);
+bool site_present(const SiteDef& def, const ModelConfig& model, int layer);
 // Parses "layers.3.attn.q" or "logits"; nullopt when no such site.
 std::optional<SiteRef> parse_site_name(const std::string& name);
 

@@ -27,10 +27,10 @@ fi
 
 # The parsers and what they call; none of it needs LibTorch. The trace reader
 # also links Debian's HDF5 (uninstrumented, like everywhere else) and OpenSSL.
-parsers=(loaders/base/json_util loaders/arch/manifest_values loaders/arch/model_options loaders/arch/llama_options loaders/bundle/manifest loaders/bundle/optimizer_manifest loaders/bundle/spike_settings loaders/bundle/provenance loaders/bundle/bundle_paths loaders/bundle/step_state loaders/formats/safetensors
+parsers=(loaders/base/json_util loaders/arch/manifest_values loaders/arch/model_options loaders/arch/llama_options loaders/arch/latent_attention_option loaders/arch/moe_option loaders/bundle/manifest loaders/bundle/optimizer_manifest loaders/bundle/spike_settings loaders/bundle/provenance loaders/bundle/bundle_paths loaders/bundle/step_state loaders/formats/safetensors
          loaders/base/mapped_file loaders/base/mapping_faults)
 trace_reader=(reports/outputs/trace/trace_writer reports/outputs/trace/trace_file_driver reports/outputs/trace/trace_reader reports/outputs/trace/trace_parse_isolation reports/outputs/trace/trace_integrity loaders/base/sha256 probes/probe_record probes/sites
-             probes/param_table loaders/arch/manifest_values loaders/arch/model_options loaders/arch/llama_options loaders/bundle/manifest loaders/bundle/optimizer_manifest loaders/bundle/spike_settings loaders/bundle/provenance loaders/base/json_util loaders/bundle/bundle_paths)
+             probes/param_table loaders/arch/manifest_values loaders/arch/model_options loaders/arch/llama_options loaders/arch/latent_attention_option loaders/arch/moe_option loaders/bundle/manifest loaders/bundle/optimizer_manifest loaders/bundle/spike_settings loaders/bundle/provenance loaders/base/json_util loaders/bundle/bundle_paths)
 hdf5_include="$(pkg-config --cflags-only-I hdf5 2>/dev/null || echo -I/usr/include/hdf5/serial)"
 hdf5_libs="$(pkg-config --libs-only-L hdf5 2>/dev/null || echo -L/usr/lib/x86_64-linux-gnu/hdf5/serial)"
 flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -I"$root" $hdf5_include
@@ -76,12 +76,13 @@ done
 
 export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
-status=0
-for target in "${targets[@]}"; do
-  objects=("${parser_objects[@]}")
-  libraries=()
-  options=(-max_len=65536 -dict="$root/fuzz/json.dict")
-  run_env=()
+# One target: link it, fuzz it for $seconds; returns nonzero on any finding.
+fuzz_one() {
+  local target=$1
+  local objects=("${parser_objects[@]}")
+  local libraries=()
+  local options=(-max_len=65536 -dict="$root/fuzz/json.dict")
+  local run_env=()
   if [[ "$target" == fuzz_trace_reader ]]; then
     objects=("${trace_objects[@]}")
     libraries=($hdf5_libs -lhdf5 -lcrypto)
@@ -97,10 +98,11 @@ for target in "${targets[@]}"; do
              LSAN_OPTIONS="suppressions=$root/fuzz/lsan_hdf5.supp")
   fi
   "$cxx" "${flags[@]}" -fsanitize=fuzzer "$root/fuzz/$target.cpp" "${objects[@]}" "${libraries[@]}" \
-    -o "$work/$target"
+    -o "$work/$target" || return 1
   # New inputs go to a work corpus outside the repository; the seeds are read only.
   mkdir -p "$work/corpus/$target"
   echo "fuzz: $target for ${seconds}s"
+  local start
   start=$(date +%s)
   if ! env "${run_env[@]}" "$work/$target" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
       "${options[@]}" -print_final_stats=1 \
@@ -108,10 +110,26 @@ for target in "${targets[@]}"; do
       "$work/corpus/$target" "$root/fuzz/corpus/$target" >"$work/$target.log" 2>&1; then
     echo "fuzz: $target FAILED; the input is in $work/artifacts/, the log in $work/$target.log" >&2
     tail -n 40 "$work/$target.log" >&2
-    status=1
-    continue
+    return 1
   fi
+  local runs
   runs=$(grep -Eo 'stat::number_of_executed_units: *[0-9]+' "$work/$target.log" | grep -Eo '[0-9]+$' || echo "?")
   echo "fuzz: $target ok: $runs executions in $(( $(date +%s) - start ))s, no crash"
+}
+
+# $jobs targets at a time: each fuzzer is one process, so two cores fuzz two
+# targets in the wall time of one (CI's budget).
+status=0
+pending=()
+for target in "${targets[@]}"; do
+  fuzz_one "$target" &
+  pending+=($!)
+  if ((${#pending[@]} >= jobs)); then
+    wait "${pending[0]}" || status=1
+    pending=("${pending[@]:1}")
+  fi
+done
+for pid in "${pending[@]}"; do
+  wait "$pid" || status=1
 done
 exit "$status"

@@ -1053,6 +1053,13 @@ const std::vector<PresetDef>& preset_table() {
          s.model.qk_norm = QkNorm::kHead;
          s.model.num_kv_heads = 2;
        }},
+      {{"qwen3-qknorm-overflow", "fp16 Qwen3: the per-head QK-norm's gain on one dimension grown until head 2 of "
+                                 "layer 1 overflows q k^T on a rare token, at the last step"},
+       [](SyntheticSpec& s) {
+         s.model.qk_norm = QkNorm::kHead;
+         s.model.num_kv_heads = 2;
+         head_overflow(s);  // through the shared q_norm / k_norm gains (amplify_through_head_norm)
+       }},
       {{"clean-olmo2", "nothing, OLMo 2's block: post-norm and the QK-norm over the whole projection (qk_norm full)"},
        olmo2_block},
       {{"olmo2-postnorm-overflow", "fp16 OLMo 2 (post-norm, QK-norm over the projection): one gain of layer 1's "
@@ -1150,6 +1157,25 @@ const std::vector<PresetDef>& preset_table() {
          moe_fault(s, FaultKind::kExpertOverflow);
          gpt_oss_moe(s);
          s.model.moe->swiglu_limit.reset();
+       }},
+      // Llama 4's mixture of experts (issue 40) on its attention, at a toy width: layer 0 dense (the
+      // model's intermediate_size, Llama 4's intermediate_size_mlp), layer 1 routed (moe.layers, as
+      // interleave_moe_layer_step 2 gives), Llama4Router's top-1 sigmoid, each expert's input scaled
+      // by its score, gate and up one matmul (gate_up_proj), and the shared expert.
+      {{"clean-llama4-moe", "nothing, Llama 4: its attention, a dense layer 0 and experts on layer 1 (4 experts, "
+                            "top 1 by sigmoid, the expert's input scaled by its score, a shared expert)"},
+       [](SyntheticSpec& s) {
+         llama4_attention(s);
+         s.seq_len = 16;
+         s.model.hidden_size = 32;
+         s.model.intermediate_size = 48;
+         MoeConfig moe{4, 1, 24, false, 0.0, 0.0};
+         moe.router = RouterKind::kSigmoidTopK;
+         moe.scale_expert_input = true;
+         moe.fused_gate_up = true;
+         moe.shared_expert_intermediate_size = 24;
+         moe.layers = {1};
+         s.model.moe = moe;
        }},
       // Spikes that never go non-finite (docs/spikes.md).
       {{"clean-site-stats", "nothing, every step logging its forward sites' max |x| and rms (logged.site_stats)"},

@@ -254,6 +254,27 @@ TEST_CASE("OLMo 2: a post-norm gain's overflow is named at that norm's output; f
   CHECK(outcomes[1]["resolved"] == false);  // the other layer computed in fp32 changes nothing there
 }
 
+TEST_CASE("Qwen3: a QK-norm gain's overflow is named at its head; fp32 there resolves it, a soft cap cannot",
+          "[cli][options][incident][what-if]") {
+  ScratchDir dir("options-qwen3");
+  const auto synth = run_cli({"synth", "qwen3-qknorm-overflow", (dir / "bundle").string()});
+  REQUIRE(synth.status == 0);
+  Triaged t = run_bundle(dir, {"--what-if", "fp32-layers=1", "--what-if", "softcap=30"});  // bisect: run's origin too
+  t.planted = nlohmann::json::parse(synth.out);
+  CHECK(t.status == 1);
+  const nlohmann::json& first = t.report["first_nonfinite"];
+  CHECK(first["site"] == "layers.1.attn.scores");  // the gains every head shares; only head 2 reads the feature
+  CHECK(first["head"] == 2);
+  CHECK(first["step"] == t.planted["fault_step"]);
+  CHECK(first["sample"] == t.planted["fault_sample"]);
+  CHECK(t.report["reproduction"]["reproduces"] == true);
+  const nlohmann::json& outcomes = t.report["what_if"];
+  REQUIRE(outcomes.size() == 2);
+  CHECK(outcomes[0]["resolved"] == true);   // 4x 65504 fits fp32
+  CHECK(outcomes[1]["resolved"] == false);  // q k^T overflows before the cap reads it
+  CHECK(outcomes[1]["first_nonfinite_after"]["site"] == "layers.1.attn.scores");
+}
+
 TEST_CASE("OLMo 3: run and bisect name the overflowing head of a sliding layer; the window does not matter",
           "[cli][options][incident][what-if]") {
   ScratchDir dir("options-olmo3");

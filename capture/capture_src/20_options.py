@@ -47,11 +47,16 @@ _NORM_LAYOUT_BY_MODEL_TYPE = {"olmo2": "post", "olmo3": "post", "gemma3_text": "
 _BIAS_BY_MODEL_TYPE = {"qwen2": True}
 # Models whose window applies to every other layer only, which bundle v1 cannot express.
 _ALTERNATING_WINDOW_TYPES = ("cohere2",)
-# Families whose whole models are mixtures of experts bundle v1's moe cannot express, refused by their
-# config's model_type before anything else is read (the capture helper here, `nanreplay import` in
-# nanreplay_import/model_settle.py): {model_type: (why, the attention options bundle v1 does replay)}.
-_GPT_OSS_EXPERTS = ("GPT-OSS's experts (fused gate_up_proj with biases, the clamped SwiGLU, a router with a bias) "
-                    "are not bundle v1's moe", "attention_sinks, o_proj_bias, yarn rope_scaling, head_dim, sliding_window")
+# Families whose whole models are mixtures of experts the recorder cannot take, refused by their config's
+# model_type before anything else is read (the capture helper here, `nanreplay import` in
+# nanreplay_import/model_settle.py, which reads gpt_oss: naming.HF_EXPERT_NAMES): {model_type: (why, the
+# attention options bundle v1 does replay)}.
+# GPT-OSS's experts replay (model.moe's gpt_oss keys) and `nanreplay import` reads its checkpoints; the recorder
+# splits a fused parameter only into row blocks it can view, which GPT-OSS's column-interleaved experts are not.
+_GPT_OSS_EXPERTS = ("GPT-OSS's experts are stored fused (gate_up_proj [E, C, 2M], gate and up interleaved in its "
+                    "columns, multiplied from the right), which the recorder cannot take apart as views of row "
+                    "blocks; save a checkpoint and run `nanreplay import` on it (docs/import.md)",
+                    "attention_sinks, o_proj_bias, yarn rope_scaling, head_dim, sliding_window")
 _LLAMA4_EXPERTS = ("Llama 4's experts (a shared expert beside top-1 routed ones, sigmoid router scores) are not "
                    "bundle v1's moe", "qk_norm 'l2', no_rope_layers, attn_temperature_tuning, attention_chunk_size, "
                    "llama3 rope_scaling, interleaved rope_style")

@@ -8,7 +8,7 @@ import torch
 
 import nanreplay_capture as _capture
 
-from . import safe_pickle
+from . import families, safe_pickle
 from .checkpoint_state import find_optimizer_state
 from .formats import detect_format, format_module
 from .formats.dcp import read_dcp
@@ -17,7 +17,7 @@ from .inputs import _read_json
 from .model_settle import (FLAGS_WHERE, _FLOAT_TYPES, _kind_of, _moe_config, check_parameters, flag_config, model_options,
                            normalize_config, required_values, settle_activation, settle_model,
                            text_model)
-from .naming import Mapper, detect_naming, strip_prefix, unstack_megatron_layers
+from .naming import HF_EXPERT_NAMES, Mapper, detect_naming, refuse_quantized, strip_prefix, unstack_megatron_layers
 from .optimizer import _unflatten_optimizer, aux_optimizer_state, infer_kind, merge_aux, optimizer_kind, read_optimizer, read_optimizer_general, step_entries
 from .outcome import BadInput, say, warn
 from .provenance import (_hyper_provenance, _provenance_entry, check_first, check_incident_window, checkpoint_counters,
@@ -74,12 +74,21 @@ def settle_model_section(args, arch, naming, sd, configs):
     mapper = Mapper(naming, {"num_heads": heads_cfg["num_heads"], "num_kv_heads": heads_cfg.get("num_kv_heads", heads_cfg["num_heads"]),
                              "hidden_size": heads_cfg.get("hidden_size", 0) or 1, "head_dim": heads_cfg.get("head_dim"),
                              "model_type": model_type})
-    if mapper.hf_table:
+    if mapper.hf_table and model_type in HF_EXPERT_NAMES:
+        say(f"fused experts: {model_type}'s mlp.experts.gate_up_proj / down_proj and their biases split per expert "
+            "(gate the even columns, up the odd ones, each transposed), mlp.router read as mlp.gate")
+    elif mapper.hf_table:
         say(f"fused parameters: {model_type}'s qkv_proj / gate_up_proj split into llama's q/k/v_proj and gate/up_proj"
             if model_type == "phi3" else f"fused parameters: {model_type}'s gate_up_proj split into gate_proj and up_proj"
             + (", its post_self_attn / post_attention / post_mlp norms read as the sandwich layout's" if
                model_type == "glm4" else ""))
+    if naming == "deepseek" and families.latent_config(configs)[0] is None:
+        raise BadInput(args.config or args.checkpoint, "model_type", "DeepSeek's own naming needs the Hugging Face "
+                       "config.json it was converted from (model_type deepseek_v3), given as --config")
     mapped = mapper.map(sd, args.checkpoint)
+    mapped, mtp = families.drop_mtp_layers(mapped, configs)
+    if mtp:
+        say(mtp)
     model, notes = settle_model(arch, mapped, naming, configs, args)
     opts, opt_notes = model_options(naming, configs, model, args)
     model.update(opts)
@@ -89,8 +98,18 @@ def settle_model_section(args, arch, naming, sd, configs):
         moe = _moe_config(raw, where, model["num_layers"], len(mapped)) if arch == "llama" else None
         if moe:
             model["moe"] = moe
-            notes["moe"] = (_kind_of(where, args), f"{where}: num_experts")
+            notes["moe"] = (_kind_of(where, args), f"{where}: " + ("num_experts" if raw.get("num_experts") else
+                                                                   "num_local_experts"))
             break
+    model["moe"], family_notes = families.gpt_oss_moe(configs, model.get("moe"))
+    latent, latent_notes = families.latent_attention(configs, model["num_heads"])
+    if latent is not None:
+        model["latent_attention"] = latent
+        notes.pop("head_dim", None)  # the config's head_dim is the rotary width there (qk_rope_head_dim)
+        families.refuse_deepseek_moe(configs, mapped, model["num_layers"])
+    family_notes.update(latent_notes)
+    if model["moe"] is None:
+        del model["moe"]
     if model["tie_embeddings"]:
         mapped.pop("lm_head.weight", None)
     params = check_parameters(mapped, model, args.checkpoint)
@@ -107,6 +126,10 @@ def settle_model_section(args, arch, naming, sd, configs):
     provenance = {f"model.{k}": _provenance_entry(kind, detail, activation if k == "activation" else
                                                   model.get(k, "rotate_half" if k == "rope_style" else None))
                   for k, (kind, detail) in notes.items()}
+    for key, (kind, detail, value) in family_notes.items():  # GPT-OSS's experts, DeepSeek-V3's latent attention
+        kind = _kind_of(detail.split(": ")[0], args) if kind == "checkpoint" else kind
+        (warn if kind == "default" else say)(f"  {key}: " + ("DEFAULTED, " if kind == "default" else "") + detail)
+        provenance[f"model.{key}"] = _provenance_entry(kind, detail, value)
     return mapper, model, params, provenance
 
 
@@ -177,6 +200,7 @@ def build(args):
     source_sd, configs, text_note = text_model(source_sd, configs)  # Gemma 3's multimodal: its text model
     if text_note:
         say(text_note)
+    refuse_quantized(source_sd, args.checkpoint)  # before the naming: a released model's quantized weights
     naming = args.naming
     if naming == "auto":
         naming, key = detect_naming(list(source_sd))

@@ -9,7 +9,8 @@ import torch
 
 import nanreplay_capture as _capture
 
-from .naming import _HF_MOE, group_names
+from . import families
+from .naming import _HF_MOE, HF_EXPERT_NAMES, group_names
 from .outcome import BadInput
 
 _FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -162,7 +163,7 @@ def refuse_model_type(configs):
     """BadInput naming the config's model_type when bundle v1 cannot replay that family's checkpoints."""
     for raw, w in configs:
         kind = raw.get("model_type") if isinstance(raw, dict) else None
-        if isinstance(kind, str) and kind in _capture.UNSUPPORTED_MODEL_TYPES:  # the capture helper's table
+        if isinstance(kind, str) and kind in _capture.UNSUPPORTED_MODEL_TYPES and kind not in HF_EXPERT_NAMES:
             why, attention = _capture.UNSUPPORTED_MODEL_TYPES[kind]
             raise BadInput(w, "model_type", f"{kind!r} is not importable: {why}; its attention ({attention}) is, "
                                             "for a dense model given in --config")
@@ -256,6 +257,20 @@ def settle_model(arch, sd, naming, sources, args):
     return model, prov
 
 
+def _settle_kv_heads(sd, cfg, origin, settle, C, H):
+    """num_kv_heads from k_proj's rows over the head width (the config's head_dim, else C / H)."""
+    head_dim = cfg.get("head_dim")  # a config's own head width (model_options() writes it as model.head_dim)
+    if C % H and head_dim is None:
+        where, name = origin["num_heads"]
+        raise BadInput(FLAG_OF["num_heads"] if where == FLAGS_WHERE else where, name, f"{H} does not divide hidden_size {C}"
+                       + " and no config gives head_dim")
+    head_dim = head_dim or C // H
+    k = sd.get("model.layers.0.self_attn.k_proj.weight")
+    if k is None:
+        raise BadInput("--checkpoint", "model.layers.0.self_attn.k_proj.weight", "missing (after the naming preset)")
+    settle("num_kv_heads", int(k.shape[0]) // head_dim, "k_proj rows / head_dim")
+
+
 def _settle_llama(sd, cfg, origin, prov, model, settle, need, H, args):
     src = "--checkpoint"
     embed = sd.get("model.embed_tokens.weight")
@@ -273,16 +288,10 @@ def _settle_llama(sd, cfg, origin, prov, model, settle, need, H, args):
     settle("hidden_size", int(C), "embedding width")
     settle("num_layers", L, "layers")
     model["num_heads"] = H
-    head_dim = cfg.get("head_dim")  # a config's own head width (model_options() writes it as model.head_dim)
-    if C % H and head_dim is None:
-        where, name = origin["num_heads"]
-        raise BadInput(FLAG_OF["num_heads"] if where == FLAGS_WHERE else where, name, f"{H} does not divide hidden_size {C}"
-                       + " and no config gives head_dim")
-    head_dim = head_dim or C // H
-    k = sd.get("model.layers.0.self_attn.k_proj.weight")
-    if k is None:
-        raise BadInput(src, "model.layers.0.self_attn.k_proj.weight", "missing (after the naming preset)")
-    settle("num_kv_heads", int(k.shape[0]) // head_dim, "k_proj rows / head_dim")
+    if "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in sd:  # DeepSeek-V3's latent attention: no k_proj
+        settle("num_kv_heads", H, "latent attention gives every head its own k and v")
+    else:
+        _settle_kv_heads(sd, cfg, origin, settle, C, H)
     gate = sd.get("model.layers.0.mlp.gate_proj.weight")
     if gate is not None:
         settle("intermediate_size", int(gate.shape[0]), "gate_proj rows")
@@ -345,7 +354,7 @@ def settle_activation(arch, naming, configs, args):
 # The llama option keys this importer settles: model_options() those of the capture helper's
 # LLAMA_OPTION_DEFAULTS, _moe_config() "moe". tests/test_arch_model_options.cpp checks them against
 # nanreplay's option table (loaders/arch/llama_options.cpp).
-# latent_attention: known by name, not settled (an import of DeepSeek-V3's MLA is not written yet).
+# latent_attention: settled from a DeepSeek-V3 config (families.latent_attention).
 LLAMA_OPTION_KEYS = (*_capture.LLAMA_OPTION_DEFAULTS, "moe", "latent_attention")
 
 
@@ -397,6 +406,7 @@ def model_options(naming, configs, model, args):
                     continue  # a Meta-layout checkpoint next to an HF config: the weights decide
                 if value != _capture.LLAMA_OPTION_DEFAULTS[key] and key not in opts:
                     opts[key], notes[key] = value, (kind, f"{where}: {why.replace('model.config', 'config')}")
+    _family_options(configs, model, opts, notes, args)
     if "attention_mask" not in opts and not any("attention_mask" in raw for raw, _ in configs):
         mask, why = _mask_convention(naming)
         if mask != "exclude":  # exclude is the bundle's default: nothing to write or note
@@ -409,6 +419,27 @@ def model_options(naming, configs, model, args):
         notes["rope_style"] = ("flag", "--rope-style" + (f" (overrides {notes['rope_style'][1]})"
                                                          if notes.get("rope_style") else ""))
     return opts, notes
+
+
+def _family_options(configs, model, opts, notes, args):
+    """GPT-OSS's attention options its config.json leaves implicit, and DeepSeek-V3's rotary style; its
+    head_dim (the rotary width, qk_rope_head_dim) is latent attention's, not a head width of llama's."""
+    for key, (value, kind, detail) in families.gpt_oss_options(configs, model["num_layers"]).items():
+        if value == _capture.LLAMA_OPTION_DEFAULTS[key]:
+            opts.pop(key, None)  # the bundle's default: not written
+        elif key not in opts or kind != "default":
+            opts[key], notes[key] = value, (_kind_of(detail.split(": ")[0], args) if kind == "checkpoint" else kind,
+                                            detail)
+    if families.latent_config(configs)[0] is not None:
+        opts.pop("head_dim", None)
+        notes.pop("head_dim", None)
+        style, detail = families.latent_rope_style(configs)
+        if style == "interleaved":
+            opts["rope_style"] = style
+        else:
+            opts.pop("rope_style", None)
+        notes["rope_style"] = (_kind_of(detail.split(": ")[0], args) if detail.endswith("rope_interleave")
+                               else "default", detail)
 
 
 def _mask_convention(naming):
@@ -427,8 +458,9 @@ def _mask_convention(naming):
 
 def expected_parameters(model):
     """[(key, shape)] bundle v1 needs, with model.moe's expert parameters in place of the dense MLP
-    (the capture helper's list: nanreplay_capture.expected_parameters)."""
-    return _capture.expected_parameters(model["arch"], model)
+    (the capture helper's list: nanreplay_capture.expected_parameters), GPT-OSS's router and expert
+    biases and DeepSeek-V3's latent attention added (families.adjust_parameters)."""
+    return families.adjust_parameters(_capture.expected_parameters(model["arch"], model), model)
 
 
 def check_parameters(sd, model, where):

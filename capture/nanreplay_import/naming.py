@@ -1,5 +1,5 @@
 """Naming presets: the user's framework's parameter names onto bundle v1's (HF llama, Meta/torchtitan/
-llama2.c, Megatron-core, nanoGPT gpt2), and detecting which one a checkpoint uses."""
+llama2.c, Megatron-core, DeepSeek's own, nanoGPT gpt2), and detecting which one a checkpoint uses."""
 
 import re
 
@@ -9,7 +9,7 @@ import nanreplay_capture as _capture
 
 from .outcome import BadInput
 
-NAMINGS = ("auto", "hf", "meta", "torchtitan", "megatron", "nanogpt")
+NAMINGS = ("auto", "hf", "meta", "torchtitan", "megatron", "deepseek", "nanogpt")
 
 
 # Known non-parameter buffers, skipped by name: rotary caches (inv_freq, freqs_cis, HF's cos/sin caches),
@@ -26,6 +26,7 @@ _DETECT = [  # (naming, key regex): the first that matches any key of the state 
     ("meta", r"layers\.0\.attention\.wq\.weight"),
     ("megatron", r"decoder\.layers\.(0\.)?self_attention\.linear_qkv\.weight"),
     ("megatron", r"embedding\.word_embeddings\.weight"),
+    ("deepseek", r"layers\.0\.attn\.wkv_a\.weight"),
     ("nanogpt", r"transformer\.wte\.weight"),
     ("hf", r"model\.embed_tokens\.weight"),
     ("meta", r"tok_embeddings\.weight"),
@@ -48,6 +49,65 @@ _MEGATRON = [  # Megatron-core (GPTModel with TransformerEngine's fused LayerNor
     (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.weight", "model.layers.{0}.mlp.down_proj.weight"),
     (r"decoder\.final_layernorm\.weight", "model.norm.weight"),
     (r"output_layer\.weight", "lm_head.weight"),
+    # Megatron's multi-latent attention and MoE (MLASelfAttention, MoELayer): refused by name ("!why").
+    (r"decoder\.layers\.\d+\.self_attention\.(?:linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|"
+     r"linear_kv_up_proj|linear_q_proj|kv_layernorm)\..*",
+     "!Megatron's multi-latent attention: its args' latent widths and rotary (qk_head_dim, qk_pos_emb_head_dim, "
+     "rotary_scaling_factor, mscale) are not read by this import; convert the checkpoint to Hugging Face's "
+     "DeepSeek-V3 names (q_a_proj, kv_a_proj_with_mqa, ...) with its config.json"),
+    (r"decoder\.layers\.\d+\.mlp\.(?:router|experts|shared_experts)\..*",
+     "!Megatron's MoE layer (router, grouped experts): not imported; bundle v1's moe is read from Hugging Face's "
+     "names and config only"),
+]
+
+# DeepSeek's own checkpoint names (deepseek-ai/DeepSeek-V3 inference/convert.py's mapping, applied backwards).
+# Its MoE names go to Hugging Face's, so that the import refuses them as it refuses HF's.
+_DEEPSEEK = [
+    (r"embed\.weight", "model.embed_tokens.weight"),
+    (r"layers\.(\d+)\.attn_norm\.weight", "model.layers.{0}.input_layernorm.weight"),
+    (r"layers\.(\d+)\.ffn_norm\.weight", "model.layers.{0}.post_attention_layernorm.weight"),
+    (r"layers\.(\d+)\.attn\.wq\.weight", "model.layers.{0}.self_attn.q_proj.weight"),
+    (r"layers\.(\d+)\.attn\.wq_a\.weight", "model.layers.{0}.self_attn.q_a_proj.weight"),
+    (r"layers\.(\d+)\.attn\.q_norm\.weight", "model.layers.{0}.self_attn.q_a_layernorm.weight"),
+    (r"layers\.(\d+)\.attn\.wq_b\.weight", "model.layers.{0}.self_attn.q_b_proj.weight"),
+    (r"layers\.(\d+)\.attn\.wkv_a\.weight", "model.layers.{0}.self_attn.kv_a_proj_with_mqa.weight"),
+    (r"layers\.(\d+)\.attn\.kv_norm\.weight", "model.layers.{0}.self_attn.kv_a_layernorm.weight"),
+    (r"layers\.(\d+)\.attn\.wkv_b\.weight", "model.layers.{0}.self_attn.kv_b_proj.weight"),
+    (r"layers\.(\d+)\.attn\.wo\.weight", "model.layers.{0}.self_attn.o_proj.weight"),
+    (r"layers\.(\d+)\.ffn\.w1\.weight", "model.layers.{0}.mlp.gate_proj.weight"),
+    (r"layers\.(\d+)\.ffn\.w2\.weight", "model.layers.{0}.mlp.down_proj.weight"),
+    (r"layers\.(\d+)\.ffn\.w3\.weight", "model.layers.{0}.mlp.up_proj.weight"),
+    (r"layers\.(\d+)\.ffn\.gate\.weight", "model.layers.{0}.mlp.gate.weight"),
+    (r"layers\.(\d+)\.ffn\.gate\.bias", "model.layers.{0}.mlp.gate.e_score_correction_bias"),
+    (r"layers\.(\d+)\.ffn\.(experts\.\d+|shared_experts)\.w1\.weight", "model.layers.{0}.mlp.{1}.gate_proj.weight"),
+    (r"layers\.(\d+)\.ffn\.(experts\.\d+|shared_experts)\.w2\.weight", "model.layers.{0}.mlp.{1}.down_proj.weight"),
+    (r"layers\.(\d+)\.ffn\.(experts\.\d+|shared_experts)\.w3\.weight", "model.layers.{0}.mlp.{1}.up_proj.weight"),
+    (r"norm\.weight", "model.norm.weight"),
+    (r"head\.weight", "lm_head.weight"),
+]
+
+# Hugging Face MoE families whose experts are stored fused, by config model_type (import only: the capture
+# helper refuses them live). GPT-OSS: gate_up_proj [E, C, 2M] with gate in the even columns and up in the
+# odd ones, down_proj [E, M, C], each multiplied from the right; split per expert and transposed
+# (docs/bundle-format.md, "GPT-OSS's checkpoint in these keys"). "{{e}}" is the expert, "{{part}}" gate/up.
+HF_EXPERT_NAMES = {"gpt_oss": [
+    (r"model\.layers\.(\d+)\.mlp\.router\.(weight|bias)", "model.layers.{0}.mlp.gate.{1}"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj", "gate_up:model.layers.{0}.mlp.experts.{{e}}.{{part}}_proj.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj_bias", "gate_up:model.layers.{0}.mlp.experts.{{e}}.{{part}}_proj.bias"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj", "per_expert:model.layers.{0}.mlp.experts.{{e}}.down_proj.weight"),
+    (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj_bias", "per_expert:model.layers.{0}.mlp.experts.{{e}}.down_proj.bias"),
+]}
+# What an expert-stacked tensor holds per expert: [(part, columns of its last axis)].
+_EXPERT_PARTS = {"gate_up": [("gate", slice(0, None, 2)), ("up", slice(1, None, 2))], "per_expert": [(None, slice(None))]}
+
+# Quantized weights a released checkpoint stores and a training run's does not: refused by key.
+_QUANTIZED = [
+    (re.compile(r".*_(?:blocks|scales)"), "MXFP4-quantized experts (GPT-OSS's released checkpoints: 4-bit blocks and "
+                                          "their scales, quantization_config mxfp4); a training run's checkpoint holds "
+                                          "bf16/fp32 experts, which the replay's update needs"),
+    (re.compile(r".*\.weight_scale_inv|layers\.\d+\..*\.scale"),
+     "FP8 block-quantized weights (DeepSeek-V3's released checkpoints, quantization_config fp8); a training run's "
+     "checkpoint holds bf16/fp32 weights, which the replay's update needs"),
 ]
 
 # Hugging Face families whose checkpoints fuse or rename llama's parameters, by config model_type (Phi-3's
@@ -56,6 +116,14 @@ _MEGATRON = [  # Megatron-core (GPTModel with TransformerEngine's fused LayerNor
 HF_FUSED = _capture.HF_FUSED_NAMES
 
 _HF_MOE = re.compile(r"model\.layers\.\d+\.mlp\.(gate\.weight|experts\.\d+\.(gate|up|down)_proj\.weight)")
+
+
+def refuse_quantized(keys, where):
+    """BadInput naming the first key of quantized weights (_QUANTIZED) the checkpoint holds."""
+    for key in keys:
+        for rx, why in _QUANTIZED:
+            if isinstance(key, str) and rx.fullmatch(key):
+                raise BadInput(where, key, f"{why}: not importable")
 
 
 def group_names(names, limit=12):
@@ -88,7 +156,8 @@ def detect_naming(keys):
         for key in keys:
             if rx.fullmatch(key):
                 return naming, key
-    raise BadInput("--checkpoint", "naming", "no known parameter naming (hf, meta, torchtitan, megatron, nanogpt) "
+    raise BadInput("--checkpoint", "naming", "no known parameter naming (hf, meta, torchtitan, megatron, deepseek, "
+                                             "nanogpt) "
                                              f"matches keys such as {sorted(keys)[:3]}; pass --naming")
 
 
@@ -137,10 +206,12 @@ class Mapper:
 
     def __init__(self, naming, cfg):
         self.naming, self.cfg = naming, cfg
-        table = {"meta": _META, "torchtitan": _META, "megatron": _MEGATRON}.get(naming)
+        table = {"meta": _META, "torchtitan": _META, "megatron": _MEGATRON, "deepseek": _DEEPSEEK}.get(naming)
         self.table = [(re.compile(p), t) for p, t in table] if table else None
-        # hf: llama's names, but for the fused and renamed ones of the config's model_type (HF_FUSED)
-        fused = HF_FUSED.get(cfg.get("model_type")) if naming == "hf" else None
+        # hf: llama's names, but for the fused and renamed ones of the config's model_type (HF_FUSED,
+        # HF_EXPERT_NAMES)
+        kind = cfg.get("model_type")
+        fused = (HF_FUSED.get(kind) or HF_EXPERT_NAMES.get(kind)) if naming == "hf" else None
         self.hf_table = [(re.compile(p), t) for p, t in fused] if fused else []
 
     def target(self, key):
@@ -168,11 +239,15 @@ class Mapper:
             if target.startswith("?"):
                 unknown.append(key)
                 continue
+            if target.startswith("!"):
+                raise BadInput(where, key, target[1:])
             if target.startswith("qkv:"):
                 for part, piece in zip("qkv", self.split_qkv(t, key, where)):
                     out[target[4:].format(part)] = piece
             elif target.startswith(("hfqkv:", "fc1:")):
                 out.update(self.split_rows(t, key, where, target))
+            elif target.partition(":")[0] in _EXPERT_PARTS:
+                out.update(self.split_experts(t, key, where, target))
             else:
                 if target in out:
                     raise BadInput(where, key, f"maps onto {target}, which another key also maps onto")
@@ -215,3 +290,36 @@ class Mapper:
         except _capture.CaptureError as e:
             raise BadInput(where, key, str(e)) from None
         return {template.format(part): t.narrow(0, first, count).contiguous() for part, first, count in blocks}
+
+    def split_experts(self, t, key, where, target):
+        """{bundle key: tensor} of a tensor stacked over experts (GPT-OSS's): per expert e, each part's
+        columns of the last axis (_EXPERT_PARTS), a [in, out] matrix transposed to the bundle's [out, in]."""
+        kind, _, template = target.partition(":")
+        if t.dim() not in (2, 3) or t.shape[0] < 1:
+            raise BadInput(where, key, f"is {list(t.shape)}: experts stacked as [E, in, out] or, for a bias, [E, out]")
+        out = {}
+        for e in range(t.shape[0]):
+            for part, columns in _EXPERT_PARTS[kind]:
+                piece = t[e][..., columns]
+                out[template.format(e=e, part=part)] = (piece.t() if piece.dim() == 2 else piece).contiguous()
+        return out
+
+    def bundle_keys(self, key, model):
+        """Every bundle key a source key maps onto (its splits', for a fused tensor); [] when ignored."""
+        target = self.target(key)
+        kind, _, template = (target or "").partition(":")
+        if target is None or target.startswith(("?", "!")):
+            return []
+        if kind in ("qkv", "hfqkv"):
+            return [template.format(x) for x in "qkv"]
+        if kind == "fc1":
+            return [template.format(x) for x in ("gate", "up")]
+        if kind in _EXPERT_PARTS:
+            experts = (model.get("moe") or {}).get("num_experts", 0)
+            return [template.format(e=e, part=part) for e in range(experts) for part, _ in _EXPERT_PARTS[kind]]
+        return [target]
+
+    @staticmethod
+    def is_split(target):
+        """Whether a target splits one source tensor into several bundle keys."""
+        return (target or "").partition(":")[0] in ("qkv", "hfqkv", "fc1", *_EXPERT_PARTS)

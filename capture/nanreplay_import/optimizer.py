@@ -175,21 +175,13 @@ def _group_param_keys(group, mapper, model):
     for p in group.get("params", []):
         if not isinstance(p, str):
             continue
-        target = mapper.target(p)
         if mapper.naming == "megatron":
             m = re.fullmatch(r"decoder\.layers\.([a-z_]+\..*)", p)
             if m:  # layer-stacked: every layer
                 keys += [k for i in range(model["num_layers"])
                          for k in _group_param_keys({"params": [f"decoder.layers.{i}.{m.group(1)}"]}, mapper, model)]
                 continue
-        if target is None or target.startswith("?"):
-            continue
-        if target.startswith("qkv:") or target.startswith("hfqkv:"):
-            keys += [target.split(":", 1)[1].format(x) for x in "qkv"]
-        elif target.startswith("fc1:"):
-            keys += [target[4:].format(x) for x in ("gate", "up")]
-        else:
-            keys.append(target)
+        keys += mapper.bundle_keys(p, model)
     return keys
 
 
@@ -365,7 +357,7 @@ def read_optimizer_general(opt, kind, where, source_sd, mapper, model, args):
                 if not isinstance(t, torch.Tensor):
                     raise BadInput(where, f"state.{name}.{entry}", f"a {type(t).__name__}, not a tensor")
                 target = mapper.target(name) or ""
-                if entry not in _ELEMENTWISE and target.startswith(("qkv:", "hfqkv:", "fc1:")):
+                if entry not in _ELEMENTWISE and mapper.is_split(target):
                     raise BadInput(where, f"state.{name}.{entry}", f"{kind}'s {entry} of a fused parameter does not "
                                                                    "split into the bundle's separate ones")
                 per_entry.setdefault(entry, {})[name] = t

@@ -9,6 +9,7 @@
 
 #include "loaders/arch/latent_attention_option.h"
 #include "loaders/arch/manifest_values.h"
+#include "loaders/arch/moe_option.h"
 #include "loaders/base/error.h"
 
 namespace nanreplay {
@@ -85,73 +86,6 @@ nlohmann::json rope_scaling_json(const RopeScaling& s) {
           {"low_freq_factor", s.low_freq_factor},
           {"high_freq_factor", s.high_freq_factor},
           {"original_max_position_embeddings", s.original_max_position_embeddings}};
-}
-
-// GPT-OSS's routing and experts (model.moe's optional keys): absent, Qwen3-MoE's.
-// gpt_oss's alpha is required with it, never assumed: it changes every expert's output.
-void parse_moe_variant(const JsonReader& moe, MoeConfig& config) {
-  if (moe.has("router")) {
-    config.router = one_of(moe, "router", {"softmax_top_k", "top_k_softmax"}) == "top_k_softmax"
-                        ? RouterKind::kTopKSoftmax
-                        : RouterKind::kSoftmaxTopK;
-  }
-  config.router_bias = moe.optional_boolean("router_bias").value_or(false);
-  config.expert_bias = moe.optional_boolean("expert_bias").value_or(false);
-  config.fused_gate_up = moe.optional_boolean("fused_gate_up").value_or(false);
-  if (moe.has("expert_activation")) {
-    config.expert_activation = one_of(moe, "expert_activation", {"silu", "gpt_oss"}) == "gpt_oss"
-                                   ? ExpertActivation::kGptOss
-                                   : ExpertActivation::kSilu;
-  }
-  if (config.expert_activation == ExpertActivation::kGptOss) {
-    config.swiglu_alpha = finite_number_above(moe, "swiglu_alpha", 0, false);
-  } else if (moe.has("swiglu_alpha")) {
-    throw InputError(moe.file(), moe.key_path("swiglu_alpha"),
-                     "only expert_activation \"gpt_oss\" reads it; silu experts have no alpha");
-  }
-  if (moe.has("swiglu_limit")) config.swiglu_limit = finite_number_above(moe, "swiglu_limit", 0, false);
-}
-
-MoeConfig parse_moe(const JsonReader& moe, int64_t model_width) {
-  MoeConfig config;
-  config.num_experts = dimension(moe, "num_experts");
-  config.top_k = dimension(moe, "top_k");
-  if (config.top_k > config.num_experts) {
-    throw InputError(moe.file(), moe.key_path("top_k"),
-                     "expected at most num_experts (" + std::to_string(config.num_experts) + "), got " +
-                         std::to_string(config.top_k));
-  }
-  config.intermediate_size = optional_dimension(moe, "intermediate_size", model_width);
-  config.norm_topk_prob = moe.optional_boolean("norm_topk_prob").value_or(false);
-  if (moe.has("router_aux_loss_coef")) {
-    config.router_aux_loss_coef = finite_number_above(moe, "router_aux_loss_coef", 0, true);
-  }
-  if (moe.has("router_z_loss_coef")) {
-    config.router_z_loss_coef = finite_number_above(moe, "router_z_loss_coef", 0, true);
-  }
-  parse_moe_variant(moe, config);
-  return config;
-}
-
-// Today's keys always; the variant's only where they differ from Qwen3-MoE's,
-// so a Qwen3-MoE bundle is written back as before.
-nlohmann::json moe_json(const MoeConfig& moe) {
-  nlohmann::json j = {{"num_experts", moe.num_experts},
-                      {"top_k", moe.top_k},
-                      {"intermediate_size", moe.intermediate_size},
-                      {"norm_topk_prob", moe.norm_topk_prob},
-                      {"router_aux_loss_coef", moe.router_aux_loss_coef},
-                      {"router_z_loss_coef", moe.router_z_loss_coef}};
-  if (moe.router == RouterKind::kTopKSoftmax) j["router"] = "top_k_softmax";
-  if (moe.router_bias) j["router_bias"] = true;
-  if (moe.expert_bias) j["expert_bias"] = true;
-  if (moe.fused_gate_up) j["fused_gate_up"] = true;
-  if (moe.expert_activation == ExpertActivation::kGptOss) {
-    j["expert_activation"] = "gpt_oss";
-    j["swiglu_alpha"] = moe.swiglu_alpha;
-  }
-  if (moe.swiglu_limit) j["swiglu_limit"] = *moe.swiglu_limit;
-  return j;
 }
 
 // An optional soft cap: a finite number > 0.
@@ -426,7 +360,8 @@ const std::vector<ModelOption>& llama_options() {
        [](const M& m, J& j) {
          if (m.hidden_act == HiddenAct::kGeluTanh) j["hidden_act"] = "gelu_pytorch_tanh";
        }},
-      // Each expert's width defaults to the model's intermediate_size, read before the options.
+      // Each expert's width defaults to the model's intermediate_size, read before the options
+      // (loaders/arch/moe_option.cpp).
       {"moe",
        [](const JsonReader& r, M& m) {
          // The experts' activation is moe.expert_activation's (silu-based): a dense hidden_act would be ignored.
@@ -434,10 +369,11 @@ const std::vector<ModelOption>& llama_options() {
            throw InputError(r.file(), r.key_path("moe"), "the experts apply silu; hidden_act gelu_pytorch_tanh "
                                                           "with moe is not replayed");
          }
-         m.moe = parse_moe(r.object("moe"), m.intermediate_size);
+         m.moe = parse_moe(r.object("moe"), m);
        },
        [](const M& m, J& j) {
-         if (m.moe) j["moe"] = moe_json(*m.moe);
+         // A model cut to fewer layers (minimize) may keep none of the layers with experts.
+         if (m.moe && moe_in_first_layers(*m.moe, m.num_layers)) j["moe"] = moe_json(*m.moe, m.num_layers);
        }},
       // DeepSeek-V3, Kimi K2: multi-head latent attention in place of q/k/v_proj. Last: it refuses
       // the options above that DeepseekV3Attention has no counterpart of.

@@ -85,6 +85,7 @@ double yarn_attention_factor(const RopeScaling& s);
 enum class RouterKind : uint8_t {
   kSoftmaxTopK,  // "softmax_top_k" (Qwen3-MoE): softmax over every expert, then the top_k probabilities
   kTopKSoftmax,  // "top_k_softmax" (GPT-OSS): the top_k logits, then a softmax over those k alone
+  kSigmoidTopK,  // "sigmoid_top_k" (Llama 4): the top_k logits, each through a sigmoid on its own
 };
 
 // What each expert computes from its gate and up projections g and u.
@@ -93,9 +94,10 @@ enum class ExpertActivation : uint8_t {
   kGptOss,  // "gpt_oss" (GPT-OSS): (u + 1) * g * sigmoid(swiglu_alpha * g)
 };
 
-// A mixture of experts in place of every layer's dense MLP, routed as Hugging
-// Face's Qwen3-MoE by default, or as GPT-OSS with its options
-// (docs/bundle-format.md, "Mixture of experts"); llama only.
+// A mixture of experts in place of the dense MLP of every layer (or of the
+// layers `layers` lists), routed as Hugging Face's Qwen3-MoE by default, or as
+// GPT-OSS or Llama 4 with their options (docs/bundle-format.md, "Mixture of
+// experts"); llama only.
 struct MoeConfig {
   int64_t num_experts = 0;
   int64_t top_k = 0;
@@ -113,6 +115,15 @@ struct MoeConfig {
   double swiglu_alpha = 0.0;  // gpt_oss only: the sigmoid's gain (GPT-OSS: 1.702)
   // GPT-OSS: g clamped to at most the limit and u to [-limit, limit] before the activation; absent: no clamp.
   std::optional<double> swiglu_limit;
+  // The layers with experts, ascending (Llama 4's moe_layers, DeepSeek-V3's layers from
+  // first_k_dense_replace); the others keep the dense MLP. Empty: every layer.
+  std::vector<int> layers;
+  // Llama 4: each expert reads its input times its routing weight, and its output is summed
+  // unweighted (the weight on the output otherwise).
+  bool scale_expert_input = false;
+  // Llama 4, DeepSeek-V3: a dense SwiGLU MLP of this width beside the routed experts, on every
+  // token, its output added to theirs. 0: none.
+  int64_t shared_expert_intermediate_size = 0;
 };
 
 // DeepSeek-V3 / Kimi K2's multi-head latent attention (model.latent_attention,
@@ -209,6 +220,15 @@ struct ModelConfig {
   bool local_rotary(int layer) const {
     return rope_local_base_freq.has_value() && attention_kind(layer) == AttentionKind::kSliding;
   }
+  // Whether `layer` holds the mixture of experts (else the dense MLP).
+  bool moe_layer(int layer) const {
+    if (!moe) return false;
+    if (moe->layers.empty()) return true;
+    for (const int l : moe->layers) {
+      if (l == layer) return true;
+    }
+    return false;
+  }
   bool rotary_layer(int layer) const {
     return no_rope_layers.empty() || no_rope_layers.at(static_cast<size_t>(layer)) != 0;
   }
@@ -273,6 +293,9 @@ enum class ParamRole : uint8_t {
   kExpertUpBias,
   kExpertDownProj,
   kExpertDownBias,
+  kSharedGateProj,     // moe with shared_expert_intermediate_size (Llama 4, DeepSeek-V3): the shared expert
+  kSharedUpProj,
+  kSharedDownProj,
   kFinalNorm,
   kFinalNormBias,
   kLmHead,             // llama without tied embeddings

@@ -11,6 +11,7 @@
 
 #include "probes/param_table.h"
 #include "replay/arch/router_logit_max.h"
+#include "replay/arch/shared_expert.h"
 
 namespace nanreplay {
 
@@ -34,9 +35,12 @@ torch::Tensor top_k_experts(const torch::Tensor& ranking, int64_t k) {
 
 // GPT-OSS's routing scores: a softmax over each token's top_k logits alone,
 // scattered over zeros at the other experts (GptOssTopKRouter's router_scores).
-torch::Tensor top_k_softmax_scores(const torch::Tensor& logits, const torch::Tensor& chosen) {
-  const torch::Tensor top = torch::softmax(logits.gather(1, chosen), -1);
-  return torch::zeros_like(logits).scatter(1, chosen, top);
+// Llama 4's: each chosen logit's sigmoid, 0 elsewhere (Llama4Router scatters the
+// top logits over -inf, whose sigmoid is 0).
+torch::Tensor top_k_scores(RouterKind kind, const torch::Tensor& logits, const torch::Tensor& chosen) {
+  const torch::Tensor top = logits.gather(1, chosen);
+  return torch::zeros_like(logits).scatter(1, chosen, kind == RouterKind::kSigmoidTopK ? torch::sigmoid(top)
+                                                                                      : torch::softmax(top, -1));
 }
 
 // The routed rows of the chosen experts, weighted by `scores` (tokens, E) at
@@ -102,13 +106,17 @@ Routing route_layer(const ModelConfig& m, const ParamMap& p, const torch::Tensor
   RouterLogitRecorder::record(layer, logits);  // a spike incident's per-expert maxima, when asked for
   Routing routing;
   torch::Tensor balance_probs;  // what load_balancing_loss_func softmaxes: the router's first output
-  if (moe.router == RouterKind::kTopKSoftmax) {
+  if (moe.router != RouterKind::kSoftmaxTopK) {  // chosen by the logits
     const torch::Tensor flat_logits = logits.view({B * T, -1}).to(torch::kFloat32);
     const torch::Tensor chosen = top_k_experts(flat_logits, moe.top_k);
-    const torch::Tensor scores = probes.site({SiteId::kMlpRouterProbs, layer},
-                                             top_k_softmax_scores(flat_logits, chosen).view({B, T, -1}));
+    torch::Tensor scores = top_k_scores(moe.router, flat_logits, chosen);
+    // Llama4Router casts its fp32 sigmoid back to the logits' type.
+    if (moe.router == RouterKind::kSigmoidTopK) scores = gate_numerics.round(scores);
+    scores = probes.site({SiteId::kMlpRouterProbs, layer}, scores.view({B, T, -1}));
     routing = route(moe, scores.view({B * T, -1}), chosen, T);
-    balance_probs = torch::softmax(scores.view({B * T, -1}), -1);
+    // What load_balancing_loss_func softmaxes (GPT-OSS); sigmoid_top_k has no aux loss to read it.
+    balance_probs = moe.router == RouterKind::kSigmoidTopK ? scores.view({B * T, -1})
+                                                           : torch::softmax(scores.view({B * T, -1}), -1);
   } else {
     const torch::Tensor probs =
         probes.site({SiteId::kMlpRouterProbs, layer}, torch::softmax(logits.to(torch::kFloat32), -1));  // (B, T, E)
@@ -119,6 +127,22 @@ Routing route_layer(const ModelConfig& m, const ParamMap& p, const torch::Tensor
   router.probs.push_back(balance_probs);
   router.expert_tokens.push_back(routing.expert_tokens);
   return routing;
+}
+
+// The experts' outputs summed per token from zeros, lower experts first (Hugging Face's
+// index_add_ loop), each times its weight unless the weight scaled its input; then the
+// shared expert's output added, the routed sum rounded first (as its own tensor in the
+// compute type, as Llama4TextMoe's and DeepseekV3MoE's are): the mlp.combine site.
+torch::Tensor combine_experts(const ModelConfig& m, const ParamMap& p, const torch::Tensor& h, int layer,
+                              const Numerics& numerics, ProbeSession& probes, const torch::Tensor& down,
+                              const Routing& routing) {
+  const int64_t B = h.size(0), T = h.size(1), C = h.size(2);
+  const torch::Tensor weighted = m.moe->scale_expert_input ? down : down * routing.weight_of_row.unsqueeze(1);
+  torch::Tensor combined = torch::zeros({B * T, C}, down.options()).index_add(0, routing.token_of_row, weighted);
+  if (m.moe->shared_expert_intermediate_size > 0) {
+    combined = numerics.round(combined) + shared_expert_mlp(m, p, h, layer, numerics, probes).view({B * T, C});
+  }
+  return probes.site({SiteId::kMlpCombine, layer}, combined.view({B, T, C}));
 }
 
 }  // namespace
@@ -151,7 +175,9 @@ torch::Tensor experts_mlp(const ModelConfig& m, const ParamMap& p, const torch::
     };
   };
   const auto& shared_routing = routing.host;
-  const torch::Tensor x = h.reshape({B * T, C}).index_select(0, routing.token_of_row);  // (rows, C)
+  torch::Tensor x = h.reshape({B * T, C}).index_select(0, routing.token_of_row);  // (rows, C)
+  // Llama 4: the input scaled by the weight (rounded as the linear's input), the output summed unweighted.
+  if (moe.scale_expert_input) x = x * routing.weight_of_row.unsqueeze(1);
   torch::Tensor gate, up;
   if (moe.fused_gate_up) {  // GPT-OSS's gate_up_proj: gate's rows then up's, one matmul (fp8: gate_proj's scales)
     const torch::Tensor both = per_expert(x, [&](const torch::Tensor& rows, int e) {
@@ -173,13 +199,11 @@ torch::Tensor experts_mlp(const ModelConfig& m, const ParamMap& p, const torch::
       probes.expert_site({SiteId::kMlpExpertAct, layer}, expert_activation(moe, gate, up), shared_routing);
   const torch::Tensor down = probes.expert_site(
       {SiteId::kMlpExpertDown, layer}, per_expert(act, linear(R::kExpertDownProj, R::kExpertDownBias)), shared_routing);
-  // The weighted sum from zeros, lower experts first (Hugging Face's index_add_ loop).
-  const torch::Tensor combined = torch::zeros({B * T, C}, down.options())
-                                     .index_add(0, routing.token_of_row, down * routing.weight_of_row.unsqueeze(1));
-  return probes.site({SiteId::kMlpCombine, layer}, combined.view({B, T, C}));
+  return combine_experts(m, p, h, layer, numerics, probes, down, routing);
 }
 
 torch::Tensor router_loss(const MoeConfig& moe, const RouterOutputs& router) {
+  if (router.probs.empty()) return {};  // no layer with experts (a model cut short by minimize)
   const torch::Device device = router.probs.back().device();
   auto on_device = [&](const std::vector<torch::Tensor>& parts) {
     std::vector<torch::Tensor> moved;

@@ -1,6 +1,7 @@
-// A mixture-of-experts MLP as Hugging Face's Qwen3MoeSparseMoeBlock routes it
-// (docs/bundle-format.md, "Mixture of experts"), with a probe at every site of
-// the layer, and the router losses (load balancing and z-loss) over all layers.
+// A mixture-of-experts MLP as Hugging Face's Qwen3MoeSparseMoeBlock routes it,
+// or GPT-OSS's or Llama 4's router and experts (with its shared expert,
+// shared_expert.h), per docs/bundle-format.md "Mixture of experts"; a probe at
+// every site of the layer; the router losses over the layers with experts.
 #pragma once
 
 #include <vector>

@@ -455,7 +455,7 @@ torch::Tensor ModelPass::llama_block(const ParamMap& p, int layer, torch::Tensor
   const R mlp_norm = m.norm_layout == NormLayout::kSandwich ? R::kMlpPreNorm : R::kMlpNorm;  // pre_feedforward_layernorm
   const torch::Tensor h2 = pre_norm ? sublayer_norm(x, mlp_norm, SiteId::kMlpNorm) : x;
   torch::Tensor mlp_out;
-  if (m.moe) {
+  if (m.moe_layer(layer)) {  // model.moe.layers: some layers keep the dense MLP (Llama 4, DeepSeek-V3)
     mlp_out = experts_mlp(m, p, h2, layer, block, probes, router_);
   } else {
     mlp_out = gated_mlp(m, w, layer, h2, block, probes);

@@ -5,10 +5,13 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <utility>
 
 #include <torch/torch.h>
 
 #include "loaders/bundle/optimizer_manifest.h"
+#include "probes/param_table.h"
+#include "probes/sites.h"
 #include "replay/optim/clipping.h"
 #include "replay/optim/rules.h"
 #include "replay/optim/second_moment_lag.h"
@@ -39,27 +42,63 @@ const OptimizerRuleRow& optimizer_rule_row(OptimizerKind kind) {
   throw std::logic_error("optimizer kind without an update rule");
 }
 
-// "model.layers.{i}.self_attn.{q,k}_proj.weight": the layer, or -1.
-int attention_projection_layer(const std::string& name, char which) {
-  const std::string prefix = "model.layers.";
-  const std::string suffix = std::string(".self_attn.") + which + "_proj.weight";
-  if (name.rfind(prefix, 0) != 0 || name.size() <= prefix.size() + suffix.size()) return -1;
-  if (name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) return -1;
-  const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
-  if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos) return -1;
-  return std::stoi(digits);
-}
-
-// g = tau / max_logit for each query head over tau, 1 for the rest (rows are scaled by sqrt(g)).
+// g = tau / max_logit for each query head over tau, 1 for the rest.
 std::vector<double> head_factors(const std::vector<double>& max_logits, double tau) {
   std::vector<double> g;
   for (double m : max_logits) g.push_back(m > tau ? tau / m : 1.0);
   return g;
 }
 
-void scale_head_rows(torch::Tensor& weight, int64_t head, int64_t head_dim, double g) {
-  if (g >= 1.0) return;
-  weight.narrow(0, head * head_dim, head_dim).mul_(std::sqrt(g));
+// Rows [first_row, first_row + rows) of a weight are multiplied by sqrt(g)
+// (by g itself where whole_factor), g the smallest factor of query heads
+// [first_head, first_head + heads): several only for a key head that several read.
+struct ClipRowRun {
+  int64_t first_row, rows, first_head, heads;
+  bool whole_factor;
+};
+
+// q_proj and k_proj: each head's head_dim rows by sqrt(g).
+std::vector<ClipRowRun> mha_clip_runs(const ModelConfig& m, ParamRole role) {
+  const int64_t D = m.head_dim(), H = m.num_heads, G = m.num_kv_heads;
+  std::vector<ClipRowRun> runs;
+  if (role == ParamRole::kQProj) {
+    for (int64_t h = 0; h < H; ++h) runs.push_back({h * D, D, h, 1, false});
+  } else {
+    const int64_t per_kv = H / G;  // query head h reads key head h / per_kv
+    for (int64_t j = 0; j < G; ++j) runs.push_back({j * D, D, j * per_kv, per_kv, false});
+  }
+  return runs;
+}
+
+// Latent attention, as Megatron-LM's MLASelfAttention.clip_qk with alpha 0.5:
+// q's per-head [nope N, rope R] rows by sqrt(g) and g (the rotary key is one
+// head every head shares, so q_pe carries all of g); kv_b_proj's per-head
+// [k_nope N, v Dv] rows: k_nope by sqrt(g), v untouched. kv_a_proj_with_mqa
+// (the shared k_pe) is not rescaled.
+std::vector<ClipRowRun> latent_clip_runs(const LatentAttention& a, int64_t H, ParamRole role) {
+  const int64_t N = a.qk_nope_head_dim, R = a.qk_rope_head_dim, Dv = a.v_head_dim;
+  std::vector<ClipRowRun> runs;
+  for (int64_t h = 0; h < H; ++h) {
+    if (role == ParamRole::kKvBProj) {
+      runs.push_back({h * (N + Dv), N, h, 1, false});
+    } else {
+      runs.push_back({h * (N + R), N, h, 1, false});
+      runs.push_back({h * (N + R) + N, R, h, 1, true});
+    }
+  }
+  return runs;
+}
+
+// The rows MuonClip rescales in parameter `name` and its layer; none for a parameter it leaves alone.
+std::pair<int, std::vector<ClipRowRun>> qk_clip_rows(const ModelConfig& m, const std::string& name) {
+  const int layer = layer_of_parameter(name);
+  if (m.arch != Arch::kLlama || layer < 0) return {-1, {}};
+  // Each model holds only its own: q_proj and k_proj, or q_proj or q_b_proj and kv_b_proj.
+  for (const ParamRole role : {ParamRole::kQProj, ParamRole::kKProj, ParamRole::kQBProj, ParamRole::kKvBProj}) {
+    if (name != param_key(m.arch, role, layer)) continue;
+    return {layer, m.latent_attention ? latent_clip_runs(*m.latent_attention, m.num_heads, role) : mha_clip_runs(m, role)};
+  }
+  return {-1, {}};
 }
 
 }  // namespace
@@ -99,28 +138,21 @@ void apply_qk_clip(const OptimizerConfig& config, const ModelConfig& model, cons
                    const std::vector<std::string>& names, const std::function<torch::Tensor(size_t)>& param_of,
                    const std::function<void(size_t, const torch::Tensor&)>& store) {
   torch::NoGradGuard no_grad;
-  const int64_t D = model.head_dim(), H = model.num_heads, G = model.num_kv_heads;
   for (size_t i = 0; i < names.size(); ++i) {
     const OptimizerRule& rule = *rule_of_param(config, names[i]).rule;
     if (!rule.qk_clip_tau) continue;
-    const int q_layer = attention_projection_layer(names[i], 'q');
-    const int k_layer = attention_projection_layer(names[i], 'k');
-    const int layer = std::max(q_layer, k_layer);
+    const auto [layer, runs] = qk_clip_rows(model, names[i]);
     if (layer < 0) continue;
-    if (static_cast<size_t>(layer) >= logit_max.size() || logit_max[layer].size() != static_cast<size_t>(H)) {
+    if (static_cast<size_t>(layer) >= logit_max.size() || logit_max[layer].size() != static_cast<size_t>(model.num_heads)) {
       throw std::logic_error("MuonClip without the step's per-head logits of layer " + std::to_string(layer));
     }
     const std::vector<double> g = head_factors(logit_max[layer], *rule.qk_clip_tau);
     if (std::all_of(g.begin(), g.end(), [](double v) { return v >= 1.0; })) continue;
     torch::Tensor weight = param_of(i);
-    if (q_layer >= 0) {
-      for (int64_t h = 0; h < H; ++h) scale_head_rows(weight, h, D, g[h]);
-    } else {
-      const int64_t per_kv = H / G;  // query head h reads key head h / per_kv
-      for (int64_t j = 0; j < G; ++j) {
-        const double smallest = *std::min_element(g.begin() + j * per_kv, g.begin() + (j + 1) * per_kv);
-        scale_head_rows(weight, j, D, smallest);
-      }
+    for (const ClipRowRun& run : runs) {
+      const double smallest = *std::min_element(g.begin() + run.first_head, g.begin() + run.first_head + run.heads);
+      if (smallest >= 1.0) continue;
+      weight.narrow(0, run.first_row, run.rows).mul_(run.whole_factor ? smallest : std::sqrt(smallest));
     }
     store(i, weight);
   }

@@ -55,9 +55,10 @@ using HeadLogitMax = std::vector<std::vector<double>>;
 
 // MuonClip after a step's update: for each q_proj/k_proj weight whose group
 // has qk_clip, the rows of every head whose largest logit exceeded tau are
-// multiplied by sqrt(tau / max_logit) (a key head: the smallest such factor
-// of the query heads that read it). `param_of(name)` gives the tensor to
-// rescale in place, or an undefined tensor for a name not held.
+// multiplied by sqrt(g), g = tau / max_logit (a key head: the smallest g of
+// the query heads that read it). Latent attention: q_proj or q_b_proj's nope
+// rows by sqrt(g) and rope rows by g, kv_b_proj's k_nope rows by sqrt(g).
+// `param_of(i)` gives the tensor to rescale in place, `store` takes it back.
 void apply_qk_clip(const OptimizerConfig& config, const ModelConfig& model, const HeadLogitMax& logit_max,
                    const std::vector<std::string>& names,
                    const std::function<torch::Tensor(size_t)>& param_of,

@@ -140,7 +140,7 @@ void check_optimizer_state(const SafetensorsFile& optimizer, const ModelConfig& 
 }
 
 // Muon takes matrices only (its class refuses anything else), and MuonClip
-// rescales the q_proj and k_proj heads of the llama family's attention.
+// rescales the q and k heads of the llama family's attention (latent attention's too).
 void check_optimizer_fits_model(const Manifest& m) {
   if (!m.optimizer) return;
   const OptimizerConfig& config = *m.optimizer;
@@ -159,11 +159,6 @@ void check_optimizer_fits_model(const Manifest& m) {
   if (uses_qk_clip(config) && m.model.arch != Arch::kLlama) {
     throw InputError("manifest.json", "optimizer.qk_clip",
                      "MuonClip rescales q_proj and k_proj heads (the llama family); this model has no separate ones");
-  }
-  if (uses_qk_clip(config) && m.model.latent_attention) {
-    throw InputError("manifest.json", "optimizer.qk_clip",
-                     "MuonClip of model.latent_attention (Kimi K2's per-part rescaling of q_b_proj and kv_b_proj) "
-                     "is not replayed; this rescales q_proj and k_proj heads");
   }
 }
 

@@ -195,6 +195,7 @@ RouterOutputs StreamedModel::gather_routers(const RouterOutputs& own, const Mode
   RouterOutputs all;
   size_t next_own = 0;
   for (int layer = 0; layer < static_cast<int>(model.num_layers); ++layer) {
+    if (!model.moe_layer(layer)) continue;  // a dense layer has no router (model.moe.layers)
     const int from = owner(layer);
     if (from == world_->rank()) {
       all.logits.push_back(own.logits.at(next_own));
@@ -321,13 +322,17 @@ torch::Tensor StreamedModel::backward_head(PassState& s, const torch::Tensor& ta
   const RouterOutputs router_leaves = head_routers;
   (s.pass.head(s.outer, head_input, targets).loss * backward_scale).backward();
   const torch::Tensor grad = head_input.grad();
+  std::vector<size_t> router_layers;  // the layers with experts, in order: one router entry each
+  for (int layer = 0; layer < layers; ++layer) {
+    if (s.model.moe_layer(layer)) router_layers.push_back(static_cast<size_t>(layer));
+  }
   for (size_t l = 0; l < router_leaves.logits.size(); ++l) {
-    s.router_logit_grads[l] = router_leaves.logits[l].grad();
-    s.router_prob_grads[l] = router_leaves.probs[l].grad();
+    s.router_logit_grads[router_layers.at(l)] = router_leaves.logits[l].grad();
+    s.router_prob_grads[router_layers.at(l)] = router_leaves.probs[l].grad();
   }
   leaving(grad, owner(layers - 1));
   for (int layer = layers - 1; world_ && s.model.moe && layer >= 0; --layer) {  // in the order the owners need them
-    if (owner(layer) == 0) continue;
+    if (owner(layer) == 0 || !s.model.moe_layer(layer)) continue;
     world_->send(s.router_logit_grads[static_cast<size_t>(layer)], owner(layer));
     world_->send(s.router_prob_grads[static_cast<size_t>(layer)], owner(layer));
   }
@@ -343,7 +348,7 @@ torch::Tensor StreamedModel::backward_blocks(PassState& s, torch::Tensor grad, c
   for (int layer = s.mine.end - 1; layer >= s.mine.first; --layer) {
     if (on_block) on_block(layer, "backward");
     const size_t l = static_cast<size_t>(layer);
-    if (s.model.moe && !s.outer_here) {
+    if (s.model.moe_layer(layer) && !s.outer_here) {
       s.router_logit_grads[l] = world_->receive(0);
       s.router_prob_grads[l] = world_->receive(0);
     }
@@ -354,7 +359,7 @@ torch::Tensor StreamedModel::backward_blocks(PassState& s, torch::Tensor grad, c
     const torch::Tensor input = s.stream[l].detach().requires_grad_(true);
     std::vector<torch::Tensor> roots{s.pass.block(params, layer, input)};
     std::vector<torch::Tensor> grads{grad};
-    if (s.model.moe) {  // the router losses' gradients enter at the block's router outputs
+    if (s.model.moe_layer(layer)) {  // the router losses' gradients enter at the block's router outputs
       for (const auto& [leaf_grad, again] : {std::pair(s.router_logit_grads[l], s.pass.router().logits.at(0)),
                                              std::pair(s.router_prob_grads[l], s.pass.router().probs.at(0))}) {
         if (!leaf_grad.defined()) continue;

@@ -62,10 +62,24 @@ struct ParamCount {
   double tensors;
 };
 
-// A mixture of experts' parameters in a layer: the router and every expert.
+// A mixture of experts' parameters in a layer: the router, every expert and the shared one.
 ParamCount moe_parameters(const MoeConfig& moe, const Dims& d) {
   const double E = static_cast<double>(moe.num_experts);
-  return {E * d.C + E * 3 * static_cast<double>(moe.intermediate_size) * d.C, 1 + 3 * E};
+  const double S = static_cast<double>(moe.shared_expert_intermediate_size);
+  return {E * d.C + E * 3 * static_cast<double>(moe.intermediate_size) * d.C + 3 * S * d.C, 1 + 3 * E + (S > 0 ? 3 : 0)};
+}
+
+// The MLP's parameters averaged over the layers: model.moe.layers leaves some layers dense.
+ParamCount mlp_parameters(const ModelConfig& model, const Dims& d) {
+  const ParamCount dense{3 * d.F * d.C, 3};
+  if (!model.moe) return dense;
+  const ParamCount experts = moe_parameters(*model.moe, d);
+  if (model.moe->layers.empty()) return experts;
+  double with_experts = 0;
+  for (const int layer : model.moe->layers) with_experts += layer < model.num_layers ? 1 : 0;
+  // The model's share, not d.L's: the streamed estimate counts zero layers and one.
+  const double share = model.num_layers > 0 ? with_experts / static_cast<double>(model.num_layers) : 0.0;
+  return {share * experts.elements + (1 - share) * dense.elements, share * experts.tensors + (1 - share) * dense.tensors};
 }
 
 // Latent attention's projections, latent norms and o_proj in a layer (model.latent_attention).
@@ -80,7 +94,7 @@ ParamCount latent_attention_parameters(const LatentAttention& a, const Dims& d) 
 ParamCount count_parameters(const ModelConfig& model, const Dims& d) {
   if (model.arch == Arch::kLlama) {
     const double kv = d.G * d.D;
-    const ParamCount mlp = model.moe ? moe_parameters(*model.moe, d) : ParamCount{3 * d.F * d.C, 3};
+    const ParamCount mlp = mlp_parameters(model, d);
     if (model.latent_attention) {
       const ParamCount attn = latent_attention_parameters(*model.latent_attention, d);
       const double per_layer = 2 * d.C + attn.elements + mlp.elements;

@@ -236,6 +236,13 @@ class Minimizer {
     const auto kept = static_cast<size_t>(plan.num_layers);
     if (!m.model.layer_types.empty()) m.model.layer_types.resize(kept);
     if (!m.model.no_rope_layers.empty()) m.model.no_rope_layers.resize(kept);
+    if (m.model.moe && !m.model.moe->layers.empty()) {  // Llama 4's MoE layers: those kept; none left, a dense model
+      std::vector<int>& moe_layers = m.model.moe->layers;
+      moe_layers.erase(std::remove_if(moe_layers.begin(), moe_layers.end(),
+                                      [&](int layer) { return static_cast<size_t>(layer) >= kept; }),
+                       moe_layers.end());
+      if (moe_layers.empty()) m.model.moe.reset();
+    }
     m.data.shards = {shard_};
     m.data.sampler = SamplerSpec{};
     m.data.sampler.kind = SamplerSpec::Kind::kExplicit;

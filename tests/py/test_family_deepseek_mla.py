@@ -24,6 +24,16 @@ DeepseekV3MLP (dense layers) and DeepseekV3DecoderLayer's pre-norm residuals; an
    replay is within 1e-5 of the reference with rope_interleave false).
 4. `nanreplay synth clean-deepseek-mla` (first two steps) and clean-deepseek-mla-bf16 (first step) against the
    reference built from the manifest on each step's weights and batches.
+5. `nanreplay import` of a dense DeepSeek-V3 checkpoint as save_pretrained writes one (config.json with
+   model_type deepseek_v3, first_k_dense_replace >= num_hidden_layers, head_dim = qk_rope_head_dim, rope_interleave
+   and YaRN with mscale_all_dim; model.safetensors under DeepseekV3ForCausalLM's names) plus one multi-token
+   prediction layer (model.layers.2.eh_proj/enorm/hnorm/shared_head and a decoder block, as DeepSeek-V3's
+   checkpoints carry num_nextn_predict_layers of them): the import names the MTP layer as left out, the manifest
+   has model.latent_attention (norm_eps 1e-6) and rope_style interleaved, and the replay is within 1e-5 of the
+   reference's loss and gradient norm. The same checkpoint with first_k_dense_replace 1 and an expert tensor is
+   refused naming first_k_dense_replace and the tensor. DeepSeek's own names (inference/convert.py of
+   deepseek-ai/DeepSeek-V3: its mapping table applied to these names) map back onto these, and Megatron's MLA
+   names are refused naming the key.
 
     /usr/bin/python3 tests/py/test_family_deepseek_mla.py --cli build/nanreplay --work DIR
 """
@@ -339,6 +349,106 @@ def check_preset(cli, work, preset, steps, compute):
         fs.compare_step({"steps": [row]}, total / accum, norm, f"{preset} step {row['step']}", compute)
 
 
+def hf_config(cfg, **changes):
+    """config.json as DeepseekV3Config.save_pretrained writes it: dense (first_k_dense_replace covers every
+    layer), its head_dim the rotary width, one multi-token prediction layer."""
+    return dict({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                 "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
+                 "intermediate_size": cfg["intermediate_size"], "moe_intermediate_size": 16,
+                 "num_hidden_layers": LAYERS, "num_attention_heads": cfg["num_attention_heads"],
+                 "num_key_value_heads": cfg["num_attention_heads"], "n_shared_experts": 1, "n_routed_experts": 4,
+                 "num_experts_per_tok": 2, "first_k_dense_replace": LAYERS, "n_group": 1, "topk_group": 1,
+                 "norm_topk_prob": True, "routed_scaling_factor": 2.5, "head_dim": cfg["qk_rope_head_dim"],
+                 **{k: cfg[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                        "v_head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_interleave")},
+                 "max_position_embeddings": 64, "attention_bias": False, "attention_dropout": 0.0,
+                 "tie_word_embeddings": False, "hidden_act": "silu", "num_nextn_predict_layers": 1,
+                 "torch_dtype": "float32"}, **changes)
+
+
+def mtp_layer(model):
+    """A multi-token prediction layer's tensors at index LAYERS (DeepSeek-V3's model.layers.61 in the release)."""
+    C = CONFIG["hidden_size"]
+    block = [(k.replace("model.layers.0.", f"model.layers.{LAYERS}."), v) for k, v in named(model)
+             if k.startswith("model.layers.0.")]
+    return block + [(f"model.layers.{LAYERS}.{k}", torch.ones(shape)) for k, shape in (
+        ("eh_proj.weight", (C, 2 * C)), ("enorm.weight", (C,)), ("hnorm.weight", (C,)),
+        ("shared_head.norm.weight", (C,)), ("shared_head.head.weight", (V, C)))]
+
+
+def deepseek_names(hf):
+    """DeepSeek's own names for Hugging Face's, as deepseek-ai/DeepSeek-V3 inference/convert.py renames them."""
+    mapping = {"embed_tokens": "embed", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "q_proj": "wq", "q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj": "wq_b",
+               "kv_a_proj_with_mqa": "wkv_a", "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b", "o_proj": "wo",
+               "gate": "gate", "gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "norm": "norm", "lm_head": "head"}
+    out = {}
+    for name, t in hf.items():
+        name = name[len("model."):] if name.startswith("model.") else name
+        name = name.replace("self_attn", "attn").replace("mlp", "ffn")
+        key = name.split(".")[-2]
+        out[name.replace(key, mapping[key])] = t
+    return out
+
+
+def check_naming_tables(model):
+    """5. DeepSeek's own names map onto Hugging Face's; Megatron's MLA names are refused by key."""
+    from nanreplay_import.naming import Mapper
+    from nanreplay_import.outcome import BadInput
+    hf = dict(named(model))
+    cfg = {"num_heads": H, "num_kv_heads": H, "hidden_size": C, "head_dim": None, "model_type": "deepseek_v3"}
+    back = Mapper("deepseek", cfg).map(deepseek_names(hf), "ckpt")
+    fs.check(sorted(back) == sorted(hf) and all(back[k] is hf[k] for k in hf),
+             f"DeepSeek's own names map onto Hugging Face's ({sorted(set(back) ^ set(hf))})")
+    key = "decoder.layers.0.self_attention.linear_kv_down_proj.weight"
+    try:
+        Mapper("megatron", cfg).map({key: torch.zeros(12, C)}, "ckpt")
+        fs.check(False, "Megatron's MLA names are refused")
+    except BadInput as e:
+        fs.check(e.key == key and "multi-latent" in e.what, f"Megatron's MLA names are refused naming the key: {e}")
+
+
+def check_import(cli, work):
+    """5. a dense DeepSeek-V3 checkpoint with an MTP layer through `nanreplay import`, replayed; MoE refused."""
+    import contextlib
+    import io
+    import json
+    import import_support as imp  # noqa: E402  (token data, the import and replay runners)
+    import nanreplay_import
+    work.mkdir(parents=True, exist_ok=True)
+    model = random_model(CONFIG)
+    check_naming_tables(model)
+    data = imp.Data(work, V, T, SAMPLES, 1, num_samples=8, seed=3)
+    loss, norm = fs.loss_and_grad_norm(model(*data.batch(data.rows(0))), list(model.parameters()))
+    (work / "log.jsonl").write_text(json.dumps({"step": 0, "loss": loss, "grad_norm": norm, "lr": 1e-3}) + "\n")
+    hf = work / "hf"
+    hf.mkdir(exist_ok=True)
+    tensors = [(k, v.detach()) for k, v in named(model)] + mtp_layer(model)
+    fs.nanreplay_capture.write_safetensors(hf / "model.safetensors", tensors)
+    (hf / "config.json").write_text(json.dumps(hf_config(CONFIG)))
+    flags = [*data.flags(), "--log", work / "log.jsonl", "--steps", "0:0"]
+    proc = imp.run_import(cli, ["--checkpoint", hf, *flags], work / "bundle")
+    if fs.check(proc.returncode == 0, f"DeepSeek-V3 import: exit 0 ({proc.stderr.strip()[-300:]})"):
+        fs.check("multi-token prediction" in proc.stdout and f"model.layers.{{{LAYERS}}}" in proc.stdout,
+                 "DeepSeek-V3 import: the MTP layer is named as left out")
+        m = json.loads((work / "bundle" / "manifest.json").read_text())["model"]
+        fs.check(m.get("latent_attention") == manifest_model(CONFIG)["latent_attention"]
+                 and m.get("rope_style") == "interleaved" and "head_dim" not in m and m.get("num_kv_heads") == H,
+                 f"DeepSeek-V3 import: latent attention as the config says ({m})")
+        rproc, report = imp.run_replay(cli, work / "bundle", work / "out")
+        if fs.check(report is not None, f"DeepSeek-V3 import replays ({rproc.stderr.strip()[-300:]})"):
+            fs.compare_step(report, loss, norm, "DeepSeek-V3 import (dense, latent attention, MTP left out)")
+    moe = dict(tensors, **{"model.layers.1.mlp.experts.0.gate_proj.weight": torch.zeros(16, C)})
+    fs.nanreplay_capture.write_safetensors(hf / "model.safetensors", list(moe.items()))
+    (hf / "config.json").write_text(json.dumps(hf_config(CONFIG, first_k_dense_replace=1)))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = nanreplay_import.main([str(a) for a in ["--checkpoint", hf, *flags, "--out", work / "moe"]])
+    said = err.getvalue().strip()
+    fs.check(rc == 2 and "first_k_dense_replace" in said and "model.layers.1.mlp.experts.0.gate_proj.weight" in said,
+             f"a DeepSeek-V3 MoE layer is refused naming the config key and the tensor (exit {rc}): {said}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
@@ -359,6 +469,7 @@ def main():
                                        stream)
     if report is not None:
         fs.compare_step(report, loss, norm, "latent attention with q_lora_rank null (a plain q_proj)")
+    check_import(args.cli, work / "import")
     check_preset(args.cli, work, "clean-deepseek-mla", 2, "fp32")
     check_preset(args.cli, work, "clean-deepseek-mla-bf16", 1, "bf16")
     fs.finish()

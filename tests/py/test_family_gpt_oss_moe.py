@@ -21,10 +21,21 @@ named() splits them into the bundle's per-expert keys as docs/bundle-format.md s
    site; the router's scores fp32): within 1e-4, and departing from the fp32 loss.
 3. `nanreplay synth clean-gpt-oss-moe`: its first two steps against the reference built from the bundle's
    model section and weights, within 1e-5.
+4. `nanreplay import` of a Hugging Face GPT-OSS checkpoint as save_pretrained writes one (config.json with
+   model_type gpt_oss, num_local_experts, swiglu_limit, output_router_logits; model.safetensors under
+   GptOssForCausalLM's names: mlp.router.weight/bias, mlp.experts.gate_up_proj [E, C, 2M] and its bias,
+   down_proj [E, M, C] and its bias, self_attn.sinks) and its AdamW state keyed by those names, saved after
+   one update of a training loop over this reference: the checkpoint step and one step derived by the
+   replay's own update (which reads the split moments) within 1e-5 of the loop's loss and gradient norm.
+   The check can fail: the reference with gate and up swapped (odd columns gate) departs from the replayed
+   loss by more than ten times the tolerance. The manifest says where swiglu_alpha (modeling_gpt_oss.py's
+   constant) and the aux loss (output_router_logits) came from. A released checkpoint's MXFP4 experts
+   (gate_up_proj_blocks / _scales) are refused naming the key.
 
     /usr/bin/python3 tests/py/test_family_gpt_oss_moe.py --cli build/nanreplay --work DIR
 """
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -79,6 +90,7 @@ class GptOssExperts(fs.Rounding, torch.nn.Module):
         self.alpha = moe["swiglu_alpha"]
         self.limit = moe.get("swiglu_limit")  # None: the perturbation without the clamp
         self.halves = False  # a perturbation: gate and up as the two halves, not interleaved
+        self.swapped = False  # a perturbation: gate the odd columns, up the even ones
 
     def forward(self, hidden_states, router_indices=None, routing_weights=None):
         rnd = self.rnd
@@ -99,6 +111,8 @@ class GptOssExperts(fs.Rounding, torch.nn.Module):
                 gate, up = gate_up[..., :self.expert_dim], gate_up[..., self.expert_dim:]
             else:
                 gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+            if self.swapped:
+                gate, up = up, gate
             gate, up = rnd(gate), rnd(up)  # the mlp.expert.gate and mlp.expert.up sites
             if self.limit is not None:
                 gate = gate.clamp(min=None, max=self.limit)
@@ -300,6 +314,104 @@ def check_preset(cli, work, preset="clean-gpt-oss-moe"):
         fs.compare_bundle_step(bundle, row, model, f"{preset} step {row['step']}")
 
 
+def hf_config():
+    """config.json as GptOssConfig.save_pretrained writes it for the reference's shape."""
+    return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": attn.V,
+            "hidden_size": attn.C, "intermediate_size": attn.FF, "num_hidden_layers": attn.LAYERS,
+            "num_attention_heads": attn.H, "num_key_value_heads": attn.G, "head_dim": attn.D,
+            "max_position_embeddings": attn.T, "rms_norm_eps": attn.EPS, "rope_theta": attn.THETA,
+            "rope_scaling": attn.YARN, "sliding_window": attn.WINDOW, "layer_types": LAYER_TYPES,
+            "attention_bias": True, "attention_dropout": 0.0, "num_local_experts": E, "num_experts_per_tok": TOP_K,
+            "swiglu_limit": LIMIT, "router_aux_loss_coef": AUX, "output_router_logits": True,
+            "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "float32"}
+
+
+def hf_named(model):
+    """GptOssForCausalLM's state dict names (the fused experts as they are) for the reference's parameters."""
+    return attn.named_as_hf(model.model)
+
+
+def save_hf(model, opt, directory):
+    """save_pretrained's files, and the AdamW state keyed by the same names."""
+    directory.mkdir(parents=True, exist_ok=True)
+    named = hf_named(model)
+    fs.nanreplay_capture.write_safetensors(directory / "model.safetensors", [(k, v.detach().clone()) for k, v in named])
+    (directory / "config.json").write_text(json.dumps(hf_config(), indent=2))
+    names = {id(p): n for n, p in named}
+    state = {names[id(p)]: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()} for p, s in opt.state.items()}
+    groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[names[id(p)] for p in g["params"]])
+              for g in opt.param_groups]
+    torch.save({"state": state, "param_groups": groups}, directory / "optimizer.pt")
+
+
+def check_import(cli, work):
+    """4. a GPT-OSS checkpoint through `nanreplay import`, replayed against the training loop."""
+    import import_support as imp  # noqa: E402  (the training loop, its token data and the import runner)
+    work.mkdir(parents=True, exist_ok=True)
+    model = attn.init(GptOssForCausalLM(attn.YARN, LAYER_TYPES, MOE), seed=7)
+    data = imp.Data(work, attn.V, attn.T, 2, 1, num_samples=16, seed=3)
+    opt = imp.adamw(model.parameters())
+    swapped = {}
+
+    def save():
+        save_hf(model, opt, work / "hf")
+        with torch.no_grad():
+            for ex in model.experts():
+                ex.experts.swapped = True
+            swapped["loss"] = float(model(*data.batch(data.rows(1))))
+            for ex in model.experts():
+                ex.experts.swapped = False
+    log = imp.train(model, opt, data, 3, before_step=lambda step: step == 1 and save())
+    imp.write_log(work / "log.jsonl", log)
+    proc = imp.run_import(cli, ["--checkpoint", work / "hf", "--optimizer", work / "hf" / "optimizer.pt",
+                                "--optimizer-class", "torch.optim.AdamW",
+                                *data.flags(), "--log", work / "log.jsonl", "--steps", "1:2", "--grad-clip", 1.0],
+                          work / "bundle")
+    if not fs.check(proc.returncode == 0, f"GPT-OSS import: exit 0 ({proc.stderr.strip()[-300:]})"):
+        return
+    manifest = json.loads((work / "bundle" / "manifest.json").read_text())
+    moe, prov = manifest["model"].get("moe", {}), manifest.get("provenance", {})
+    fs.check(all(moe.get(k, attn.FF if k == "intermediate_size" else None) == v for k, v in MOE.items())
+             and not moe.get("norm_topk_prob") and not moe.get("router_z_loss_coef"),
+             f"GPT-OSS import: model.moe is GPT-OSS's ({moe})")
+    fs.check("1.702" in prov.get("model.moe.swiglu_alpha", {}).get("detail", "")
+             and "output_router_logits" in prov.get("model.moe.router_aux_loss_coef", {}).get("detail", ""),
+             "GPT-OSS import: the provenance says where swiglu_alpha and the aux loss came from")
+    rproc, report = imp.run_replay(cli, work / "bundle", work / "out")
+    if not fs.check(report is not None, f"GPT-OSS import replays ({rproc.stderr.strip()[-300:]})"):
+        return
+    imp.check_replay("GPT-OSS import", report, log, 1, 2)
+    replayed = report["steps"][0]["loss"]
+    fs.check(fs.rel_err(replayed, swapped["loss"]) > 10 * fs.TOLERANCE,
+             f"the check can fail: the reference with gate/up swapped departs ({swapped['loss']!r} vs {replayed!r})")
+    fs.failures.extend(imp.failures)
+
+
+def check_mxfp4_refused(work):
+    """4. a released GPT-OSS checkpoint's MXFP4 experts are refused by key (the import run in process)."""
+    import contextlib
+    import io
+    import import_support as imp  # noqa: E402
+    import nanreplay_import
+    work.mkdir(parents=True, exist_ok=True)
+    config = dict(hf_config(), quantization_config={"quant_method": "mxfp4"})
+    (work / "config.json").write_text(json.dumps(config))
+    packed = torch.int64  # U8 in the release; this writer stores I64, and the key is what is refused
+    fs.nanreplay_capture.write_safetensors(work / "model.safetensors", [
+        ("model.embed_tokens.weight", torch.zeros(attn.V, attn.C)),
+        ("model.layers.0.mlp.experts.gate_up_proj_blocks", torch.zeros(E, 2 * attn.FF, 1, 16, dtype=packed)),
+        ("model.layers.0.mlp.experts.gate_up_proj_scales", torch.zeros(E, 2 * attn.FF, 1, dtype=packed))])
+    data = imp.Data(work, attn.V, attn.T, 2, 1, num_samples=16, seed=3)
+    (work / "log.jsonl").write_text('{"step": 0, "loss": 4.0}\n')
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = nanreplay_import.main([str(a) for a in ["--checkpoint", work, *data.flags(), "--log", work / "log.jsonl",
+                                                     "--steps", "0:0", "--out", work / "bundle"]])
+    said = err.getvalue().strip()
+    fs.check(rc == 2 and "gate_up_proj_blocks" in said and "MXFP4" in said and "\n" not in said,
+             f"MXFP4 experts refused naming the key, in one line (exit {rc}): {said}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
@@ -309,6 +421,8 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     check_handmade(args.cli, work)
     check_preset(args.cli, work)
+    check_import(args.cli, work / "import")
+    check_mxfp4_refused(work / "mxfp4")
     fs.finish()
 
 

@@ -27,7 +27,7 @@ ORIGIN = {
     "cascade": 0.1, "transient-fp16": 0.1, "router-overflow": 0.1, "expert-overflow": 0.1,
     "glitch-token": 0.1, "demo": 0.1, "bit-flip": 0.5, "rewritten-weights": 0.6,
     "gpt-oss-head-overflow": 0.1, "llama4-nope-overflow": 0.1, "olmo2-postnorm-overflow": 0.6,
-    "olmo3-window-overflow": 0.1, "glm4-partial-rotary-overflow": 0.1,
+    "olmo3-window-overflow": 0.1, "glm4-partial-rotary-overflow": 0.1, "qwen3-qknorm-overflow": 0.1,
 }
 # No origin, a flipped bit the update check names: the two steps around it (two of four checkpoints).
 FLIP = {"silent-bit-flip": 0.5, "spike-bit-flip": 0.5}
@@ -61,6 +61,8 @@ ORIGIN["gpt-oss-expert-overflow"] = 0.1
 CLEAN += ["clean-gpt-oss-moe"]
 # Issue 40's DeepSeek-V3 multi-head latent attention, fp32 and bf16.
 CLEAN += ["clean-deepseek-mla", "clean-deepseek-mla-bf16"]
+# Issue 40's Llama 4 mixture of experts: a dense layer, a routed one with a shared expert.
+CLEAN += ["clean-llama4-moe"]
 # Rolled forward (synth --checkpoint-every 10: one checkpoint, and the one a fault edits): fewer bytes to
 # start with, so larger ratios.
 ROLLED = {"head-overflow": 0.35, "cascade": 0.3, "bit-flip": 0.7, "silent-bit-flip": 0.7}

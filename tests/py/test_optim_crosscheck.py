@@ -32,7 +32,16 @@ their upstream source, since the torch here predates them. Muon's
 Newton-Schulz runs on bf16 tensors on a GPU; on this CPU each bf16 matmul is
 an fp32 matmul of the bf16 values rounded to bf16, as the bundle format says.
 MuonClip's per-head maxima come from the reference model's own attention
-scores. Run by CTest with Debian's /usr/bin/python3 (python3-torch).
+scores.
+
+MuonClip on latent attention (muonclip-mla): `synth clean-deepseek-mla` with a
+Muon group and qk_clip, five steps, checked per step as above and rolled
+forward through `run`. Its model is test_family_deepseek_mla.py's
+DeepseekV3ForCausalLM (transformers' modeling_deepseek_v3.py), its MuonClip
+Megatron-LM's (mla_qk_clip). At the first step the check must also fail for
+three mistakes (the shared rotary key k_pe rescaled, q_pe by sqrt(g) rather
+than g, v rescaled with k_nope) and for no MuonClip at all.
+Run by CTest with Debian's /usr/bin/python3 (python3-torch).
 """
 import argparse
 import json
@@ -48,19 +57,27 @@ from pathlib import Path
 # on the two threads CTest gives every test, also when this runs by hand.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import reference_model  # noqa: E402
+import test_family_deepseek_mla as mla  # noqa: E402  (DeepSeek-V3's reference model)
 
 TOLERANCE = 1e-6
 LOSS_TOLERANCE = 1e-6
 STATS_TOLERANCE = 1e-3  # the update statistics: differences of nearly equal parameters, ratios of squares
 FIRST, STEPS = 100, 11
+MLA_STEPS = 5
+TAU_MLA = 1.0
 MUON_GROUP = {"name": "muon", "params": ["model.layers.*_proj.weight"], "kind": "muon"}
 
 # Rolled forward end to end through `run` (the rest: per step only; tests/test_optim_cli.cpp rolls
 # every kind forward through an incident).
-ROLLED = ("adam-groups", "adafactor-hf", "muonclip-exact")
+ROLLED = ("adam-groups", "adafactor-hf", "muonclip-exact", "muonclip-mla")
+# run on the per-step bundle too, its update statistics between checkpoints
+STATS_BETWEEN = ("adam-groups", "adafactor-hf", "muonclip-exact")
+# Cases on another preset than clean-fp32: name -> (preset, steps)
+PRESETS = {"muonclip-mla": ("clean-deepseek-mla", MLA_STEPS)}
 # name -> (manifest "optimizer" section, state.json lr)
 CASES = {
     "adam-groups": ({"kind": "adam", "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "amsgrad": True,
@@ -82,6 +99,14 @@ CASES = {
     "muonclip-exact": ({"kind": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.1, "grad_clip": 1.0,
                         "groups": [dict(MUON_GROUP, momentum=0.0, adjust_lr_fn="match_rms_adamw",
                                         qk_clip={"tau": 0.02})]}, {"default": 3e-3, "muon": 2e-2}),
+    # Latent attention: q_b_proj and kv_b_proj in the Muon group (kv_a_proj_with_mqa, "_mqa.weight", is not);
+    # tau under every head's largest logit at the first step, between them at the next ones. The untied
+    # lm_head is Muon's too: AdamW's first update divides its near-zero gradients (|g| ~ eps) by
+    # themselves, which lifts the reference's other summation order past 1e-6.
+    "muonclip-mla": ({"kind": "adamw", "betas": [0.9, 0.95], "weight_decay": 0.1, "grad_clip": 1.0,
+                      "groups": [dict(MUON_GROUP, params=MUON_GROUP["params"] + ["lm_head.weight"], momentum=0.0,
+                                      adjust_lr_fn="match_rms_adamw", qk_clip={"tau": TAU_MLA})]},
+                     {"default": 3e-3, "muon": 2e-2}),
 }
 
 
@@ -357,6 +382,124 @@ def qk_clip(params, rule_for, maxima, cfg):
     return clipped
 
 
+class LatentLogitMax:
+    """Per layer and head, the largest scaled score of the reference's DeepseekV3Attention: it stands in
+    for torch.nn.functional in test_family_deepseek_mla and reads the softmax's input, the scaled scores
+    plus the causal mask (0 on a visible key, finfo.min on a hidden one, so each row's max is a visible
+    key's, as the diagonal always is)."""
+
+    def __init__(self, num_layers):
+        self.num_layers, self.calls = num_layers, []
+
+    def softmax(self, x, dim=-1, dtype=None):
+        self.calls.append(x.detach().amax(dim=(0, 2, 3)))
+        return F.softmax(x, dim=dim, dtype=dtype)
+
+    def __getattr__(self, name):
+        return getattr(F, name)
+
+    def __enter__(self):
+        mla.F = self
+        return self
+
+    def __exit__(self, *exc):
+        mla.F = F
+
+    def per_layer(self):
+        return [torch.stack(self.calls[l::self.num_layers]).amax(0) for l in range(self.num_layers)]
+
+
+def llama_step(bundle, params, step):
+    """The reference's loss, gradients and per-layer head maxima of a llama step (reference_model)."""
+    with LogitMax(bundle.manifest["model"]["num_layers"]) as logits:
+        loss, _, _, _, grads = reference_model.step_gradients(bundle, params, step)
+    return loss, grads, logits.per_layer()
+
+
+def latent_step(bundle, params, step):
+    """The same of a latent attention step, by test_family_deepseek_mla's DeepseekV3ForCausalLM on the
+    step's weights and batches: mean over ranks of the mean over micro-batches."""
+    m, d = bundle.manifest["model"], bundle.manifest["data"]
+    if not set(m) <= mla.UNDERSTOOD or bundle.manifest["precision"]["compute"] != "fp32":
+        raise SystemExit(f"FAIL the reference does not implement this manifest: {sorted(set(m) - mla.UNDERSTOOD)}")
+    model = mla.DeepseekV3ForCausalLM(m["num_layers"], mla.config_of_manifest(m))
+    named = dict(mla.named(model))
+    with torch.no_grad():
+        for k, p in named.items():
+            p.copy_(params[k])
+    ranks = bundle.samples(step)
+    accum, mbs = d.get("grad_accum_steps", 1), d["micro_batch_size"]
+    total, loss = {k: torch.zeros_like(v) for k, v in named.items()}, 0.0
+    with LatentLogitMax(m["num_layers"]) as logits:
+        for ids in ranks:
+            model.zero_grad(set_to_none=True)
+            for micro in range(accum):
+                micro_loss = model(*bundle.batch(ids[micro * mbs:(micro + 1) * mbs]))
+                loss += micro_loss.item() / accum / len(ranks)
+                (micro_loss / accum).backward()
+            for k, p in named.items():
+                total[k] += p.grad / len(ranks)
+    return loss, total, logits.per_layer()
+
+
+# What mla_qk_clip gets wrong when asked (check_mla_mistakes): each must miss the next checkpoint.
+MLA_MISTAKES = {"k_pe_scaled": "the shared rotary key k_pe (kv_a_proj_with_mqa) rescaled by sqrt(min g)",
+                "q_pe_sqrt": "q_pe rescaled by sqrt(g), not g",
+                "v_scaled": "kv_b_proj's v rows rescaled with k_nope",
+                "no_clip": "no MuonClip"}
+
+
+def mla_qk_clip(params, rule_for, maxima, cfg, mistake=None):
+    """Kimi K2's MuonClip of latent attention as Megatron-LM applies it after the optimizer step
+    (megatron/core/optimizer/qk_clip.py clip_qk; megatron/core/transformer/multi_latent_attention.py
+    MLASelfAttention.clip_qk, _clip_q_proj_weight and _clip_kv_proj_weight, at d98e8a64): when a head's
+    largest logit exceeds qk_clip_threshold, eta = clamp(threshold / max_logits, max=1) per head; q's nope
+    rows times eta ** qk_clip_alpha, its rope rows times eta; the kv up-projection's k rows times
+    eta ** (1 - alpha), its v rows and the kv down-projection (k_pe) untouched; alpha 0.5, the default of
+    transformer_config.py. Megatron's linear_q_up_proj (linear_q_proj without q_lora_rank) and
+    linear_kv_up_proj lay their rows out per head as Hugging Face's q_b_proj (q_proj) and kv_b_proj do:
+    [qk_head_dim, qk_pos_emb_head_dim] and [qk_head_dim, v_head_dim], Megatron's qk_head_dim being
+    qk_nope_head_dim. Returns the heads rescaled."""
+    if mistake == "no_clip":
+        return 0
+    latent = cfg["latent_attention"]
+    H, N, R, Dv = cfg["num_heads"], latent["qk_nope_head_dim"], latent["qk_rope_head_dim"], latent["v_head_dim"]
+    alpha, clipped = 0.5, 0
+    for layer, max_logits in enumerate(maxima):
+        prefix = f"model.layers.{layer}.self_attn."
+        q_name = prefix + ("q_b_proj.weight" if latent["q_lora_rank"] else "q_proj.weight")
+        rule = rule_for(q_name)
+        if "qk_clip" not in rule or not torch.any(max_logits > rule["qk_clip"]["tau"]):
+            continue
+        threshold = rule["qk_clip"]["tau"]
+        eta = torch.clamp(threshold / max_logits, max=1.0).view(H, 1, 1)
+        q = params[q_name].view(H, N + R, -1)
+        q[:, :N, :].mul_(torch.pow(eta, alpha))
+        q[:, N:, :].mul_(torch.pow(eta, alpha) if mistake == "q_pe_sqrt" else eta)
+        kv = params[prefix + "kv_b_proj.weight"].view(H, N + Dv, -1)
+        kv[:, :N, :].mul_(torch.pow(eta, 1 - alpha))
+        if mistake == "v_scaled":
+            kv[:, N:, :].mul_(torch.pow(eta, 1 - alpha))
+        if mistake == "k_pe_scaled":
+            params[prefix + "kv_a_proj_with_mqa.weight"][-R:].mul_(torch.pow(eta.min(), 1 - alpha))
+        clipped += int((max_logits > threshold).sum())
+    return clipped
+
+
+def check_mla_mistakes(unclipped, rule_for, maxima, cfg, next_params, step):
+    """Each of MLA_MISTAKES, applied to the step's update, departs from the next checkpoint by far more
+    than the tolerance: the per-step check tells them apart from MuonClip as Megatron-LM applies it."""
+    failures = []
+    for mistake, what in MLA_MISTAKES.items():
+        wrong = {n: t.clone() for n, t in unclipped.items()}
+        mla_qk_clip(wrong, rule_for, maxima, cfg, mistake)
+        err = max(rel_diff(wrong[n], next_params[n].float()) for n in wrong)
+        print(f"     step {step}, with {what}: {err:.3g} from the next checkpoint")
+        if err <= 100 * TOLERANCE:
+            failures.append(f"step {step}: MuonClip with {what} is within {err:.3g} of the next checkpoint")
+    return failures
+
+
 def adafactor_second_moment(grad, state, rule):
     """The second moment Adafactor's update divides by, from the state before this step's gradient:
     outer(row, col) / mean(row) for a matrix (PyTorch's floors the mean at eps1), a vector's own."""
@@ -401,7 +544,7 @@ def rel_diff(a, b):
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
 
 
-def check_per_step(bundle_dir, optimizer):
+def check_per_step(bundle_dir, optimizer, steps=STEPS):
     """Every step's update by the reference lands on the next checkpoint; returns (failures, clipped heads,
     the reference's loss of each step).
 
@@ -412,13 +555,14 @@ def check_per_step(bundle_dir, optimizer):
     it from there (exact_gradient). With momentum the buffers are compared, which are elementwise."""
     bundle = reference_model.Bundle(bundle_dir)
     cfg = bundle.manifest["model"]
+    latent = cfg.get("latent_attention") is not None
+    step_gradients, clip = (latent_step, mla_qk_clip) if latent else (llama_step, qk_clip)
     failures, clipped, losses, updates = [], 0, {}, {}
-    for step in range(FIRST, FIRST + STEPS - 1):
+    for step in range(FIRST, FIRST + steps - 1):
         here, there = bundle_dir / "steps" / str(step), bundle_dir / "steps" / str(step + 1)
         params = {k: v.float().requires_grad_(True) for k, v in reference_model.read_safetensors(here / "model.safetensors").items()}
         stored = reference_model.read_safetensors(here / "optimizer.safetensors")
-        with LogitMax(cfg["num_layers"]) as logits:
-            losses[step], _, _, _, grads = reference_model.step_gradients(bundle, params, step)
+        losses[step], grads, maxima = step_gradients(bundle, params, step)
         names = list(params)
         for n in names:
             params[n].grad = grads[n].clone()
@@ -446,7 +590,10 @@ def check_per_step(bundle_dir, optimizer):
                 step_one(plain[n], grad, states[n], lr[group] if isinstance(lr, dict) else lr, rule, decay)
                 rms = ((plain[n].double() - before).norm() / math.sqrt(before.numel())).item()
                 updates[(step, n)] = (rms,) + lag  # before MuonClip, as nanreplay measures it
-            clipped += qk_clip(plain, lambda n: rule_of(optimizer, n)[1], logits.per_layer(), cfg)
+            rule_for = lambda n: rule_of(optimizer, n)[1]  # noqa: E731
+            if latent and step == FIRST:
+                failures += check_mla_mistakes(plain, rule_for, maxima, cfg, next_params, step)
+            clipped += clip(plain, rule_for, maxima, cfg)
         for n in names:
             err = rel_diff(plain[n], next_params[n].float())
             if err > TOLERANCE and n not in state_only:
@@ -461,23 +608,23 @@ def check_per_step(bundle_dir, optimizer):
     return failures, clipped, losses, updates
 
 
-def synth(cli, work, name, optimizer, lr):
+def synth(cli, work, name, optimizer, lr, preset="clean-fp32", steps=STEPS):
     out = work / name
     shutil.rmtree(out, ignore_errors=True)
     spec = work / (name + "-optimizer.json")
     spec.write_text(json.dumps(optimizer))
-    run = subprocess.run([cli, "synth", "clean-fp32", str(out), "--optimizer", str(spec), "--lr", json.dumps(lr),
-                          "--steps", str(STEPS)], capture_output=True, text=True)
+    run = subprocess.run([cli, "synth", preset, str(out), "--optimizer", str(spec), "--lr", json.dumps(lr),
+                          "--steps", str(steps)], capture_output=True, text=True)
     if run.returncode != 0:
         raise SystemExit(f"FAIL {name}: synth exited {run.returncode}: {run.stderr}")
     return out
 
 
-def rolled_twin(per_step, out):
+def rolled_twin(per_step, out, steps=STEPS):
     """The same run with a checkpoint at its first and last step only (what --checkpoint-every writes)."""
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(per_step, out)
-    for step in range(FIRST + 1, FIRST + STEPS - 1):
+    for step in range(FIRST + 1, FIRST + steps - 1):
         for leaf in ("model.safetensors", "optimizer.safetensors"):
             (out / "steps" / str(step) / leaf).unlink()
     return out
@@ -514,7 +661,7 @@ def check_per_step_stats(cli, work, name, per_step, reference_updates, optimizer
     return ["per step: " + f for f in check_update_stats(json.loads(run.stdout), reference_updates)]
 
 
-def check_rolled(cli, work, name, rolled_dir, reference_losses, reference_updates):
+def check_rolled(cli, work, name, rolled_dir, reference_losses, reference_updates, steps=STEPS):
     """run on the twin: ten steps rolled forward from its first checkpoint, its own update of the
     last but one step compared with the real last checkpoint; each derived step's loss against the
     reference's loss of the same step (on the checkpoint the run wrote)."""
@@ -527,8 +674,8 @@ def check_rolled(cli, work, name, rolled_dir, reference_losses, reference_update
     failures = [f"the rolled replay reports {bad}" for bad in
                 ("SYSTEM_UPDATE_MISMATCH", "SYSTEM_TRAJECTORY_DIVERGED", "SYSTEM_BIT_FLIP") if bad in codes]
     derived = [row for row in report["steps"] if row["params"] == "derived"]
-    if len(derived) != STEPS - 2:
-        failures.append(f"expected {STEPS - 2} derived steps, got {len(derived)}")
+    if len(derived) != steps - 2:
+        failures.append(f"expected {steps - 2} derived steps, got {len(derived)}")
     for row in derived:
         want = reference_losses[row["step"]]
         if abs(row["loss"] - want) > LOSS_TOLERANCE * abs(want):
@@ -549,15 +696,17 @@ def main():
     for name, (optimizer, lr) in CASES.items():
         if args.only and name != args.only:
             continue
-        per_step = synth(args.cli, work, name, optimizer, lr)
-        failures, clipped, losses, updates = check_per_step(per_step, optimizer)
+        preset, steps = PRESETS.get(name, ("clean-fp32", STEPS))
+        per_step = synth(args.cli, work, name, optimizer, lr, preset, steps)
+        failures, clipped, losses, updates = check_per_step(per_step, optimizer, steps)
         if "muonclip" in name and clipped == 0:
             failures.append("no head was clipped: tau does not exercise MuonClip")
         if name in ROLLED:
-            failures += check_rolled(args.cli, work, name, rolled_twin(per_step, work / (name + "-rolled")), losses,
-                                     updates)
+            failures += check_rolled(args.cli, work, name, rolled_twin(per_step, work / (name + "-rolled"), steps),
+                                     losses, updates, steps)
+        if name in STATS_BETWEEN:
             failures += check_per_step_stats(args.cli, work, name, per_step, updates, optimizer)
-        print(f"{'FAIL' if failures else 'ok  '} {name}: {STEPS - 1} steps against the reference"
+        print(f"{'FAIL' if failures else 'ok  '} {name}: {steps - 1} steps against the reference"
               + (", rolled forward" if name in ROLLED else "")
               + (f", {clipped} head rescalings" if clipped else ""))
         for f in failures[:10]:
