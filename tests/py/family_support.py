@@ -87,6 +87,20 @@ def batch_of(stream, samples, seq_len):
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
+def perturbed_loss(model, inputs, targets, parts, perturbation):
+    """The model's loss (no grad) with each attribute of `perturbation` set on every module of `parts`
+    that has it, then restored: a reference with one mechanism changed, for showing a check can fail."""
+    saved = [(p, k, getattr(p, k)) for p in parts for k in perturbation if hasattr(p, k)]
+    for p, k, _ in saved:
+        setattr(p, k, perturbation[k])
+    try:
+        with torch.no_grad():
+            return float(model(inputs, targets))
+    finally:
+        for p, k, v in saved:
+            setattr(p, k, v)
+
+
 def write_bundle(root, model, params, stream, samples, seq_len, logged_loss, logged_grad_norm, precision="fp32"):
     """A one-step bundle computing in `precision`: `model` is the manifest's model object, `params`
     [(key, tensor)] in the parameter table's order (stored fp32, the masters), the step's batch samples

@@ -245,15 +245,7 @@ def reference_loss(model, stream, **perturbation):
     """The reference's fp32 loss with one perturbation set on every layer's MLP (then undone)."""
     inputs, targets = fs.batch_of(stream, attn.SAMPLES, attn.T)
     parts = [m.router for m in model.experts()] + [m.experts for m in model.experts()]
-    saved = [(p, k, getattr(p, k)) for p in parts for k in perturbation if hasattr(p, k)]
-    for p, k, _ in saved:
-        setattr(p, k, perturbation[k])
-    try:
-        with torch.no_grad():
-            return float(model(inputs, targets))
-    finally:
-        for p, k, v in saved:
-            setattr(p, k, v)
+    return fs.perturbed_loss(model, inputs, targets, parts, perturbation)
 
 
 def check_handmade(cli, work):
