@@ -166,7 +166,7 @@ bool has_parameter(const ParamDef& def, const ModelConfig& m, int layer) {
   if (def.present != nullptr && !def.present(m)) return false;
   if (def.in_layer == nullptr) return true;
   if (layer >= 0) return def.in_layer(m, layer);
-  for (int any = 0; any < m.num_layers; ++any) {
+  for (const int any : m.one_layer_of_each_kind()) {
     if (def.in_layer(m, any)) return true;
   }
   return false;

@@ -89,7 +89,7 @@ bool site_present(const SiteDef& def, const ModelConfig& model, int layer) {
 
 bool site_present(const SiteDef& def, const ModelConfig& model) {
   if (!def.in_layer) return site_present(def, model, -1);
-  for (int layer = 0; layer < model.num_layers; ++layer) {
+  for (const int layer : model.one_layer_of_each_kind()) {
     if (site_present(def, model, layer)) return true;
   }
   return false;

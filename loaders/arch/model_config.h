@@ -229,6 +229,25 @@ struct ModelConfig {
     }
     return false;
   }
+  // A dense layer and an expert layer, where the model has them: layers differ
+  // only in that, so these decide whether any layer has a site or parameter
+  // (scanning every layer of an absurd num_layers would take minutes).
+  std::vector<int> one_layer_of_each_kind() const {
+    std::vector<int> layers;
+    if (num_layers <= 0) return layers;
+    const bool every_layer_moe = moe && moe->layers.empty();
+    int dense = every_layer_moe ? num_layers : 0;
+    while (dense < num_layers && moe_layer(dense)) ++dense;  // at most |moe.layers| + 1 tries
+    if (dense < num_layers) layers.push_back(dense);
+    if (every_layer_moe) layers.push_back(0);
+    for (const int listed : moe ? moe->layers : std::vector<int>{}) {
+      if (listed >= 0 && listed < num_layers) {
+        layers.push_back(listed);
+        break;
+      }
+    }
+    return layers;
+  }
   bool rotary_layer(int layer) const {
     return no_rope_layers.empty() || no_rope_layers.at(static_cast<size_t>(layer)) != 0;
   }
