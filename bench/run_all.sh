@@ -10,6 +10,7 @@
 #   5. whole `nanreplay run` / whole eager PyTorch replay, 3 and 10 steps       (bench_whole_run)
 #   6. OpenBLAS on OpenMP / on pthreads, replay step and whole run            (bench_blas.sh)
 #   7. layer-streamed run: peak RSS 64 / 4 layers, time in memory / streamed   (bench_stream.py)
+#      and a DeepSeek-V3-shaped MoE at 4 and 8 layers, in memory and streamed  (bench_moe_memory.py)
 #   8. run across 2 processes (split by layers, by ranks) / one process         (bench_distributed.py)
 #   9. bisect / run: replays and wall time, rolled-forward and per-step windows (bench_bisect.py)
 #  10. replay step and whole run of each model family / plain llama; with
@@ -42,6 +43,8 @@ echo
 echo "== layer by layer: peak RSS against depth, time against the in-memory replay (hidden 512, seq 128)"
 /usr/bin/python3 "$root/bench/bench_stream.py" --nanreplay "$build/nanreplay" --work "$work/stream" \
   --reps "$(( reps < 5 ? reps : 5 ))" --threads "$threads"
+echo; echo "== a DeepSeek-V3-shaped mixture of experts (hidden 512, 256 experts, top 8): peak RSS in memory and streamed"
+/usr/bin/python3 "$root/bench/bench_moe_memory.py" --nanreplay "$build/nanreplay" --work "$work/moe-memory"
 echo; echo "== split across 2 local processes, by layers and by data-parallel ranks, against one (hidden 512, 8 layers, 4 ranks, 3 steps; the cores shared evenly)"; /usr/bin/python3 "$root/bench/bench_distributed.py" --nanreplay "$build/nanreplay" --work "$work/distributed" --reps "$(( reps < 5 ? reps : 5 ))"
 echo; echo "== bisect against run, rolled forward from one checkpoint and per step (synthetic presets; $threads threads)"
 /usr/bin/python3 "$root/bench/bench_bisect.py" --nanreplay "$build/nanreplay" --work "$work/bisect" \

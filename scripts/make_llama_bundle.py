@@ -11,6 +11,11 @@ its kv head's k_proj rows are set to the same scaled rows, so q == k for every t
 sized to 16x the compute type's largest value: the first non-finite value is layers.L.attn.scores, head H,
 query 0, key 0 of the last step's first sample, +inf. Every site before it stays far from the limit.
 
+--experts E (with --top-k, --expert-intermediate, --shared-intermediate, --first-dense N) makes layers
+N.. mixtures of experts (model.moe: Qwen3-MoE's softmax router, norm_topk_prob, a shared expert when
+--shared-intermediate > 0): DeepSeek-V3's layout at any width, for memory figures
+(bench/bench_moe_memory.py).
+
 Every step holds a full checkpoint and no optimizer state (so no update check): with --steps N the
 first N-1 share one unplanted checkpoint (hard links) and only the last is planted, logging loss "nan".
 Written into a staging directory beside OUT and renamed into place; an existing OUT is refused.
@@ -18,7 +23,8 @@ Prints one JSON line: what was written, how long it took, and the planted origin
 
 Usage: /usr/bin/python3 scripts/make_llama_bundle.py OUT [--hidden 256 --layers 4 --heads 4 --kv-heads 4
        --intermediate 672 --vocab 1024 --seq-len 128 --micro-batch 1 --steps 1 --storage bf16|fp32
-       --compute fp32|bf16|fp16 --plant-layer L --plant-head H --seed 0 --llama2-7b]
+       --compute fp32|bf16|fp16 --plant-layer L --plant-head H --seed 0 --llama2-7b
+       --experts E --top-k K --expert-intermediate I --shared-intermediate S --first-dense N]
 """
 import argparse
 import hashlib
@@ -52,11 +58,36 @@ def param_specs(a):
                   (p + "self_attn.k_proj.weight", [a.kv_heads * D, C]),
                   (p + "self_attn.v_proj.weight", [a.kv_heads * D, C]),
                   (p + "self_attn.o_proj.weight", [C, C]),
-                  (p + "post_attention_layernorm.weight", [C]),
-                  (p + "mlp.gate_proj.weight", [a.intermediate, C]),
-                  (p + "mlp.up_proj.weight", [a.intermediate, C]),
-                  (p + "mlp.down_proj.weight", [C, a.intermediate])]
+                  (p + "post_attention_layernorm.weight", [C])]
+        specs += moe_specs(a, p) if moe_layer(a, i) else [(p + "mlp.gate_proj.weight", [a.intermediate, C]),
+                                                          (p + "mlp.up_proj.weight", [a.intermediate, C]),
+                                                          (p + "mlp.down_proj.weight", [C, a.intermediate])]
     return specs + [("model.norm.weight", [C]), ("lm_head.weight", [a.vocab, C])]
+
+
+def moe_layer(a, i):
+    return a.experts > 0 and i >= a.first_dense
+
+
+def moe_specs(a, p):
+    """A mixture of experts' parameters in the bundle's order: router, experts, the shared expert."""
+    C, I, S = a.hidden, a.expert_intermediate, a.shared_intermediate
+    specs = [(p + "mlp.gate.weight", [a.experts, C])]
+    for e in range(a.experts):
+        q = f"{p}mlp.experts.{e}."
+        specs += [(q + "gate_proj.weight", [I, C]), (q + "up_proj.weight", [I, C]), (q + "down_proj.weight", [C, I])]
+    if S:
+        specs += [(p + "mlp.shared_expert.gate_proj.weight", [S, C]), (p + "mlp.shared_expert.up_proj.weight", [S, C]),
+                  (p + "mlp.shared_expert.down_proj.weight", [C, S])]
+    return specs
+
+
+def moe_config(a):
+    moe = {"num_experts": a.experts, "top_k": a.top_k, "intermediate_size": a.expert_intermediate,
+           "norm_topk_prob": True, "layers": [i for i in range(a.layers) if moe_layer(a, i)]}
+    if a.shared_intermediate:
+        moe["shared_expert_intermediate_size"] = a.shared_intermediate
+    return moe
 
 
 def make_plant(a):
@@ -191,6 +222,8 @@ def build(a, stage):
     if origin:
         manifest["incident"] = {"step": steps[-1], "symptom": "loss=nan"}
         origin.update(step=steps[-1], sample=samples[steps[-1]][0][0], micro_batch=0, rank=0)
+    if a.experts:
+        manifest["model"]["moe"] = moe_config(a)
     write_json(stage / "manifest.json", manifest)
     return dict(parameters=sum(math.prod(shape) for _, shape in specs), model_bytes=model_bytes, planted=origin)
 
@@ -210,6 +243,11 @@ def parse(argv):
     ap.add_argument("--plant-head", type=int, help="default: num_heads // 2")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llama2-7b", action="store_true", help="Llama 2 7B's shape, bf16 storage (explicit options win)")
+    ap.add_argument("--experts", type=int, default=0, help="routed experts per MoE layer (0: a dense model)")
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--expert-intermediate", type=int, help="each expert's width (default: --intermediate)")
+    ap.add_argument("--shared-intermediate", type=int, default=0, help="the shared expert's width (0: none)")
+    ap.add_argument("--first-dense", type=int, default=0, help="the first N layers stay dense")
     a = ap.parse_args(argv)
     defaults = dict(LLAMA2_7B) if a.llama2_7b else dict(hidden=256, layers=4, vocab=1024, storage="bf16")
     for key, value in defaults.items():
@@ -218,6 +256,7 @@ def parse(argv):
     a.heads = a.heads or max(1, a.hidden // 64)
     a.kv_heads = a.kv_heads or a.heads
     a.intermediate = a.intermediate or int(a.hidden * 8 / 3) // 16 * 16
+    a.expert_intermediate = a.expert_intermediate or a.intermediate
     if a.plant_head is None:
         a.plant_head = a.heads // 2
     problems = [what for bad, what in [
@@ -226,6 +265,8 @@ def parse(argv):
         (min(a.layers, a.vocab, a.intermediate, a.seq_len, a.micro_batch, a.steps, a.world_size) < 1,
          "sizes must be > 0"),
         (a.vocab > 2 ** 32, "--vocab must fit uint32"),
+        (a.experts and not 1 <= a.top_k <= a.experts, "--top-k must be in [1, experts]"),
+        (a.experts and not 0 <= a.first_dense < a.layers, "--first-dense must leave a layer with experts"),
         (a.plant_layer is not None and not 0 <= a.plant_layer < a.layers, "--plant-layer must be in [0, layers)"),
         (not 0 <= a.plant_head < a.heads, "--plant-head must be in [0, heads)")] if bad]
     if problems:
@@ -261,6 +302,7 @@ def main(argv=None):
     print(json.dumps(dict(bundle=str(out), bytes=size + info["model_bytes"], seconds=round(time.perf_counter() - t0, 2),
                           **{k: getattr(a, k) for k in ("hidden", "layers", "heads", "kv_heads", "intermediate",
                                                         "vocab", "seq_len", "micro_batch", "world_size", "steps",
+                                                        "experts", "top_k", "first_dense",
                                                         "storage",
                                                         "compute", "seed")}, **info)))
 
