@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <numeric>
 #include <random>
 #include <stdexcept>
 
@@ -236,9 +237,61 @@ void amplify_through_full_norm(const SyntheticSpec& spec, ParamMap& params, int6
   params.at(param_key(m.arch, ParamRole::kKNorm, f.layer)).narrow(0, kv_head * D, D).fill_(gain);
 }
 
+// Latent attention (DeepSeek-V3's MLA) has no q_proj / k_proj rows per head:
+// head f.head's q and k come out of two latents. One dimension of each
+// (latent dimension 0) reads only the token's feature, and of their readers
+// only the head's nope rows of q_b_proj (q_proj itself without a q latent)
+// and of kv_b_proj read it, reading nothing else; the q rotary rows, the
+// other heads and v read it nowhere, and the rotary key k_pe every head
+// shares (kv_a_proj_with_mqa's last rows) does not read the feature. For
+// every other token the head's q_nope and k_nope are exactly zero, so (as in
+// amplify_token_in_head) no gradient reaches the planted weights; the token's
+// own q_nope . k_nope (about 8 x 800 x 570) overflows fp16, q and k finite.
+constexpr double kLatentOverflowLatentGain = 10.0;  // the token's latent dimension: far above the others
+constexpr double kLatentOverflowHeadGain = 200.0;   // each nope dim of q and k reading it
+
+void amplify_token_in_latent_head(const SyntheticSpec& spec, ParamMap& params, int64_t token) {
+  const ModelConfig& m = spec.model;
+  const FaultSpec& f = spec.fault;
+  const LatentAttention& a = *m.latent_attention;
+  const int64_t N = a.qk_nope_head_dim, R = a.qk_rope_head_dim, Dv = a.v_head_dim;
+  constexpr int64_t kFeature = 0;
+  torch::Tensor embedding = params.at(embedding_key(m));
+  embedding.select(1, kFeature).zero_();
+  embedding[token][kFeature] = 0.5;
+  using Role = ParamRole;
+  auto weight = [&](Role role, int layer) -> torch::Tensor& { return params.at(param_key(m.arch, role, layer)); };
+  const Role q_reader = a.q_lora_rank > 0 ? Role::kQAProj : Role::kQProj;
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    for (Role reader : {q_reader, Role::kKvAProj, Role::kGateProj, Role::kUpProj}) {
+      weight(reader, layer).select(1, kFeature).zero_();
+    }
+    for (Role writer : {Role::kOProj, Role::kDownProj}) weight(writer, layer)[kFeature].zero_();
+  }
+  if (!m.tie_embeddings) weight(Role::kLmHead, -1).select(1, kFeature).zero_();
+  // Rows `first, count` of `w` read column `column` alone, at `gain`; no other row reads that column.
+  const auto read_only = [](torch::Tensor& w, int64_t first, int64_t count, int64_t column, double gain) {
+    w.select(1, column).zero_();
+    w.narrow(0, first, count).zero_();
+    w.narrow(0, first, count).select(1, column).fill_(gain);
+  };
+  if (a.q_lora_rank > 0) {
+    read_only(weight(Role::kQAProj, f.layer), 0, 1, kFeature, kLatentOverflowLatentGain);
+    read_only(weight(Role::kQBProj, f.layer), f.head * (N + R), N, 0, kLatentOverflowHeadGain);
+  } else {
+    read_only(weight(Role::kQProj, f.layer), f.head * (N + R), N, kFeature, kLatentOverflowHeadGain);
+  }
+  read_only(weight(Role::kKvAProj, f.layer), 0, 1, kFeature, kLatentOverflowLatentGain);
+  read_only(weight(Role::kKvBProj, f.layer), f.head * (N + Dv), N, 0, kLatentOverflowHeadGain);
+}
+
 void amplify_token_in_head(const SyntheticSpec& spec, ParamMap& params, int64_t token) {
   const ModelConfig& m = spec.model;
   const FaultSpec& f = spec.fault;
+  if (m.latent_attention) {
+    amplify_token_in_latent_head(spec, params, token);
+    return;
+  }
   const int64_t D = m.head_dim(), C = m.hidden_size;
   constexpr int64_t kFeature = 0;
   torch::Tensor embedding = params.at(embedding_key(m));
@@ -298,9 +351,24 @@ void amplify_token_in_experts(const SyntheticSpec& spec, ParamMap& params, int64
   auto weight = [&](R role, int layer, int expert = -1) -> torch::Tensor& {
     return params.at(param_key(m.arch, role, layer, expert));
   };
+  // Attention's readers of the feature: q/k/v, or latent attention's q and kv down-projections.
+  std::vector<R> attention_readers = {R::kQProj, R::kKProj, R::kVProj};
+  if (m.latent_attention) {
+    attention_readers = {m.latent_attention->q_lora_rank > 0 ? R::kQAProj : R::kQProj, R::kKvAProj};
+  }
   for (int layer = 0; layer < m.num_layers; ++layer) {
-    for (R reader : {R::kQProj, R::kKProj, R::kVProj, R::kRouter}) weight(reader, layer).select(1, kFeature).zero_();
+    for (R reader : attention_readers) weight(reader, layer).select(1, kFeature).zero_();
     weight(R::kOProj, layer)[kFeature].zero_();
+    if (!m.moe_layer(layer)) {  // a dense layer among the expert ones (Llama 4's moe.layers)
+      for (R reader : {R::kGateProj, R::kUpProj}) weight(reader, layer).select(1, kFeature).zero_();
+      weight(R::kDownProj, layer)[kFeature].zero_();
+      continue;
+    }
+    weight(R::kRouter, layer).select(1, kFeature).zero_();
+    if (m.moe->shared_expert_intermediate_size > 0) {  // Llama 4's shared expert reads every token
+      for (R reader : {R::kSharedGateProj, R::kSharedUpProj}) weight(reader, layer).select(1, kFeature).zero_();
+      weight(R::kSharedDownProj, layer)[kFeature].zero_();
+    }
     for (int e = 0; e < m.moe->num_experts; ++e) {
       for (R reader : {R::kExpertGateProj, R::kExpertUpProj}) weight(reader, layer, e).select(1, kFeature).zero_();
       weight(R::kExpertDownProj, layer, e)[kFeature].zero_();
@@ -489,6 +557,30 @@ std::vector<torch::Tensor> as_stored(const SyntheticSpec& spec, const std::vecto
   return values;
 }
 
+// DeepSeek-V3's correction bias (model.moe.router_score_bias) after `updates` steps of the
+// synthetic run: a spread start, then each step torchtitan's aux-loss-free update, coeff 1e-3 times
+// sign(mean load - load) made mean-zero, on a made-up per-expert load that changes every step (the
+// synthetic trainer does not count its tokens per expert).
+std::map<std::string, std::vector<double>> synthetic_router_score_bias(const ModelConfig& m, int64_t updates) {
+  std::map<std::string, std::vector<double>> by_name;
+  const int64_t E = m.moe->num_experts;
+  for (int layer = 0; layer < m.num_layers; ++layer) {
+    if (!m.moe_layer(layer)) continue;
+    std::vector<double> bias;
+    for (int64_t e = 0; e < E; ++e) bias.push_back(0.01 * static_cast<double>((e * 5 + layer * 3) % 7 - 3) / 3.0);
+    for (int64_t t = 0; t < updates; ++t) {
+      std::vector<double> load, delta;
+      for (int64_t e = 0; e < E; ++e) load.push_back(static_cast<double>((e * 7 + t * 3 + layer) % 5));
+      const double mean_load = std::accumulate(load.begin(), load.end(), 0.0) / static_cast<double>(E);
+      for (int64_t e = 0; e < E; ++e) delta.push_back(1e-3 * static_cast<double>((mean_load > load[e]) - (mean_load < load[e])));
+      const double mean_delta = std::accumulate(delta.begin(), delta.end(), 0.0) / static_cast<double>(E);
+      for (int64_t e = 0; e < E; ++e) bias[e] += delta[e] - mean_delta;
+    }
+    by_name[router_score_bias_key(layer)] = bias;
+  }
+  return by_name;
+}
+
 // ---- training ---------------------------------------------------------------
 
 struct Trainer {
@@ -620,6 +712,9 @@ struct Trainer {
     replayed_state.step = s;
     replayed_state.loss_scale = step_scale;
     replayed_state.fp8_scales = fp8_scales;
+    if (m.model.moe && m.model.moe->score_bias) {
+      replayed_state.router_score_bias = synthetic_router_score_bias(m.model, s - spec.first_step);
+    }
     StepRequest request;
     request.probes = spec.log_site_stats ? ProbeLevel::kFull : ProbeLevel::kOff;
     const StepResult grads = replay_step({m, tokens, s, replayed_state, batch}, params, order, request);
@@ -634,6 +729,7 @@ struct Trainer {
     for (const auto& [module, sc] : fp8_scales) {
       state["fp8_scales"][module] = {{"input", *sc.input}, {"weight", *sc.weight}, {"grad_output", *sc.grad_output}};
     }
+    for (const auto& [name, bias] : replayed_state.router_score_bias) state["router_score_bias"][name] = bias;
     write_text(step_dir / "state.json", state.dump(2) + "\n");
 
     if (skipped) {
@@ -989,6 +1085,25 @@ void llama4_attention(SyntheticSpec& spec) {
   spec.attention_init_std = 0.3;
 }
 
+// Llama 4's mixture of experts on its attention, at a toy width: layer 0
+// dense (the model's intermediate_size, Llama 4's intermediate_size_mlp),
+// layer 1 routed (moe.layers, as interleave_moe_layer_step 2 gives),
+// Llama4Router's top-1 sigmoid, each expert's input scaled by its score, gate
+// and up one matmul (gate_up_proj), and the shared expert.
+void llama4_moe(SyntheticSpec& spec) {
+  llama4_attention(spec);
+  spec.seq_len = 16;
+  spec.model.hidden_size = 32;
+  spec.model.intermediate_size = 48;
+  MoeConfig moe{4, 1, 24, false, 0.0, 0.0};
+  moe.router = RouterKind::kSigmoidTopK;
+  moe.scale_expert_input = true;
+  moe.fused_gate_up = true;
+  moe.shared_expert_intermediate_size = 24;
+  moe.layers = {1};
+  spec.model.moe = moe;
+}
+
 // DeepSeek-V3's multi-head latent attention on a dense llama block, at a
 // tiny size: q through a rank-16 latent, a rank-8 kv latent, heads of 8
 // nope + 4 rotary dims for q and k and 8 for v, interleaved rotary (its
@@ -1014,6 +1129,24 @@ void deepseek_latent_attention(SyntheticSpec& spec) {
   yarn.mscale_all_dim = 0.8;
   m.rope_scaling = yarn;
   spec.attention_init_std = 0.3;
+}
+
+// DeepSeek-V3's mixture of experts on its latent attention, three layers: layer 0 dense
+// (first_k_dense_replace 1), layers 1 and 2 routed by the grouped sigmoid router (8 experts in 4
+// groups, the best 2 groups kept, top 2, renormalized, times 2.5) with a per-step correction bias,
+// and one shared expert of the experts' width (n_shared_experts 1).
+void deepseek_moe(SyntheticSpec& spec) {
+  deepseek_latent_attention(spec);
+  spec.model.num_layers = 3;
+  MoeConfig moe{8, 2, 16, true, 0.0, 0.0};
+  moe.router = RouterKind::kSigmoidGrouped;
+  moe.n_group = 4;
+  moe.topk_group = 2;
+  moe.routed_scaling_factor = 2.5;
+  moe.score_bias = true;
+  moe.shared_expert_intermediate_size = 16;
+  moe.layers = {1, 2};
+  spec.model.moe = moe;
 }
 
 // Meta's interleaved rotary and Llama 3.1's scaling with a short original
@@ -1158,24 +1291,23 @@ const std::vector<PresetDef>& preset_table() {
          gpt_oss_moe(s);
          s.model.moe->swiglu_limit.reset();
        }},
-      // Llama 4's mixture of experts (issue 40) on its attention, at a toy width: layer 0 dense (the
-      // model's intermediate_size, Llama 4's intermediate_size_mlp), layer 1 routed (moe.layers, as
-      // interleave_moe_layer_step 2 gives), Llama4Router's top-1 sigmoid, each expert's input scaled
-      // by its score, gate and up one matmul (gate_up_proj), and the shared expert.
+      {{"expert-spike", "fp32 MoE: layer 1 routes a rare token to expert 2, whose up projection is about 1e5 on it "
+                        "at the last step: finite, one expert's output far above the others' "
+                        "(NUMERIC_EXPERT_OUTLIER_ACTIVATION); declared a spike"},
+       [](SyntheticSpec& s) {
+         moe_fault(s, FaultKind::kExpertOverflow);
+         s.compute = Compute::kFp32;
+         s.incident_kind = IncidentKind::kSpike;
+       }},
+      // Llama 4's mixture of experts (issue 40) on its attention (llama4_moe).
       {{"clean-llama4-moe", "nothing, Llama 4: its attention, a dense layer 0 and experts on layer 1 (4 experts, "
                             "top 1 by sigmoid, the expert's input scaled by its score, a shared expert)"},
+       llama4_moe},
+      {{"llama4-moe-overflow", "fp16 Llama 4 MoE: layer 1's sigmoid router sends a rare token to expert 2, whose up "
+                               "projection overflows on it at the last step (beside the shared expert)"},
        [](SyntheticSpec& s) {
-         llama4_attention(s);
-         s.seq_len = 16;
-         s.model.hidden_size = 32;
-         s.model.intermediate_size = 48;
-         MoeConfig moe{4, 1, 24, false, 0.0, 0.0};
-         moe.router = RouterKind::kSigmoidTopK;
-         moe.scale_expert_input = true;
-         moe.fused_gate_up = true;
-         moe.shared_expert_intermediate_size = 24;
-         moe.layers = {1};
-         s.model.moe = moe;
+         moe_fault(s, FaultKind::kExpertOverflow);
+         llama4_moe(s);  // in place of moe_fault's Qwen3-MoE
        }},
       // Spikes that never go non-finite (docs/spikes.md).
       {{"clean-site-stats", "nothing, every step logging its forward sites' max |x| and rms (logged.site_stats)"},
@@ -1263,6 +1395,24 @@ const std::vector<PresetDef>& preset_table() {
        [](SyntheticSpec& s) {
          deepseek_latent_attention(s);
          s.compute = Compute::kBf16;
+       }},
+      {{"clean-deepseek-moe", "nothing, DeepSeek-V3: latent attention, a dense layer 0 and experts on layers 1-2 "
+                              "(8 experts in 4 groups, 2 groups kept, top 2 by sigmoid + a per-step correction "
+                              "bias, times 2.5, a shared expert)"},
+       deepseek_moe},
+      {{"deepseek-moe-overflow", "fp16 DeepSeek-V3 MoE: layer 1's grouped sigmoid router sends a rare token to "
+                                 "expert 2, whose up projection overflows on it at the last step (beside the shared "
+                                 "expert; the correction bias changes every step but plays no part)"},
+       [](SyntheticSpec& s) {
+         moe_fault(s, FaultKind::kExpertOverflow);
+         deepseek_moe(s);  // in place of moe_fault's Qwen3-MoE
+       }},
+      {{"deepseek-mla-overflow", "fp16 DeepSeek-V3 latent attention: head 2 of layer 1 reads a rare token through "
+                                 "its q and kv latents (q_b_proj's and kv_b_proj's nope rows; the shared rotary key "
+                                 "untouched) and its scores overflow at the last step"},
+       [](SyntheticSpec& s) {
+         deepseek_latent_attention(s);
+         head_overflow(s);
        }},
       {{"llama4-nope-overflow", "fp16 Llama 4 attention: head 2 of layer 1, a NoPE layer (no rotary, no QK-norm), "
                                 "amplifies a rare token at the last step"},

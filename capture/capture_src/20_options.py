@@ -57,9 +57,13 @@ _GPT_OSS_EXPERTS = ("GPT-OSS's experts are stored fused (gate_up_proj [E, C, 2M]
                     "columns, multiplied from the right), which the recorder cannot take apart as views of row "
                     "blocks; save a checkpoint and run `nanreplay import` on it (docs/import.md)",
                     "attention_sinks, o_proj_bias, yarn rope_scaling, head_dim, sliding_window")
-_LLAMA4_EXPERTS = ("Llama 4's experts (a shared expert beside top-1 routed ones, sigmoid router scores) are not "
-                   "bundle v1's moe", "qk_norm 'l2', no_rope_layers, attn_temperature_tuning, attention_chunk_size, "
-                   "llama3 rope_scaling, interleaved rope_style")
+# Llama 4's experts replay (model.moe's sigmoid_top_k router, shared expert, moe.layers) and `nanreplay import`
+# reads its checkpoints (naming.HF_EXPERT_NAMES); its experts are 3-D tensors the recorder cannot view as row blocks.
+_LLAMA4_EXPERTS = ("Llama 4's experts are stored fused (feed_forward.experts.gate_up_proj [E, C, 2M], gate and up "
+                   "its last axis' two halves, and down_proj [E, M, C], multiplied from the right), which the "
+                   "recorder cannot take apart as views of row blocks; save a checkpoint and run `nanreplay import` "
+                   "on it (docs/import.md)", "qk_norm 'l2', no_rope_layers, attn_temperature_tuning, "
+                   "attention_chunk_size, llama3 rope_scaling, interleaved rope_style")
 UNSUPPORTED_MODEL_TYPES = {"gpt_oss": _GPT_OSS_EXPERTS, "llama4": _LLAMA4_EXPERTS, "llama4_text": _LLAMA4_EXPERTS}
 # Families whose blocks are not bundle v1's llama at all, refused by model_type the same way: {model_type: why}.
 REFUSED_MODEL_TYPES = {

@@ -17,7 +17,7 @@ from .inputs import _read_json
 from .model_settle import (FLAGS_WHERE, _FLOAT_TYPES, _kind_of, _moe_config, check_parameters, flag_config, model_options,
                            normalize_config, required_values, settle_activation, settle_model,
                            text_model)
-from .naming import HF_EXPERT_NAMES, Mapper, detect_naming, refuse_quantized, strip_prefix, unstack_megatron_layers
+from .naming import HF_EXPERT_NAMES, HF_EXPERT_SPLITS, Mapper, detect_naming, refuse_quantized, strip_prefix, unstack_megatron_layers
 from .optimizer import _unflatten_optimizer, aux_optimizer_state, infer_kind, merge_aux, optimizer_kind, read_optimizer, read_optimizer_general, step_entries
 from .outcome import BadInput, say, warn
 from .provenance import (_hyper_provenance, _provenance_entry, check_first, check_incident_window, checkpoint_counters,
@@ -47,7 +47,9 @@ def load_checkpoint(args):
 
 def settle_model_section(args, arch, naming, sd, configs):
     """The manifest's model section from the renamed tensors, flags and configs, each value with its
-    source, printed (defaults loudly). Returns (mapper, model, parameters, provenance entries)."""
+    source, printed (defaults loudly). Returns (mapper, model, parameters, provenance entries, score_bias):
+    score_bias is DeepSeek-V3's e_score_correction_bias per MoE layer ({state.json router_score_bias key:
+    [numbers]}, {} for other models), taken out of the parameters for the checkpoint step's state.json."""
     # num_heads etc. come from flags and configs; the tensors settle every shape.
     flags = flag_config(args)
     if flags:
@@ -75,8 +77,8 @@ def settle_model_section(args, arch, naming, sd, configs):
                              "hidden_size": heads_cfg.get("hidden_size", 0) or 1, "head_dim": heads_cfg.get("head_dim"),
                              "model_type": model_type})
     if mapper.hf_table and model_type in HF_EXPERT_NAMES:
-        say(f"fused experts: {model_type}'s mlp.experts.gate_up_proj / down_proj and their biases split per expert "
-            "(gate the even columns, up the odd ones, each transposed), mlp.router read as mlp.gate")
+        say(f"{'experts' if model_type in families.LATENT_TYPES else 'fused experts'}: {model_type}'s "
+            f"{HF_EXPERT_SPLITS[model_type]}")
     elif mapper.hf_table:
         say(f"fused parameters: {model_type}'s qkv_proj / gate_up_proj split into llama's q/k/v_proj and gate/up_proj"
             if model_type == "phi3" else f"fused parameters: {model_type}'s gate_up_proj split into gate_proj and up_proj"
@@ -106,8 +108,12 @@ def settle_model_section(args, arch, naming, sd, configs):
     if latent is not None:
         model["latent_attention"] = latent
         notes.pop("head_dim", None)  # the config's head_dim is the rotary width there (qk_rope_head_dim)
-        families.refuse_deepseek_moe(configs, mapped, model["num_layers"])
+        deepseek_moe, moe_notes = families.deepseek_moe(configs, model["num_layers"])
+        if deepseek_moe is not None:
+            model["moe"] = deepseek_moe
+            family_notes.update(moe_notes)
     family_notes.update(latent_notes)
+    mapped, score_bias = families.take_score_bias(mapped, model.get("moe"), args.checkpoint)
     if model["moe"] is None:
         del model["moe"]
     if model["tie_embeddings"]:
@@ -130,7 +136,7 @@ def settle_model_section(args, arch, naming, sd, configs):
         kind = _kind_of(detail.split(": ")[0], args) if kind == "checkpoint" else kind
         (warn if kind == "default" else say)(f"  {key}: " + ("DEFAULTED, " if kind == "default" else "") + detail)
         provenance[f"model.{key}"] = _provenance_entry(kind, detail, value)
-    return mapper, model, params, provenance
+    return mapper, model, params, provenance, score_bias
 
 
 def _decays(opt):
@@ -210,7 +216,11 @@ def build(args):
     arch = "gpt2" if naming == "nanogpt" else "llama"
     sd = strip_prefix(source_sd, naming)
 
-    mapper, model, params, provenance = settle_model_section(args, arch, naming, sd, configs)
+    mapper, model, params, provenance, score_bias = settle_model_section(args, arch, naming, sd, configs)
+    if score_bias:  # a buffer, not a parameter: the optimizer state's names and ids do not count it
+        bias_names = {k for k in source_sd
+                      if families.SCORE_BIAS.fullmatch(mapper.target(next(iter(strip_prefix({k: 0}, naming)))) or "")}
+        source_sd = {k: v for k, v in source_sd.items() if k not in bias_names}
 
     # The optimizer state: --optimizer, else HF Trainer's optimizer.pt beside the weights, else the
     # checkpoint's own when it has one.
@@ -235,6 +245,10 @@ def build(args):
         if opt is not None:
             opt_where = f"{args.checkpoint} ({key or 'top level'})"
     first, last = args.first, args.last
+    if score_bias and last > first:
+        raise BadInput("command line", "--steps", f"{first}:{last}: DeepSeek-V3's e_score_correction_bias is known "
+                                                  f"only at the checkpoint's step ({first}); later steps' biases are "
+                                                  f"not derived yet (import --steps {first}:{first})")
     opt_kind, opt_tensors, section = "adamw", None, None
     lr_by_optimizer = None  # two optimizers with their own learning rates (_optimizers_lrs)
     if opt is not None:
@@ -361,6 +375,8 @@ def build(args):
         if "skipped" in e:
             state["skipped"] = e["skipped"]
         state["logged"] = {k: _capture._json_number(e[k]) for k in ("loss", "grad_norm") if k in e}
+        if score_bias and step == first:  # DeepSeek-V3's correction bias (docs/bundle-format.md, "Mixture of experts")
+            state["router_score_bias"] = score_bias
         if step in site_stats:
             state["logged"]["site_stats"] = site_stats[step]
         _capture._write_json(d / "state.json", state)

@@ -50,6 +50,10 @@ def normalize_config(raw, where):
     full = params.get("full_attention") if isinstance(params, dict) else None  # per layer type (Gemma 3)
     if "rope_theta" not in cfg and isinstance(full, dict) and full.get("rope_theta") is not None:
         cfg["rope_theta"] = (full["rope_theta"], "rope_parameters.full_attention.rope_theta")
+    if raw.get("model_type") in families.LLAMA4_TYPES:  # its intermediate_size is the experts' width
+        cfg.pop("intermediate_size", None)
+        if raw.get("intermediate_size_mlp") is not None:  # Llama4TextMLP's of the dense layers
+            cfg["intermediate_size"] = (raw["intermediate_size_mlp"], "intermediate_size_mlp")
     if raw.get("group_query_attention") is False and "num_kv_heads" in cfg and cfg["num_kv_heads"][1] == "num_query_groups":
         del cfg["num_kv_heads"]  # Megatron keeps num_query_groups even when GQA is off
     for key, (value, name) in list(cfg.items()):
@@ -100,7 +104,9 @@ def _moe_config(raw, where, num_layers, tensor_count=None):
 # model's (transformers >= 4.52 nest it under model.language_model, older ones under language_model.model).
 _TEXT_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                         ("language_model.lm_head.", "lm_head."))
-_NOT_TEXT_MODEL = re.compile(r"(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
+# Llama 4's Llama4ForConditionalGeneration: language_model.model.*, language_model.lm_head, vision_model.*,
+# multi_modal_projector.*.
+_NOT_TEXT_MODEL = re.compile(r"(?:model\.)?(?:vision_tower|vision_model|multi_modal_projector)\.")
 
 
 def text_model(sd, configs):
@@ -120,7 +126,9 @@ def text_model(sd, configs):
                 key = new + key[len(old):]
                 break
         renamed[key] = value
-    return renamed, configs, (f"text model: the checkpoint is a multimodal model's (Gemma 3); its language model "
+    kind = next((raw.get("model_type") for raw, _ in configs if isinstance(raw.get("model_type"), str)), None)
+    family = "Llama 4" if kind in families.LLAMA4_TYPES else "Gemma 3"
+    return renamed, configs, (f"text model: the checkpoint is a multimodal model's ({family}); its language model "
                               f"is imported, {left} vision tower and projector tensors left out (no part of the "
                               "text loss)")
 
@@ -397,6 +405,8 @@ def model_options(naming, configs, model, args):
                 if value != _capture.LLAMA_OPTION_DEFAULTS[key]:
                     opts[key], notes[key] = value, (kind, f"{where}: {key}")
         if "model_type" in raw:
+            if raw.get("model_type") in families.LLAMA4_TYPES:  # chunked layer_types: families.llama4_options
+                raw = families.llama4_config_without_layer_types(raw)
             try:
                 said = _capture._options_from_config(raw, model["num_layers"])
             except _capture.CaptureError as e:
@@ -422,7 +432,8 @@ def model_options(naming, configs, model, args):
 
 
 def _family_options(configs, model, opts, notes, args):
-    """GPT-OSS's attention options its config.json leaves implicit, and DeepSeek-V3's rotary style; its
+    """GPT-OSS's attention options its config.json leaves implicit, Llama 4's (families.llama4_options),
+    and DeepSeek-V3's rotary style; its
     head_dim (the rotary width, qk_rope_head_dim) is latent attention's, not a head width of llama's."""
     for key, (value, kind, detail) in families.gpt_oss_options(configs, model["num_layers"]).items():
         if value == _capture.LLAMA_OPTION_DEFAULTS[key]:
@@ -430,6 +441,14 @@ def _family_options(configs, model, opts, notes, args):
         elif key not in opts or kind != "default":
             opts[key], notes[key] = value, (_kind_of(detail.split(": ")[0], args) if kind == "checkpoint" else kind,
                                             detail)
+    for key, (value, kind, detail) in families.llama4_options(configs, model["num_layers"]).items():
+        if notes.get(key, ("",))[0] in ("config", "flag"):
+            continue  # the user's --config or flag said it
+        if value == _capture.LLAMA_OPTION_DEFAULTS[key]:
+            opts.pop(key, None)
+        else:
+            opts[key] = value
+        notes[key] = (_kind_of(detail.split(": ")[0], args) if kind == "checkpoint" else kind, detail)
     if families.latent_config(configs)[0] is not None:
         opts.pop("head_dim", None)
         notes.pop("head_dim", None)

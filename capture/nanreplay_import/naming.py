@@ -61,7 +61,8 @@ _MEGATRON = [  # Megatron-core (GPTModel with TransformerEngine's fused LayerNor
 ]
 
 # DeepSeek's own checkpoint names (deepseek-ai/DeepSeek-V3 inference/convert.py's mapping, applied backwards).
-# Its MoE names go to Hugging Face's, so that the import refuses them as it refuses HF's.
+# Its MoE names go to Hugging Face's (the correction bias to mlp.gate.e_score_correction_bias, which the
+# import moves into state.json: families.take_score_bias), its shared experts to the bundle's shared_expert.
 _DEEPSEEK = [
     (r"embed\.weight", "model.embed_tokens.weight"),
     (r"layers\.(\d+)\.attn_norm\.weight", "model.layers.{0}.input_layernorm.weight"),
@@ -79,9 +80,13 @@ _DEEPSEEK = [
     (r"layers\.(\d+)\.ffn\.w3\.weight", "model.layers.{0}.mlp.up_proj.weight"),
     (r"layers\.(\d+)\.ffn\.gate\.weight", "model.layers.{0}.mlp.gate.weight"),
     (r"layers\.(\d+)\.ffn\.gate\.bias", "model.layers.{0}.mlp.gate.e_score_correction_bias"),
-    (r"layers\.(\d+)\.ffn\.(experts\.\d+|shared_experts)\.w1\.weight", "model.layers.{0}.mlp.{1}.gate_proj.weight"),
-    (r"layers\.(\d+)\.ffn\.(experts\.\d+|shared_experts)\.w2\.weight", "model.layers.{0}.mlp.{1}.down_proj.weight"),
-    (r"layers\.(\d+)\.ffn\.(experts\.\d+|shared_experts)\.w3\.weight", "model.layers.{0}.mlp.{1}.up_proj.weight"),
+    (r"layers\.(\d+)\.ffn\.(experts\.\d+)\.w1\.weight", "model.layers.{0}.mlp.{1}.gate_proj.weight"),
+    (r"layers\.(\d+)\.ffn\.(experts\.\d+)\.w2\.weight", "model.layers.{0}.mlp.{1}.down_proj.weight"),
+    (r"layers\.(\d+)\.ffn\.(experts\.\d+)\.w3\.weight", "model.layers.{0}.mlp.{1}.up_proj.weight"),
+    # DeepseekV3MoE's shared_experts (one MLP) is the bundle's mlp.shared_expert
+    (r"layers\.(\d+)\.ffn\.shared_experts\.w1\.weight", "model.layers.{0}.mlp.shared_expert.gate_proj.weight"),
+    (r"layers\.(\d+)\.ffn\.shared_experts\.w2\.weight", "model.layers.{0}.mlp.shared_expert.down_proj.weight"),
+    (r"layers\.(\d+)\.ffn\.shared_experts\.w3\.weight", "model.layers.{0}.mlp.shared_expert.up_proj.weight"),
     (r"norm\.weight", "model.norm.weight"),
     (r"head\.weight", "lm_head.weight"),
 ]
@@ -97,8 +102,42 @@ HF_EXPERT_NAMES = {"gpt_oss": [
     (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj", "per_expert:model.layers.{0}.mlp.experts.{{e}}.down_proj.weight"),
     (r"model\.layers\.(\d+)\.mlp\.experts\.down_proj_bias", "per_expert:model.layers.{0}.mlp.experts.{{e}}.down_proj.bias"),
 ]}
-# What an expert-stacked tensor holds per expert: [(part, columns of its last axis)].
-_EXPERT_PARTS = {"gate_up": [("gate", slice(0, None, 2)), ("up", slice(1, None, 2))], "per_expert": [(None, slice(None))]}
+# Llama 4 (Llama4ForCausalLM, and Llama4ForConditionalGeneration's language model once model_settle.text_model
+# has renamed it): the MLP is `feed_forward`; on its MoE layers (moe_layers) Llama4TextMoe's router
+# (nn.Linear, no bias), Llama4TextExperts' gate_up_proj [E, C, 2M] (gate the FIRST half of the last axis, up
+# the second: gate_up.chunk(2, dim=-1)) and down_proj [E, M, C], both multiplied from the right (bmm), and a
+# shared expert; its dense layers a Llama4TextMLP of intermediate_size_mlp (docs/import.md, "Llama 4").
+_LLAMA4_NAMES = [
+    (r"model\.layers\.(\d+)\.feed_forward\.router\.weight", "model.layers.{0}.mlp.gate.weight"),
+    (r"model\.layers\.(\d+)\.feed_forward\.experts\.gate_up_proj",
+     "gate_up_halves:model.layers.{0}.mlp.experts.{{e}}.{{part}}_proj.weight"),
+    (r"model\.layers\.(\d+)\.feed_forward\.experts\.down_proj",
+     "per_expert:model.layers.{0}.mlp.experts.{{e}}.down_proj.weight"),
+    (r"model\.layers\.(\d+)\.feed_forward\.shared_expert\.(gate|up|down)_proj\.weight",
+     "model.layers.{0}.mlp.shared_expert.{1}_proj.weight"),
+    (r"model\.layers\.(\d+)\.feed_forward\.(gate|up|down)_proj\.weight", "model.layers.{0}.mlp.{1}_proj.weight"),
+]
+HF_EXPERT_NAMES["llama4_text"] = HF_EXPERT_NAMES["llama4"] = _LLAMA4_NAMES
+# DeepSeek-V3 / Kimi K2 (DeepseekV3MoE): experts one nn.Module each under llama's MoE names already; its
+# shared_experts (one DeepseekV3MLP) is the bundle's mlp.shared_expert, the same for the optimizer's moments.
+HF_EXPERT_NAMES["deepseek_v3"] = HF_EXPERT_NAMES["kimi_k2"] = [
+    (r"model\.layers\.(\d+)\.mlp\.shared_experts\.(gate|up|down)_proj\.weight",
+     "model.layers.{0}.mlp.shared_expert.{1}_proj.weight"),
+]
+# What an expert-stacked tensor holds per expert: [(part, columns of its last axis)]; "gate_up_halves"
+# (Llama 4): [(part, which half of the last axis)], the halves' width read off the tensor.
+_EXPERT_PARTS = {"gate_up": [("gate", slice(0, None, 2)), ("up", slice(1, None, 2))], "per_expert": [(None, slice(None))],
+                 "gate_up_halves": [("gate", 0), ("up", 1)]}
+# How each family's stacked experts are split, for the import's own line (build.py).
+HF_EXPERT_SPLITS = {
+    "gpt_oss": "mlp.experts.gate_up_proj / down_proj and their biases split per expert (gate the even columns, up "
+               "the odd ones, each transposed), mlp.router read as mlp.gate",
+    "llama4": "feed_forward.experts.gate_up_proj / down_proj split per expert (gate the first half of the last axis, "
+              "up the second, each transposed), feed_forward.router read as mlp.gate, feed_forward.* as mlp.*",
+}
+HF_EXPERT_SPLITS["llama4_text"] = HF_EXPERT_SPLITS["llama4"]
+HF_EXPERT_SPLITS["deepseek_v3"] = HF_EXPERT_SPLITS["kimi_k2"] = (
+    "experts one module each (no split), mlp.shared_experts read as mlp.shared_expert")
 
 # Quantized weights a released checkpoint stores and a training run's does not: refused by key.
 _QUANTIZED = [
@@ -298,8 +337,15 @@ class Mapper:
         if t.dim() not in (2, 3) or t.shape[0] < 1:
             raise BadInput(where, key, f"is {list(t.shape)}: experts stacked as [E, in, out] or, for a bias, [E, out]")
         out = {}
+        parts = _EXPERT_PARTS[kind]
+        if kind == "gate_up_halves":  # Llama 4: gate_up.chunk(2, dim=-1)
+            if t.dim() != 3 or t.shape[-1] % 2:
+                raise BadInput(where, key, f"is {list(t.shape)}: Llama 4's gate_up_proj is [E, hidden, 2 * "
+                                           "intermediate_size], gate then up along its last axis")
+            half = t.shape[-1] // 2
+            parts = [(part, slice(which * half, (which + 1) * half)) for part, which in parts]
         for e in range(t.shape[0]):
-            for part, columns in _EXPERT_PARTS[kind]:
+            for part, columns in parts:
                 piece = t[e][..., columns]
                 out[template.format(e=e, part=part)] = (piece.t() if piece.dim() == 2 else piece).contiguous()
         return out

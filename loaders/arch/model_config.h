@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <vector>
 
@@ -86,6 +87,10 @@ enum class RouterKind : uint8_t {
   kSoftmaxTopK,  // "softmax_top_k" (Qwen3-MoE): softmax over every expert, then the top_k probabilities
   kTopKSoftmax,  // "top_k_softmax" (GPT-OSS): the top_k logits, then a softmax over those k alone
   kSigmoidTopK,  // "sigmoid_top_k" (Llama 4): the top_k logits, each through a sigmoid on its own
+  // "sigmoid_grouped" (DeepSeek-V3, Kimi K2): fp32 logits through a sigmoid; the top_k experts by
+  // sigmoid + the step's correction bias within the topk_group best of n_group groups, weighted by
+  // the unbiased sigmoid (renormalized when norm_topk_prob) times routed_scaling_factor.
+  kSigmoidGrouped,
 };
 
 // What each expert computes from its gate and up projections g and u.
@@ -114,16 +119,30 @@ struct MoeConfig {
   ExpertActivation expert_activation = ExpertActivation::kSilu;
   double swiglu_alpha = 0.0;  // gpt_oss only: the sigmoid's gain (GPT-OSS: 1.702)
   // GPT-OSS: g clamped to at most the limit and u to [-limit, limit] before the activation; absent: no clamp.
-  std::optional<double> swiglu_limit;
+  std::optional<double> swiglu_limit{};
   // The layers with experts, ascending (Llama 4's moe_layers, DeepSeek-V3's layers from
   // first_k_dense_replace); the others keep the dense MLP. Empty: every layer.
-  std::vector<int> layers;
+  std::vector<int> layers{};
   // Llama 4: each expert reads its input times its routing weight, and its output is summed
   // unweighted (the weight on the output otherwise).
   bool scale_expert_input = false;
   // Llama 4, DeepSeek-V3: a dense SwiGLU MLP of this width beside the routed experts, on every
   // token, its output added to theirs. 0: none.
   int64_t shared_expert_intermediate_size = 0;
+  // DeepSeek-V3's grouped router (sigmoid_grouped only): n_group groups of num_experts / n_group
+  // experts, each scored by the sum of its two best biased scores; the top_k experts are chosen
+  // within the topk_group best groups; their weights are multiplied by routed_scaling_factor.
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  // Whether the router adds e_score_correction_bias to its scores for the choice (DeepSeek-V3's
+  // aux-loss-free balancing; sigmoid_grouped only). A buffer the job updates after each step, not
+  // a parameter: each step's value comes from its state.json (router_score_bias).
+  bool score_bias = false;
+  // The replayed step's e_score_correction_bias by layer (every layer with experts when
+  // score_bias): not a manifest key; replay_step sets it from the step's state.json, a what-if may
+  // replace it (router-bias=frozen).
+  std::map<int, std::vector<double>> step_score_bias{};
 };
 
 // DeepSeek-V3 / Kimi K2's multi-head latent attention (model.latent_attention,

@@ -14,7 +14,8 @@ namespace {
 
 // The manifest's router names, in RouterKind's order.
 const std::vector<const char*>& router_names() {
-  static const std::vector<const char*> names = {"softmax_top_k", "top_k_softmax", "sigmoid_top_k"};
+  static const std::vector<const char*> names = {"softmax_top_k", "top_k_softmax", "sigmoid_top_k",
+                                                    "sigmoid_grouped"};
   return names;
 }
 
@@ -79,6 +80,51 @@ void parse_moe_layout(const JsonReader& moe, const ModelConfig& model, MoeConfig
   }
 }
 
+// The keys only DeepSeek-V3's grouped router reads.
+const std::vector<const char*>& grouped_router_keys() {
+  static const std::vector<const char*> keys = {"n_group", "topk_group", "routed_scaling_factor", "router_score_bias"};
+  return keys;
+}
+
+// DeepSeek-V3's grouped router (router "sigmoid_grouped"): n_group, topk_group, routed_scaling_factor
+// and norm_topk_prob are required (DeepseekV3Config's defaults 8, 4, 2.5 and true are not this format's
+// defaults); router_score_bias defaults to true (DeepseekV3TopkRouter always holds the buffer).
+// Every other router refuses the keys by name.
+void parse_grouped_router(const JsonReader& moe, MoeConfig& config) {
+  if (config.router != RouterKind::kSigmoidGrouped) {
+    for (const char* key : grouped_router_keys()) {
+      if (moe.has(key)) {
+        throw InputError(moe.file(), moe.key_path(key), "only router \"sigmoid_grouped\" (DeepSeek-V3) reads it");
+      }
+    }
+    return;
+  }
+  if (!moe.has("norm_topk_prob")) {
+    throw InputError(moe.file(), moe.key_path("norm_topk_prob"),
+                     "required with router \"sigmoid_grouped\" (DeepseekV3Config's default is true, this format's false)");
+  }
+  if (config.router_aux_loss_coef != 0) {
+    throw InputError(moe.file(), moe.key_path("router_aux_loss_coef"),
+                     "router \"sigmoid_grouped\" (DeepSeek-V3) balances by its correction bias, with no "
+                     "load-balancing loss to weight; expected 0");
+  }
+  config.n_group = dimension(moe, "n_group");
+  if (config.num_experts % config.n_group != 0 || config.num_experts / config.n_group < 2) {
+    throw InputError(moe.file(), moe.key_path("n_group"),
+                     "expected a divisor of num_experts (" + std::to_string(config.num_experts) +
+                         ") leaving at least 2 experts a group (a group scores its two best), got " +
+                         std::to_string(config.n_group));
+  }
+  config.topk_group = dimension(moe, "topk_group");
+  if (config.topk_group > config.n_group) {
+    throw InputError(moe.file(), moe.key_path("topk_group"),
+                     "expected at most n_group (" + std::to_string(config.n_group) + "), got " +
+                         std::to_string(config.topk_group));
+  }
+  config.routed_scaling_factor = finite_number_above(moe, "routed_scaling_factor", 0, false);
+  config.score_bias = moe.optional_boolean("router_score_bias").value_or(true);
+}
+
 }  // namespace
 
 MoeConfig parse_moe(const JsonReader& moe, const ModelConfig& model) {
@@ -100,6 +146,7 @@ MoeConfig parse_moe(const JsonReader& moe, const ModelConfig& model) {
   }
   parse_moe_variant(moe, config);
   parse_moe_layout(moe, model, config);
+  parse_grouped_router(moe, config);
   return config;
 }
 
@@ -135,6 +182,12 @@ nlohmann::json moe_json(const MoeConfig& moe, int64_t num_layers) {
   if (moe.scale_expert_input) j["scale_expert_input"] = true;
   if (moe.shared_expert_intermediate_size > 0) {
     j["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size;
+  }
+  if (moe.router == RouterKind::kSigmoidGrouped) {
+    j["n_group"] = moe.n_group;
+    j["topk_group"] = moe.topk_group;
+    j["routed_scaling_factor"] = moe.routed_scaling_factor;
+    j["router_score_bias"] = moe.score_bias;
   }
   return j;
 }

@@ -101,6 +101,24 @@ std::map<std::string, Fp8ModuleScales> parse_fp8_scales(const std::optional<Json
   return scales;
 }
 
+// router_score_bias: buffer name -> a list of numbers ("nan" and "inf" allowed: a bias gone
+// non-finite is the run's own value to replay).
+std::map<std::string, std::vector<double>> parse_router_score_bias(const std::optional<JsonReader>& biases) {
+  std::map<std::string, std::vector<double>> by_name;
+  if (!biases) return by_name;
+  for (const auto& [name, value] : biases->json().items()) {
+    const std::string path = "router_score_bias[\"" + name + "\"]";
+    if (!value.is_array() || value.empty()) {
+      throw InputError(biases->file(), path, "expected a non-empty list of numbers (one per expert)");
+    }
+    std::vector<double>& numbers = by_name[name];
+    for (size_t i = 0; i < value.size(); ++i) {
+      numbers.push_back(number_from_json(value[i], biases->file(), path + "[" + std::to_string(i) + "]"));
+    }
+  }
+  return by_name;
+}
+
 // A statistic of a site: finite and >= 0 (max |x| and rms are magnitudes of
 // finite elements, so anything else is a corrupt file, not a fault to replay).
 double site_statistic(const JsonReader& pair, const std::string& key) {
@@ -168,9 +186,46 @@ StepState parse_step_state(const std::string& json_text, const std::string& file
   state.loss_scale = parse_loss_scale(root);
   state.loss_scale_given = root.has("loss_scale");
   state.fp8_scales = parse_fp8_scales(root.optional_object("fp8_scales"));
+  state.router_score_bias = parse_router_score_bias(root.optional_object("router_score_bias"));
+  state.file = file_label;
   state.logged = parse_logged(root.optional_object("logged"));
   state.skipped = root.optional_boolean("skipped");
   return state;
+}
+
+std::string router_score_bias_key(int layer) {
+  return "model.layers." + std::to_string(layer) + ".mlp.gate.e_score_correction_bias";
+}
+
+std::map<int, std::vector<double>> router_score_bias_of(const StepState& state, const ModelConfig& model) {
+  std::map<int, std::vector<double>> by_layer;
+  const bool needed = model.moe && model.moe->router == RouterKind::kSigmoidGrouped && model.moe->score_bias;
+  for (const auto& [name, numbers] : state.router_score_bias) {
+    int layer = 0;
+    while (layer < model.num_layers && (router_score_bias_key(layer) != name || !model.moe_layer(layer))) ++layer;
+    if (!needed || layer == model.num_layers) {
+      throw InputError(state.file, "router_score_bias[\"" + name + "\"]",
+                       needed ? "names no layer with experts of this model (expected model.layers.<layer with "
+                                "experts>.mlp.gate.e_score_correction_bias)"
+                              : "the model's router adds no correction bias (model.moe.router \"sigmoid_grouped\" "
+                                "with router_score_bias true does)");
+    }
+    if (static_cast<int64_t>(numbers.size()) != model.moe->num_experts) {
+      throw InputError(state.file, "router_score_bias[\"" + name + "\"]",
+                       "expected one number per expert (" + std::to_string(model.moe->num_experts) + "), got " +
+                           std::to_string(numbers.size()));
+    }
+    by_layer[layer] = numbers;
+  }
+  for (int layer = 0; needed && layer < model.num_layers; ++layer) {
+    if (!model.moe_layer(layer) || by_layer.count(layer) != 0) continue;
+    throw InputError(state.file, "router_score_bias[\"" + router_score_bias_key(layer) + "\"]",
+                     "required: layer " + std::to_string(layer) +
+                         "'s router (sigmoid_grouped) chooses its experts by its scores plus this step's "
+                         "e_score_correction_bias, a buffer the job updates each step (not a parameter); a step "
+                         "without it is not replayed (not derived from an earlier step's)");
+  }
+  return by_layer;
 }
 
 }  // namespace nanreplay

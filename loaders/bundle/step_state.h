@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "loaders/arch/model_config.h"
+
 namespace nanreplay {
 
 struct Fp8ModuleScales {
@@ -56,10 +58,22 @@ struct StepState {
   double loss_scale = 1.0;
   bool loss_scale_given = false;  // state.json names it (a rolled-forward step otherwise carries the scale on)
   std::map<std::string, Fp8ModuleScales> fp8_scales;  // key: module prefix
+  // router_score_bias: DeepSeek-V3's e_score_correction_bias as the job held it for this step, by
+  // buffer name ("model.layers.3.mlp.gate.e_score_correction_bias"), one number per expert.
+  std::map<std::string, std::vector<double>> router_score_bias;
+  std::string file;  // the state.json's label, for a refusal that needs the model (router_score_bias_of)
   LoggedMetrics logged;
   std::optional<bool> skipped;
 };
 
 StepState parse_step_state(const std::string& json_text, const std::string& file_label);
+
+// The state.json key of layer `layer`'s correction bias: model.layers.<layer>.mlp.gate.e_score_correction_bias.
+std::string router_score_bias_key(int layer);
+// The step's correction bias by layer with experts, as MoeConfig::step_score_bias holds it: empty
+// unless the model's router adds one (sigmoid_grouped with router_score_bias). Throws InputError
+// naming the state.json and the key when a layer's bias is missing or has not num_experts numbers,
+// or when the file gives one for a layer without experts.
+std::map<int, std::vector<double>> router_score_bias_of(const StepState& state, const ModelConfig& model);
 
 }  // namespace nanreplay

@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "probes/param_table.h"
+#include "replay/arch/expert_activation_max.h"
 #include "replay/arch/router_logit_max.h"
 #include "replay/arch/shared_expert.h"
 
@@ -43,12 +44,39 @@ torch::Tensor top_k_scores(RouterKind kind, const torch::Tensor& logits, const t
                                                                                       : torch::softmax(top, -1));
 }
 
+// DeepSeek-V3's choice (DeepseekV3TopkRouter.get_topk_indices): the scores plus
+// the layer's correction bias; each of n_group groups scored by the sum of its
+// two best; the topk_group best groups kept and the other experts' biased scores
+// set to 0.0 (masked_fill 0.0, as Hugging Face: not -inf, so a kept expert whose
+// biased score is below 0 ranks under a dropped one); then the top_k. Ties go
+// to the lower group and expert index (torch.topk leaves their order unspecified).
+torch::Tensor grouped_top_k_experts(const MoeConfig& moe, const torch::Tensor& scores, const torch::Tensor& bias) {
+  torch::NoGradGuard no_grad;
+  const int64_t tokens = scores.size(0), groups = moe.n_group, per_group = moe.num_experts / moe.n_group;
+  torch::Tensor for_choice = scores.detach();
+  if (bias.defined()) for_choice = for_choice + bias.unsqueeze(0);
+  const torch::Tensor best_two =
+      std::get<0>(for_choice.view({tokens, groups, per_group}).sort(/*stable=*/true, /*dim=*/-1, /*descending=*/true))
+          .narrow(-1, 0, 2);
+  const torch::Tensor kept_groups = top_k_experts(best_two.sum(-1), moe.topk_group);  // (tokens, topk_group)
+  const torch::Tensor group_mask = torch::zeros({tokens, groups}, scores.options()).scatter(1, kept_groups, 1.0);
+  const torch::Tensor score_mask =
+      group_mask.unsqueeze(-1).expand({tokens, groups, per_group}).reshape({tokens, moe.num_experts});
+  return top_k_experts(for_choice.masked_fill(score_mask.logical_not(), 0.0), moe.top_k);
+}
+
 // The routed rows of the chosen experts, weighted by `scores` (tokens, E) at
-// them, renormalized when norm_topk_prob.
+// them, renormalized when norm_topk_prob (DeepSeek-V3: over the sum + 1e-20,
+// then times routed_scaling_factor).
 Routing route(const MoeConfig& moe, const torch::Tensor& scores, const torch::Tensor& chosen, int64_t seq_len) {
   const int64_t tokens = scores.size(0), k = moe.top_k, E = moe.num_experts;
   torch::Tensor weights = scores.gather(1, chosen);  // (tokens, k)
-  if (moe.norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  if (moe.router == RouterKind::kSigmoidGrouped) {
+    if (moe.norm_topk_prob) weights = weights / (weights.sum(-1, /*keepdim=*/true) + 1e-20);
+    weights = weights * moe.routed_scaling_factor;
+  } else if (moe.norm_topk_prob) {
+    weights = weights / weights.sum(-1, /*keepdim=*/true);
+  }
   Routing r;
   torch::Tensor order;
   {
@@ -99,14 +127,27 @@ Routing route_layer(const ModelConfig& m, const ParamMap& p, const torch::Tensor
       moe.router_bias ? p.at(param_key(m.arch, ParamRole::kRouterBias, layer)) : torch::Tensor();
   // The router: its matmul rounded like any linear (unless router-fp32), its softmax in fp32 and not rounded.
   const Numerics gate_numerics = numerics.for_router();
-  const torch::Tensor logits =
-      probes.site({SiteId::kMlpRouter, layer},
-                  gate_numerics.linear(h, p.at(param_key(m.arch, ParamRole::kRouter, layer)), bias,
-                                       module_key(m.arch, ParamRole::kRouter, layer)));
+  const torch::Tensor& gate_weight = p.at(param_key(m.arch, ParamRole::kRouter, layer));
+  // DeepSeek-V3: F.linear(x.float(), weight.float()) on the model's bf16 values, fp32 out (the
+  // step's numerics keep this site unrounded, replay_step's StepArithmetic).
+  const torch::Tensor raw_logits =
+      moe.router == RouterKind::kSigmoidGrouped
+          ? F::linear(numerics.round(h), numerics.round(gate_weight))
+          : gate_numerics.linear(h, gate_weight, bias, module_key(m.arch, ParamRole::kRouter, layer));
+  const torch::Tensor logits = probes.site({SiteId::kMlpRouter, layer}, raw_logits);
   RouterLogitRecorder::record(layer, logits);  // a spike incident's per-expert maxima, when asked for
   Routing routing;
   torch::Tensor balance_probs;  // what load_balancing_loss_func softmaxes: the router's first output
-  if (moe.router != RouterKind::kSoftmaxTopK) {  // chosen by the logits
+  if (moe.router == RouterKind::kSigmoidGrouped) {  // chosen by the biased sigmoid, weighted by the plain one
+    const auto found = moe.step_score_bias.find(layer);
+    const torch::Tensor score_bias =
+        found == moe.step_score_bias.end()
+            ? torch::Tensor()
+            : torch::tensor(found->second, torch::kFloat64).to(logits.device(), torch::kFloat32);
+    const torch::Tensor scores = probes.site({SiteId::kMlpRouterProbs, layer}, torch::sigmoid(logits.to(torch::kFloat32)));
+    balance_probs = scores.view({B * T, -1});
+    routing = route(moe, balance_probs, grouped_top_k_experts(moe, balance_probs, score_bias), T);
+  } else if (moe.router != RouterKind::kSoftmaxTopK) {  // chosen by the logits
     const torch::Tensor flat_logits = logits.view({B * T, -1}).to(torch::kFloat32);
     const torch::Tensor chosen = top_k_experts(flat_logits, moe.top_k);
     torch::Tensor scores = top_k_scores(moe.router, flat_logits, chosen);
@@ -199,6 +240,7 @@ torch::Tensor experts_mlp(const ModelConfig& m, const ParamMap& p, const torch::
       probes.expert_site({SiteId::kMlpExpertAct, layer}, expert_activation(moe, gate, up), shared_routing);
   const torch::Tensor down = probes.expert_site(
       {SiteId::kMlpExpertDown, layer}, per_expert(act, linear(R::kExpertDownProj, R::kExpertDownBias)), shared_routing);
+  ExpertActivationRecorder::record(layer, x, down, offsets);  // report.json's per-expert maxima, when asked for
   return combine_experts(m, p, h, layer, numerics, probes, down, routing);
 }
 

@@ -11,11 +11,13 @@
 
 #include <torch/torch.h>
 
+#include "replay/arch/expert_activation_max.h"
 #include "replay/arch/head_logit_max.h"
 #include "replay/arch/router_logit_max.h"
 #include "replay/optim/optimizer.h"
 #include "replay/probing/cuda_probe_stats.h"
 #include "replay/probing/device_stats.h"
+#include "replay/step/step_maxima.h"
 #include "replay/step/step_model.h"
 
 namespace nanreplay {
@@ -54,8 +56,12 @@ StepArithmetic::StepArithmetic(const Manifest& m, const StepState& state, const 
       fp8_scales(overrides.fp8_scales ? *overrides.fp8_scales : state.fp8_scales),
       numerics(step_numerics(m, &fp8_scales)),
       loss_scale(is_fp16(m) ? state.loss_scale : 1.0) {
+  // DeepSeek-V3's correction bias: the step's own (a what-if may replace it), its logits in fp32.
+  if (model.moe) model.moe->step_score_bias = router_score_bias_of(state, m.model);
   if (overrides.change_model) overrides.change_model(model);
-  numerics.set_overrides(overrides.numerics);
+  NumericsOverrides arithmetic = overrides.numerics;
+  if (model.moe && model.moe->router == RouterKind::kSigmoidGrouped) arithmetic.router_fp32 = true;
+  numerics.set_overrides(arithmetic);
   numerics.set_native(native);
 }
 
@@ -220,17 +226,23 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
   StepResult result;
   std::vector<PendingPass> passes;
   std::optional<HeadLogitRecorder> logit_max;  // MuonClip reads the step's per-head maxima
-  if (in.manifest.optimizer && uses_qk_clip(*in.manifest.optimizer)) {
+  if (request.attn_logit_max || (in.manifest.optimizer && uses_qk_clip(*in.manifest.optimizer))) {
     logit_max.emplace(arithmetic.model.num_layers, arithmetic.model.num_heads);
   }
   std::optional<RouterLogitRecorder> router_max;  // a spike incident's MoE evidence
   if (request.router_logit_max && arithmetic.model.moe) {
     router_max.emplace(arithmetic.model.num_layers, arithmetic.model.moe->num_experts);
   }
+  std::optional<ExpertActivationRecorder> expert_max;  // report.json's per-expert activations
+  if (request.expert_activation_max && arithmetic.model.moe) {
+    expert_max.emplace(arithmetic.model.num_layers, arithmetic.model.moe->num_experts);
+  }
   const std::vector<torch::Tensor> rank_norms = run_passes(loop, result, passes);
   read_back_step(loop, passes, rank_norms, result);
   if (logit_max) result.attn_logit_max = logit_max->maxima();
   if (router_max) result.router_logit_max = router_max->maxima();
+  if (expert_max) result.expert_activation_max = expert_max->maxima();
+  combine_step_maxima(result, request.attn_logit_max, request.expert_activation_max);  // --nproc: every process's
   if (result.complete) {
     // The system checks read the gradients on the host; a cheap pass only
     // looks for non-finite ones, where they are.

@@ -21,6 +21,7 @@
 #include "replay/step/gradients.h"
 #include "replay/step/layer_stream.h"
 #include "replay/probing/probe_session.h"
+#include "reports/results/report.h"
 
 namespace nanreplay {
 
@@ -65,6 +66,10 @@ struct StepRequest {
   bool locate_largest = false;
   // A spike incident on a mixture of experts: StepResult::router_logit_max.
   bool router_logit_max = false;
+  // StepResult::attn_logit_max whatever the optimizer (report.json's per-step
+  // maxima, the qk-clip what-if), and StepResult::expert_activation_max.
+  bool attn_logit_max = false;
+  bool expert_activation_max = false;
   PassProgress before_pass;
   // A layer-streamed replay: called before each block of each pass,
   // (rank, micro-batch, layer, "forward" | "backward"). May throw to stop.
@@ -96,6 +101,9 @@ struct StepResult {
   // [layer][expert]: the largest router logit over every pass, when the
   // request asks (-inf for a layer another process replayed).
   std::vector<std::vector<double>> router_logit_max;
+  // [layer]: per expert, max |input| and |output| of its MLP over every pass,
+  // when the request asks (none: a layer without experts, or another process's).
+  std::vector<std::optional<std::vector<ExpertActivationMax>>> expert_activation_max;
 };
 
 // The step's arithmetic under overrides: model config, fp8 scales, numerics, loss scale.

@@ -260,7 +260,7 @@ class Bisection {
     const std::vector<NormCheck> no_norm_checks;
     const std::vector<SampleLoss> no_sample_losses;
     std::vector<Finding> findings = triage_step({outcome, state, no_probes, no_norm_checks, no_sample_losses,
-                                                 nullptr, m.model, m.precision.compute},
+                                                 nullptr, m.model, m.precision.compute, {}},
                                                 default_thresholds(m.precision.compute))
                                         .findings;
     replayed_.push_back(std::move(outcome));

@@ -54,7 +54,7 @@ struct Plan {
   // A spike candidate declares the spike it was cut for (incident.kind
   // "spike", incident.step): its one-batch steps keep no finite logged loss
   // to find it in.
-  std::optional<int64_t> spike_step;
+  std::optional<int64_t> spike_step{};
 };
 
 // A sample's index as the run knew it: through the bundle's own
@@ -540,6 +540,12 @@ class Minimizer {
       fp8[module] = entry;
     }
     if (!fp8.empty()) j["fp8_scales"] = fp8;
+    nlohmann::json bias = nlohmann::json::object();  // DeepSeek-V3's router bias of the layers kept
+    for (const auto& [name, numbers] : s.router_score_bias) {
+      if (layer_of_parameter(name) >= plan.num_layers) continue;
+      for (const double v : numbers) bias[name].push_back(number_or_string(v));
+    }
+    if (!bias.empty()) j["router_score_bias"] = bias;
     nlohmann::json logged = nlohmann::json::object();
     auto keep = [&](const char* key, const std::optional<double>& v) {
       if (v && (plan.original_layout || !std::isfinite(*v))) logged[key] = number_or_string(*v);

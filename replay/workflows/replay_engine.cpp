@@ -268,6 +268,7 @@ class BundleReplay {
     };
     request.locate_largest = spike_locator_.has_value();
     request.router_logit_max = outliers_.has_value();
+    request.attn_logit_max = request.expert_activation_max = options_.probes;  // report.json's per-step maxima
     StepResult step =
         replay_step({m_, bundle_.tokens(), files.step, state, batch}, checkpoint, placement_, request);
     report_.step_replays += m_.data.world_size * m_.data.grad_accum_steps;  // every pass, in whichever process
@@ -365,10 +366,17 @@ class BundleReplay {
       report_.propagation = propagation_after(step.probes, *judged.first);
     }
     StepTriage triage = triage_step({outcome, state, step.probes, step.norm_checks, step.sample_losses,
-                                     judged.handled_first, m_.model, m_.precision.compute},
+                                     judged.handled_first, m_.model, m_.precision.compute,
+                                     [this](int64_t sample, int64_t position) -> int64_t {  // the finding's token
+                                       if (sample >= bundle_.num_samples() || position >= m_.data.seq_len) return -1;
+                                       return bundle_.tokens().sample_tokens(sample, m_.data.seq_len).at(
+                                           static_cast<size_t>(position));
+                                     }},
                                     thresholds_);
     add(triage.findings);
     outcome.expert_tokens = std::move(triage.expert_tokens);
+    outcome.attn_logit_max = step.attn_logit_max;
+    outcome.expert_activation_max = step.expert_activation_max;
     outcome.rank_norms_logged_global = triage.rank_norms_logged_global;
     // System layer: does the next checkpoint follow from this one by AdamW?
     const StepFiles* next = find_files(files.step + 1);

@@ -14,6 +14,7 @@
 #include "loaders/base/message_text.h"
 #include "replay/step/layer_stream.h"
 #include "replay/step/step_scan.h"
+#include "replay/workflows/qk_clip_what_if.h"
 #include "reports/results/number_text.h"
 
 namespace nanreplay {
@@ -214,6 +215,15 @@ std::string swiglu_clamp(const WhatIf& w, const Manifest& m, StepOverrides& over
   return clamp + (now ? " (instead of " + format_number(*now) + ")" : "");
 }
 
+// router-bias=frozen: DeepSeek-V3's grouped router with the correction bias of the step before,
+// as if the balancing rule had not updated it after that step ("did the bias update cause this?").
+void grouped_router_only(const WhatIf& w, const Manifest& m) {
+  if (!m.model.moe || m.model.moe->router != RouterKind::kSigmoidGrouped || !m.model.moe->score_bias) {
+    bad_spec(w.text, "a correction bias only (DeepSeek-V3's router: model.moe.router \"sigmoid_grouped\" with "
+                     "router_score_bias): this bundle's model has none");
+  }
+}
+
 // window: the sliding layers' window, in keys (the query's own included, as sliding_window counts).
 std::string sliding_window_change(const WhatIf& w, const Manifest& m, StepOverrides& overrides) {
   const auto window = static_cast<int64_t>(w.value);
@@ -257,6 +267,29 @@ struct WhatIfRow {
 
 using WhatIfText = const std::optional<std::string>&;
 using WhatIfAt = const WhatIfTarget&;
+
+std::string router_bias_frozen(const WhatIf& w, const WhatIfTarget& at, StepOverrides& overrides) {
+  grouped_router_only(w, at.manifest);
+  const StepFiles* previous = previous_step(at.bundle, at.step.step());
+  if (previous == nullptr) {
+    return "no change: step " + std::to_string(at.step.step()) +
+           " is the bundle's first step, so it keeps its own correction bias";
+  }
+  const std::map<int, std::vector<double>> before =
+      router_score_bias_of(at.bundle.load_state(*previous), at.manifest.model);
+  const std::map<int, std::vector<double>> now = router_score_bias_of(at.step.state(), at.manifest.model);
+  double moved = 0.0;
+  for (const auto& [layer, bias] : now) {
+    for (size_t e = 0; e < bias.size(); ++e) moved = std::max(moved, std::fabs(bias[e] - before.at(layer)[e]));
+  }
+  overrides.change_model = [before](ModelConfig& model) {
+    if (model.moe) model.moe->step_score_bias = before;
+  };
+  const std::string which = "the routers' correction bias of step " + std::to_string(previous->step) +
+                            " in place of step " + std::to_string(at.step.step()) + "'s";
+  return moved == 0.0 ? "no change: " + which + " are the same"
+                      : which + " (largest change undone: " + format_number(moved) + ")";
+}
 
 double non_negative_value(const WhatIf& w, WhatIfText value, const char* what) {
   const double number = parse_number(w.text, *value);
@@ -396,6 +429,23 @@ const std::vector<WhatIfRow>& what_if_rows() {
        },
        experts_mlp_only,
        [](const WhatIf& w, WhatIfAt at, StepOverrides& o) { return swiglu_clamp(w, at.manifest, o); }},
+      {WhatIf::Kind::kRouterBiasFrozen, "router-bias", "router-bias=frozen",
+       "the step replayed with the previous step's router correction bias (DeepSeek-V3's sigmoid_grouped only)",
+       WhatIfValue::kRequired,
+       [](WhatIf& w, WhatIfText v) {
+         if (*v != "frozen") bad_spec(w.text, "the only value is frozen (the previous step's correction bias)");
+       },
+       grouped_router_only, router_bias_frozen},
+      {WhatIf::Kind::kQkClip, "qk-clip", "qk-clip=100",
+       "MuonClip at tau: each head whose largest logit of the step exceeds tau gets its q and k rows scaled by "
+       "sqrt(tau / max) (Kimi K2; llama only)",
+       WhatIfValue::kRequired,
+       [](WhatIf& w, WhatIfText v) {
+         w.value = parse_number(w.text, *v);
+         if (!(w.value > 0)) bad_spec(w.text, "tau must be a finite number > 0");
+       },
+       llama_only,
+       [](const WhatIf& w, WhatIfAt, StepOverrides&) { return "MuonClip at tau " + format_number(w.value); }},
   };
   return rows;
 }
@@ -479,13 +529,18 @@ std::vector<WhatIfOutcome> evaluate_what_ifs(const Bundle& bundle, const std::op
   const std::vector<std::string> contaminated = step.nonfinite_params();
   for (size_t i = 0; i < outcomes.size(); ++i) {
     WhatIfOutcome& outcome = outcomes[i];
-    const StepScan scan = scan_step(step, overrides[i], /*stop_at_first_bad=*/false, before_pass);
-    outcome.replays = scan.passes;
+    std::optional<LoadedStep> clipped;  // qk-clip: the step on its clipped q and k weights (qk_clip_what_if.h)
+    if (what_ifs[i].kind == WhatIf::Kind::kQkClip) {
+      outcome.change = qk_clip_step(step, what_ifs[i].value, placement, before_pass, clipped, outcome.replays);
+    }
+    LoadedStep& target = clipped ? *clipped : step;
+    const StepScan scan = scan_step(target, overrides[i], /*stop_at_first_bad=*/false, before_pass);
+    outcome.replays += scan.passes;
     outcome.resolved = !scan.bad;
     outcome.loss_after = scan.loss;
     outcome.scaler_skipped = scan.scaler_skips;
     if (scan.bad) {
-      outcome.after = locate_first(step, overrides[i], scan, outcome.replays, before_pass);
+      outcome.after = locate_first(target, overrides[i], scan, outcome.replays, before_pass);
       outcome.after->contaminated_params = contaminated;
     }
   }

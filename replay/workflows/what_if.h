@@ -32,6 +32,8 @@ struct WhatIf {
     kSinksOff,       // sinks=off: the softmax without GPT-OSS's sink column
     kWindow,         // window=4: the sliding layers' window (Mistral, Gemma 2/3, GPT-OSS, OLMo 3)
     kSwigluClamp,    // swiglu-clamp=7: the experts' gate clamped to <= 7 and up to [-7, 7] (GPT-OSS)
+    kQkClip,         // qk-clip=100: MuonClip at tau on the step's own per-head max logits (Kimi K2)
+    kRouterBiasFrozen,  // router-bias=frozen: the previous step's correction bias (DeepSeek-V3's router)
   };
   Kind kind = Kind::kStableSoftmax;
   std::string text;               // as written
@@ -39,7 +41,7 @@ struct WhatIf {
   std::vector<int> layers;        // fp32-layers
   bool all_layers = false;        // fp32-layers=all
   double value = 0.0;             // norm-eps, the damping factor, the soft cap, the z-loss coefficient, the window
-                                  // or the SwiGLU limit
+                                  // or the SwiGLU limit; qk-clip's tau
 };
 
 // Parses one --what-if; throws UsageError naming the spec and what is wrong.

@@ -77,6 +77,37 @@ nlohmann::json probe_summary_json(const ProbeSummary& p) {
           {"nonfinite_records", p.nonfinite_records}};
 }
 
+// steps[].attn_logit_max: [layer][head], null where the head was not seen.
+nlohmann::json logit_max_json(const std::vector<std::vector<double>>& maxima) {
+  nlohmann::json layers = nlohmann::json::array();
+  for (const std::vector<double>& row : maxima) {
+    nlohmann::json heads = nlohmann::json::array();
+    for (double v : row) heads.push_back(v == -INFINITY ? nlohmann::json(nullptr) : json_number(v));
+    layers.push_back(heads);
+  }
+  return layers;
+}
+
+// steps[].expert_activation_max: [layer][expert] {input, output}; null for a
+// layer without experts, nulls for an expert nothing was routed to.
+nlohmann::json expert_activation_json(const std::vector<std::optional<std::vector<ExpertActivationMax>>>& maxima) {
+  nlohmann::json layers = nlohmann::json::array();
+  for (const auto& layer : maxima) {
+    if (!layer) {
+      layers.push_back(nullptr);
+      continue;
+    }
+    nlohmann::json experts = nlohmann::json::array();
+    for (const ExpertActivationMax& e : *layer) {
+      const bool seen = e.rows > 0;
+      experts.push_back({{"input", seen ? json_number(e.input) : nlohmann::json(nullptr)},
+                         {"output", seen ? json_number(e.output) : nlohmann::json(nullptr)}});
+    }
+    layers.push_back(experts);
+  }
+  return layers;
+}
+
 nlohmann::json step_to_json(const StepOutcome& step) {
   nlohmann::json out = {
       {"step", step.step},
@@ -101,6 +132,8 @@ nlohmann::json step_to_json(const StepOutcome& step) {
   out["rank_grad_norms"] = rank_norms;
   out["probe_summary"] = probe_summary_json(step.probe_summary);
   if (!step.expert_tokens.empty()) out["expert_tokens"] = step.expert_tokens;
+  if (!step.attn_logit_max.empty()) out["attn_logit_max"] = logit_max_json(step.attn_logit_max);
+  if (!step.expert_activation_max.empty()) out["expert_activation_max"] = expert_activation_json(step.expert_activation_max);
   return out;
 }
 

@@ -80,6 +80,8 @@ const std::vector<FindingCodeDef>& finding_code_table() {
        "a forward site's replayed max |x| or rms differs from what the run logged for it beyond rounding"},
       {C::kNumericUpdateSpike, "NUMERIC_UPDATE_SPIKE", L::kNumeric, S::kInfo,
        "up to the incident, the first optimizer update that left its tensor's recent steps (RMS, or g^2 far above Adam's v)"},
+      {C::kNumericExpertOutlierActivation, "NUMERIC_EXPERT_OUTLIER_ACTIVATION", L::kNumeric, S::kWarning,
+       "one expert's output far above its layer's other experts' (an error where an expert holds the first non-finite value)"},
   };
   return table;
 }
@@ -124,6 +126,7 @@ const std::vector<EvidenceKeyDef>& evidence_key_table() {
       {K::kIncidentStep, "incident_step", false}, {K::kUpdateRms, "update_rms", false},
       {K::kUpdateRatio, "update_ratio", false}, {K::kG2OverV, "g2_over_v", false},
       {K::kG2OverVMax, "g2_over_v_max", false}, {K::kG2OverVRms, "g2_over_v_rms", false},
+      {K::kValue, "value", false},
   };
   return table;
 }

@@ -49,6 +49,7 @@ enum class FindingCode : uint8_t {
   kNumericRouterCollapse,
   kSystemSiteMismatch,
   kNumericUpdateSpike,
+  kNumericExpertOutlierActivation,
 };
 
 struct FindingCodeDef {
@@ -73,6 +74,7 @@ enum class EvidenceKey : uint8_t {
   kStatistic, kReplayedFrom,
   kMaxAbsDiff, kNormRatio, kRewritten,  // SYSTEM_UPDATE_MISMATCH's magnitudes
   kIncidentStep, kUpdateRms, kUpdateRatio, kG2OverV, kG2OverVMax, kG2OverVRms,  // NUMERIC_UPDATE_SPIKE's
+  kValue,  // NUMERIC_EXPERT_OUTLIER_ACTIVATION's
 };
 
 struct EvidenceKeyDef {

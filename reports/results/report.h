@@ -181,6 +181,14 @@ struct ProbeSummary {
 ProbeSummary summarize_probes(const std::vector<ProbeRecord>& step_records);
 
 
+// One expert's largest activations over a step's rows routed to it
+// (replay/arch/expert_activation_max.h); rows 0: nothing routed to it.
+struct ExpertActivationMax {
+  double input = 0.0;   // max |x| of the rows entering the expert (Llama 4: after the routing weight scales them)
+  double output = 0.0;  // max |x| of its down projection's output, before the routing weight
+  int64_t rows = 0;
+};
+
 struct StepOutcome {
   int64_t step = 0;
   bool replayed = false;
@@ -205,6 +213,13 @@ struct StepOutcome {
   // A mixture of experts: [layer][expert] tokens routed over every rank and
   // micro-batch (reports/triage/numeric/expert_load.h); empty for a dense model.
   std::vector<std::vector<int64_t>> expert_tokens;
+  // [layer][query head]: the largest scaled pre-softmax logit over every
+  // pass (steps[].attn_logit_max); empty when not recorded.
+  std::vector<std::vector<double>> attn_logit_max;
+  // [layer]: per expert, max |x| of its input and of its down projection's
+  // output (steps[].expert_activation_max); none for a layer without experts;
+  // empty for a dense model.
+  std::vector<std::optional<std::vector<ExpertActivationMax>>> expert_activation_max;
 };
 
 struct ReplayReport {

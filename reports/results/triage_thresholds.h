@@ -26,6 +26,11 @@ struct TriageThresholds {
   double update_jump_ratio = 4.0;
   int update_history = 2;
   double update_g2_over_v = 25.0;
+  // NUMERIC_EXPERT_OUTLIER_ACTIVATION (docs/triage.md): an expert's output
+  // max |x| this many times the median of its layer's other experts' and
+  // above this floor.
+  double expert_outlier_ratio = 16.0;
+  double expert_outlier_floor = 64.0;
   DataCheckOptions data;
 };
 

@@ -4,6 +4,7 @@
 
 #include "reports/triage/data/data_findings.h"
 #include "reports/triage/numeric/expert_load.h"
+#include "reports/triage/numeric/expert_outlier.h"
 #include "reports/triage/numeric/update_spike.h"
 #include "reports/triage/provenance_note.h"
 #include "reports/triage/spike_origin.h"
@@ -49,6 +50,7 @@ StepTriage triage_step(const StepEvidence& e, const TriageThresholds& t) {
     append_findings(findings, router_collapse_findings(triage.expert_tokens, outcome.step, *e.model.moe,
                                                        layers_with_nonfinite_routing(e.probes, outcome.step)));
   }
+  if (e.model.moe) append_findings(findings, expert_outlier_findings(e.probes, outcome.step, t, e.token_at));
   append_findings(findings, sample_loss_findings(e.sample_losses, outcome.step, t));
   triage.rank_norms_logged_global = rank_norms_logged_global(outcome, e.state, t);
   append_findings(findings, rank_mismatch_findings(outcome, e.state, t, triage.rank_norms_logged_global));

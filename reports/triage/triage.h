@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <set>
 #include <vector>
@@ -61,6 +62,9 @@ struct StepEvidence {
   const ProbeRecord* handled_overflow_at = nullptr;  // the first value the fp16 scaler absorbs
   const ModelConfig& model;
   Compute compute = Compute::kFp32;
+  // The input token id at (sample, position), -1 where unknown: what
+  // NUMERIC_EXPERT_OUTLIER_ACTIVATION names. Empty: none named.
+  std::function<int64_t(int64_t sample, int64_t position)> token_at;
 };
 struct StepTriage {
   std::vector<Finding> findings;

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "capture"))
 import nanreplay_capture  # noqa: E402  (its safetensors writer)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import reference_model  # noqa: E402
+import synth_cache  # noqa: E402
 from reference_model import rounding  # noqa: E402  (the cast pair of a rounding point)
 
 STEP = 100
@@ -165,6 +167,20 @@ def replay(cli, bundle, out, flags=()):
     except ValueError:
         report = None
     return run.returncode, report, run.stderr
+
+
+def replay_preset_start(cli, work, preset):
+    """A preset (synthesized through the tests' cache) and `run` of its first two steps, the others being CI's
+    time: (reference_model.Bundle, report, the two steps), or None after a failed check."""
+    bundle_dir = work / preset
+    synth_cache.synth(cli, preset, bundle_dir)
+    bundle = reference_model.Bundle(bundle_dir)
+    first_two = [e["step"] for e in bundle.manifest["steps"][:2]]
+    rc, report, err = replay(cli, bundle_dir, work / f"out-{preset}", ["--steps", ",".join(map(str, first_two))])
+    if not check(report is not None and rc == 0 and [r["step"] for r in report["steps"]] == first_two,
+                 f"{preset} replays its steps {first_two} (exit {rc}; {err.strip()[-300:]})"):
+        return None
+    return bundle, report, first_two
 
 
 def compare_step(report, loss, grad_norm, what, compute="fp32"):

@@ -30,8 +30,9 @@ DeepseekV3MLP (dense layers) and DeepseekV3DecoderLayer's pre-norm residuals; an
    prediction layer (model.layers.2.eh_proj/enorm/hnorm/shared_head and a decoder block, as DeepSeek-V3's
    checkpoints carry num_nextn_predict_layers of them): the import names the MTP layer as left out, the manifest
    has model.latent_attention (norm_eps 1e-6) and rope_style interleaved, and the replay is within 1e-5 of the
-   reference's loss and gradient norm. The same checkpoint with first_k_dense_replace 1 and an expert tensor is
-   refused naming first_k_dense_replace and the tensor. DeepSeek's own names (inference/convert.py of
+   reference's loss and gradient norm. The same checkpoint with first_k_dense_replace 1 (layer 1 an MoE layer,
+   test_family_deepseek_moe.py imports those) and a dense layer 1 is refused naming the MoE layer's missing
+   mlp.gate.e_score_correction_bias. DeepSeek's own names (inference/convert.py of
    deepseek-ai/DeepSeek-V3: its mapping table applied to these names) map back onto these, and Megatron's MLA
    names are refused naming the key.
 
@@ -409,7 +410,8 @@ def check_naming_tables(model):
 
 
 def check_import(cli, work):
-    """5. a dense DeepSeek-V3 checkpoint with an MTP layer through `nanreplay import`, replayed; MoE refused."""
+    """5. a dense DeepSeek-V3 checkpoint with an MTP layer through `nanreplay import`, replayed; an MoE config
+    over its dense layers refused."""
     import contextlib
     import io
     import json
@@ -445,8 +447,9 @@ def check_import(cli, work):
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         rc = nanreplay_import.main([str(a) for a in ["--checkpoint", hf, *flags, "--out", work / "moe"]])
     said = err.getvalue().strip()
-    fs.check(rc == 2 and "first_k_dense_replace" in said and "model.layers.1.mlp.experts.0.gate_proj.weight" in said,
-             f"a DeepSeek-V3 MoE layer is refused naming the config key and the tensor (exit {rc}): {said}")
+    fs.check(rc == 2 and len(said.splitlines()) == 1 and "model.layers.1.mlp.gate.e_score_correction_bias" in said,
+             f"a DeepSeek-V3 MoE layer (first_k_dense_replace 1) over a dense layer 1 is refused naming its router's "
+             f"missing correction bias (exit {rc}): {said}")
 
 
 def main():

@@ -22,7 +22,8 @@ llama's dense SwiGLU, so what is checked is the attention. The classes take thei
    gradient norm within 1e-4 relative, and that loss departs from the fp32 one.
 3. `nanreplay import` of a llama save_pretrained directory whose config.json has rope_scaling yarn with only
    factor and original_max_position_embeddings: HF's defaults are written out, and it replays to the loss;
-   a config with model_type llama4 or llama4_text is refused naming model_type and saying why.
+   a config with model_type phi is refused naming model_type and saying why (llama4 imports:
+   test_import_llama4.py).
 4. `nanreplay synth clean-gpt-oss-attn`: its manifest says only what the reference implements (sinks,
    attention_bias with o_proj_bias, as GptOssConfig's one attention_bias, yarn, layer_types sliding and full,
    head_dim, an untied head, fp32); the reference built from the model section (config_of_manifest) on each
@@ -43,7 +44,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
 import reference_model  # noqa: E402  (a bundle's batches and safetensors only)
-import synth_cache  # noqa: E402
 
 V, C, H, G, D, LAYERS, FF, T, SAMPLES, EPS, THETA = 64, 32, 4, 2, 12, 2, 40, 16, 2, 1e-5, 10000.0
 WINDOW = 5
@@ -329,14 +329,10 @@ def config_of_manifest(m):
 
 def check_preset(cli, work, preset="clean-gpt-oss-attn"):
     """4. the first two steps of the preset against the reference on the bundle's weights and batches."""
-    bundle_dir = work / preset
-    synth_cache.synth(cli, preset, bundle_dir)
-    bundle = reference_model.Bundle(bundle_dir)
-    first_two = [e["step"] for e in bundle.manifest["steps"][:2]]  # the others: CI's time
-    rc, report, err = fs.replay(cli, bundle_dir, work / f"out-{preset}", ["--steps", ",".join(map(str, first_two))])
-    if not fs.check(report is not None and rc == 0 and [r["step"] for r in report["steps"]] == first_two,
-                    f"{preset} replays its steps {first_two} (exit {rc}; {err.strip()[-300:]})"):
+    started = fs.replay_preset_start(cli, work, preset)
+    if started is None:
         return
+    bundle, report, first_two = started
     m = bundle.manifest["model"]
     # What Hugging Face's GptOssAttention can say: one attention_bias for q, k, v and o; an untied head; the
     # mask as an additive finfo.min (or -inf, the default: the same probabilities, every causal row having
@@ -398,17 +394,18 @@ def check_import(cli, work):
 
 
 def check_refused_model_types():
-    """The importer's refusal of Llama 4's checkpoints, by model_type, saying why (the
-    function `nanreplay import` calls before it reads a tensor; called here without a process)."""
+    """The importer's refusal by model_type (the function `nanreplay import` calls before it reads a
+    tensor; called here without a process): Llama 4 is no longer refused (it imports:
+    test_import_llama4.py; gpt_oss: test_family_gpt_oss_moe.py), a Phi-2 still is."""
     from nanreplay_import import model_settle
     from nanreplay_import.outcome import BadInput
-    for model_type in ("llama4", "llama4_text"):  # gpt_oss imports: test_family_gpt_oss_moe.py
-        try:
-            model_settle.refuse_model_type([(dict(LLAMA_CONFIG, model_type=model_type), "config.json")])
-            fs.check(False, f"model_type {model_type} is refused")
-        except BadInput as e:
-            fs.check("model_type" in str(e) and model_type in str(e) and "experts" in str(e),
-                     f"model_type {model_type} is refused by name, saying why: {e}")
+    for model_type in ("llama4", "llama4_text"):
+        model_settle.refuse_model_type([(dict(LLAMA_CONFIG, model_type=model_type), "config.json")])
+    try:
+        model_settle.refuse_model_type([(dict(LLAMA_CONFIG, model_type="phi"), "config.json")])
+        fs.check(False, "model_type phi is refused")
+    except BadInput as e:
+        fs.check("model_type" in str(e) and "phi" in str(e), f"model_type phi is refused by name, saying why: {e}")
     model_settle.refuse_model_type([(LLAMA_CONFIG, "config.json")])  # llama: nothing to refuse
 
 

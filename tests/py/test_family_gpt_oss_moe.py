@@ -45,7 +45,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
 import reference_model  # noqa: E402  (a bundle's batches and safetensors only)
-import synth_cache  # noqa: E402
 import test_family_gpt_oss_attn as attn  # noqa: E402  (GPT-OSS's attention, norms and rotary)
 
 E, TOP_K, ALPHA, LIMIT, AUX = 4, 2, 1.702, 3.0, 0.01
@@ -282,14 +281,10 @@ def check_handmade(cli, work):
 
 def check_preset(cli, work, preset="clean-gpt-oss-moe"):
     """3. the first two steps of the preset against the reference on the bundle's weights and batches."""
-    bundle_dir = work / preset
-    synth_cache.synth(cli, preset, bundle_dir)
-    bundle = reference_model.Bundle(bundle_dir)
-    first_two = [e["step"] for e in bundle.manifest["steps"][:2]]
-    rc, report, err = fs.replay(cli, bundle_dir, work / f"out-{preset}", ["--steps", ",".join(map(str, first_two))])
-    if not fs.check(report is not None and rc == 0 and [r["step"] for r in report["steps"]] == first_two,
-                    f"{preset} replays its steps {first_two} (exit {rc}; {err.strip()[-300:]})"):
+    started = fs.replay_preset_start(cli, work, preset)
+    if started is None:
         return
+    bundle, report, first_two = started
     m = bundle.manifest["model"]
     moe = m.get("moe") or {}
     fs.check(moe.get("router") == "top_k_softmax" and moe.get("expert_activation") == "gpt_oss"

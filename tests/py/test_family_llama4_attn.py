@@ -9,8 +9,8 @@ NoPE layers, 0, neither, and with attn_temperature_tuning q times log(floor((pos
 * attn_scale + 1), eager_attention_forward (scores * head_dim**-0.5 plus the finfo.min mask: the chunked
 causal mask on the rotary layers, layer_types' default, and the causal one on the NoPE layers; the same
 here, every sequence being within one attention_chunk_size chunk) and the decoder layer's pre-norm
-residuals. Llama 4's MoE layers are not bundle v1's moe (import refuses model_type llama4): the MLP is
-Llama4TextMLP, its dense layers' SwiGLU. The classes take their shape from `cfg` (Llama4TextConfig's names;
+residuals. Llama 4's MoE layers are test_family_llama4_moe.py's (and test_import_llama4.py's): here the MLP
+is Llama4TextMLP, its dense layers' SwiGLU. The classes take their shape from `cfg` (Llama4TextConfig's names;
 CONFIG, the constants below, when left out).
 
 1. A one-step fp32 bundle (qk_norm l2, no_rope_layers [1, 0], attn_temperature_tuning, llama3 rope_scaling
@@ -43,7 +43,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
 import reference_model  # noqa: E402  (a bundle's batches and safetensors only)
-import synth_cache  # noqa: E402
 
 V, C, H, G, LAYERS, FF, T, SAMPLES, EPS, THETA = 64, 32, 4, 2, 2, 40, 16, 2, 1e-5, 10000.0
 D = C // H
@@ -250,14 +249,10 @@ def config_of_manifest(m):
 
 def check_preset(cli, work, preset="clean-llama4-attn"):
     """4. the first two steps of the preset against the reference on the bundle's weights and batches."""
-    bundle_dir = work / preset
-    synth_cache.synth(cli, preset, bundle_dir)
-    bundle = reference_model.Bundle(bundle_dir)
-    first_two = [e["step"] for e in bundle.manifest["steps"][:2]]  # the others: CI's time
-    rc, report, err = fs.replay(cli, bundle_dir, work / f"out-{preset}", ["--steps", ",".join(map(str, first_two))])
-    if not fs.check(report is not None and rc == 0 and [r["step"] for r in report["steps"]] == first_two,
-                    f"{preset} replays its steps {first_two} (exit {rc}; {err.strip()[-300:]})"):
+    started = fs.replay_preset_start(cli, work, preset)
+    if started is None:
         return
+    bundle, report, first_two = started
     m = bundle.manifest["model"]
     # What the reference implements: Llama 4's interleaved rotary with llama3 scaling, the L2 QK-norm, a
     # rotary and a NoPE layer, the temperature on the NoPE layer, an untied head, an additive finfo.min mask
