@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include "probes/nan_max.h"
+
 namespace nanreplay {
 
 namespace {
@@ -19,10 +21,6 @@ std::vector<double> row_max_abs(const torch::Tensor& rows) {
   const torch::Tensor flat = rows.detach().reshape({rows.size(0), -1}).to(torch::kFloat32).abs();
   const torch::Tensor per_row = flat.amax(1).to(torch::kCPU, torch::kFloat64).contiguous();
   return std::vector<double>(per_row.data_ptr<double>(), per_row.data_ptr<double>() + per_row.numel());
-}
-
-void fold_max(double& into, double value) {
-  if (std::isnan(value) || value > into) into = value;
 }
 
 }  // namespace
@@ -56,8 +54,8 @@ void ExpertActivationRecorder::record(int layer, const torch::Tensor& input, con
         m.input = in[static_cast<size_t>(r)];
         m.output = out[static_cast<size_t>(r)];
       } else {
-        fold_max(m.input, in[static_cast<size_t>(r)]);
-        fold_max(m.output, out[static_cast<size_t>(r)]);
+        fold_nan_max(m.input, in[static_cast<size_t>(r)]);
+        fold_nan_max(m.output, out[static_cast<size_t>(r)]);
       }
       m.rows += 1;
     }

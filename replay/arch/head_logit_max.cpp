@@ -9,6 +9,8 @@
 
 #include <torch/torch.h>
 
+#include "probes/nan_max.h"
+
 namespace nanreplay {
 
 namespace {
@@ -39,7 +41,7 @@ void HeadLogitRecorder::record(int layer, const torch::Tensor& scores, const tor
   const double* values = per_head.data_ptr<double>();
   for (size_t h = 0; h < row.size() && h < static_cast<size_t>(per_head.numel()); ++h) {
     // A NaN logit is kept: it is what the run saw, and no clip follows from it.
-    if (std::isnan(values[h]) || values[h] > row[h]) row[h] = values[h];
+    fold_nan_max(row[h], values[h]);
   }
 }
 

@@ -8,6 +8,8 @@
 
 #include <torch/torch.h>
 
+#include "probes/nan_max.h"
+
 namespace nanreplay {
 
 namespace {
@@ -37,7 +39,7 @@ void RouterLogitRecorder::record(int layer, const torch::Tensor& logits) {
   std::vector<double>& row = recorder->maxima_.at(static_cast<size_t>(layer));
   const double* values = per_expert.data_ptr<double>();
   for (size_t e = 0; e < row.size() && e < static_cast<size_t>(per_expert.numel()); ++e) {
-    if (std::isnan(values[e]) || values[e] > row[e]) row[e] = values[e];
+    fold_nan_max(row[e], values[e]);
   }
 }
 

@@ -3,17 +3,13 @@
 
 #include <cmath>
 
+#include "probes/nan_max.h"
 #include "probes/record_wire.h"
 #include "replay/step/ranks/distributed.h"
 
 namespace nanreplay {
 
 namespace {
-
-void fold_step_max(double& into, double value) {
-  if (std::isnan(into)) return;
-  if (std::isnan(value) || value > into) into = value;
-}
 
 void write_step_maxima(WireWriter& out, const StepResult& r) {
   out.pod<uint64_t>(r.attn_logit_max.size());
@@ -41,7 +37,7 @@ void fold_step_maxima(WireReader& in, StepResult& r) {
     const auto heads = in.pod<uint64_t>();
     for (uint64_t h = 0; h < heads; ++h) {
       const auto v = in.pod<double>();
-      if (l < r.attn_logit_max.size() && h < r.attn_logit_max[l].size()) fold_step_max(r.attn_logit_max[l][h], v);
+      if (l < r.attn_logit_max.size() && h < r.attn_logit_max[l].size()) fold_nan_max(r.attn_logit_max[l][h], v);
     }
   }
   const auto expert_layers = in.pod<uint64_t>();
@@ -70,8 +66,8 @@ void fold_step_maxima(WireReader& in, StepResult& r) {
         m = t;
         continue;
       }
-      fold_step_max(m.input, t.input);
-      fold_step_max(m.output, t.output);
+      fold_nan_max(m.input, t.input);
+      fold_nan_max(m.output, t.output);
       m.rows += t.rows;
     }
   }

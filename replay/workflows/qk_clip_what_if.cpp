@@ -7,6 +7,7 @@
 
 #include <torch/torch.h>
 
+#include "probes/nan_max.h"
 #include "replay/optim/optimizer.h"
 #include "reports/results/number_text.h"
 
@@ -56,7 +57,7 @@ std::string qk_clip_step(LoadedStep& step, double tau, const ComputePlacement& p
   for (size_t l = 0; l < maxima.size(); ++l) {
     for (size_t h = 0; h < maxima[l].size(); ++h) {
       const double v = maxima[l][h];
-      if (std::isnan(v) || v > largest) largest = v;
+      fold_nan_max(largest, v);
       if (!(v > tau)) continue;
       if (++clipped_heads <= 8) {
         heads += std::string(heads.empty() ? "" : ", ") + "layer " + std::to_string(l) + " head " + std::to_string(h) +

@@ -5,7 +5,9 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <utility>
 
+#include "probes/robust_stats.h"
 #include "reports/results/number_text.h"
 
 namespace nanreplay {
@@ -44,9 +46,7 @@ std::optional<double> typical_output(const std::map<int, ExpertOutput>& layer, i
     if (e != expert && std::isfinite(out.max_abs)) others.push_back(out.max_abs);
   }
   if (others.size() < 2) return std::nullopt;
-  std::sort(others.begin(), others.end());
-  const size_t n = others.size();
-  return n % 2 == 1 ? others[n / 2] : 0.5 * (others[n / 2 - 1] + others[n / 2]);
+  return median_of(std::move(others));
 }
 
 int64_t token_of(const TokenAt& token_at, int64_t sample, int64_t position) {
