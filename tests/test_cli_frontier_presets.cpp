@@ -1,6 +1,7 @@
 // Incidents in issue 40's frontier layers through the CLI: one head of
 // DeepSeek-V3's latent attention (deepseek-mla-overflow) and one routed expert
-// of a Llama 4 MoE layer (llama4-moe-overflow). `run` and `bisect` name the
+// of a Llama 4 or DeepSeek-V3 MoE layer (llama4-moe-overflow,
+// deepseek-moe-overflow). `run` and `bisect` name the
 // same origin (step, site, layer, head or expert, sample, position); one
 // what-if resolves it, one does not. The clean models are cross-checked against
 // eager PyTorch in tests/py/test_family_deepseek_mla.py and
@@ -9,25 +10,33 @@
 
 #include "tests/triage_harness.h"
 
-using nanreplay_test::run_bundle;
-using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
+using nanreplay_test::triage;
 using nanreplay_test::Triaged;
 
 namespace {
 
+// `preset` replayed by run with `what_ifs` (run_bundle checks that bisect names run's origin).
 Triaged frontier_incident(const ScratchDir& dir, const std::string& preset, const std::vector<std::string>& what_ifs) {
-  const auto synth = run_cli({"synth", preset, (dir / "bundle").string()});
-  INFO(synth.err);
-  REQUIRE(synth.status == 0);
-  std::vector<std::string> extra;
+  std::vector<std::string> run_extra;
   for (const std::string& w : what_ifs) {
-    extra.push_back("--what-if");
-    extra.push_back(w);
+    run_extra.push_back("--what-if");
+    run_extra.push_back(w);
   }
-  Triaged t = run_bundle(dir, extra);  // also checks that bisect names run's origin
-  t.planted = nlohmann::json::parse(synth.out);
-  return t;
+  return triage(dir, preset, {}, run_extra);
+}
+
+// The first non-finite value is the planted expert's up projection in layer 1, at its step, sample and position.
+void check_planted_expert_origin(const Triaged& t) {
+  const nlohmann::json& first = t.report["first_nonfinite"];
+  CHECK(first["site"] == "layers.1.mlp.expert.up");
+  CHECK(first["layer"] == 1);
+  CHECK(first["expert"] == t.planted["fault_expert"]);
+  CHECK(first["kind"] == "inf");
+  CHECK(first["step"] == t.planted["fault_step"]);
+  CHECK(first["sample"] == t.planted["fault_sample"]);
+  CHECK(first["position"] == t.planted["fault_position"]);
+  CHECK(t.report["reproduction"]["reproduces"] == true);
 }
 
 }  // namespace
@@ -63,16 +72,8 @@ TEST_CASE("Llama 4 MoE: run and bisect name the routed expert whose up projectio
   ScratchDir dir("frontier-llama4-moe-overflow");
   const Triaged t = frontier_incident(dir, "llama4-moe-overflow", {"fp32-layers=1", "fp32-layers=0"});
   CHECK(t.status == 1);
-  const nlohmann::json& first = t.report["first_nonfinite"];
-  CHECK(first["site"] == "layers.1.mlp.expert.up");
-  CHECK(first["layer"] == 1);
-  CHECK(first["expert"] == 2);
-  CHECK(first["expert"] == t.planted["fault_expert"]);
-  CHECK(first["kind"] == "inf");
-  CHECK(first["step"] == t.planted["fault_step"]);
-  CHECK(first["sample"] == t.planted["fault_sample"]);
-  CHECK(first["position"] == t.planted["fault_position"]);
-  CHECK(t.report["reproduction"]["reproduces"] == true);
+  check_planted_expert_origin(t);
+  CHECK(t.report["first_nonfinite"]["expert"] == 2);
   CHECK(t.verdict.find("| expert 2 |") != std::string::npos);
   const nlohmann::json& outcomes = t.report["what_if"];
   REQUIRE(outcomes.size() == 2);
@@ -89,15 +90,7 @@ TEST_CASE("DeepSeek-V3 MoE: run and bisect name the routed expert whose up proje
   ScratchDir dir("frontier-deepseek-moe-overflow");
   const Triaged t = frontier_incident(dir, "deepseek-moe-overflow", {"fp32-layers=1,2", "router-bias=frozen"});
   CHECK(t.status == 1);
-  const nlohmann::json& first = t.report["first_nonfinite"];
-  CHECK(first["site"] == "layers.1.mlp.expert.up");
-  CHECK(first["layer"] == 1);
-  CHECK(first["expert"] == t.planted["fault_expert"]);
-  CHECK(first["kind"] == "inf");
-  CHECK(first["step"] == t.planted["fault_step"]);
-  CHECK(first["sample"] == t.planted["fault_sample"]);
-  CHECK(first["position"] == t.planted["fault_position"]);
-  CHECK(t.report["reproduction"]["reproduces"] == true);
+  check_planted_expert_origin(t);
   const nlohmann::json& outcomes = t.report["what_if"];
   REQUIRE(outcomes.size() == 2);
   CHECK(outcomes[0]["what_if"] == "fp32-layers=1,2");

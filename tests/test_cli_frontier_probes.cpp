@@ -13,7 +13,7 @@
 #include "tests/triage_harness.h"
 
 using nanreplay_test::check_one_error_line;
-using nanreplay_test::run_bundle;
+using nanreplay_test::triage;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
 using nanreplay_test::Triaged;
@@ -40,10 +40,7 @@ double frontier_number(const nlohmann::json& v) {
 TEST_CASE("attn_logit_max names the planted head; qk-clip=100 resolves its overflow and qk-clip=1e6 does not",
           "[cli][frontier][what-if]") {
   ScratchDir dir("frontier-qk-clip");
-  const auto synth = run_cli({"synth", "head-overflow", (dir / "bundle").string()});
-  INFO(synth.err);
-  REQUIRE(synth.status == 0);
-  const Triaged t = run_bundle(dir, {"--what-if", "qk-clip=100", "--what-if", "qk-clip=1e6"});
+  const Triaged t = triage(dir, "head-overflow", {}, {"--what-if", "qk-clip=100", "--what-if", "qk-clip=1e6"});
   CHECK(t.status == 1);
   const nlohmann::json& first = t.report["first_nonfinite"];
   REQUIRE(first["site"] == "layers.1.attn.scores");
@@ -90,11 +87,7 @@ TEST_CASE("attn_logit_max names the planted head; qk-clip=100 resolves its overf
 TEST_CASE("expert_activation_max and NUMERIC_EXPERT_OUTLIER_ACTIVATION name GPT-OSS's overflowing expert",
           "[cli][frontier][moe]") {
   ScratchDir dir("frontier-expert-outlier");
-  const auto synth = run_cli({"synth", "gpt-oss-expert-overflow", (dir / "bundle").string()});
-  INFO(synth.err);
-  REQUIRE(synth.status == 0);
-  const nlohmann::json planted = nlohmann::json::parse(synth.out);
-  const Triaged t = run_bundle(dir);
+  const Triaged t = triage(dir, "gpt-oss-expert-overflow");
   CHECK(t.status == 1);
   const nlohmann::json& first = t.report["first_nonfinite"];
   REQUIRE(first["site"] == "layers.1.mlp.expert.act");
@@ -118,11 +111,11 @@ TEST_CASE("expert_activation_max and NUMERIC_EXPERT_OUTLIER_ACTIVATION name GPT-
   REQUIRE(found.size() == 1);
   const nlohmann::json& ev = found[0]["evidence"];
   CHECK(found[0]["severity"] == "error");
-  CHECK(ev["step"] == planted["fault_step"]);
+  CHECK(ev["step"] == t.planted["fault_step"]);
   CHECK(ev["layer"] == 1);
-  CHECK(ev["expert"] == planted["fault_expert"]);
-  CHECK(ev["sample"] == planted["fault_sample"]);
-  CHECK(ev["position"] == planted["fault_position"]);
+  CHECK(ev["expert"] == t.planted["fault_expert"]);
+  CHECK(ev["sample"] == t.planted["fault_sample"]);
+  CHECK(ev["position"] == t.planted["fault_position"]);
   CHECK(ev["token"] == first["token"]);
   CHECK(ev["value"] == "inf");
   CHECK(frontier_number(ev["typical"]) < 10.0);
@@ -135,8 +128,7 @@ TEST_CASE("a dense layer's expert_activation_max is null, and healthy experts ra
   for (const char* preset : {"clean-llama4-moe", "clean-moe"}) {
     INFO(preset);
     ScratchDir dir(std::string("frontier-clean-") + preset);
-    REQUIRE(run_cli({"synth", preset, (dir / "bundle").string()}).status == 0);
-    const Triaged t = run_bundle(dir);
+    const Triaged t = triage(dir, preset);
     CHECK(t.status == 0);
     CHECK(with_code(t.report, "NUMERIC_EXPERT_OUTLIER_ACTIVATION").empty());
     const nlohmann::json& last = t.report["steps"].back()["expert_activation_max"];
@@ -186,23 +178,19 @@ TEST_CASE("NUMERIC_EXPERT_OUTLIER_ACTIVATION: a finite expert output far above i
 TEST_CASE("NUMERIC_EXPERT_OUTLIER_ACTIVATION fires on a finite incident: expert-spike's expert, token and sample",
           "[cli][frontier][moe][spike]") {
   ScratchDir dir("frontier-expert-spike");
-  const auto synth = run_cli({"synth", "expert-spike", (dir / "bundle").string()});
-  INFO(synth.err);
-  REQUIRE(synth.status == 0);
-  const nlohmann::json planted = nlohmann::json::parse(synth.out);
-  const Triaged t = run_bundle(dir);
+  const Triaged t = triage(dir, "expert-spike");
   CHECK(t.status == 0);  // a warning: nothing went non-finite
   CHECK(t.report["first_nonfinite"].is_null());
   const auto found = with_code(t.report, "NUMERIC_EXPERT_OUTLIER_ACTIVATION");
   REQUIRE(found.size() == 1);
   const nlohmann::json& ev = found[0]["evidence"];
   CHECK(found[0]["severity"] == "warning");
-  CHECK(ev["step"] == planted["fault_step"]);
-  CHECK(ev["layer"] == planted["fault_layer"]);
-  CHECK(ev["expert"] == planted["fault_expert"]);
-  CHECK(ev["sample"] == planted["fault_sample"]);
-  CHECK(ev["position"] == planted["fault_position"]);
-  CHECK(ev["token"] == planted["fault_token"]);
+  CHECK(ev["step"] == t.planted["fault_step"]);
+  CHECK(ev["layer"] == t.planted["fault_layer"]);
+  CHECK(ev["expert"] == t.planted["fault_expert"]);
+  CHECK(ev["sample"] == t.planted["fault_sample"]);
+  CHECK(ev["position"] == t.planted["fault_position"]);
+  CHECK(ev["token"] == t.planted["fault_token"]);
   CHECK(ev["site"] == "layers.1.mlp.expert.down");
   // The expert's output against the others': far past the 16x ratio and the floor of 64.
   const double value = ev["value"].get<double>(), typical = ev["typical"].get<double>();

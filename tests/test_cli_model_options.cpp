@@ -14,7 +14,6 @@
 
 using nanreplay_test::check_one_error_line;
 using nanreplay_test::read_json;
-using nanreplay_test::run_bundle;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
 using nanreplay_test::triage;
@@ -257,10 +256,8 @@ TEST_CASE("OLMo 2: a post-norm gain's overflow is named at that norm's output; f
 TEST_CASE("Qwen3: a QK-norm gain's overflow is named at its head; fp32 there resolves it, a soft cap cannot",
           "[cli][options][incident][what-if]") {
   ScratchDir dir("options-qwen3");
-  const auto synth = run_cli({"synth", "qwen3-qknorm-overflow", (dir / "bundle").string()});
-  REQUIRE(synth.status == 0);
-  Triaged t = run_bundle(dir, {"--what-if", "fp32-layers=1", "--what-if", "softcap=30"});  // bisect: run's origin too
-  t.planted = nlohmann::json::parse(synth.out);
+  // bisect: run's origin too.
+  const Triaged t = triage(dir, "qwen3-qknorm-overflow", {}, {"--what-if", "fp32-layers=1", "--what-if", "softcap=30"});
   CHECK(t.status == 1);
   const nlohmann::json& first = t.report["first_nonfinite"];
   CHECK(first["site"] == "layers.1.attn.scores");  // the gains every head shares; only head 2 reads the feature
@@ -278,11 +275,9 @@ TEST_CASE("Qwen3: a QK-norm gain's overflow is named at its head; fp32 there res
 TEST_CASE("OLMo 3: run and bisect name the overflowing head of a sliding layer; the window does not matter",
           "[cli][options][incident][what-if]") {
   ScratchDir dir("options-olmo3");
-  const auto synth = run_cli({"synth", "olmo3-window-overflow", (dir / "bundle").string()});
-  REQUIRE(synth.status == 0);
   // The what-ifs in run's own replay (one process fewer); bisect must still name run's origin.
-  Triaged t = run_bundle(dir, {"--what-if", "window=1", "--what-if", "fp32-layers=1"});
-  t.planted = nlohmann::json::parse(synth.out);
+  const Triaged t =
+      triage(dir, "olmo3-window-overflow", {}, {"--what-if", "window=1", "--what-if", "fp32-layers=1"});
   CHECK(t.status == 1);
   const nlohmann::json& first = t.report["first_nonfinite"];
   CHECK(first["site"] == "layers.1.attn.scores");  // layer 1: sliding (layer_types)
@@ -301,10 +296,9 @@ TEST_CASE("OLMo 3: run and bisect name the overflowing head of a sliding layer; 
 TEST_CASE("GLM-4: an overflow in the dims partial rotary leaves alone is named at its head; qk-norm resolves it",
           "[cli][options][incident][what-if]") {
   ScratchDir dir("options-glm4");
-  const auto synth = run_cli({"synth", "glm4-partial-rotary-overflow", (dir / "bundle").string()});
-  REQUIRE(synth.status == 0);
-  Triaged t = run_bundle(dir, {"--what-if", "qk-norm", "--what-if", "softcap=30"});  // bisect: run's origin too
-  t.planted = nlohmann::json::parse(synth.out);
+  // bisect: run's origin too.
+  const Triaged t =
+      triage(dir, "glm4-partial-rotary-overflow", {}, {"--what-if", "qk-norm", "--what-if", "softcap=30"});
   CHECK(t.status == 1);
   const nlohmann::json& first = t.report["first_nonfinite"];
   CHECK(first["site"] == "layers.0.attn.scores");

@@ -11,31 +11,27 @@
 
 using nanreplay_test::check_one_error_line;
 using nanreplay_test::read_json;
-using nanreplay_test::run_bundle;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
+using nanreplay_test::triage;
 using nanreplay_test::Triaged;
 
 TEST_CASE("GPT-OSS experts without the clamp: run and bisect name the expert whose activation overflows; "
           "swiglu-clamp=7 resolves it",
           "[cli][moe][incident][what-if]") {
   ScratchDir dir("moe-gpt-oss-overflow");
-  const auto synth = run_cli({"synth", "gpt-oss-expert-overflow", (dir / "bundle").string()});
-  INFO(synth.err);
-  REQUIRE(synth.status == 0);
-  const nlohmann::json planted = nlohmann::json::parse(synth.out);
   // One run with the what-if; run_bundle also checks that bisect names run's origin.
-  const Triaged t = run_bundle(dir, {"--what-if", "swiglu-clamp=7"});
+  const Triaged t = triage(dir, "gpt-oss-expert-overflow", {}, {"--what-if", "swiglu-clamp=7"});
   CHECK(t.status == 1);
   const nlohmann::json& first = t.report["first_nonfinite"];
   // gate and up are a few hundred, finite; (up + 1) * gate * sigmoid(alpha * gate) passes fp16's 65504.
   CHECK(first["site"] == "layers.1.mlp.expert.act");
-  CHECK(first["expert"] == planted["fault_expert"]);
+  CHECK(first["expert"] == t.planted["fault_expert"]);
   CHECK(first["expert"] == 2);
   CHECK(first["kind"] == "inf");
-  CHECK(first["step"] == planted["fault_step"]);
-  CHECK(first["sample"] == planted["fault_sample"]);
-  CHECK(first["position"] == planted["fault_position"]);
+  CHECK(first["step"] == t.planted["fault_step"]);
+  CHECK(first["sample"] == t.planted["fault_sample"]);
+  CHECK(first["position"] == t.planted["fault_position"]);
   CHECK(t.verdict.find("| expert 2 |") != std::string::npos);
   const nlohmann::json outcomes = t.report["what_if"];
   REQUIRE(outcomes.size() == 1);

@@ -31,15 +31,17 @@ inline Triaged run_bundle(const ScratchDir& dir, const std::vector<std::string>&
   return t;
 }
 
-// `synth_extra`: more arguments to synth (e.g. --corpus FILE).
+// `synth_extra`: more arguments to synth (e.g. --corpus FILE); `run_extra`:
+// more arguments to run (e.g. --what-if W).
 inline Triaged triage(const ScratchDir& dir, const std::string& preset,
-                      const std::vector<std::string>& synth_extra = {}) {
+                      const std::vector<std::string>& synth_extra = {},
+                      const std::vector<std::string>& run_extra = {}) {
   std::vector<std::string> args = {"synth", preset, (dir / "bundle").string()};
   args.insert(args.end(), synth_extra.begin(), synth_extra.end());
   const auto synth = run_cli(args);
   INFO(synth.err);
   REQUIRE(synth.status == 0);
-  Triaged t = run_bundle(dir);
+  Triaged t = run_bundle(dir, run_extra);
   t.planted = nlohmann::json::parse(synth.out);
   return t;
 }

@@ -169,6 +169,13 @@ def replay(cli, bundle, out, flags=()):
     return run.returncode, report, run.stderr
 
 
+def check_refused(rc, err, what, *names):
+    """Bad input as the tool must refuse it: exit 2 and one line on stderr naming each of `names` (file, key)."""
+    lines = err.strip().splitlines()
+    return check(rc == 2 and len(lines) == 1 and all(str(n) in lines[0] for n in names),
+                 f"{what} is refused naming {', '.join(map(str, names))} (exit {rc}; {err.strip()[-300:]})")
+
+
 def replay_preset_start(cli, work, preset):
     """A preset (synthesized through the tests' cache) and `run` of its first two steps, the others being CI's
     time: (reference_model.Bundle, report, the two steps), or None after a failed check."""

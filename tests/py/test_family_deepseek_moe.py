@@ -280,9 +280,7 @@ def check_refusals(cli, work):
                                  1.0, 1.0)
         add_bias(bundle, state_bias)
         rc, _, err = fs.replay(cli, bundle, work / f"out-bad-{i}")
-        lines = err.strip().splitlines()
-        fs.check(rc == 2 and len(lines) == 1 and file in lines[0] and key in lines[0],
-                 f"{label} is refused naming {file} and {key} (exit {rc}; {err.strip()[-300:]})")
+        fs.check_refused(rc, err, label, file, key)
 
 
 def check_preset(cli, work, preset="clean-deepseek-moe"):
@@ -383,9 +381,7 @@ def check_import(cli, work):
         argv = [str(a) for a in ["--checkpoint", bad, *flags, *extra, "--out", work / f"moe-{label}"]]
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             rc = nanreplay_import.main(argv)
-        lines = err.getvalue().strip().splitlines()
-        fs.check(rc == 2 and len(lines) == 1 and file in lines[0] and key in lines[0],
-                 f"{what}: {label} is refused naming {file} and {key} (exit {rc}): {lines}")
+        fs.check_refused(rc, err.getvalue(), f"{what}: {label}", file, key)
 
     refused("n_group 3", "config.json", "n_group", config={"n_group": 3})
     refused("moe_layer_freq 2", "config.json", "moe_layer_freq", config={"moe_layer_freq": 2})

@@ -368,9 +368,7 @@ def refusal(cli, work, data, label, model, config_json, key):
     log.write_text(json.dumps({"step": 0, "loss": 1.0, "lr": 1e-3}) + "\n")
     proc = import_support.run_import(cli, ["--checkpoint", directory, *data.flags(), "--log", log, "--steps", "0:0"],
                                      work / (label + "-imported"))
-    lines = proc.stderr.strip().splitlines()
-    fs.check(proc.returncode == 2 and len(lines) == 1 and key in lines[0],
-             f"refusal {label}: exit {proc.returncode}, one line naming {key!r} ({proc.stderr.strip()[-300:]})")
+    fs.check_refused(proc.returncode, proc.stderr, f"refusal {label}", key)
 
 
 def check_config_readings():
