@@ -404,8 +404,11 @@ def _infer_model_config(arch, model, named, given, seq_len, defaulted=None):
         settle("vocab_size", V)
         settle("hidden_size", C)
         settle("num_layers", layers)
-        moe = _model_moe(model, named, given, layers, C)
-        if moe is None:
+        family = fused_family(getattr(model, "config", None))  # GPT-OSS, Llama 4: fused experts (25_fused_experts)
+        moe = family_model_moe(model, named, given, layers) if family else _model_moe(model, named, given, layers, C)
+        if family:
+            settle("intermediate_size", family_intermediate_size(model, named, moe, layers))
+        elif moe is None:
             settle("intermediate_size", shape("model.layers.0.mlp.gate_proj.weight")[0] if layers else None)
         else:  # no dense MLP to read it off: model.config's (Qwen3-MoE keeps one), else the experts' width
             width = _config_attr(getattr(model, "config", None) or {}, "intermediate_size")

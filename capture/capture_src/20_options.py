@@ -35,8 +35,9 @@ ATTENTION_MASKS = ("exclude", "additive_neg_inf", "additive_finfo_min", "fill_fi
 # Every llama option key of the manifest's model object, in the order of nanreplay's option table
 # (loaders/arch/llama_options.cpp): those above, then the mixture of experts (MOE_KEYS below).
 # tests/test_arch_model_options.cpp checks this list against that table.
-# latent_attention (DeepSeek-V3's MLA) is known by name only: its capture is not written (_model_options refuses it).
-LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe", "latent_attention")
+# latent_attention (DeepSeek-V3's MLA) and mtp (its multi-token prediction, as Megatron-LM trains it) are known by
+# name only: their capture is not written (_model_options refuses latent_attention; nothing here writes mtp).
+LLAMA_OPTION_KEYS = (*LLAMA_OPTION_DEFAULTS, "moe", "latent_attention", "mtp")
 _QK_NORM_BY_MODEL_TYPE = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "full", "olmo3": "full",
                           "gemma3_text": "head", "gemma3": "head"}
 # OLMo 2 normalises each sublayer's output (post_attention_layernorm, post_feedforward_layernorm).
@@ -49,22 +50,10 @@ _BIAS_BY_MODEL_TYPE = {"qwen2": True}
 _ALTERNATING_WINDOW_TYPES = ("cohere2",)
 # Families whose whole models are mixtures of experts the recorder cannot take, refused by their config's
 # model_type before anything else is read (the capture helper here, `nanreplay import` in
-# nanreplay_import/model_settle.py, which reads gpt_oss: naming.HF_EXPERT_NAMES): {model_type: (why, the
-# attention options bundle v1 does replay)}.
-# GPT-OSS's experts replay (model.moe's gpt_oss keys) and `nanreplay import` reads its checkpoints; the recorder
-# splits a fused parameter only into row blocks it can view, which GPT-OSS's column-interleaved experts are not.
-_GPT_OSS_EXPERTS = ("GPT-OSS's experts are stored fused (gate_up_proj [E, C, 2M], gate and up interleaved in its "
-                    "columns, multiplied from the right), which the recorder cannot take apart as views of row "
-                    "blocks; save a checkpoint and run `nanreplay import` on it (docs/import.md)",
-                    "attention_sinks, o_proj_bias, yarn rope_scaling, head_dim, sliding_window")
-# Llama 4's experts replay (model.moe's sigmoid_top_k router, shared expert, moe.layers) and `nanreplay import`
-# reads its checkpoints (naming.HF_EXPERT_NAMES); its experts are 3-D tensors the recorder cannot view as row blocks.
-_LLAMA4_EXPERTS = ("Llama 4's experts are stored fused (feed_forward.experts.gate_up_proj [E, C, 2M], gate and up "
-                   "its last axis' two halves, and down_proj [E, M, C], multiplied from the right), which the "
-                   "recorder cannot take apart as views of row blocks; save a checkpoint and run `nanreplay import` "
-                   "on it (docs/import.md)", "qk_norm 'l2', no_rope_layers, attn_temperature_tuning, "
-                   "attention_chunk_size, llama3 rope_scaling, interleaved rope_style")
-UNSUPPORTED_MODEL_TYPES = {"gpt_oss": _GPT_OSS_EXPERTS, "llama4": _LLAMA4_EXPERTS, "llama4_text": _LLAMA4_EXPERTS}
+# nanreplay_import/model_settle.py, which reads those in naming.HF_EXPERT_NAMES): {model_type: (why, the
+# attention options bundle v1 does replay)}. None today: GPT-OSS's and Llama 4's fused experts are captured
+# live (25_fused_experts: copied whole each step, split per expert when a bundle is written).
+UNSUPPORTED_MODEL_TYPES = {}
 # Families whose blocks are not bundle v1's llama at all, refused by model_type the same way: {model_type: why}.
 REFUSED_MODEL_TYPES = {
     "phi": "Phi-1/Phi-2 run attention and the MLP in parallel off one LayerNorm with biases (dense, fc1, fc2, a "
@@ -528,7 +517,8 @@ def _model_options(arch, model, named, given, cfg):
     config = getattr(model, "config", None)
     said = {}
     if config is not None:
-        said = _options_from_config(config, cfg["num_layers"])
+        said = _options_from_config(generic_config(config), cfg["num_layers"])
+        said.update(family_options(config, cfg["num_layers"]))  # GPT-OSS's, Llama 4's implicit options
     out = {}
     for key, default in LLAMA_OPTION_DEFAULTS.items():
         value, where = said.get(key, (default, None))

@@ -72,7 +72,7 @@ def _ref_rope(x, inv_freq, style):
     return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
 
 
-def _ref_attention(q, k, v, H, G, softcap=None, window=None, sinks=None, scalar=None):
+def _ref_attention(q, k, v, H, G, softcap=None, window=None, sinks=None, scalar=None, chunk=None):
     B, T, _ = q.shape
     D = q.shape[-1] // H
     q = q.view(B, T, H, D).transpose(1, 2)
@@ -84,6 +84,9 @@ def _ref_attention(q, k, v, H, G, softcap=None, window=None, sinks=None, scalar=
     mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=q.device), 1)
     if window is not None:
         mask |= torch.tril(torch.ones(T, T, dtype=torch.bool, device=q.device), -window)
+    if chunk is not None:  # Llama 4's chunked layers: keys of the query's own chunk only
+        pos = torch.arange(T, device=q.device) // chunk
+        mask |= pos[:, None] != pos[None, :]
     s = s.masked_fill(mask, float("-inf"))
     if sinks is not None:  # GPT-OSS: each head's sink logit is one more key column, dropped after the softmax
         s = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(B, -1, T, -1)], -1)
@@ -165,15 +168,17 @@ def reference_loss(cfg, p, inputs, targets, gelu="tanh"):
         window = cfg.get("sliding_window") if kinds[i] == "sliding_attention" or not cfg.get("layer_types") else None
         h = x if post else norm(x, w[pre + "input_layernorm.weight"])
         v = F.linear(h, w[pre + "self_attn.v_proj.weight"], w[pre + "self_attn.v_proj.bias"] if bias else None)
+        # Llama 4: attention_chunk_size chunks its rotary layers (Llama4TextConfig's layer_types)
+        chunk = cfg.get("attention_chunk_size") if (cfg.get("no_rope_layers") or [1] * (i + 1))[i] else None
         att = _ref_attention(q_or_k(h, pre, "q", H, i), q_or_k(h, pre, "k", G, i), v, H, G,
                              cfg.get("attn_logit_softcap"), window,
                              w[pre + "self_attn.sinks"] if cfg.get("attention_sinks") else None,
-                             cfg.get("query_pre_attn_scalar"))
+                             cfg.get("query_pre_attn_scalar"), chunk)
         out = F.linear(att, w[pre + "self_attn.o_proj.weight"],
                        w[pre + "self_attn.o_proj.bias"] if cfg.get("o_proj_bias") else None)
         x = x + (norm(out, w[pre + "post_attention_layernorm.weight"]) if post or sandwich else out)
         h = x if post else norm(x, w[pre + ("pre_feedforward" if sandwich else "post_attention") + "_layernorm.weight"])
-        if moe:
+        if moe and i in moe.get("layers", range(cfg["num_layers"])):
             out, logits = _ref_moe(moe, w, pre, h)
             router.append(logits)
         else:
@@ -199,10 +204,15 @@ def _ref_top_k(probs, k):
 
 
 def _ref_moe(moe, w, pre, h):
-    """Hugging Face Qwen3MoeSparseMoeBlock.forward (modeling_qwen3_moe.py): (output, router logits)."""
+    """Hugging Face Qwen3MoeSparseMoeBlock.forward (modeling_qwen3_moe.py): (output, router logits);
+    GPT-OSS's and Llama 4's routers: _ref_gpt_oss_moe, _ref_llama4_moe."""
     F = torch.nn.functional
     C = h.shape[-1]
     x = h.reshape(-1, C)
+    if moe.get("router") == "top_k_softmax":
+        return _ref_gpt_oss_moe(moe, w, pre, x, h.shape)
+    if moe.get("router") == "sigmoid_top_k":
+        return _ref_llama4_moe(moe, w, pre, x, h.shape)
     logits = F.linear(x, w[pre + "mlp.gate.weight"])
     weights, experts = _ref_top_k(torch.softmax(logits, -1), moe["top_k"])
     if moe.get("norm_topk_prob"):
@@ -216,6 +226,47 @@ def _ref_moe(moe, w, pre, h):
                          w[ex + "down_proj.weight"])
             out.index_add_(0, token, y * weights[token, slot, None])
     return out.view(h.shape), logits
+
+
+def _ref_gpt_oss_moe(moe, w, pre, x, shape):
+    """GptOssMLP (modeling_gpt_oss.py): GptOssTopKRouter's softmax over the top-k biased logits, scattered over
+    zeros; GptOssExperts: gate clamped above, up both ways at swiglu_limit, (up + 1) * gate * sigmoid(alpha *
+    gate), biases on every projection. Returns (output, the scattered scores, which its aux loss softmaxes)."""
+    F = torch.nn.functional
+    logits = F.linear(x, w[pre + "mlp.gate.weight"], w[pre + "mlp.gate.bias"])
+    top, experts = torch.topk(logits, moe["top_k"], dim=-1)
+    scores = torch.zeros_like(logits).scatter_(1, experts, torch.softmax(top, dim=-1))
+    limit, alpha = moe.get("swiglu_limit"), moe["swiglu_alpha"]
+    out = torch.zeros_like(x)
+    for e in range(moe["num_experts"]):
+        token = torch.where((experts == e).any(-1))[0]
+        if token.numel():
+            ex, xe = pre + f"mlp.experts.{e}.", x[token]
+            gate = F.linear(xe, w[ex + "gate_proj.weight"], w[ex + "gate_proj.bias"])
+            up = F.linear(xe, w[ex + "up_proj.weight"], w[ex + "up_proj.bias"])
+            if limit is not None:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            y = F.linear((up + 1) * gate * torch.sigmoid(gate * alpha), w[ex + "down_proj.weight"],
+                         w[ex + "down_proj.bias"])
+            out.index_add_(0, token, y * scores[token, e, None])
+    return out.view(shape), scores
+
+
+def _ref_llama4_moe(moe, w, pre, x, shape):
+    """Llama4TextMoe (modeling_llama4.py): Llama4Router's top-k logits through a sigmoid (the others 0), each
+    expert's INPUT scaled by its score, the experts' outputs summed, plus the shared expert of every token."""
+    F = torch.nn.functional
+    logits = F.linear(x, w[pre + "mlp.gate.weight"])
+    top, experts = torch.topk(logits, moe["top_k"], dim=-1)
+    scores = torch.sigmoid(torch.full_like(logits, float("-inf")).scatter_(1, experts, top))
+
+    def mlp(h, prefix):
+        return F.linear(F.silu(F.linear(h, w[prefix + "gate_proj.weight"])) * F.linear(h, w[prefix + "up_proj.weight"]),
+                        w[prefix + "down_proj.weight"])
+    out = mlp(x, pre + "mlp.shared_expert.")
+    for e in range(moe["num_experts"]):
+        out = out + mlp(x * scores[:, e, None], pre + f"mlp.experts.{e}.")
+    return out.view(shape), logits
 
 
 def _ref_load_balancing(router, num_experts, top_k):

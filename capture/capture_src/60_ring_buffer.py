@@ -8,9 +8,14 @@ class _StepSlot:
     """One recorded step: host copies made at begin_step (none for a light record, whose
     parameters nanreplay derives), scalars added at end_step."""
 
-    def __init__(self, params, pin, full=True):
+    def __init__(self, params, pin, full=True, experts=((), {})):
         self.full = full
-        self.params = [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for p in params] if full else []
+        groups, self.views = experts  # fused expert tensors; {parameter index: (group, expert, columns)}
+        self.fused = [torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=pin) for g in groups] if full else []
+        self.fused_moments = {"exp_avg": [None] * len(groups), "exp_avg_sq": [None] * len(groups)}
+        self.params = [expert_view(self.fused[self.views[i][0]], *self.views[i][1:]) if i in self.views else
+                       torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin)
+                       for i, p in enumerate(params)] if full else []
         self.exp_avg = [None] * len(self.params)      # host buffers, allocated on first AdamW state
         self.exp_avg_sq = [None] * len(self.params)
         self.state_bufs = {}                          # (entry, i): host buffer, for classes beyond AdamW
@@ -44,6 +49,16 @@ class _StepSlot:
         if bufs[i] is None or bufs[i].dtype != like.dtype or bufs[i].shape != like.shape:
             bufs[i] = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin)
         return bufs[i]
+
+    def expert_moment(self, which, i, whole):
+        """The host buffer of a fused expert tensor's moment `whole` (allocated on first AdamW state), with
+        parameter i's part of it set as a view (the moment splits as the parameter does)."""
+        g, e, columns = self.views[i]
+        bufs = self.fused_moments[which]
+        if bufs[g] is None or bufs[g].dtype != whole.dtype or bufs[g].shape != whole.shape:
+            bufs[g] = torch.empty(whole.shape, dtype=whole.dtype, device="cpu", pin_memory=self.pin)
+        (self.exp_avg if which == "exp_avg" else self.exp_avg_sq)[i] = expert_view(bufs[g], e, columns)
+        return bufs[g]
 
     def state_buffer(self, entry, i, like):
         buf = self.state_bufs.get((entry, i))

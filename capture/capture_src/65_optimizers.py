@@ -179,6 +179,9 @@ class _OptimizerByName:
         self._owner = [owner[id(p)] for p in self._held]
         for i, name in enumerate(self.names):
             kind = self._opt_kinds[self._owner[i]]
+            if name in self._experts and kind != "adamw":
+                raise CaptureError(f"{self._experts[name][0]} holds fused experts updated by {kind}: the recorder "
+                                   "splits a fused expert tensor's AdamW moments only (torch.optim.AdamW)")
             if name in self._fused and kind not in _ELEMENTWISE_KINDS:
                 raise CaptureError(f"{self._fused[name][0]} is fused and updated by {kind}, whose update of the "
                                    "fused matrix is not that of its parts (bundle v1 holds the parts): AdamW and "

@@ -34,7 +34,9 @@ class Recorder(_OptimizerByName):
         model_config=dict(moe=dict(num_experts, top_k, norm_topk_prob=False, router_aux_loss_coef=0,
         router_z_loss_coef=0)), or read off an HF MoE config (num_experts / num_local_experts,
         num_experts_per_tok, moe_intermediate_size, norm_topk_prob, router_aux_loss_coef when
-        output_router_logits); the experts' count and width are read off the parameters.
+        output_router_logits); the experts' count and width are read off the parameters. GPT-OSS's and
+        Llama 4's models (model.config.model_type "gpt_oss", "llama4_text", "llama4") are read with their
+        fused experts, split per expert as `nanreplay import` splits them (docs/capture.md, "Fused experts").
       data: dict(shards=[paths or dicts(path, dtype, header_bytes)], token_dtype="uint16",
         header_bytes=0, seq_len, micro_batch_size, grad_accum_steps=1, world_size=1,
         sampler=None or dict(kind="randperm", seed, epoch=0, epoch_start_step=0)).
@@ -104,14 +106,16 @@ class Recorder(_OptimizerByName):
         for name, p in _all_named_parameters(model):
             named.setdefault(rename(name), p)
         named, self._fused = _split_fused(named, model, model_config or {})
-        if self._fused and self._sharded is not None:
-            raise CaptureError(f"{next(iter(self._fused.values()))[0]} is fused: under FSDP the recorder gathers "
-                               "whole parameters by name and does not split them; save a checkpoint and run "
+        named, self._experts = _split_experts(named, model)  # GPT-OSS's, Llama 4's fused experts
+        if (self._fused or self._experts) and self._sharded is not None:
+            fused = next(iter(self._fused.values()), None) or next(iter(self._experts.values()))
+            raise CaptureError(f"{fused[0]} is fused: under FSDP the recorder gathers whole parameters by name and "
+                               "does not split them (nor their sharded AdamW moments); save a checkpoint and run "
                                "`nanreplay import` on it (docs/import.md)")
         self.defaulted = {}  # what bundle v1's defaults filled in: the manifest's provenance says so
         self.model_config = _infer_model_config(arch, model, named, model_config or {}, self.data["seq_len"],
                                                 self.defaulted)
-        spec = expected_parameters(arch, self.model_config)
+        spec = family_parameters(expected_parameters(arch, self.model_config), self.model_config)
         self.names = [name for name, _ in spec]
         self.params = []
         for name, shape in spec:
@@ -125,8 +129,11 @@ class Recorder(_OptimizerByName):
             if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise CaptureError(f"{name} is {p.dtype}; bundle v1 stores F32, BF16 or F16")
             self.params.append(p)
-        # What the optimizer holds for each bundle parameter: itself, or the fused parameter it is rows of.
-        self._held = [self._fused[n][1] if n in self._fused else p for n, p in zip(self.names, self.params)]
+        # What the optimizer holds for each bundle parameter: itself, or the fused parameter it is rows (or an
+        # expert's part) of.
+        self._held = [self._fused[n][1] if n in self._fused else self._experts[n][1] if n in self._experts else p
+                      for n, p in zip(self.names, self.params)]
+        self._expert_groups, self._expert_of = _expert_layout(self.names, self._experts)
         wanted = {id(p) for p in self.params}
         extra = sorted({n for n, p in named.items() if id(p) not in wanted})
         if extra:
@@ -393,7 +400,10 @@ class Recorder(_OptimizerByName):
         optimizer.step) makes the next update wait for them, since it changes those tensors in place."""
         if self._sharded is not None:
             return self._snapshot_gathered(slot)
-        pairs = list(zip(slot.params, self.params))
+        # Fused experts are copied whole (one contiguous copy each); their parts are views of the host copy.
+        pairs = [(slot.params[i], p) for i, p in enumerate(self.params) if i not in self._expert_of]
+        pairs += list(zip(slot.fused, self._expert_groups))
+        copied = set()  # (moment, fused tensor) already queued
         device_steps = []
         for i, p in enumerate(self.params):
             opt, kind = self._param_owner(i)
@@ -410,6 +420,12 @@ class Recorder(_OptimizerByName):
                 continue
             else:
                 for which in ("exp_avg", "exp_avg_sq"):
+                    if i in self._expert_of:  # the fused tensor's whole moment, once; this part a view of it
+                        whole = slot.expert_moment(which, i, st[which])
+                        if (which, self._expert_of[i][0]) not in copied:
+                            copied.add((which, self._expert_of[i][0]))
+                            pairs.append((whole, st[which]))
+                        continue
                     moment = self._rows_of(i, st[which])
                     pairs.append((slot.moment_buffer(which, i, moment), moment))
                 slot.has_moments[i] = True
@@ -488,7 +504,7 @@ class Recorder(_OptimizerByName):
         elif self._free:
             slot = self._free.pop()
         else:
-            return _StepSlot(self.params, self._pin)
+            return self._new_slot()
         return self._reused(slot)
 
     def _take_snapshot_slot(self, step):
@@ -496,13 +512,18 @@ class Recorder(_OptimizerByName):
         the oldest with the light records before the second: the ring then starts at a snapshot."""
         fulls = [s for s in self._ring if s.full]
         if fulls and step - fulls[-1].step < self.snapshot_every:
-            return _StepSlot(self.params, self._pin, full=False)
+            return self._new_slot(full=False)
         if len(fulls) >= 2:
             while self._ring[0] is not fulls[1]:
                 evicted = self._ring.popleft()
                 if evicted.full:
                     self._free.append(evicted)
-        return self._reused(self._free.pop()) if self._free else _StepSlot(self.params, self._pin)
+        return self._reused(self._free.pop()) if self._free else self._new_slot()
+
+    def _new_slot(self, full=True):
+        """A slot with host buffers for the parameters: one per fused expert tensor, whose experts' parts are
+        views of it (_expert_layout), one per other parameter."""
+        return _StepSlot(self.params, self._pin, full=full, experts=(self._expert_groups, self._expert_of))
 
     def _reused(self, slot):
         if slot.event is not None:

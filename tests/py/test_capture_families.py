@@ -263,7 +263,8 @@ def check_family(cli, work, label, model, want, replayed_twin=None):
 
 
 def check_refusals(work):
-    """2. GPT-OSS and Llama 4 (mixtures of experts bundle v1's moe cannot express) refused by model_type."""
+    """2. A dense model whose config says GPT-OSS or Llama 4 (whose fused experts the recorder splits:
+    test_capture_fused_experts.py) refused by model_type, naming where those experts should be."""
     shard, _ = write_tokens(work, 64)
     for model_type in ("gpt_oss", "llama4", "llama4_text"):
         torch.manual_seed(0)
@@ -279,8 +280,9 @@ def check_refusals(work):
             fs.check(False, f"a live {model_type} model is refused")
         except nanreplay_capture.CaptureError as e:
             said = str(e)
-            fs.check(f"model_type {model_type!r}" in said and "experts" in said and "\n" not in said,
-                     f"a live {model_type} model is refused by model_type, saying why in one line: {said}")
+            fs.check(f"model_type {model_type!r}" in said and "experts.gate_up_proj" in said and "\n" not in said,
+                     f"a live {model_type} model without its experts is refused by model_type, saying why in one "
+                     f"line: {said}")
 
 
 GLM_WIDE_HEADS = phi3_glm.DIMS._replace(H=2, G=1, D=128)  # head_dim 128 with hidden 32: not hidden / heads
