@@ -9,8 +9,13 @@ copies), so its peak should stay near a few of them at any depth, while in memor
 `inspect --json`'s two estimates are printed beside what was measured. The router's kind does not change what
 is held (the experts are the bytes), so the bundle routes as Qwen3-MoE does.
 
+A streamed block loads only the experts its router sent a token to: "experts run" counts the (layer, expert)
+slots with a token in the step (report.json's expert_tokens), "expert tensors loaded" is what the streamed run's
+`--timings` says it loaded against what loading every expert of each block would have. `--baseline-cli OLD`
+runs the streamed side with an older CLI too, each depth's runs one after the other.
+
 Usage: /usr/bin/python3 bench/bench_moe_memory.py [--nanreplay build/nanreplay --work bench-work/moe-memory
-       --layers 4,8 --hidden 512 --experts 256 --top-k 8 --expert-width 128 --reps 1]
+       --layers 4,8 --hidden 512 --experts 256 --top-k 8 --expert-width 128 --reps 1 --baseline-cli OLD]
 """
 import argparse
 import json
@@ -35,18 +40,27 @@ def bundle_for(a, layers):
     return path
 
 
-def peak_rss(a, bundle, streamed):
-    """One `nanreplay run` in a fresh child: (peak RSS bytes, its report.json)."""
+def peak_rss(a, bundle, streamed, cli):
+    """One `nanreplay run` in a fresh child: (peak RSS bytes, its report.json, its stderr)."""
     out = a.work / f"out-{bundle.name}-{'stream' if streamed else 'memory'}"
-    cmd = [str(a.nanreplay), "run", str(bundle), "--out", str(out), "-q"]
+    cmd = [str(cli), "run", str(bundle), "--out", str(out), "-q"]
     if streamed:
-        cmd += ["--stream", "--scratch", str(a.work / "scratch")]
+        cmd += ["--stream", "--scratch", str(a.work / "scratch"), "--timings"]
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     err = child.stderr.read()
     _, status, usage = os.wait4(child.pid, 0)
     if os.waitstatus_to_exitcode(status) not in (0, 1):
         sys.exit(f"bench_moe_memory: {' '.join(cmd)} failed: {err.decode(errors='replace')}")
-    return usage.ru_maxrss * 1024, json.loads((out / "report.json").read_text())
+    return usage.ru_maxrss * 1024, json.loads((out / "report.json").read_text()), err.decode(errors="replace")
+
+
+def expert_loads(stderr):
+    """`--timings`' "streamed experts: N expert tensors loaded, of M ..." as "N/M" ("-": no such line)."""
+    for line in stderr.splitlines():
+        if line.startswith("streamed experts: "):
+            words = line.split()
+            return f"{words[2]}/{words[7]}"
+    return "-"
 
 
 def estimates(a, bundle):
@@ -67,6 +81,7 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--baseline-cli", type=Path, help="an older CLI whose streamed replay runs beside")
     a = ap.parse_args()
     a.work = a.work.absolute()
     (a.work / "scratch").mkdir(parents=True, exist_ok=True)
@@ -74,23 +89,32 @@ def main():
                        + a.experts * a.hidden)
     print(f"hidden {a.hidden}, {a.experts} experts of width {a.expert_width} + 1 shared, top {a.top_k}, "
           f"seq {a.seq}, vocab {a.vocab}; one MoE layer's fp32 parameters {layer_bytes / 2**20:.1f} MiB")
-    print(f"{'layers':>6} {'MoE':>4}  {'mode':<10} {'peak RSS MiB':>13} {'estimate MiB':>13} {'experts run':>12}  loss")
+    print(f"{'layers':>6} {'MoE':>4}  {'mode':<19} {'peak RSS MiB':>13} {'estimate MiB':>13} {'experts run':>12} "
+          f"{'expert tensors loaded':>22}  loss")
+    sides = [(False, a.nanreplay, "in memory"), (True, a.nanreplay, "streamed")]
+    if a.baseline_cli:
+        sides.append((True, a.baseline_cli, "streamed, baseline"))
     for layers in sorted({int(x) for x in a.layers.split(",")}):
         bundle = bundle_for(a, layers)
         manifest = json.loads((bundle / "manifest.json").read_text())
         moe_layers = len(manifest["model"]["moe"]["layers"])
         est = estimates(a, bundle)
-        for streamed in (False, True):
-            runs = [peak_rss(a, bundle, streamed) for _ in range(a.reps)]
+        losses = set()
+        for streamed, cli, mode in sides:
+            runs = [peak_rss(a, bundle, streamed, cli) for _ in range(a.reps)]
             rss = statistics.median(r[0] for r in runs)
             step = runs[0][1]["steps"][0]
             counts = [c for layer in step.get("expert_tokens") or [] for c in layer]
             ran = f"{sum(1 for c in counts if c)}/{len(counts)}" if counts else "-"
-            mode = "streamed" if streamed else "in memory"
+            loaded = expert_loads(runs[0][2]) if streamed else "-"
             key = "streamed_bytes" if streamed else "in_memory_bytes"
             estimate = est.get(key)
-            print(f"{layers:>6} {moe_layers:>4}  {mode:<10} {rss / 2**20:>13.1f} "
-                  f"{(estimate / 2**20 if estimate else float('nan')):>13.1f} {ran:>12}  {step['loss']}")
+            print(f"{layers:>6} {moe_layers:>4}  {mode:<19} {rss / 2**20:>13.1f} "
+                  f"{(estimate / 2**20 if estimate else float('nan')):>13.1f} {ran:>12} {loaded:>22}  {step['loss']}",
+                  flush=True)
+            losses.add(step["loss"])
+        if len(losses) != 1:
+            sys.exit(f"bench_moe_memory: {layers} layers: the modes' losses differ: {sorted(losses)}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@
 #include "cli/progress_line.h"
 #include "cli/replay_flags.h"
 #include "loaders/base/error.h"
+#include "replay/step/layer_stream.h"
 #include "reports/outputs/report_json.h"
 #include "reports/outputs/run_outputs.h"
 #include "reports/outputs/terminal_text.h"
@@ -169,7 +170,15 @@ ReplayReport replay_and_write(const RunSettings& settings, CommandIo& io) {
   report.timings.add(TimedPhase::kLoad, loading.of(TimedPhase::kLoad));
   outputs.write_and_commit(report, incident->steps_to_replay(), stop_requested);
   announce_committed(settings.out);
-  if (settings.timings) io.err << render_timings(report.timings);
+  if (settings.timings) {
+    io.err << render_timings(report.timings);
+    // A streamed mixture of experts loads only the experts a token was routed to (layer_stream.h).
+    const ExpertLoads experts = streamed_expert_loads();
+    if (experts.of > 0) {
+      io.err << "streamed experts: " << experts.loaded << " expert tensors loaded, of " << experts.of
+             << " had every block loaded all its experts\n";
+    }
+  }
   return report;
 }
 

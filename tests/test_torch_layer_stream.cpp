@@ -2,12 +2,21 @@
 // in-memory step on the same checkpoint, every probe record, loss, norm and
 // parameter gradient the same bits, for the step shapes that sum gradients
 // differently (ranks, micro-batches, a tied head, router losses) and for
-// bisection's cheap pass; and its scratch files. The CLI and every preset:
+// bisection's cheap pass; a mixture of experts that loads only the experts
+// a token was routed to (four routers); and its scratch files. The CLI and every preset:
 // tests/py/test_stream_presets.py.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
+
 #include <torch/torch.h>
 
+#include "probes/sites.h"
 #include "replay/step/layer_stream.h"
 #include "reports/triage/system/probe_comparison.h"
 #include "replay/step/step.h"
@@ -75,6 +84,82 @@ TEST_CASE("a streamed step is the in-memory step bit for bit: ranks, micro-batch
   require_same(both.in_memory, both.streamed);
   // The gradients are on scratch files until the result goes.
   CHECK(std::distance(std::filesystem::directory_iterator(dir.path()), {}) == 2);  // b, and the scratch directory
+}
+
+namespace {
+
+// Passes' (rank, micro-batch, layer, expert) with a token routed to the expert,
+// from the forward records of its per-expert up projection site.
+std::set<std::tuple<int, int, int, int>> experts_with_tokens(const StepResult& result) {
+  std::set<std::tuple<int, int, int, int>> out;
+  for (const ProbeRecord& r : result.probes) {
+    if (r.phase == Phase::kForward && r.site.id == SiteId::kMlpExpertUp && r.expert >= 0 && r.routed_tokens > 0) {
+      out.emplace(r.rank, r.micro_batch, r.layer, r.expert);
+    }
+  }
+  return out;
+}
+
+// The layers with experts.
+std::vector<int> moe_layers(const ModelConfig& model) {
+  std::vector<int> out;
+  for (int layer = 0; layer < static_cast<int>(model.num_layers); ++layer) {
+    if (model.moe_layer(layer)) out.push_back(layer);
+  }
+  return out;
+}
+
+// Tensors one expert of a layer with experts holds (weights, GPT-OSS's biases).
+int64_t tensors_per_expert(const ModelConfig& model) {
+  const std::string prefix = "layers." + std::to_string(moe_layers(model).front()) + ".mlp.experts.0.";
+  int64_t n = 0;
+  for (const ParamSpec& spec : expected_parameters(model)) n += spec.name.find(prefix) != std::string::npos;
+  return n;
+}
+
+}  // namespace
+
+// Many experts, few tokens a pass, two ranks of two micro-batches: most experts
+// get no token in a pass, some get tokens in one pass of a rank and none in
+// another (their gradient accumulates a zero the streamed replay never loads).
+TEST_CASE("a streamed MoE block loads only the experts its router sent a token to, same bits",
+          "[torch][stream][moe]") {
+  const std::string preset = GENERATE("clean-moe", "clean-deepseek-moe", "clean-gpt-oss-moe", "clean-llama4-moe");
+  INFO(preset);
+  ScratchDir dir("stream-lazy-" + preset);
+  SyntheticSpec spec = synthetic_preset(preset);
+  spec.num_steps = 1;
+  spec.model.moe->num_experts = 16;
+  spec.seq_len = 8;
+  spec.micro_batch_size = 1;
+  spec.grad_accum_steps = 2;
+  spec.world_size = 2;
+  write_synthetic_bundle(dir / "b", spec);
+  const Bundle bundle(dir / "b");
+  const ExpertLoads before = streamed_expert_loads();
+  const BothWays both = replay_both_ways(bundle, dir, StepRequest{});
+  const ExpertLoads after = streamed_expert_loads();
+  require_same(both.in_memory, both.streamed);
+  const ModelConfig& model = bundle.manifest().model;
+  const int64_t per_expert = tensors_per_expert(model), passes = both.streamed.passes;
+  REQUIRE(passes == 4);
+  // Each pass computes each block twice (forward, then again for the backward).
+  const auto ran = experts_with_tokens(both.in_memory);
+  CHECK(after.of - before.of ==
+        2 * passes * static_cast<int64_t>(moe_layers(model).size()) * model.moe->num_experts * per_expert);
+  CHECK(after.loaded - before.loaded == 2 * static_cast<int64_t>(ran.size()) * per_expert);
+  CHECK(after.loaded - before.loaded < after.of - before.of);
+  // What the spec is for: an expert with tokens in one micro-batch of a rank
+  // and none in the other, and an expert with no token in the whole step.
+  std::map<std::tuple<int, int, int>, int> micro_batches_with_tokens;  // (rank, layer, expert)
+  std::set<std::pair<int, int>> run_in_step;                           // (layer, expert)
+  for (const auto& [rank, micro, layer, expert] : ran) {
+    ++micro_batches_with_tokens[{rank, layer, expert}];
+    run_in_step.emplace(layer, expert);
+  }
+  CHECK(std::any_of(micro_batches_with_tokens.begin(), micro_batches_with_tokens.end(),
+                    [](const auto& entry) { return entry.second == 1; }));
+  CHECK(run_in_step.size() < moe_layers(model).size() * static_cast<size_t>(model.moe->num_experts));
 }
 
 TEST_CASE("a streamed cheap pass stops where the in-memory one stops, with the same flags", "[torch][stream]") {

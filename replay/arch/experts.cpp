@@ -6,6 +6,8 @@
 #include "replay/arch/experts.h"
 
 #include <functional>
+#include <stdexcept>
+#include <string>
 
 #include <torch/torch.h>
 
@@ -167,6 +169,7 @@ Routing route_layer(const ModelConfig& m, const ParamMap& p, const torch::Tensor
   router.logits.push_back(logits.view({B * T, -1}));
   router.probs.push_back(balance_probs);
   router.expert_tokens.push_back(routing.expert_tokens);
+  RouterLogitRecorder::record_tokens(layer, routing.expert_tokens);  // the correction bias update reads them
   return routing;
 }
 
@@ -186,7 +189,39 @@ torch::Tensor combine_experts(const ModelConfig& m, const ParamMap& p, const tor
   return probes.site({SiteId::kMlpCombine, layer}, combined.view({B, T, C}));
 }
 
+// Whether the block's parameters hold expert e of `layer` (its gate projection
+// stands for the others: every expert has one, GPT-OSS's fused gate_up stored split).
+bool has_expert(const ModelConfig& m, const ParamMap& p, int layer, int e) {
+  return p.count(param_key(m.arch, ParamRole::kExpertGateProj, layer, e)) != 0;
+}
+
+// The parameters of the experts with rows that the block's parameters lack,
+// from this thread's ExpertSource (none lacking: nothing asked).
+ParamMap fetch_missing_experts(const ModelConfig& m, const ParamMap& p, int layer, const std::vector<int64_t>& counts) {
+  std::vector<int> wanted;
+  for (int e = 0; e < m.moe->num_experts; ++e) {
+    if (counts[static_cast<size_t>(e)] > 0 && !has_expert(m, p, layer, e)) wanted.push_back(e);
+  }
+  if (wanted.empty()) return {};
+  const ExpertSource* source = ExpertSource::current();
+  if (source == nullptr) {
+    throw std::logic_error("experts_mlp: layer " + std::to_string(layer) +
+                           "'s experts are not in its parameters and no ExpertSource is alive");
+  }
+  return source->fetch(layer, wanted);
+}
+
+thread_local const ExpertSource* current_source = nullptr;
+
 }  // namespace
+
+ExpertSource::ExpertSource(Fetch fetch) : fetch_(std::move(fetch)), replaced_(current_source) {
+  current_source = this;
+}
+
+ExpertSource::~ExpertSource() { current_source = replaced_; }
+
+const ExpertSource* ExpertSource::current() { return current_source; }
 
 torch::Tensor experts_mlp(const ModelConfig& m, const ParamMap& p, const torch::Tensor& h, int layer,
                           const Numerics& numerics, ProbeSession& probes, RouterOutputs& router) {
@@ -197,17 +232,28 @@ torch::Tensor experts_mlp(const ModelConfig& m, const ParamMap& p, const torch::
   const std::vector<int64_t>& offsets = routing.host->offsets;
   std::vector<int64_t> counts;
   for (int e = 0; e < moe.num_experts; ++e) counts.push_back(offsets[e + 1] - offsets[e]);
-  auto weight = [&](R role, int e) -> const torch::Tensor& { return p.at(param_key(m.arch, role, layer, e)); };
+  const ParamMap fetched = fetch_missing_experts(m, p, layer, counts);
+  auto weight = [&](R role, int e) -> const torch::Tensor& {
+    const std::string key = param_key(m.arch, role, layer, e);
+    const auto found = fetched.find(key);
+    return found != fetched.end() ? found->second : p.at(key);
+  };
   auto bias = [&](R role, int e) { return moe.expert_bias ? weight(role, e) : torch::Tensor(); };
+  // An expert is computed when it has rows or its parameters are at hand (in
+  // memory, all of them: an expert over no rows still takes part, as before).
+  auto computed = [&](int e) { return counts[static_cast<size_t>(e)] > 0 || has_expert(m, p, layer, e); };
   // One matmul per expert over its slice of the routed rows, concatenated in expert order.
   // The slices come from one split_with_sizes, whose backward joins the experts'
   // gradients with one cat; a narrow per expert would have each backward fill a
   // zero tensor the size of all the routed rows and autograd add the E of them
   // (the same values, at E times the memory traffic: 15-20 % of the layer).
+  // An expert left out has no rows: the cat of the others is the same tensor.
   auto per_expert = [&](const torch::Tensor& rows, const std::function<torch::Tensor(const torch::Tensor&, int)>& project) {
     const std::vector<torch::Tensor> slices = rows.split_with_sizes(counts, 0);
     std::vector<torch::Tensor> parts;
-    for (int e = 0; e < moe.num_experts; ++e) parts.push_back(project(slices[static_cast<size_t>(e)], e));
+    for (int e = 0; e < moe.num_experts; ++e) {
+      if (computed(e)) parts.push_back(project(slices[static_cast<size_t>(e)], e));
+    }
     return torch::cat(parts, 0);
   };
   auto linear = [&](R role, R bias_role) {

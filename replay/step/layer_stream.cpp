@@ -15,12 +15,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <unordered_map>
 
 #include <torch/torch.h>
 
 #include "loaders/base/error.h"
-#include "replay/step/ranks/pass_wire.h"
+#include "probes/param_table.h"
 #include "probes/sites.h"
+#include "replay/arch/experts.h"
+#include "replay/step/ranks/pass_wire.h"
 
 namespace nanreplay {
 
@@ -33,6 +36,30 @@ OutputError scratch_error(const std::string& what, const std::filesystem::path& 
 }
 
 constexpr const char* kScratchPrefix = "nanreplay-scratch-";
+
+std::atomic<int64_t> expert_tensors_loaded{0};
+std::atomic<int64_t> expert_tensors_of{0};
+
+// [layer][expert]: the slots in `order` of each expert's parameters (none in a dense layer).
+std::vector<std::vector<std::vector<size_t>>> expert_slots_of(const ModelConfig& model,
+                                                              const std::vector<std::string>& order) {
+  std::vector<std::vector<std::vector<size_t>>> out(static_cast<size_t>(model.num_layers));
+  if (!model.moe) return out;
+  std::unordered_map<std::string, size_t> slot_of;
+  for (size_t i = 0; i < order.size(); ++i) slot_of.emplace(order[i], i);
+  for (int layer = 0; layer < static_cast<int>(model.num_layers); ++layer) {
+    if (!model.moe_layer(layer)) continue;
+    std::vector<std::vector<size_t>>& experts = out[static_cast<size_t>(layer)];
+    experts.resize(static_cast<size_t>(model.moe->num_experts));
+    for (const ParamDef& def : param_table(model.arch)) {
+      if (!is_per_expert(def) || !has_parameter(def, model, layer)) continue;
+      for (int e = 0; e < model.moe->num_experts; ++e) {
+        experts[static_cast<size_t>(e)].push_back(slot_of.at(param_key(model.arch, def.role, layer, e)));
+      }
+    }
+  }
+  return out;
+}
 
 // Scratch directories in `parent` whose run is gone hold no lock: removed.
 // Never throws (other runs add and remove theirs meanwhile).
@@ -51,6 +78,8 @@ void remove_abandoned_scratch(const std::filesystem::path& parent) {
 }
 
 }  // namespace
+
+ExpertLoads streamed_expert_loads() { return {expert_tensors_loaded.load(), expert_tensors_of.load()}; }
 
 StreamScratch::StreamScratch(const std::filesystem::path& parent) {
   // Under the parent's lock, so that a run clearing abandoned scratch cannot
@@ -137,6 +166,17 @@ StreamedModel::StreamedModel(ModelCheckpoint& checkpoint, const ModelConfig& mod
     (layer < 0 ? outer_ : blocks_.at(static_cast<size_t>(layer))).push_back(i);
     shapes_.push_back(specs.at(i).shape);
   }
+  expert_slots_ = expert_slots_of(model, order_);
+  for (size_t layer = 0; layer < blocks_.size(); ++layer) {
+    std::vector<bool> of_expert(order_.size(), false);
+    for (const std::vector<size_t>& slots : expert_slots_[layer]) {
+      for (size_t slot : slots) of_expert[slot] = true;
+    }
+    block_cores_.emplace_back();
+    for (size_t slot : blocks_[layer]) {
+      if (!of_expert[slot]) block_cores_.back().push_back(slot);
+    }
+  }
   world_ = default_world();
   if (world_ && world_->split() != ProcessSplit::kLayers) world_ = nullptr;  // each process replays whole ranks
   if (world_) {
@@ -149,6 +189,7 @@ StreamedModel::StreamedModel(ModelCheckpoint& checkpoint, const ModelConfig& mod
 
 void StreamedModel::begin_step() {
   rank_grads_ = std::make_shared<ScratchTensors>(scratch_, "rank-gradients", shapes_);
+  zero_pass_.assign(order_.size(), false);
   step_grads_.reset();
 }
 
@@ -163,6 +204,28 @@ ParamMap StreamedModel::load(const std::vector<size_t>& slots, bool leaves) cons
     params.emplace(order_[slot], t);
   }
   return params;
+}
+
+// The block's parameters but its experts', then (replay/arch/experts.h) the
+// experts its router sends a token to, as it asks for them.
+torch::Tensor StreamedModel::compute_block(ModelPass& pass, int layer, const torch::Tensor& x, bool leaves,
+                                           BlockLoad& held) {
+  const size_t l = static_cast<size_t>(layer);
+  held.slots = block_cores_[l];
+  held.params = load(held.slots, leaves);
+  const ExpertSource source([&](int at, const std::vector<int>& experts) {
+    ParamMap fetched;
+    for (int e : experts) {
+      const std::vector<size_t>& slots = expert_slots_.at(static_cast<size_t>(at)).at(static_cast<size_t>(e));
+      held.slots.insert(held.slots.end(), slots.begin(), slots.end());
+      expert_tensors_loaded += static_cast<int64_t>(slots.size());
+      fetched.merge(load(slots, leaves));
+    }
+    held.experts.insert(fetched.begin(), fetched.end());
+    return fetched;
+  });
+  for (const std::vector<size_t>& slots : expert_slots_[l]) expert_tensors_of += static_cast<int64_t>(slots.size());
+  return pass.block(held.params, layer, x);
 }
 
 void StreamedModel::release(const std::vector<size_t>& slots) const {
@@ -224,15 +287,14 @@ void StreamedModel::share_pass(ProbeSession& probes, ForwardResult& result) cons
     if (r != 0) continue;
     torch::Tensor loss = read_tensor(in);
     torch::Tensor sample_loss = read_tensor(in);
-    if (world_->rank() != 0) result = ForwardResult{loss, sample_loss};
+    if (world_->rank() != 0) result = ForwardResult{loss, sample_loss, {}};  // MTP is refused with --stream
   }
 }
 
 void StreamedModel::share_rank_gradients() {
   for (size_t slot = 0; slot < order_.size(); ++slot) {
     const bool mine = slot_owner_[slot] == world_->rank();
-    torch::Tensor grad = mine && rank_grads_->holds(slot) ? rank_grads_->read(slot)
-                                                           : torch::zeros(shapes_[slot], torch::kFloat32);
+    torch::Tensor grad = mine ? rank_gradient(slot) : torch::zeros(shapes_[slot], torch::kFloat32);
     world_->broadcast(grad, slot_owner_[slot]);
     if (!mine || !rank_grads_->holds(slot)) rank_grads_->write(slot, grad);
   }
@@ -247,7 +309,20 @@ void StreamedModel::accumulate(const std::vector<size_t>& slots, const ParamMap&
   }
 }
 
-void StreamedModel::clear_gradients() { rank_grads_->forget_all(); }
+void StreamedModel::clear_gradients() {
+  rank_grads_->forget_all();
+  zero_pass_.assign(order_.size(), false);
+}
+
+// An expert no token reached in some pass was not loaded there; in memory its
+// zero gradient was added to .grad, which changes nothing but a -0.0 (to
+// +0.0: x + 0 is x otherwise, and adding zero again changes nothing more), so
+// adding zeros once here gives the same bits whichever pass it was.
+torch::Tensor StreamedModel::rank_gradient(size_t slot) const {
+  if (!rank_grads_->holds(slot)) return torch::zeros(shapes_[slot], torch::kFloat32);
+  const torch::Tensor grad = rank_grads_->read(slot);
+  return zero_pass_[slot] ? grad + torch::zeros_like(grad) : grad;
+}
 
 // What one pass holds between its stages.
 struct StreamedModel::PassState {
@@ -279,9 +354,9 @@ void StreamedModel::forward_blocks(PassState& s, const torch::Tensor& inputs, co
     for (int layer = s.mine.first; layer < s.mine.end; ++layer) {
       if (on_block) on_block(layer, "forward");
       s.stream[static_cast<size_t>(layer)] = x;
-      const std::vector<size_t>& slots = blocks_[static_cast<size_t>(layer)];
-      x = s.pass.block(load(slots, /*leaves=*/false), layer, x);
-      release_block(slots);
+      BlockLoad held;
+      x = compute_block(s.pass, layer, x, /*leaves=*/false, held);
+      release_block(held.slots);
     }
     leaving(x, s.mine.end == layers ? 0 : owner(s.mine.end));
   }
@@ -352,12 +427,11 @@ torch::Tensor StreamedModel::backward_blocks(PassState& s, torch::Tensor grad, c
       s.router_logit_grads[l] = world_->receive(0);
       s.router_prob_grads[l] = world_->receive(0);
     }
-    const std::vector<size_t>& slots = blocks_[l];
-    const ParamMap params = load(slots, /*leaves=*/true);
     s.probes.begin_recompute();
     s.pass.router() = RouterOutputs{};
     const torch::Tensor input = s.stream[l].detach().requires_grad_(true);
-    std::vector<torch::Tensor> roots{s.pass.block(params, layer, input)};
+    BlockLoad held;
+    std::vector<torch::Tensor> roots{compute_block(s.pass, layer, input, /*leaves=*/true, held)};
     std::vector<torch::Tensor> grads{grad};
     if (s.model.moe_layer(layer)) {  // the router losses' gradients enter at the block's router outputs
       for (const auto& [leaf_grad, again] : {std::pair(s.router_logit_grads[l], s.pass.router().logits.at(0)),
@@ -370,8 +444,13 @@ torch::Tensor StreamedModel::backward_blocks(PassState& s, torch::Tensor grad, c
     torch::autograd::backward(roots, grads);
     grad = input.grad();
     s.stream[l] = torch::Tensor();
-    accumulate(slots, params);
-    release_block(slots);
+    accumulate(block_cores_[l], held.params);
+    for (const std::vector<size_t>& slots : expert_slots_[l]) {
+      const bool fetched = held.experts.count(order_[slots.front()]) != 0;
+      if (fetched) accumulate(slots, held.experts);
+      for (size_t slot : slots) zero_pass_[slot] = zero_pass_[slot] || !fetched;
+    }
+    release_block(held.slots);
   }
   leaving(grad, s.mine.first == 0 ? 0 : owner(s.mine.first - 1));
   return grad;
@@ -422,13 +501,14 @@ torch::Tensor StreamedModel::add_rank_gradients(double inv_scale, int64_t world_
   }
   std::vector<torch::Tensor> norms;
   for (size_t slot = 0; slot < order_.size(); ++slot) {
-    const bool held = rank_grads_->holds(slot);
-    const torch::Tensor grad = held ? rank_grads_->read(slot) : torch::zeros(shapes_[slot], torch::kFloat32);
+    // Whether the slot holds the rank's gradient as it is (else zeros, or a zero added, made here).
+    const bool as_written = rank_grads_->holds(slot) && !zero_pass_[slot];
+    const torch::Tensor grad = rank_gradient(slot);
     // The arithmetic of add_rank_gradients (replay/step/gradients.cpp).
     const torch::Tensor own = inv_scale == 1.0 ? grad : grad * inv_scale;
     norms.push_back(own.norm(2));
     if (world_size == 1) {
-      if (inv_scale != 1.0 || !held) rank_grads_->write(slot, own);
+      if (inv_scale != 1.0 || !as_written) rank_grads_->write(slot, own);
       continue;
     }
     const torch::Tensor share = own / world_size;

@@ -5,9 +5,12 @@
 // it again from its saved input (replay/arch/model.h's ModelPass, the same
 // arithmetic) and runs autograd through that block alone, from the gradient
 // the block above handed down. Parameter gradients accumulate on scratch
-// files, so a step's gradients are never all in memory at once. The values,
-// the probe records and the gradients are those of the in-memory replay bit
-// for bit (tests/py/test_stream_presets.py shows it on every preset).
+// files, so a step's gradients are never all in memory at once. A block with
+// experts loads only the experts its router sent a token to (ExpertSource,
+// replay/arch/experts.h), in the forward and again in the backward; an
+// expert no token reached has a zero gradient, written without loading it.
+// The values, the probe records and the gradients are those of the in-memory
+// replay bit for bit (tests/py/test_stream_presets.py shows it on every preset).
 #pragma once
 
 #include <filesystem>
@@ -97,6 +100,17 @@ class GradientSet {
 // directory inside `scratch_parent` when that is set.
 ComputePlacement streamed_if(ComputePlacement placement, const std::optional<std::filesystem::path>& scratch_parent);
 
+// Expert parameter tensors the layer-streamed replays of this process have
+// loaded, and how many they would have loaded had each block they computed
+// loaded all its experts: a mixture-of-experts block loads only the experts
+// its router sent a token to (replay/arch/experts.h's ExpertSource), so
+// `loaded` stays below `of` when some expert got none (tests, the bench).
+struct ExpertLoads {
+  int64_t loaded = 0;
+  int64_t of = 0;
+};
+ExpertLoads streamed_expert_loads();
+
 // A checkpoint replayed layer by layer on `device`, its gradients on scratch
 // files in `scratch`. Passes accumulate gradients as autograd's .grad does
 // across micro-batches; add_rank_gradients reduces them as DDP does
@@ -128,6 +142,16 @@ class StreamedModel {
 
  private:
   ParamMap load(const std::vector<size_t>& slots, bool leaves) const;
+  // What one computation of a block loaded: its parameters but the experts,
+  // and the experts it routed a token to (fetched while it runs).
+  struct BlockLoad {
+    std::vector<size_t> slots;  // every one loaded
+    ParamMap params;            // the block's but the experts'
+    ParamMap experts;           // the experts' fetched
+  };
+  torch::Tensor compute_block(ModelPass& pass, int layer, const torch::Tensor& x, bool leaves, BlockLoad& held);
+  // This rank's gradient of `slot` as the in-memory replay accumulates it (zeros: none written).
+  torch::Tensor rank_gradient(size_t slot) const;
   void release(const std::vector<size_t>& slots) const;
   void release_block(const std::vector<size_t>& slots) const;  // unless this process keeps its blocks
   void accumulate(const std::vector<size_t>& slots, const ParamMap& leaves);
@@ -152,6 +176,11 @@ class StreamedModel {
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<size_t> outer_;                // embeddings, final norm, head: loaded once a pass
   std::vector<std::vector<size_t>> blocks_;  // each block's parameters
+  std::vector<std::vector<size_t>> block_cores_;               // each block's but its experts'
+  std::vector<std::vector<std::vector<size_t>>> expert_slots_;  // [layer][expert]: its parameters
+  // Expert parameters some pass of this rank gave a zero gradient, not loaded
+  // (no token reached the expert): in memory that zero was added.
+  std::vector<bool> zero_pass_;
   std::shared_ptr<ScratchTensors> rank_grads_;  // this rank's, accumulated over its micro-batches
   std::shared_ptr<ScratchTensors> step_grads_;  // the step's: the ranks' reduced (the rank's own with one rank)
   ProcessWorld* world_ = nullptr;               // set: the layers split across processes

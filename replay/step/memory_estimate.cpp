@@ -272,7 +272,9 @@ MemoryEstimate estimate_streamed_memory(const Manifest& manifest, size_t steps_w
   const double N = d.B * d.T;
   MemoryEstimate estimate;
   // As in memory (masters, the mapping, rounded copies), for the outer
-  // tensors and one block.
+  // tensors and one block. A block with experts loads only those its router
+  // sent a token to (layer_stream.h), at most tokens * top_k of them, which
+  // a real batch reaches: every expert is counted, an upper bound.
   estimate.parameters = (outer + block) * kFloatBytes * (reduced ? 3 : 2);
   // The outer tensors' .grad and one block's; accumulating reads a block's
   // earlier sum back and writes the new one (two more copies of a block).

@@ -3,9 +3,11 @@
 Every preset `nanreplay synth --help` lists (but the clean ones test_crosscheck_pytorch.py already replays
 streamed), and a few rolled-forward windows: `run --stream` must give the
 report.json of `run` (all but the timings) and the same trace.h5 records, bit for bit, with the same exit
-status. bisect --stream must name what bisect names. A memory limit between the two estimates (read from
-`inspect --json`) must stream by itself; a limit below both is refused with both estimates; a scratch
-directory inside the bundle is refused; an interrupted streamed run leaves no scratch directory behind.
+status. On router-collapse, whose first step routes no token to two experts of layer 0, the streamed run's
+`--timings` must count those experts' tensors as not loaded. bisect --stream must name what bisect names.
+A memory limit between the two estimates (read from `inspect --json`) must stream by itself; a limit below
+both is refused with both estimates; a scratch directory inside the bundle is refused; an interrupted streamed
+run leaves no scratch directory behind.
 Debian's python3 (h5py for the trace).
 """
 import argparse
@@ -28,22 +30,51 @@ CROSS_CHECKED = {"clean-fp32", "clean-dp", "clean-gqa", "clean-gpt2", "clean-bf1
 ROLLED = ["head-overflow", "cascade", "bit-flip"]
 # bisect's answer, streamed and not, on these (an origin in a layer, in the head, in an expert, none).
 BISECTED = ["head-overflow", "router-overflow", "zero-embedding", "clean-gpt2", "glitch-token"]
+# Layer 0's router is zero at the first step, so every token goes to experts 0 and 1: the streamed replay
+# must not load experts 2 and 3 there, and still give every expert the in-memory update.
+UNRUN_EXPERTS = "router-collapse"
 
 
 def compare_runs(cli, label, bundle, work):
     plain, streamed, scratch = work / (label + "-mem"), work / (label + "-stream"), work / (label + "-scratch")
     scratch.mkdir()
     a = cli_run(cli, "run", bundle, "--out", plain, "--json")
-    b = cli_run(cli, "run", bundle, "--out", streamed, "--json", "--stream", "--scratch", scratch)
+    b = cli_run(cli, "run", bundle, "--out", streamed, "--json", "--stream", "--scratch", scratch, "--timings")
     same_exit = a.returncode == b.returncode and a.returncode in (0, 1)
     if not check(same_exit, f"{label}: run exits {a.returncode}, streamed {b.returncode}"
                             + ("" if same_exit else ": " + b.stderr.strip()[-300:])):
-        return
+        return None
     differ = report_difference(json.loads(a.stdout), json.loads(b.stdout))
     check(not differ, f"{label}: report.json the same streamed{' but ' + str(differ) if differ else ''}")
     differ = trace_difference(plain / "trace.h5", streamed / "trace.h5")
     check(not differ, f"{label}: trace.h5 the same streamed{' but ' + str(differ[:5]) if differ else ''}")
     check(not any(scratch.iterdir()), f"{label}: the scratch directory is gone")
+    return b
+
+
+def check_unrun_experts_not_loaded(cli, work):
+    """Streamed, an expert no token reached in a step is loaded in none of its passes (forward, backward):
+    `run --timings` counts the expert tensors loaded, and at least those expert-passes must be missing."""
+    label = UNRUN_EXPERTS + "-experts"  # apart from the sweep's own run of it (--all)
+    bundle = work / label
+    if not check(cli_run(cli, "synth", UNRUN_EXPERTS, bundle).returncode == 0, f"synth {UNRUN_EXPERTS}"):
+        return
+    streamed = compare_runs(cli, label, bundle, work)
+    if streamed is None:
+        return
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    passes = manifest["data"]["world_size"] * manifest["data"]["grad_accum_steps"]
+    per_expert = 3  # gate, up and down projections (no expert biases in this preset)
+    unrun = sum(1 for step in json.loads(streamed.stdout)["steps"] for layer in step.get("expert_tokens") or []
+                for tokens in layer if tokens == 0)
+    line = next((l for l in streamed.stderr.splitlines() if l.startswith("streamed experts: ")), "")
+    words = line.split()
+    if not check(len(words) > 6 and unrun > 0, f"{UNRUN_EXPERTS}: {unrun} unrun experts, `{line}`"):
+        return
+    loaded, of = int(words[2]), int(words[7])
+    check(of - loaded >= 2 * passes * per_expert * unrun and loaded > 0,
+          f"{UNRUN_EXPERTS}: {loaded} of {of} expert tensors loaded streamed, "
+          f"{2 * passes * per_expert * unrun} or more not ({unrun} experts with no token in a step)")
 
 
 def compare_bisects(cli, label, bundle):
@@ -130,6 +161,7 @@ def main():
     for preset in BISECTED:
         if preset in bundles:
             compare_bisects(cli, preset, bundles[preset])
+    check_unrun_experts_not_loaded(cli, work)
     check_memory_limits(cli, bundles["head-overflow"], work)
     check_interrupt(cli, bundles["head-overflow"], work)
     print(f"{len(failures)} failure(s)")
