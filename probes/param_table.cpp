@@ -181,6 +181,22 @@ std::string param_key(Arch arch, ParamRole role, int layer, int expert) {
   throw std::logic_error(std::string("no parameter of this role in ") + arch_name(arch));
 }
 
+int mtp_block_layer(const ModelConfig& m, int depth) { return static_cast<int>(m.num_layers) + depth - 1; }
+
+std::string mtp_key(const ModelConfig& m, int depth, MtpPart part) {
+  const char* name = part == MtpPart::kEnorm    ? "enorm.weight"
+                     : part == MtpPart::kHnorm  ? "hnorm.weight"
+                     : part == MtpPart::kEhProj ? "eh_proj.weight"
+                                                : "shared_head.norm.weight";
+  return "model.layers." + std::to_string(mtp_block_layer(m, depth)) + "." + name;
+}
+
+std::vector<int64_t> mtp_shape(const ModelConfig& m, MtpPart part) {
+  // eh_proj: Linear(2 * hidden, hidden), its input [enorm(embedding); hnorm(hidden)].
+  if (part == MtpPart::kEhProj) return {m.hidden_size, 2 * m.hidden_size};
+  return {m.hidden_size};
+}
+
 std::string module_key(Arch arch, ParamRole role, int layer, int expert) {
   const std::string key = param_key(arch, role, layer, expert);
   return key.substr(0, key.rfind('.'));

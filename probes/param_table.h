@@ -49,4 +49,14 @@ std::string param_key(Arch arch, ParamRole role, int layer = -1, int expert = -1
 // A linear's key prefix ("model.layers.0.self_attn.q_proj"): what fp8 scales are keyed by.
 std::string module_key(Arch arch, ParamRole role, int layer = -1, int expert = -1);
 
+// Multi-token prediction (model.mtp): depth k (1-based) is decoder block
+// num_layers + k - 1 plus its own parameters beside it, under DeepSeek-V3's
+// Hugging Face names (model.layers.{i}.enorm.weight ...). The checkpoint's
+// per-depth copies of embed_tokens and shared_head.head are not parameters:
+// Megatron-LM shares the model's embedding and output head with every depth.
+enum class MtpPart : uint8_t { kEnorm, kHnorm, kEhProj, kHeadNorm };
+int mtp_block_layer(const ModelConfig& m, int depth);
+std::string mtp_key(const ModelConfig& m, int depth, MtpPart part);
+std::vector<int64_t> mtp_shape(const ModelConfig& m, MtpPart part);
+
 }  // namespace nanreplay

@@ -159,6 +159,14 @@ std::vector<ParamSpec> expected_parameters(const ModelConfig& m) {
   add_place(ParamPlace::kBefore, -1);
   for (int layer = 0; layer < m.num_layers; ++layer) add_place(ParamPlace::kLayer, layer);
   add_place(ParamPlace::kAfter, -1);
+  // model.mtp: each depth's own parameters around its block, after the model's (param_table.h).
+  for (int depth = 1; m.mtp && depth <= m.mtp->num_layers; ++depth) {
+    for (const MtpPart part : {MtpPart::kEnorm, MtpPart::kHnorm, MtpPart::kEhProj}) {
+      params.push_back({mtp_key(m, depth, part), mtp_shape(m, part)});
+    }
+    add_place(ParamPlace::kLayer, mtp_block_layer(m, depth));
+    params.push_back({mtp_key(m, depth, MtpPart::kHeadNorm), mtp_shape(m, MtpPart::kHeadNorm)});
+  }
   return params;
 }
 

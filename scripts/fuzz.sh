@@ -27,10 +27,10 @@ fi
 
 # The parsers and what they call; none of it needs LibTorch. The trace reader
 # also links Debian's HDF5 (uninstrumented, like everywhere else) and OpenSSL.
-parsers=(loaders/base/json_util loaders/arch/manifest_values loaders/arch/model_options loaders/arch/llama_options loaders/arch/latent_attention_option loaders/arch/moe_option loaders/bundle/manifest loaders/bundle/optimizer_manifest loaders/bundle/spike_settings loaders/bundle/provenance loaders/bundle/bundle_paths loaders/bundle/step_state loaders/formats/safetensors
+parsers=(loaders/base/json_util loaders/arch/manifest_values loaders/arch/model_options loaders/arch/llama_options loaders/arch/latent_attention_option loaders/arch/mtp_option loaders/arch/moe_option loaders/bundle/manifest loaders/bundle/optimizer_manifest loaders/bundle/spike_settings loaders/bundle/provenance loaders/bundle/bundle_paths loaders/bundle/step_state loaders/formats/safetensors
          loaders/base/mapped_file loaders/base/mapping_faults)
 trace_reader=(reports/outputs/trace/trace_writer reports/outputs/trace/trace_file_driver reports/outputs/trace/trace_reader reports/outputs/trace/trace_parse_isolation reports/outputs/trace/trace_integrity loaders/base/sha256 probes/probe_record probes/sites
-             probes/param_table loaders/arch/manifest_values loaders/arch/model_options loaders/arch/llama_options loaders/arch/latent_attention_option loaders/arch/moe_option loaders/bundle/manifest loaders/bundle/optimizer_manifest loaders/bundle/spike_settings loaders/bundle/provenance loaders/base/json_util loaders/bundle/bundle_paths)
+             probes/param_table loaders/arch/manifest_values loaders/arch/model_options loaders/arch/llama_options loaders/arch/latent_attention_option loaders/arch/mtp_option loaders/arch/moe_option loaders/bundle/manifest loaders/bundle/optimizer_manifest loaders/bundle/spike_settings loaders/bundle/provenance loaders/base/json_util loaders/bundle/bundle_paths)
 hdf5_include="$(pkg-config --cflags-only-I hdf5 2>/dev/null || echo -I/usr/include/hdf5/serial)"
 hdf5_libs="$(pkg-config --libs-only-L hdf5 2>/dev/null || echo -L/usr/lib/x86_64-linux-gnu/hdf5/serial)"
 flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -I"$root" $hdf5_include

@@ -70,6 +70,7 @@ const std::map<std::string, json>& option_examples() {
         {"qk_rope_head_dim", 4},
         {"v_head_dim", 6},
         {"norm_eps", 1e-6}}},
+      {"mtp", {{"num_layers", 1}, {"loss_scale", 0.3}}},
   };
   return examples;
 }
@@ -139,8 +140,11 @@ TEST_CASE("each llama option is read and written back as given, and not written 
     CHECK_FALSE(model_round_trip(manifest).contains(key));
   }
   // Every option at once, but Gemma's GeGLU (the mixture of experts refuses it: its experts are silu) and
-  // latent attention (it refuses the QK-norm, head_dim and the other attention options it has no part of).
-  const auto left_out = [](const std::string& key) { return key == "hidden_act" || key == "latent_attention"; };
+  // latent attention (it refuses the QK-norm, head_dim and the other attention options it has no part of), and
+  // multi-token prediction (it refuses the per-layer lists, which have no entry for its blocks).
+  const auto left_out = [](const std::string& key) {
+    return key == "hidden_act" || key == "latent_attention" || key == "mtp";
+  };
   json all = options_test_manifest("llama");
   for (const auto& [key, value] : option_examples()) {
     if (!left_out(key)) all["model"][key] = value;

@@ -6,7 +6,10 @@
 // attention, through the library: tests/test_torch_qk_clip.cpp.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <fstream>
 #include <limits>
 
 #include "reports/triage/numeric/expert_outlier.h"
@@ -33,6 +36,49 @@ const nlohmann::json& frontier_step(const nlohmann::json& report, int64_t step) 
 double frontier_number(const nlohmann::json& v) {
   if (v.is_string()) return v == "inf" ? std::numeric_limits<double>::infinity() : std::nan("");
   return v.get<double>();
+}
+
+// Step 7's mlp.expert.down forward record of layer 1's `expert`: its output max |x|, found at
+// (sample, position 3), over 5 routed tokens.
+nanreplay::ProbeRecord expert_output_record(int expert, double max_abs, int64_t sample) {
+  nanreplay::ProbeRecord r;
+  r.step = 7;
+  r.phase = nanreplay::Phase::kForward;
+  r.site = {nanreplay::SiteId::kMlpExpertDown, 1};
+  r.layer = 1;
+  r.expert = expert;
+  r.routed_tokens = 5;
+  r.stats.max_abs = max_abs;
+  r.largest_sample = sample;
+  r.largest_position = 3;
+  return r;
+}
+
+// Multiplies every value of the float32 tensors whose names contain each of `parts` in a safetensors file
+// by `factor`, in place: an edit between two checkpoints no optimizer made.
+int scale_tensors(const std::filesystem::path& path, const std::vector<std::string>& parts, float factor) {
+  std::string bytes = nanreplay_test::slurp(path);
+  uint64_t header_length = 0;
+  std::memcpy(&header_length, bytes.data(), sizeof header_length);  // little-endian, as on every host here
+  const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, header_length));
+  int scaled = 0;
+  for (const auto& [name, entry] : header.items()) {
+    const bool named = std::all_of(parts.begin(), parts.end(),
+                                   [&](const std::string& part) { return name.find(part) != std::string::npos; });
+    if (name == "__metadata__" || !named) continue;
+    REQUIRE(entry["dtype"] == "F32");
+    const size_t begin = 8 + header_length + entry["data_offsets"][0].get<size_t>();
+    const size_t end = 8 + header_length + entry["data_offsets"][1].get<size_t>();
+    for (size_t at = begin; at < end; at += sizeof(float)) {
+      float value = 0;
+      std::memcpy(&value, bytes.data() + at, sizeof value);
+      value *= factor;
+      std::memcpy(bytes.data() + at, &value, sizeof value);
+    }
+    ++scaled;
+  }
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  return scaled;
 }
 
 }  // namespace
@@ -139,19 +185,7 @@ TEST_CASE("a dense layer's expert_activation_max is null, and healthy experts ra
 
 TEST_CASE("NUMERIC_EXPERT_OUTLIER_ACTIVATION: a finite expert output far above its layer's others", "[frontier][triage]") {
   using nanreplay::ProbeRecord;
-  auto down = [](int expert, double max_abs, int64_t sample) {
-    ProbeRecord r;
-    r.step = 7;
-    r.phase = nanreplay::Phase::kForward;
-    r.site = {nanreplay::SiteId::kMlpExpertDown, 1};
-    r.layer = 1;
-    r.expert = expert;
-    r.routed_tokens = 5;
-    r.stats.max_abs = max_abs;
-    r.largest_sample = sample;
-    r.largest_position = 3;
-    return r;
-  };
+  const auto down = expert_output_record;
   const nanreplay::TriageThresholds t = nanreplay::default_thresholds(nanreplay::Compute::kFp32);
   const auto token_at = [](int64_t sample, int64_t position) { return sample * 100 + position; };
   const std::vector<ProbeRecord> outlier = {down(0, 2.0, 1), down(1, 3.0, 2), down(2, 900.0, 46), down(3, 2.5, 4)};
@@ -173,6 +207,48 @@ TEST_CASE("NUMERIC_EXPERT_OUTLIER_ACTIVATION: a finite expert output far above i
   const std::vector<ProbeRecord> under_floor = {down(0, 0.1, 1), down(1, 0.1, 2), down(2, 60.0, 46), down(3, 0.1, 4)};
   CHECK(nanreplay::expert_outlier_findings(under_floor, 7, t, token_at).empty());
   CHECK(nanreplay::expert_outlier_findings(outlier, 8, t, token_at).empty());  // another step's records
+}
+
+TEST_CASE("NUMERIC_EXPERT_OUTLIER_ACTIVATION: a layer's experts grown together, each far above its own past",
+          "[frontier][triage]") {
+  using nanreplay::ProbeRecord;
+  const auto down = [](int expert, double max_abs) { return expert_output_record(expert, max_abs, 10 + expert); };
+  // An earlier step of the window: layer 1's four experts' output maxima (layer 0 dense); rows 0 = no token.
+  auto earlier = [](int64_t step, std::vector<double> outputs, int64_t rows = 4) {
+    nanreplay::StepOutcome o;
+    o.step = step;
+    std::vector<nanreplay::ExpertActivationMax> layer;
+    for (double out : outputs) layer.push_back({1.0, out, rows});
+    o.expert_activation_max = {std::nullopt, layer};
+    return o;
+  };
+  const nanreplay::TriageThresholds t = nanreplay::default_thresholds(nanreplay::Compute::kFp32);
+  const auto token_at = [](int64_t sample, int64_t position) { return sample * 100 + position; };
+  // Every expert near 900 this step: none is far from the others.
+  const std::vector<ProbeRecord> grown = {down(0, 800.0), down(1, 850.0), down(2, 1000.0), down(3, 900.0)};
+  CHECK(nanreplay::expert_outlier_findings(grown, 7, t, token_at).empty());
+  const std::vector<nanreplay::StepOutcome> past = {earlier(5, {2.0, 2.0, 2.0, 2.0}), earlier(6, {3.0, 3.0, 4.0, 3.0})};
+  const auto found = nanreplay::expert_outlier_findings(grown, 7, t, token_at, past);
+  REQUIRE(found.size() == 1);
+  const nanreplay::Evidence& ev = found[0].evidence;
+  using K = nanreplay::EvidenceKey;
+  CHECK(found[0].severity == nanreplay::Severity::kWarning);
+  // The largest ratio: expert 3's 900 / median(2, 3) = 360 (expert 2: 1000 / median(2, 4) = 333).
+  CHECK(ev.integer(K::kExpert) == 3);
+  CHECK(ev.integer(K::kLayer) == 1);
+  CHECK(ev.number(K::kValue) == 900.0);
+  CHECK(ev.number(K::kTypical) == 2.5);
+  REQUIRE(ev.integers(K::kSteps) != nullptr);
+  CHECK(*ev.integers(K::kSteps) == std::vector<int64_t>{5, 6});
+  CHECK(ev.integer(K::kSample) == 13);
+  CHECK(found[0].message.find("its own median over steps 5..6") != std::string::npos);
+  // One earlier step is too short a history; steps without tokens for the expert do not count.
+  CHECK(nanreplay::expert_outlier_findings(grown, 7, t, token_at, {past[1]}).empty());
+  const std::vector<nanreplay::StepOutcome> idle = {earlier(5, {2.0, 2.0, 2.0, 2.0}, 0), past[1]};
+  CHECK(nanreplay::expert_outlier_findings(grown, 7, t, token_at, idle).empty());
+  // A past already as large: no growth, nothing.
+  const std::vector<nanreplay::StepOutcome> large = {earlier(5, {700, 700, 700, 700}), earlier(6, {700, 700, 700, 700})};
+  CHECK(nanreplay::expert_outlier_findings(grown, 7, t, token_at, large).empty());
 }
 
 TEST_CASE("NUMERIC_EXPERT_OUTLIER_ACTIVATION fires on a finite incident: expert-spike's expert, token and sample",
@@ -200,4 +276,58 @@ TEST_CASE("NUMERIC_EXPERT_OUTLIER_ACTIVATION fires on a finite incident: expert-
   const nlohmann::json& layer1 = frontier_step(t.report, ev["step"].get<int64_t>())["expert_activation_max"][1];
   CHECK(layer1[2]["output"].get<double>() == Approx(value));
   CHECK(t.report["root_cause"]["code"] == "NUMERIC_EXPERT_OUTLIER_ACTIVATION");  // worth a look, nothing else found
+}
+
+TEST_CASE("NUMERIC_EXPERT_OUTLIER_ACTIVATION against an expert's own past: a layer's experts grown together",
+          "[cli][frontier][moe]") {
+  ScratchDir dir("frontier-expert-history");
+  const auto synth = run_cli({"synth", "clean-moe", (dir / "bundle").string()});
+  REQUIRE(synth.status == 0);
+  // Between checkpoints 102 and 103 every expert of layer 1 has its down projection scaled by 1e5: no expert
+  // stands out from the others at step 103, each from its own steps 100..102.
+  const auto checkpoint = dir / "bundle" / "steps" / "103" / "model.safetensors";
+  REQUIRE(scale_tensors(checkpoint, {"layers.1.mlp.experts.", "down_proj"}, 1e5f) == 4);
+  const Triaged t = nanreplay_test::run_bundle(dir);
+  const auto found = with_code(t.report, "NUMERIC_EXPERT_OUTLIER_ACTIVATION");
+  REQUIRE(found.size() == 1);
+  const nlohmann::json& ev = found[0]["evidence"];
+  CHECK(found[0]["severity"] == "warning");
+  CHECK(ev["step"] == 103);
+  CHECK(ev["layer"] == 1);
+  CHECK(ev["steps"] == nlohmann::json::array({100, 101, 102}));
+  CHECK(ev["site"] == "layers.1.mlp.expert.down");
+  const double value = ev["value"].get<double>(), typical = ev["typical"].get<double>();
+  CHECK(value > 16 * typical);
+  CHECK(value > 64);
+  // The evidence is report.json's own per-step maxima: the step's value, the median of the expert's earlier ones.
+  const int64_t expert = ev["expert"].get<int64_t>();
+  CHECK(frontier_step(t.report, 103)["expert_activation_max"][1][expert]["output"].get<double>() == Approx(value));
+  std::vector<double> earlier;
+  for (int64_t step : {100, 101, 102}) {
+    earlier.push_back(frontier_step(t.report, step)["expert_activation_max"][1][expert]["output"].get<double>());
+  }
+  std::sort(earlier.begin(), earlier.end());
+  CHECK(typical == Approx(earlier[1]));
+  // The edit itself is what the system layer names: an update AdamW did not compute.
+  CHECK_FALSE(with_code(t.report, "SYSTEM_UPDATE_MISMATCH").empty());
+}
+
+TEST_CASE("loss_terms: report.json and report.md say which router losses the replayed loss adds, and from where",
+          "[cli][moe]") {
+  ScratchDir dir("frontier-loss-terms");
+  const Triaged t = triage(dir, "clean-moe");
+  REQUIRE(t.status == 0);
+  const nlohmann::json& terms = t.report["loss_terms"];
+  REQUIRE(terms.size() == 2);
+  CHECK(terms[0]["term"] == "router_aux_loss");
+  CHECK(terms[0]["coefficient"].get<double>() == Approx(0.01));  // clean-moe's manifest
+  CHECK(terms[0]["in_logged_loss"] == true);
+  CHECK(terms[0]["source"] == "manifest.json model.moe.router_aux_loss_coef");  // no provenance entry
+  CHECK(terms[1]["term"] == "router_z_loss");
+  CHECK(terms[1]["coefficient"].get<double>() == Approx(0.001));
+  const std::string markdown = nanreplay_test::slurp(dir / "out" / "report.md");
+  CHECK(nanreplay_test::contains(markdown, "The replayed loss adds 0.01 x `router_aux_loss`"));
+  // A dense model's loss is the cross-entropy alone: no key.
+  ScratchDir dense("frontier-loss-terms-dense");
+  CHECK_FALSE(triage(dense, "clean-fp32").report.contains("loss_terms"));
 }

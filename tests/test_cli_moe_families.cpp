@@ -86,6 +86,13 @@ TEST_CASE("DeepSeek-V3's router: a step without its correction bias is refused b
   REQUIRE(synth.status == 0);
   const std::string bundle = (dir / "bundle").string();
   const std::filesystem::path last = dir / "bundle" / "steps" / "103";
+  // inspect names what makes the model DeepSeek-V3's: its router, shared expert and latent attention.
+  const auto inspect = run_cli({"inspect", bundle});
+  CHECK(nanreplay_test::contains(inspect.out, "experts    8 routed, top 2 (sigmoid_grouped router), a shared expert"));
+  CHECK(nanreplay_test::contains(inspect.out, "attention  latent: kv rank "));
+  const nlohmann::json summary = nlohmann::json::parse(run_cli({"inspect", bundle, "--json"}).out);
+  CHECK(summary["model"]["moe"]["router"] == "sigmoid_grouped");
+  CHECK(summary["model"]["latent_attention"].is_object());
 
   // A bad step: lm_head's first weight NaN in step 103's checkpoint. The what-if swaps the bias and runs.
   poison_deepseek_moe_tensor(last / "model.safetensors", "lm_head.weight");

@@ -371,3 +371,18 @@ TEST_CASE("bad rolled-forward bundles are refused with the file and key", "[cli]
     write_json(b / "manifest.json", m);
   }, "manifest.json", "optimizer");
 }
+
+TEST_CASE("run: a --steps window starting at a rolled-forward step is refused, naming the checkpoint to start at",
+          "[cli][roll][bad]") {
+  ScratchDir dir("rolled-window-start");
+  const fs::path bundle = dir / "bundle";
+  REQUIRE(run_cli({"synth", "clean-fp32", bundle.string(), "--checkpoint-every", "3"}).status == 0);  // 100 and 103
+  const auto run = run_cli({"run", bundle.string(), "--steps", "101-103", "--out", (dir / "out").string()});
+  CHECK(run.status == 2);  // was an internal error (exit 3): no parameters to roll step 101 forward from
+  CHECK(std::count(run.err.begin(), run.err.end(), '\n') == 1);
+  CHECK(run.err.find("--steps: step 101 holds no checkpoint") != std::string::npos);
+  CHECK(run.err.find("start it at 100") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir / "out"));
+  // From the checkpoint, the same window replays.
+  CHECK(run_cli({"run", bundle.string(), "--steps", "100-103", "--out", (dir / "from-100").string()}).status == 0);
+}

@@ -1,8 +1,6 @@
 // Who may join a replay across processes (replay/step/ranks/dist_admission.h,
 // replay/step/ranks/run_secret.h), on an in-memory store with one thread per process.
 // Through the CLI and a real TCPStore: tests/py/test_distributed_security.py.
-#include <catch2/catch.hpp>
-
 #include <sys/stat.h>
 
 #include <filesystem>
@@ -16,6 +14,10 @@
 #include "replay/step/ranks/dist_admission.h"
 #include "replay/step/ranks/distributed.h"
 #include "replay/step/ranks/run_secret.h"
+
+// c10d's headers bring glog's CHECK (a failure aborts the process); Catch's reports and goes on.
+#undef CHECK
+#include <catch2/catch.hpp>
 
 using namespace nanreplay;
 

@@ -14,7 +14,8 @@ from .formats import detect_format, format_module
 from .formats.dcp import read_dcp
 from .formats.torchtitan_numerics import logged_site_stats
 from .inputs import _read_json
-from .model_settle import (FLAGS_WHERE, _FLOAT_TYPES, _kind_of, _moe_config, check_parameters, flag_config, model_options,
+from .model_settle import (FLAGS_WHERE, _FLOAT_TYPES, _kind_of, _moe_config, check_parameters, expected_parameters,
+                           flag_config, model_options,
                            normalize_config, required_values, settle_activation, settle_model,
                            text_model)
 from .naming import HF_EXPERT_NAMES, HF_EXPERT_SPLITS, Mapper, detect_naming, refuse_quantized, strip_prefix, unstack_megatron_layers
@@ -88,20 +89,22 @@ def settle_model_section(args, arch, naming, sd, configs):
         raise BadInput(args.config or args.checkpoint, "model_type", "DeepSeek's own naming needs the Hugging Face "
                        "config.json it was converted from (model_type deepseek_v3), given as --config")
     mapped = mapper.map(sd, args.checkpoint)
-    mapped, mtp = families.drop_mtp_layers(mapped, configs)
-    if mtp:
-        say(mtp)
+    mapped, mtp_tensors, mtp_layers, mtp_line = families.split_mtp_layers(mapped, configs, args.mtp_loss_scale)
+    if mtp_line:
+        say(mtp_line)
     model, notes = settle_model(arch, mapped, naming, configs, args)
     opts, opt_notes = model_options(naming, configs, model, args)
     model.update(opts)
     notes.update(opt_notes)
     activation, notes["activation"] = settle_activation(arch, naming, configs, args)
+    moe_config = None  # the config the mixture of experts was read from
     for raw, where in configs:
         moe = _moe_config(raw, where, model["num_layers"], len(mapped)) if arch == "llama" else None
         if moe:
             model["moe"] = moe
             notes["moe"] = (_kind_of(where, args), f"{where}: " + ("num_experts" if raw.get("num_experts") else
                                                                    "num_local_experts"))
+            moe_config = (raw, where)
             break
     model["moe"], family_notes = families.gpt_oss_moe(configs, model.get("moe"))
     latent, latent_notes = families.latent_attention(configs, model["num_heads"])
@@ -113,12 +116,29 @@ def settle_model_section(args, arch, naming, sd, configs):
             model["moe"] = deepseek_moe
             family_notes.update(moe_notes)
     family_notes.update(latent_notes)
+    family_notes.update(_router_aux_loss(model.get("moe"), moe_config, family_notes, args.router_aux_loss_coef))
     mapped, score_bias = families.take_score_bias(mapped, model.get("moe"), args.checkpoint)
     if model["moe"] is None:
         del model["moe"]
+    decoder_head = {k: mapped[k] for k in ("lm_head.weight", "model.embed_tokens.weight") if k in mapped}
     if model["tie_embeddings"]:
         mapped.pop("lm_head.weight", None)
+        decoder_head.pop("lm_head.weight", None)
     params = check_parameters(mapped, model, args.checkpoint)
+    if mtp_layers:  # DeepSeek-V3's multi-token prediction layers: replayed or left out, as --mtp-loss-scale says
+        if args.mtp_loss_scale:  # an MTP block with experts: listed in model.moe.layers, its bias to state.json
+            mtp_tensors, mtp_bias, mtp_moe = families.mtp_experts(mtp_tensors, mtp_layers, model, args.checkpoint)
+            score_bias.update(mtp_bias)
+            if mtp_moe and "moe.layers" in family_notes:
+                kind, detail, _ = family_notes["moe.layers"]
+                family_notes["moe.layers"] = (kind, f"{detail}; the multi-token prediction layers {mtp_moe} hold "
+                                                    "experts in the checkpoint", model["moe"]["layers"])
+        with_blocks = expected_parameters(dict(model, num_layers=model["num_layers"] + len(mtp_layers)))
+        mtp_model, mtp_params, family_notes["mtp"] = families.mtp_section(
+            mtp_tensors, mtp_layers, args.mtp_loss_scale, model, decoder_head, with_blocks, args.checkpoint)
+        if mtp_model:
+            model["mtp"] = mtp_model
+            params += mtp_params
 
     say("model: " + ", ".join(f"{k} {v}" for k, v in model.items() if k != "arch") + f" ({model['arch']})")
     for key in dict.fromkeys(("num_heads", "num_kv_heads", "norm_eps", "rope_theta", "rope_style", "tie_embeddings",
@@ -137,6 +157,25 @@ def settle_model_section(args, arch, naming, sd, configs):
         (warn if kind == "default" else say)(f"  {key}: " + ("DEFAULTED, " if kind == "default" else "") + detail)
         provenance[f"model.{key}"] = _provenance_entry(kind, detail, value)
     return mapper, model, params, provenance, score_bias
+
+
+def _router_aux_loss(moe, moe_config, family_notes, flag):
+    """The provenance of model.moe.router_aux_loss_coef, the coefficient set in `moe` as the run added the
+    router's load-balancing loss: --router-aux-loss-coef when given (0: the run added none), else the family's
+    rule (Hugging Face adds it only when the config's output_router_logits is on)."""
+    if flag is None:
+        if moe is None or moe_config is None or "moe.router_aux_loss_coef" in family_notes:
+            return {}
+        return {"moe.router_aux_loss_coef": families._aux_loss_note(*moe_config, moe)}
+    if moe is None:
+        raise BadInput("--router-aux-loss-coef", "router_aux_loss_coef", "given, but the checkpoint has no mixture "
+                                                                          "of experts")
+    if not math.isfinite(flag) or flag < 0:
+        raise BadInput("--router-aux-loss-coef", "router_aux_loss_coef", f"{flag!r}: a coefficient >= 0")
+    moe["router_aux_loss_coef"] = flag
+    said = "added the router's load-balancing loss times" if flag > 0 else "added no router load-balancing loss"
+    return {"moe.router_aux_loss_coef": ("flag", f"--router-aux-loss-coef {flag!r}: the run {said}"
+                                         + (f" {flag!r}" if flag > 0 else ""), flag)}
 
 
 def _decays(opt):

@@ -69,6 +69,14 @@ def _parser(kind=argparse.ArgumentParser):
                     help="torchtitan's numerics capture of bundle step STEP (numerics/rank_<R>_activations.log, or "
                          "that directory for every rank), written as that step's logged.site_stats (docs/import.md)")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16", "fp8"))
+    ap.add_argument("--mtp-loss-scale", type=float, metavar="F",
+                    help="required when the checkpoint holds multi-token prediction layers (DeepSeek-V3's): the "
+                         "run's mtp_loss_scaling_factor F > 0 replays them in the loss as Megatron-LM does, 0 says the "
+                         "run's loss left them out (docs/import.md)")
+    ap.add_argument("--router-aux-loss-coef", type=float, metavar="F",
+                    help="a mixture of experts: the run added the router's load-balancing loss times F (0: it added "
+                         "none), in place of the config's rule (Hugging Face adds it only with output_router_logits; "
+                         "docs/import.md)")
     ap.add_argument("--grad-clip", type=float)
     ap.add_argument("--betas", help="B1,B2 when the optimizer state does not say (default 0.9,0.999)")
     ap.add_argument("--eps", type=float, help="when the optimizer state does not say (default 1e-8)")
@@ -132,6 +140,8 @@ def parse_args(argv):
         raise BadInput("command line", "--sampler-seed", "give exactly one of --sampler-seed (randperm) and --samples")
     if args.sampler_seed is not None and not 0 <= args.sampler_seed < 2**64:
         raise BadInput("command line", "--sampler-seed", "must be in [0, 2^64)")
+    if args.mtp_loss_scale is not None and not (math.isfinite(args.mtp_loss_scale) and args.mtp_loss_scale >= 0):
+        raise BadInput("command line", "--mtp-loss-scale", f"must be a finite number >= 0, got {args.mtp_loss_scale}")
     if args.grad_clip is not None and not (math.isfinite(args.grad_clip) and args.grad_clip > 0):
         raise BadInput("command line", "--grad-clip", "must be a finite number > 0")
     if args.betas is not None:

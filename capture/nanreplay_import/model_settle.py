@@ -362,8 +362,9 @@ def settle_activation(arch, naming, configs, args):
 # The llama option keys this importer settles: model_options() those of the capture helper's
 # LLAMA_OPTION_DEFAULTS, _moe_config() "moe". tests/test_arch_model_options.cpp checks them against
 # nanreplay's option table (loaders/arch/llama_options.cpp).
-# latent_attention: settled from a DeepSeek-V3 config (families.latent_attention).
-LLAMA_OPTION_KEYS = (*_capture.LLAMA_OPTION_DEFAULTS, "moe", "latent_attention")
+# latent_attention: settled from a DeepSeek-V3 config (families.latent_attention); mtp: from --mtp-loss-scale and
+# the checkpoint's multi-token prediction layers (families.mtp_section).
+LLAMA_OPTION_KEYS = (*_capture.LLAMA_OPTION_DEFAULTS, "moe", "latent_attention", "mtp")
 
 
 def model_options(naming, configs, model, args):

@@ -10,6 +10,7 @@
 #include "loaders/arch/latent_attention_option.h"
 #include "loaders/arch/manifest_values.h"
 #include "loaders/arch/moe_option.h"
+#include "loaders/arch/mtp_option.h"
 #include "loaders/base/error.h"
 
 namespace nanreplay {
@@ -369,11 +370,13 @@ const std::vector<ModelOption>& llama_options() {
            throw InputError(r.file(), r.key_path("moe"), "the experts apply silu; hidden_act gelu_pytorch_tanh "
                                                           "with moe is not replayed");
          }
-         m.moe = parse_moe(r.object("moe"), m);
+         // model.mtp (read after) may give its blocks experts: their layers follow the decoder's.
+         m.moe = parse_moe(r.object("moe"), m, r.has("mtp") ? kMaxMtpLayers : 0);
        },
        [](const M& m, J& j) {
          // A model cut to fewer layers (minimize) may keep none of the layers with experts.
-         if (m.moe && moe_in_first_layers(*m.moe, m.num_layers)) j["moe"] = moe_json(*m.moe, m.num_layers);
+         const int64_t layers = m.num_layers + (m.mtp ? m.mtp->num_layers : 0);  // the MTP blocks' experts too
+         if (m.moe && moe_in_first_layers(*m.moe, layers)) j["moe"] = moe_json(*m.moe, layers);
        }},
       // DeepSeek-V3, Kimi K2: multi-head latent attention in place of q/k/v_proj. Last: it refuses
       // the options above that DeepseekV3Attention has no counterpart of.
@@ -381,6 +384,13 @@ const std::vector<ModelOption>& llama_options() {
        [](const JsonReader& r, M& m) { m.latent_attention = parse_latent_attention(r, m); },
        [](const M& m, J& j) {
          if (m.latent_attention) j["latent_attention"] = latent_attention_json(*m.latent_attention);
+       }},
+      // DeepSeek-V3 trained as Megatron-LM does: multi-token prediction layers after the decoder's
+      // (loaders/arch/mtp_option.cpp). After moe: it refuses a model with experts on every layer.
+      {"mtp",
+       [](const JsonReader& r, M& m) { m.mtp = parse_mtp(r, m); },
+       [](const M& m, J& j) {
+         if (m.mtp) j["mtp"] = mtp_json(*m.mtp);
        }},
   };
   return rows;

@@ -121,7 +121,8 @@ struct MoeConfig {
   // GPT-OSS: g clamped to at most the limit and u to [-limit, limit] before the activation; absent: no clamp.
   std::optional<double> swiglu_limit{};
   // The layers with experts, ascending (Llama 4's moe_layers, DeepSeek-V3's layers from
-  // first_k_dense_replace); the others keep the dense MLP. Empty: every layer.
+  // first_k_dense_replace, and model.mtp's blocks past the decoder's layers); the others keep
+  // the dense MLP. Empty: every layer.
   std::vector<int> layers{};
   // Llama 4: each expert reads its input times its routing weight, and its output is summed
   // unweighted (the weight on the output otherwise).
@@ -139,6 +140,18 @@ struct MoeConfig {
   // aux-loss-free balancing; sigmoid_grouped only). A buffer the job updates after each step, not
   // a parameter: each step's value comes from its state.json (router_score_bias).
   bool score_bias = false;
+  // model.moe.score_bias_update: how the job moved the correction bias after each step, from the
+  // tokens each expert received in it (docs/rolling-forward.md, "The router's correction bias"). Set:
+  // a rolled-forward step without a logged bias replays with the bias derived by this rule.
+  // Absent: such a step is refused by name.
+  struct ScoreBiasUpdate {
+    // kSignCentred: torchtitan's _update_expert_bias (delta = rate * sign(mean - tokens), minus its
+    // mean); kSign: the DeepSeek-V3 paper's rule (the same without the mean subtracted).
+    enum class Rule : uint8_t { kSignCentred, kSign };
+    Rule rule = Rule::kSignCentred;
+    double rate = 0.0;  // torchtitan's load_balance_coeff, the paper's bias update speed gamma
+  };
+  std::optional<ScoreBiasUpdate> score_bias_update{};
   // The replayed step's e_score_correction_bias by layer (every layer with experts when
   // score_bias): not a manifest key; replay_step sets it from the step's state.json, a what-if may
   // replace it (router-bias=frozen).
@@ -159,6 +172,19 @@ struct LatentAttention {
   // with DeepseekV3RMSNorm's default 1e-6, not rms_norm_eps (torchtitan: norm_eps).
   double norm_eps = 1e-6;
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+};
+
+// Multi-token prediction (model.mtp, docs/bundle-format.md "Multi-token
+// prediction"), as Megatron-LM's MultiTokenPredictionBlock computes it
+// (megatron/core/transformer/multi_token_prediction.py): `num_layers` depths,
+// each a projection of [enorm(embedding of the tokens k ahead); hnorm(the
+// previous depth's output)], one decoder block (model.layers.{num_layers + k - 1},
+// with experts when moe.layers lists it, as DeepSeek-V3's), shared_head.norm and the
+// model's own output head; the mean of the depths' cross-entropies times
+// `loss_scale` adds to the gradient (not to the logged LM loss).
+struct MultiTokenPrediction {
+  int64_t num_layers = 0;   // Megatron's mtp_num_layers (DeepSeek-V3: num_nextn_predict_layers)
+  double loss_scale = 0.0;  // Megatron's mtp_loss_scaling_factor, > 0
 };
 
 struct ModelConfig {
@@ -199,6 +225,7 @@ struct ModelConfig {
   int64_t sliding_window = 0;                 // Mistral: 0 = full causal attention
   std::optional<MoeConfig> moe;               // Qwen3-MoE: experts in place of the dense MLP
   std::optional<LatentAttention> latent_attention;  // DeepSeek-V3: in place of q/k/v_proj
+  std::optional<MultiTokenPrediction> mtp;          // DeepSeek-V3: MTP layers after the decoder's
   int64_t explicit_head_dim = 0;              // Qwen3, Gemma 3: 0 = hidden_size / num_heads
   double partial_rotary_factor = 1.0;         // Phi, GLM: rotary on the first int(head_dim * factor) dims
   AttentionMask attention_mask = AttentionMask::kExclude;

@@ -46,17 +46,20 @@ void parse_moe_variant(const JsonReader& moe, MoeConfig& config) {
   if (moe.has("swiglu_limit")) config.swiglu_limit = finite_number_above(moe, "swiglu_limit", 0, false);
 }
 
-// moe.layers: distinct layer indices in [0, num_layers), at least one, kept ascending.
-std::vector<int> parse_moe_layers(const JsonReader& moe, int64_t num_layers) {
+// moe.layers: distinct layer indices in [0, num_layers + mtp_layers_at_most), at least one, kept
+// ascending (model.mtp's blocks follow the decoder's layers; mtp_option.cpp bounds them by its depths).
+std::vector<int> parse_moe_layers(const JsonReader& moe, int64_t num_layers, int64_t mtp_layers_at_most) {
   const nlohmann::json& list = moe.array("layers");
   const std::string key = moe.key_path("layers");
   if (list.empty()) throw InputError(moe.file(), key, "expected at least one layer (leave model.moe out for none)");
   std::vector<int> layers;
   for (size_t i = 0; i < list.size(); ++i) {
     const std::string at = key + "[" + std::to_string(i) + "]";
-    if (!list[i].is_number_integer() || list[i].get<int64_t>() < 0 || list[i].get<int64_t>() >= num_layers) {
-      throw InputError(moe.file(), at, "expected a layer index in [0, " + std::to_string(num_layers) + "), got " +
-                                           json_describe(list[i]));
+    if (!list[i].is_number_integer() || list[i].get<int64_t>() < 0 ||
+        list[i].get<int64_t>() >= num_layers + mtp_layers_at_most) {
+      throw InputError(moe.file(), at, "expected a layer index in [0, " + std::to_string(num_layers) + ")" +
+                                           (mtp_layers_at_most > 0 ? " or an MTP block's (model.mtp)" : "") +
+                                           ", got " + json_describe(list[i]));
     }
     const int layer = list[i].get<int>();
     if (std::find(layers.begin(), layers.end(), layer) != layers.end()) {
@@ -70,8 +73,8 @@ std::vector<int> parse_moe_layers(const JsonReader& moe, int64_t num_layers) {
 
 // Llama 4's and DeepSeek-V3's keys: which layers, where the weight goes, the shared expert.
 // Llama 4 adds no load-balancing loss, so which probabilities one would read is not defined.
-void parse_moe_layout(const JsonReader& moe, const ModelConfig& model, MoeConfig& config) {
-  if (moe.has("layers")) config.layers = parse_moe_layers(moe, model.num_layers);
+void parse_moe_layout(const JsonReader& moe, const ModelConfig& model, MoeConfig& config, int64_t mtp_layers_at_most) {
+  if (moe.has("layers")) config.layers = parse_moe_layers(moe, model.num_layers, mtp_layers_at_most);
   config.scale_expert_input = moe.optional_boolean("scale_expert_input").value_or(false);
   config.shared_expert_intermediate_size = optional_dimension(moe, "shared_expert_intermediate_size", 0);
   if (config.router == RouterKind::kSigmoidTopK && config.router_aux_loss_coef != 0) {
@@ -82,8 +85,38 @@ void parse_moe_layout(const JsonReader& moe, const ModelConfig& model, MoeConfig
 
 // The keys only DeepSeek-V3's grouped router reads.
 const std::vector<const char*>& grouped_router_keys() {
-  static const std::vector<const char*> keys = {"n_group", "topk_group", "routed_scaling_factor", "router_score_bias"};
+  static const std::vector<const char*> keys = {"n_group", "topk_group", "routed_scaling_factor", "router_score_bias",
+                                                "score_bias_update"};
   return keys;
+}
+
+// The score_bias_update rules' names, in MoeConfig::ScoreBiasUpdate::Rule's order.
+const std::vector<const char*>& score_bias_rule_names() {
+  static const std::vector<const char*> names = {"sign_centred", "sign"};
+  return names;
+}
+
+// model.moe.score_bias_update {"rule", "rate"}: how the job moved the correction bias between steps
+// (torchtitan's _update_expert_bias: "sign_centred"; the DeepSeek-V3 paper's: "sign"). Only with a
+// bias to move (router_score_bias true); both keys required, nothing else read.
+std::optional<MoeConfig::ScoreBiasUpdate> parse_score_bias_update(const JsonReader& moe, const MoeConfig& config) {
+  const std::optional<JsonReader> update = moe.optional_object("score_bias_update");
+  if (!update) return std::nullopt;
+  if (!config.score_bias) {
+    throw InputError(moe.file(), moe.key_path("score_bias_update"),
+                     "router_score_bias is false: the router adds no correction bias to update");
+  }
+  for (const auto& [key, value] : update->json().items()) {
+    if (key != "rule" && key != "rate") {
+      throw InputError(moe.file(), update->key_path(key), "not a key of score_bias_update (expected \"rule\" and \"rate\")");
+    }
+  }
+  const std::string rule = one_of(*update, "rule", score_bias_rule_names());
+  const auto& names = score_bias_rule_names();
+  MoeConfig::ScoreBiasUpdate parsed;
+  parsed.rule = static_cast<MoeConfig::ScoreBiasUpdate::Rule>(std::find(names.begin(), names.end(), rule) - names.begin());
+  parsed.rate = finite_number_above(*update, "rate", 0, false);
+  return parsed;
 }
 
 // DeepSeek-V3's grouped router (router "sigmoid_grouped"): n_group, topk_group, routed_scaling_factor
@@ -123,11 +156,12 @@ void parse_grouped_router(const JsonReader& moe, MoeConfig& config) {
   }
   config.routed_scaling_factor = finite_number_above(moe, "routed_scaling_factor", 0, false);
   config.score_bias = moe.optional_boolean("router_score_bias").value_or(true);
+  config.score_bias_update = parse_score_bias_update(moe, config);
 }
 
 }  // namespace
 
-MoeConfig parse_moe(const JsonReader& moe, const ModelConfig& model) {
+MoeConfig parse_moe(const JsonReader& moe, const ModelConfig& model, int64_t mtp_layers_at_most) {
   MoeConfig config;
   config.num_experts = dimension(moe, "num_experts");
   config.top_k = dimension(moe, "top_k");
@@ -145,7 +179,7 @@ MoeConfig parse_moe(const JsonReader& moe, const ModelConfig& model) {
     config.router_z_loss_coef = finite_number_above(moe, "router_z_loss_coef", 0, true);
   }
   parse_moe_variant(moe, config);
-  parse_moe_layout(moe, model, config);
+  parse_moe_layout(moe, model, config, mtp_layers_at_most);
   parse_grouped_router(moe, config);
   return config;
 }
@@ -188,6 +222,11 @@ nlohmann::json moe_json(const MoeConfig& moe, int64_t num_layers) {
     j["topk_group"] = moe.topk_group;
     j["routed_scaling_factor"] = moe.routed_scaling_factor;
     j["router_score_bias"] = moe.score_bias;
+    if (moe.score_bias_update) {
+      j["score_bias_update"] = {
+          {"rule", score_bias_rule_names().at(static_cast<size_t>(moe.score_bias_update->rule))},
+          {"rate", moe.score_bias_update->rate}};
+    }
   }
   return j;
 }

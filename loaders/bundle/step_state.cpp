@@ -197,13 +197,20 @@ std::string router_score_bias_key(int layer) {
   return "model.layers." + std::to_string(layer) + ".mlp.gate.e_score_correction_bias";
 }
 
+bool router_score_bias_derived(const StepState& state) {
+  return state.router_score_bias.empty() && !state.derived_router_score_bias.empty();
+}
+
 std::map<int, std::vector<double>> router_score_bias_of(const StepState& state, const ModelConfig& model) {
+  if (router_score_bias_derived(state)) return state.derived_router_score_bias;
   std::map<int, std::vector<double>> by_layer;
   const bool needed = model.moe && model.moe->router == RouterKind::kSigmoidGrouped && model.moe->score_bias;
+  // model.mtp's blocks follow the decoder's layers, and those with experts have a bias too.
+  const int64_t layers = model.num_layers + (model.mtp ? model.mtp->num_layers : 0);
   for (const auto& [name, numbers] : state.router_score_bias) {
     int layer = 0;
-    while (layer < model.num_layers && (router_score_bias_key(layer) != name || !model.moe_layer(layer))) ++layer;
-    if (!needed || layer == model.num_layers) {
+    while (layer < layers && (router_score_bias_key(layer) != name || !model.moe_layer(layer))) ++layer;
+    if (!needed || layer == layers) {
       throw InputError(state.file, "router_score_bias[\"" + name + "\"]",
                        needed ? "names no layer with experts of this model (expected model.layers.<layer with "
                                 "experts>.mlp.gate.e_score_correction_bias)"
@@ -217,13 +224,14 @@ std::map<int, std::vector<double>> router_score_bias_of(const StepState& state, 
     }
     by_layer[layer] = numbers;
   }
-  for (int layer = 0; needed && layer < model.num_layers; ++layer) {
+  for (int layer = 0; needed && layer < layers; ++layer) {
     if (!model.moe_layer(layer) || by_layer.count(layer) != 0) continue;
     throw InputError(state.file, "router_score_bias[\"" + router_score_bias_key(layer) + "\"]",
                      "required: layer " + std::to_string(layer) +
                          "'s router (sigmoid_grouped) chooses its experts by its scores plus this step's "
                          "e_score_correction_bias, a buffer the job updates each step (not a parameter); a step "
-                         "without it is not replayed (not derived from an earlier step's)");
+                         "without it is not replayed, unless it is rolled forward and the manifest's "
+                         "model.moe.score_bias_update names the job's rule to derive it from the step before");
   }
   return by_layer;
 }

@@ -61,6 +61,10 @@ struct StepState {
   // router_score_bias: DeepSeek-V3's e_score_correction_bias as the job held it for this step, by
   // buffer name ("model.layers.3.mlp.gate.e_score_correction_bias"), one number per expert.
   std::map<std::string, std::vector<double>> router_score_bias;
+  // A rolled-forward step's correction bias as the replay derived it from the step before (the
+  // manifest's model.moe.score_bias_update; replay/step/trajectory.h), by layer; not read from the
+  // file. Replayed only where the file logs none (a logged one wins and is compared with it).
+  std::map<int, std::vector<double>> derived_router_score_bias;
   std::string file;  // the state.json's label, for a refusal that needs the model (router_score_bias_of)
   LoggedMetrics logged;
   std::optional<bool> skipped;
@@ -71,9 +75,12 @@ StepState parse_step_state(const std::string& json_text, const std::string& file
 // The state.json key of layer `layer`'s correction bias: model.layers.<layer>.mlp.gate.e_score_correction_bias.
 std::string router_score_bias_key(int layer);
 // The step's correction bias by layer with experts, as MoeConfig::step_score_bias holds it: empty
-// unless the model's router adds one (sigmoid_grouped with router_score_bias). Throws InputError
-// naming the state.json and the key when a layer's bias is missing or has not num_experts numbers,
-// or when the file gives one for a layer without experts.
+// unless the model's router adds one (sigmoid_grouped with router_score_bias). The logged one, or the
+// derived one when the file logs none (router_score_bias_derived). Throws InputError naming the
+// state.json and the key when a layer's bias is missing (and none was derived) or has not
+// num_experts numbers, or when the file gives one for a layer without experts.
 std::map<int, std::vector<double>> router_score_bias_of(const StepState& state, const ModelConfig& model);
+// Whether router_score_bias_of gives the derived bias: the file logs none and the replay derived one.
+bool router_score_bias_derived(const StepState& state);
 
 }  // namespace nanreplay

@@ -32,7 +32,8 @@ std::vector<std::vector<double>> HeadLogitRecorder::maxima() const {
 
 void HeadLogitRecorder::record(int layer, const torch::Tensor& scores, const torch::Tensor& hidden) {
   HeadLogitRecorder* recorder = active_head_logit_recorder.load();
-  if (recorder == nullptr) return;
+  // Only the decoder's layers: model.mtp's blocks past them (multi_token_prediction.h) are not MuonClip's.
+  if (recorder == nullptr || layer < 0 || static_cast<size_t>(layer) >= recorder->maxima_.size()) return;
   torch::NoGradGuard no_grad;
   const torch::Tensor visible = scores.detach().to(torch::kFloat32).masked_fill(hidden, -std::numeric_limits<float>::infinity());
   const torch::Tensor per_head = visible.amax({0, 2, 3}).to(torch::kCPU, torch::kFloat64).contiguous();

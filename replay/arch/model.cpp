@@ -14,6 +14,7 @@
 #include "replay/arch/experts.h"
 #include "replay/arch/head_logit_max.h"
 #include "replay/arch/latent_attention.h"
+#include "replay/arch/multi_token_prediction.h"
 
 namespace nanreplay {
 
@@ -347,6 +348,7 @@ torch::Tensor ModelPass::embed(const ParamMap& p, const torch::Tensor& inputs) {
   using R = ParamRole;
   const Weights w{p, m_.arch};
   const torch::Tensor embedding = w(R::kTokenEmbedding);
+  inputs_ = inputs;
   torch::Tensor tokens = F::embedding(inputs.to(embedding.device()), embedding);  // (B, T, C)
   if (m_.arch == Arch::kGpt2) {
     const torch::Tensor positions =
@@ -525,8 +527,59 @@ ForwardResult ModelPass::head(const ParamMap& p, const torch::Tensor& x_in, cons
   const torch::Tensor logits =
       probes_.site({SiteId::kLogits, -1}, numerics_.linear(final_norm, head, {}, "lm_head"));  // (B, T, V)
   if (m_.arch == Arch::kGpt2) return next_token_loss(logits, targets, probes_);
-  return next_token_loss(logits, targets, probes_, m_.final_logit_softcap,
-                         m_.moe ? router_loss(*m_.moe, router_) : torch::Tensor());
+  ForwardResult result = next_token_loss(logits, targets, probes_, m_.final_logit_softcap,
+                                         m_.moe ? router_loss(*m_.moe, router_) : torch::Tensor());
+  if (m_.mtp) add_mtp_loss(p, final_norm, head, targets, result);
+  return result;
+}
+
+// Megatron-LM's MultiTokenPredictionBlock.forward and process_mtp_loss
+// (megatron/core/transformer/multi_token_prediction.py), context parallelism
+// and packed sequences aside. Depth k starts from the previous depth's output
+// (k = 1: the decoder's, after its final norm, as GPTModel hands it over):
+//   ids, labels, loss_mask rolled one more position left (roll_tensor);
+//   x = eh_proj(cat(enorm(embed(ids)), hnorm(hidden)))   (_concat_embeddings: embedding first)
+//   hidden = shared_head.norm(block(x))                  (_postprocess: the MTP layer's final_layernorm)
+//   loss_k = masked mean cross-entropy of lm_head(hidden) against labels
+// and the loss's gradient gains mtp_loss_scaling_factor / D * sum_k loss_k.
+// The blocks run without probes: their sites are not in the site table.
+void ModelPass::add_mtp_loss(const ParamMap& p, const torch::Tensor& main_hidden, const torch::Tensor& head,
+                             const torch::Tensor& targets, ForwardResult& result) {
+  if (!inputs_.defined()) throw std::logic_error("multi-token prediction needs the pass's own embed()");
+  const ModelConfig blocks_model = with_mtp_blocks(m_);
+  ProbeSession quiet(BatchContext{}, numerics_, /*enabled=*/false, blocks_model);
+  ModelPass blocks(blocks_model, numerics_, quiet);
+  const SiteRef no_site{SiteId::kFinalNorm, -1};  // the norms' zero checks: off in a quiet session
+  const torch::Tensor& embedding = param(p, param_key(m_.arch, ParamRole::kTokenEmbedding));
+  torch::Tensor ids = inputs_, labels = targets.to(inputs_.device()), loss_mask = torch::ones_like(inputs_);
+  torch::Tensor hidden = main_hidden, total;
+  const double depth_scale = m_.mtp->loss_scale / static_cast<double>(m_.mtp->num_layers);
+  for (int depth = 1; depth <= m_.mtp->num_layers; ++depth) {
+    const auto weight = [&](MtpPart part) -> const torch::Tensor& { return param(p, mtp_key(m_, depth, part)); };
+    const int layer = mtp_block_layer(m_, depth);
+    const Numerics numerics = numerics_.in_layer(layer);
+    const torch::Device device = weight(MtpPart::kEhProj).device();
+    ids = roll_left(ids);
+    // The embedding module's output, held in the compute type as the embed site holds the decoder's.
+    const torch::Tensor embedded = numerics.round(F::embedding(ids.to(embedding.device()), embedding).to(device));
+    const torch::Tensor joined =
+        torch::cat({numerics.round(rms_norm(embedded, weight(MtpPart::kEnorm), m_.norm_eps, quiet, no_site)),
+                    numerics.round(rms_norm(hidden.to(device), weight(MtpPart::kHnorm), m_.norm_eps, quiet, no_site))},
+                   -1);
+    const std::string eh_proj = mtp_key(m_, depth, MtpPart::kEhProj);
+    const torch::Tensor x = numerics.round(
+        numerics.linear(joined, weight(MtpPart::kEhProj), torch::Tensor(), eh_proj.substr(0, eh_proj.rfind('.'))));
+    hidden = numerics.round(rms_norm(blocks.block(p, layer, x), weight(MtpPart::kHeadNorm), m_.norm_eps, quiet, no_site));
+    const torch::Tensor logits = numerics_.round(numerics_.linear(hidden, head.to(device), {}, "lm_head"));
+    labels = roll_left(labels);
+    loss_mask = roll_left(loss_mask);
+    const torch::Tensor depth_loss = masked_mean_cross_entropy(logits, labels, loss_mask);
+    result.mtp_losses.push_back(depth_loss.detach());
+    const torch::Tensor scaled = depth_scale * depth_loss.to(result.loss.device());
+    total = total.defined() ? total + scaled : scaled;
+  }
+  result.loss = with_mtp_gradient(result.loss, total);
+  MtpLossRecorder::record(result.mtp_losses);
 }
 
 ForwardResult forward_loss(const ModelConfig& model, const ParamMap& params,

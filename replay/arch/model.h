@@ -21,6 +21,10 @@ using ParamMap = std::unordered_map<std::string, torch::Tensor>;
 struct ForwardResult {
   torch::Tensor loss;         // scalar: mean next-token cross-entropy
   torch::Tensor sample_loss;  // (batch,) per-row mean, no grad; undefined with probes off
+  // model.mtp: each depth's mean cross-entropy, unscaled, no grad. Their scaled
+  // mean reaches the gradients through `loss`, whose value stays the LM loss
+  // (Megatron-LM's MTPLossAutoScaler; replay/arch/multi_token_prediction.h).
+  std::vector<torch::Tensor> mtp_losses;
 };
 
 // What a mixture of experts' router losses read, one entry per layer in order.
@@ -53,6 +57,10 @@ class ModelPass {
   std::pair<torch::Tensor, torch::Tensor> rotary_for(int layer, int64_t seq, const torch::Device& device);
   torch::Tensor llama_block(const ParamMap& params, int layer, torch::Tensor x);
   torch::Tensor gpt2_block(const ParamMap& params, int layer, torch::Tensor x);
+  // model.mtp's depths from the final norm's output `hidden` and the output head `head`:
+  // their losses into result.mtp_losses, their scaled mean into result.loss's gradient.
+  void add_mtp_loss(const ParamMap& params, const torch::Tensor& hidden, const torch::Tensor& head,
+                    const torch::Tensor& targets, ForwardResult& result);
 
   const ModelConfig& m_;
   const Numerics& numerics_;
@@ -60,6 +68,7 @@ class ModelPass {
   torch::Tensor cos_, sin_;  // rotary tables (llama), made by the first block and moved along with it
   torch::Tensor cos_local_, sin_local_;  // the local rotary's (ModelConfig::local_rotary), likewise
   RouterOutputs router_;
+  torch::Tensor inputs_;  // embed()'s token ids: multi-token prediction embeds them again, rolled
 };
 
 // inputs, targets: [batch, seq] int64. Every forward site goes through `probes`.

@@ -1,9 +1,13 @@
-// A spike incident's MoE evidence (docs/spikes.md, "What changed"): per layer
-// and expert, the largest router logit (the mlp.router site, before the
-// softmax) of every pass of a step, over its micro-batches and ranks. The
-// mlp.router site's records are of the whole tensor only, so this is taken
-// beside them, and only while a RouterLogitRecorder is alive: a replay that
-// does not need it pays nothing.
+// What the routers of a mixture of experts did over every pass of a step, per
+// layer and expert, over its micro-batches and ranks: the largest raw router
+// logit (the mlp.router site, before the softmax or sigmoid: report.json's
+// steps[].router_logit_max and a spike incident's MoE evidence, docs/spikes.md
+// "What changed") and the tokens routed to each expert (what DeepSeek-V3's
+// correction bias update reads, replay/step/trajectory.h). The mlp.router
+// site's records are of the whole tensor only, so this is taken beside them,
+// and only while a RouterLogitRecorder is alive: a replay that does not need
+// it pays nothing. Kept where computed until read, so a GPU step does not
+// synchronise per layer.
 #pragma once
 
 #include <mutex>
@@ -20,15 +24,24 @@ class RouterLogitRecorder {
   RouterLogitRecorder(const RouterLogitRecorder&) = delete;
   RouterLogitRecorder& operator=(const RouterLogitRecorder&) = delete;
 
-  // [layer][expert]: -inf where nothing was seen (a layer another process replayed).
+  // [layer][expert]: -inf where nothing was seen (a layer without experts, or
+  // one another process replayed); a NaN among the logits is kept.
   std::vector<std::vector<double>> maxima() const;
+  // [layer][expert]: tokens routed (each token counted once per expert it
+  // chose, once per forward of the block: a recomputed block counts again);
+  // 0 where nothing was seen.
+  std::vector<std::vector<int64_t>> tokens() const;
 
   // The router of `layer` computed `logits` (..., E). A no-op when no recorder is alive.
   static void record(int layer, const torch::Tensor& logits);
+  // The router of `layer` sent `counts` (E) int64 tokens to each expert. A no-op likewise.
+  static void record_tokens(int layer, const torch::Tensor& counts);
 
  private:
   mutable std::mutex mutex_;
-  std::vector<std::vector<double>> maxima_;
+  int64_t num_experts_ = 0;
+  std::vector<torch::Tensor> maxima_;  // [layer]: (E) fp32 where computed; undefined until seen
+  std::vector<torch::Tensor> tokens_;  // [layer]: (E) int64 likewise
 };
 
 }  // namespace nanreplay

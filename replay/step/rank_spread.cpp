@@ -43,7 +43,7 @@ class RankSpreadModel final : public StepModel {
     const Event pass{rank_, &probes, torch::zeros({}, torch::kFloat64),
                      probes.enabled() ? torch::zeros({inputs.size(0)}, torch::kFloat64) : torch::Tensor(), false};
     events_.push_back(pass);
-    return ForwardResult{pass.value, pass.sample_loss};
+    return ForwardResult{pass.value, pass.sample_loss, {}};  // MTP is refused with --nproc
   }
 
   void begin_step(bool whole_step) override {

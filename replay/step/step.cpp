@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 
+#include "probes/nan_max.h"
 #include "replay/arch/expert_activation_max.h"
 #include "replay/arch/head_logit_max.h"
 #include "replay/arch/router_logit_max.h"
@@ -49,6 +50,21 @@ void add_gradient_records(StepResult& result, int64_t step, const std::vector<st
   }
 }
 
+// A rolled-forward step that logs its bias and was also given a derived one:
+// max |derived - logged| (evidence that the run's rule is another), else none.
+std::optional<double> derived_score_bias_gap(const StepState& state, const ModelConfig& model) {
+  if (state.router_score_bias.empty() || state.derived_router_score_bias.empty()) return std::nullopt;
+  const std::map<int, std::vector<double>> logged = router_score_bias_of(state, model);
+  double gap = 0.0;
+  for (const auto& [layer, derived] : state.derived_router_score_bias) {
+    const std::vector<double>& row = logged.at(layer);
+    for (size_t e = 0; e < derived.size() && e < row.size(); ++e) {
+      fold_nan_max(gap, std::fabs(derived[e] - row[e]));
+    }
+  }
+  return gap;
+}
+
 }  // namespace
 
 StepArithmetic::StepArithmetic(const Manifest& m, const StepState& state, const StepOverrides& overrides, bool native)
@@ -56,9 +72,14 @@ StepArithmetic::StepArithmetic(const Manifest& m, const StepState& state, const 
       fp8_scales(overrides.fp8_scales ? *overrides.fp8_scales : state.fp8_scales),
       numerics(step_numerics(m, &fp8_scales)),
       loss_scale(is_fp16(m) ? state.loss_scale : 1.0) {
-  // DeepSeek-V3's correction bias: the step's own (a what-if may replace it), its logits in fp32.
+  // DeepSeek-V3's correction bias: the step's own, logged or derived (a what-if may replace it),
+  // its logits in fp32.
   if (model.moe) model.moe->step_score_bias = router_score_bias_of(state, m.model);
   if (overrides.change_model) overrides.change_model(model);
+  if (model.moe && model.moe->router == RouterKind::kSigmoidGrouped && model.moe->score_bias) {
+    score_bias = RouterScoreBias{model.moe->step_score_bias, router_score_bias_derived(state),
+                                 derived_score_bias_gap(state, m.model)};
+  }
   NumericsOverrides arithmetic = overrides.numerics;
   if (model.moe && model.moe->router == RouterKind::kSigmoidGrouped) arithmetic.router_fp32 = true;
   numerics.set_overrides(arithmetic);
@@ -229,9 +250,11 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
   if (request.attn_logit_max || (in.manifest.optimizer && uses_qk_clip(*in.manifest.optimizer))) {
     logit_max.emplace(arithmetic.model.num_layers, arithmetic.model.num_heads);
   }
-  std::optional<RouterLogitRecorder> router_max;  // a spike incident's MoE evidence
-  if (request.router_logit_max && arithmetic.model.moe) {
-    router_max.emplace(arithmetic.model.num_layers, arithmetic.model.moe->num_experts);
+  // report.json's and a spike incident's router evidence; the tokens rolling forward moves the bias by.
+  std::optional<RouterLogitRecorder> router_max;
+  const std::optional<MoeConfig>& moe = arithmetic.model.moe;
+  if (moe && (request.router_logit_max || moe->score_bias_update)) {
+    router_max.emplace(arithmetic.model.num_layers, moe->num_experts);
   }
   std::optional<ExpertActivationRecorder> expert_max;  // report.json's per-expert activations
   if (request.expert_activation_max && arithmetic.model.moe) {
@@ -240,9 +263,14 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
   const std::vector<torch::Tensor> rank_norms = run_passes(loop, result, passes);
   read_back_step(loop, passes, rank_norms, result);
   if (logit_max) result.attn_logit_max = logit_max->maxima();
-  if (router_max) result.router_logit_max = router_max->maxima();
+  if (router_max) {
+    result.router_logit_max = router_max->maxima();
+    result.router_tokens = router_max->tokens();
+  }
   if (expert_max) result.expert_activation_max = expert_max->maxima();
-  combine_step_maxima(result, request.attn_logit_max, request.expert_activation_max);  // --nproc: every process's
+  result.score_bias = arithmetic.score_bias;
+  // --nproc: every process's
+  combine_step_maxima(result, request.attn_logit_max, request.expert_activation_max, router_max.has_value());
   if (result.complete) {
     // The system checks read the gradients on the host; a cheap pass only
     // looks for non-finite ones, where they are.

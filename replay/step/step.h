@@ -64,7 +64,9 @@ struct StepRequest {
   // A spike incident: forward records also name their largest element's
   // sample and position (replay/probing/largest_element.h).
   bool locate_largest = false;
-  // A spike incident on a mixture of experts: StepResult::router_logit_max.
+  // A mixture of experts: StepResult::router_logit_max and ::router_tokens (a spike incident's
+  // evidence, report.json's per-step maxima). The tokens are also taken whenever the model
+  // derives its correction bias (model.moe.score_bias_update): rolling forward reads them.
   bool router_logit_max = false;
   // StepResult::attn_logit_max whatever the optimizer (report.json's per-step
   // maxima, the qk-clip what-if), and StepResult::expert_activation_max.
@@ -98,9 +100,20 @@ struct StepResult {
   // [layer][query head]: the largest scaled pre-softmax logit over every pass,
   // recorded only when the optimizer asks for MuonClip (qk_clip).
   std::vector<std::vector<double>> attn_logit_max;
-  // [layer][expert]: the largest router logit over every pass, when the
-  // request asks (-inf for a layer another process replayed).
+  // [layer][expert]: the largest raw router logit over every pass, when the
+  // request asks (-inf for a layer without experts; every process's under --nproc).
   std::vector<std::vector<double>> router_logit_max;
+  // [layer][expert]: the tokens each router sent to each expert over every
+  // pass, micro-batch, rank and process, when router_logit_max is asked for or
+  // the model derives its correction bias; empty otherwise. Counted per
+  // forward of a block: a layer-streamed replay, whose backward computes each
+  // block again, counts every token twice (as torchtitan does under activation
+  // checkpointing; the bias update reads only the sign of mean - count).
+  // report.json's expert_tokens come from the probe records instead.
+  std::vector<std::vector<int64_t>> router_tokens;
+  // The correction bias the step's router added (DeepSeek-V3's
+  // e_score_correction_bias, after any what-if); none for another router.
+  std::optional<RouterScoreBias> score_bias;
   // [layer]: per expert, max |input| and |output| of its MLP over every pass,
   // when the request asks (none: a layer without experts, or another process's).
   std::vector<std::optional<std::vector<ExpertActivationMax>>> expert_activation_max;
@@ -112,6 +125,7 @@ struct StepArithmetic {
   std::map<std::string, Fp8ModuleScales> fp8_scales;
   Numerics numerics;
   double loss_scale = 1.0;
+  std::optional<RouterScoreBias> score_bias;  // model.moe->step_score_bias, where it came from
 
   StepArithmetic(const Manifest& m, const StepState& state, const StepOverrides& overrides, bool native);
   StepArithmetic(const StepArithmetic&) = delete;  // numerics points into fp8_scales

@@ -11,6 +11,28 @@ namespace nanreplay {
 
 namespace {
 
+template <typename T>
+void write_rows(WireWriter& out, const std::vector<std::vector<T>>& rows) {
+  out.pod<uint64_t>(rows.size());
+  for (const std::vector<T>& row : rows) {
+    out.pod<uint64_t>(row.size());
+    for (T v : row) out.pod<T>(v);
+  }
+}
+
+// Another process's rows folded into `mine` by `fold` (where both have the element).
+template <typename T, typename Fold>
+void fold_rows(WireReader& in, std::vector<std::vector<T>>& mine, Fold fold) {
+  const auto rows = in.pod<uint64_t>();
+  for (uint64_t l = 0; l < rows; ++l) {
+    const auto columns = in.pod<uint64_t>();
+    for (uint64_t c = 0; c < columns; ++c) {
+      const auto v = in.pod<T>();
+      if (l < mine.size() && c < mine[l].size()) fold(mine[l][c], v);
+    }
+  }
+}
+
 void write_step_maxima(WireWriter& out, const StepResult& r) {
   out.pod<uint64_t>(r.attn_logit_max.size());
   for (const std::vector<double>& row : r.attn_logit_max) {
@@ -28,6 +50,8 @@ void write_step_maxima(WireWriter& out, const StepResult& r) {
       out.pod<int64_t>(e.rows);
     }
   }
+  write_rows(out, r.router_logit_max);
+  write_rows(out, r.router_tokens);
 }
 
 // Folds another process's maxima (written by write_step_maxima) into `r`.
@@ -71,13 +95,15 @@ void fold_step_maxima(WireReader& in, StepResult& r) {
       m.rows += t.rows;
     }
   }
+  fold_rows<double>(in, r.router_logit_max, [](double& mine, double theirs) { fold_nan_max(mine, theirs); });
+  fold_rows<int64_t>(in, r.router_tokens, [](int64_t& mine, int64_t theirs) { mine += theirs; });
 }
 
 }  // namespace
 
-void combine_step_maxima(StepResult& result, bool attn, bool experts) {
+void combine_step_maxima(StepResult& result, bool attn, bool experts, bool routers) {
   ProcessWorld* world = default_world();
-  if (world == nullptr || world->size() < 2 || !(attn || experts)) return;
+  if (world == nullptr || world->size() < 2 || !(attn || experts || routers)) return;
   WireWriter out;
   write_step_maxima(out, result);
   const std::vector<std::string> all = world->all_gather(out.take());

@@ -36,6 +36,8 @@ void Trajectory::start(const Bundle& bundle, const StepFiles& files, std::shared
   const SafetensorsFile optimizer =
       SafetensorsFile::open(files.optimizer.string(), files.label("optimizer.safetensors"));
   moments_ = OptimizerMoments{};
+  next_score_bias_.clear();
+  score_bias_steps_.reset();
   scratch_ = std::move(scratch);
   std::vector<std::vector<int64_t>> shapes;
   for (const ParamSpec& spec : expected_parameters(bundle.manifest().model)) shapes.push_back(spec.shape);
@@ -87,8 +89,24 @@ ParamState Trajectory::scratch_state(size_t i) const {
   return state;
 }
 
+// torchtitan updates the bias in an optimizer step pre-hook (score_bias_update.h):
+// from the bias the step used and every token counted since the last update.
+void Trajectory::advance_score_bias(const StepResult& result, bool scaler_skipped) {
+  const std::optional<MoeConfig>& moe = manifest_->model.moe;
+  if (!moe || !moe->score_bias_update || !result.score_bias) return;
+  if (result.router_tokens.empty()) throw std::logic_error("Trajectory::advance: the step counted no routed tokens");
+  if (!score_bias_steps_) score_bias_steps_.emplace(*moe->score_bias_update);
+  next_score_bias_ = score_bias_steps_->after_step(result.score_bias->by_layer, result.router_tokens, !scaler_skipped);
+}
+
+StepState Trajectory::with_derived_score_bias(StepState state, const StepFiles& files) const {
+  if (!files.has_model) state.derived_router_score_bias = next_score_bias_;
+  return state;
+}
+
 void Trajectory::advance(const StepResult& result, const StepState& state, bool scaler_skipped) {
   last_update_ = StepUpdateStats{state.step, {}};
+  advance_score_bias(result, scaler_skipped);
   if (scaler_skipped) return;  // GradScaler: no update
   const std::string label = "step " + std::to_string(state.step);
   const GroupLr lr_of = [&state, label](const std::string& group) {
@@ -185,7 +203,7 @@ RolledStart roll_to(const Bundle& bundle, int64_t step, const ComputePlacement& 
   LossScales scales(bundle.rolls_forward());
   for (auto it = from; it != target; ++it) {
     const StepState logged = bundle.load_state(*it);
-    const StepState state = with_loss_scale(logged, scales.of(logged));
+    const StepState state = trajectory.with_derived_score_bias(with_loss_scale(logged, scales.of(logged)), *it);
     ModelCheckpoint checkpoint = it->has_model ? ModelCheckpoint(*it, m.model) : trajectory.checkpoint();
     StepRequest request;
     request.probes = ProbeLevel::kOff;
@@ -201,7 +219,7 @@ RolledStart roll_to(const Bundle& bundle, int64_t step, const ComputePlacement& 
   std::optional<OptimizerMoments> moments;
   if (!target->has_model) moments = trajectory.moments();
   return {target->has_model ? ModelCheckpoint(*target, m.model) : trajectory.checkpoint(),
-          with_loss_scale(logged, scales.of(logged)), std::move(moments)};
+          trajectory.with_derived_score_bias(with_loss_scale(logged, scales.of(logged)), *target), std::move(moments)};
 }
 
 }  // namespace nanreplay

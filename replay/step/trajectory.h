@@ -19,6 +19,7 @@
 #include "replay/optim/optimizer.h"
 #include "replay/step/checkpoint.h"
 #include "replay/step/layer_stream.h"
+#include "replay/step/score_bias_update.h"
 #include "replay/step/step.h"
 
 namespace nanreplay {
@@ -30,8 +31,13 @@ class Trajectory {
   void start(const Bundle& bundle, const StepFiles& files, std::shared_ptr<StreamScratch> scratch = nullptr);
   bool started() const { return !order_.empty(); }
 
-  // After step `step` replayed to `result`: the parameters of the next step.
+  // After step `step` replayed to `result`: the parameters of the next step
+  // (and, with model.moe.score_bias_update, its router's correction bias).
   void advance(const StepResult& result, const StepState& state, bool scaler_skipped);
+  // `state` as the step after the last advance replays it: a rolled-forward
+  // step (no checkpoint of its own: `files`) gets the correction bias derived
+  // for it (StepState::derived_router_score_bias); otherwise unchanged.
+  StepState with_derived_score_bias(StepState state, const StepFiles& files) const;
   // What the last advance did to each tensor (update_stats.h), once
   // measure_updates() asked for it (`run`; a little arithmetic per tensor);
   // empty otherwise, or when it changed nothing (a step the scaler skipped).
@@ -50,6 +56,7 @@ class Trajectory {
 
  private:
   void advance_on_scratch(const StepResult& result, const GroupLr& lr_of);
+  void advance_score_bias(const StepResult& result, bool scaler_skipped);
   ScratchTensors& state_file(const std::string& key);
   ParamState scratch_state(size_t i) const;
 
@@ -66,6 +73,10 @@ class Trajectory {
   std::vector<int64_t> scratch_steps_;
   bool measure_ = false;
   StepUpdateStats last_update_;
+  // model.moe.score_bias_update: the bias derived for the next step, and its
+  // update from step to step (replay/step/score_bias_update.h).
+  std::map<int, std::vector<double>> next_score_bias_;
+  std::optional<ScoreBiasSteps> score_bias_steps_;
 };
 
 // fp16's loss scale along a rolled-forward window: a step's state.json

@@ -102,7 +102,7 @@ class Bisection {
         continue;
       }
       const StepState logged = bundle_.load_state(files);
-      const StepState state = with_loss_scale(logged, scales.of(logged));
+      const StepState state = trajectory.with_derived_score_bias(with_loss_scale(logged, scales.of(logged)), files);
       ModelCheckpoint checkpoint = files.has_model ? ModelCheckpoint(files, m.model) : trajectory.checkpoint();
       auto loaded = std::make_unique<LoadedStep>(bundle_, files.step, std::move(checkpoint), state, placement());
       StepResult result;

@@ -232,14 +232,18 @@ class Minimizer {
 
     Manifest m = m_;
     m.model.num_layers = plan.num_layers;
+    // Multi-token prediction reads the last layer's output: a cut model leaves its layers out.
+    if (plan.num_layers != m_.model.num_layers) m.model.mtp.reset();
     // The per-layer lists follow the layers kept (Gemma 3's and OLMo 3's layer_types, Llama 4's no_rope_layers).
     const auto kept = static_cast<size_t>(plan.num_layers);
     if (!m.model.layer_types.empty()) m.model.layer_types.resize(kept);
     if (!m.model.no_rope_layers.empty()) m.model.no_rope_layers.resize(kept);
     if (m.model.moe && !m.model.moe->layers.empty()) {  // Llama 4's MoE layers: those kept; none left, a dense model
       std::vector<int>& moe_layers = m.model.moe->layers;
+      // A kept model.mtp keeps its blocks' layers (past the decoder's) with their experts.
+      const size_t blocks = kept + static_cast<size_t>(m.model.mtp ? m.model.mtp->num_layers : 0);
       moe_layers.erase(std::remove_if(moe_layers.begin(), moe_layers.end(),
-                                      [&](int layer) { return static_cast<size_t>(layer) >= kept; }),
+                                      [&](int layer) { return static_cast<size_t>(layer) >= blocks; }),
                        moe_layers.end());
       if (moe_layers.empty()) m.model.moe.reset();
     }
@@ -482,6 +486,7 @@ class Minimizer {
     const StepFiles& files = bundle_.step_files(step);
     ModelConfig cut = m_.model;
     cut.num_layers = plan.num_layers;
+    if (plan.num_layers != m_.model.num_layers) cut.mtp.reset();  // as the cut manifest says
     std::vector<std::string> keep;
     for (const ParamSpec& p : expected_parameters(cut)) keep.push_back(p.name);
 
@@ -541,8 +546,13 @@ class Minimizer {
     }
     if (!fp8.empty()) j["fp8_scales"] = fp8;
     nlohmann::json bias = nlohmann::json::object();  // DeepSeek-V3's router bias of the layers kept
-    for (const auto& [name, numbers] : s.router_score_bias) {
-      if (layer_of_parameter(name) >= plan.num_layers) continue;
+    std::map<std::string, std::vector<double>> biases = s.router_score_bias;
+    // A rolled-forward step without a logged bias replayed with the derived one: the kept step logs it.
+    for (const auto& [layer, numbers] : s.derived_router_score_bias) biases.emplace(router_score_bias_key(layer), numbers);
+    // model.mtp's blocks (kept with every layer) may hold experts too: their biases stay with them.
+    const int64_t mtp_blocks = plan.num_layers == m_.model.num_layers && m_.model.mtp ? m_.model.mtp->num_layers : 0;
+    for (const auto& [name, numbers] : biases) {
+      if (layer_of_parameter(name) >= plan.num_layers + mtp_blocks) continue;
       for (const double v : numbers) bias[name].push_back(number_or_string(v));
     }
     if (!bias.empty()) j["router_score_bias"] = bias;

@@ -21,6 +21,7 @@
 
 #include "loaders/base/error.h"
 #include "loaders/bundle/provenance.h"
+#include "replay/arch/multi_token_prediction.h"
 #include "replay/probing/probe_retention.h"
 #include "replay/step/checkpoint_update.h"
 #include "replay/step/layer_stream.h"
@@ -82,8 +83,23 @@ class BundleReplay {
     for (const StepFiles& files : bundle.steps()) {
       if (!options.only_steps || options.only_steps->count(files.step)) todo_.push_back(&files);
     }
+    refuse_window_without_checkpoint();
     plan_spike_incident();
     trajectory_.measure_updates();
+  }
+
+  // --steps choosing a window whose first step holds no checkpoint (a rolled-forward step's state.json
+  // only): nothing to roll it forward from. Named with the checkpoint to start from instead.
+  void refuse_window_without_checkpoint() const {
+    if (todo_.empty() || todo_.front()->has_model) return;
+    const int64_t first = todo_.front()->step;
+    std::optional<int64_t> before;
+    for (const StepFiles& files : bundle_.steps()) {
+      if (files.has_model && files.step < first) before = files.step;
+    }
+    throw UsageError("--steps: step " + std::to_string(first) + " holds no checkpoint (only state.json: the replay "
+                     "rolls it forward from the step before), so a window cannot start there" +
+                     (before ? "; start it at " + std::to_string(*before) + ", the checkpoint before it" : ""));
   }
 
   // Before any replay: the shards against their checksums, the checkpoints for non-finite values.
@@ -228,7 +244,7 @@ class BundleReplay {
     std::optional<PhaseTimer> data_timer(std::in_place, report_.timings, TimedPhase::kDataChecks);
     HostStep host = take_host_step(index);
     const StepState& logged = host.logged;
-    const StepState state = with_loss_scale(logged, loss_scales_.of(logged));
+    const StepState state = trajectory_.with_derived_score_bias(with_loss_scale(logged, loss_scales_.of(logged)), files);
     states_.push_back(state);
     StepOutcome outcome;
     outcome.step = files.step;
@@ -267,10 +283,14 @@ class BundleReplay {
       }
     };
     request.locate_largest = spike_locator_.has_value();
-    request.router_logit_max = outliers_.has_value();
+    request.router_logit_max = outliers_.has_value() || options_.probes;  // report.json's too
     request.attn_logit_max = request.expert_activation_max = options_.probes;  // report.json's per-step maxima
+    std::optional<MtpLossRecorder> mtp_losses;  // model.mtp: steps[].mtp_loss
+    if (m_.model.mtp) mtp_losses.emplace();
     StepResult step =
         replay_step({m_, bundle_.tokens(), files.step, state, batch}, checkpoint, placement_, request);
+    if (mtp_losses) outcome.mtp_losses = mtp_losses->means();
+    mtp_losses.reset();
     report_.step_replays += m_.data.world_size * m_.data.grad_accum_steps;  // every pass, in whichever process
     if (spike_locator_) spike_locator_->step_done(files.step, step.probes, spike_plan_.step);
     if (outliers_) outliers_->step_done(files.step, step.probes, step.router_logit_max, spike_plan_.step);
@@ -371,12 +391,15 @@ class BundleReplay {
                                        if (sample >= bundle_.num_samples() || position >= m_.data.seq_len) return -1;
                                        return bundle_.tokens().sample_tokens(sample, m_.data.seq_len).at(
                                            static_cast<size_t>(position));
-                                     }},
+                                     },
+                                     &report_.steps},
                                     thresholds_);
     add(triage.findings);
     outcome.expert_tokens = std::move(triage.expert_tokens);
     outcome.attn_logit_max = step.attn_logit_max;
     outcome.expert_activation_max = step.expert_activation_max;
+    if (options_.probes) outcome.router_logit_max = step.router_logit_max;
+    outcome.router_score_bias = step.score_bias;
     outcome.rank_norms_logged_global = triage.rank_norms_logged_global;
     // System layer: does the next checkpoint follow from this one by AdamW?
     const StepFiles* next = find_files(files.step + 1);

@@ -9,6 +9,9 @@
 #include <sstream>
 #include <vector>
 
+#include "loaders/arch/latent_attention_option.h"
+#include "loaders/arch/moe_option.h"
+#include "loaders/arch/mtp_option.h"
 #include "loaders/base/error.h"
 #include "loaders/bundle/provenance.h"
 #include "loaders/formats/safetensors.h"
@@ -133,11 +136,42 @@ nlohmann::json summarize_bundle(const Bundle& bundle) {
     summary["model"]["sliding_window"] = m.model.sliding_window;
     summary["model"]["attention_chunk_size"] = m.model.attention_chunk_size;
   }
+  // The options that make a frontier model what it is, as the manifest writes them back.
+  if (m.model.moe) summary["model"]["moe"] = moe_json(*m.model.moe, m.model.num_layers);
+  if (m.model.latent_attention) summary["model"]["latent_attention"] = latent_attention_json(*m.model.latent_attention);
+  if (m.model.mtp) summary["model"]["mtp"] = mtp_json(*m.model.mtp);
   // Values the writer assumed (manifest provenance "from": "default"): the first suspects of a gap.
   const std::vector<ValueSource> defaulted = defaulted_values(m.provenance);
   if (!defaulted.empty()) summary["defaulted"] = describe_defaulted(defaulted);
   return summary;
 }
+
+namespace {
+
+// One line each for experts, latent attention and multi-token prediction, where the model has them.
+void render_frontier_options(std::ostringstream& out, const nlohmann::json& model) {
+  if (model.contains("moe")) {
+    const nlohmann::json& moe = model["moe"];
+    out << "experts    " << moe["num_experts"] << " routed, top " << moe["top_k"] << " ("
+        << moe.value("router", std::string("softmax_top_k")) << " router)";
+    if (moe.value("shared_expert_intermediate_size", 0) > 0) {
+      out << ", a shared expert of width " << moe["shared_expert_intermediate_size"];
+    }
+    if (moe.contains("layers")) out << ", on layers " << moe["layers"].dump();
+    out << "\n";
+  }
+  if (model.contains("latent_attention")) {
+    const nlohmann::json& latent = model["latent_attention"];
+    out << "attention  latent: kv rank " << latent["kv_lora_rank"] << ", q rank " << latent["q_lora_rank"].dump()
+        << ", rotary width " << latent["qk_rope_head_dim"] << "\n";
+  }
+  if (model.contains("mtp")) {
+    out << "mtp        " << model["mtp"]["num_layers"] << " multi-token prediction layer(s), loss scale "
+        << model["mtp"]["loss_scale"].dump() << " (in the gradients, not the logged loss)\n";
+  }
+}
+
+}  // namespace
 
 std::string render_bundle_summary(const nlohmann::json& s) {
   std::ostringstream out;
@@ -159,6 +193,7 @@ std::string render_bundle_summary(const nlohmann::json& s) {
     for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : " (") << sizes[i] << (i + 1 == sizes.size() ? ")" : "");
     out << "\n";
   }
+  render_frontier_options(out, model);
   out << "precision  " << s["precision"].get<std::string>() << "\n";
   const auto& data = s["data"];
   out << "data       seq_len " << data["seq_len"] << ", micro-batch " << data["micro_batch_size"] << " x "

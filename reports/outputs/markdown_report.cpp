@@ -155,6 +155,20 @@ void write_verdict(std::ostringstream& out, const ReplayReport& report) {
     out << "\nThis is a minimized bundle (`nanreplay minimize`) of " << code(report.minimized->bundle)
         << "; its `minimized` block in manifest.json says what was kept and why.\n";
   }
+  for (const LossTerm& t : report.loss_terms) {  // the router terms; MTP's own sentence follows
+    if (t.term == "mtp_loss") continue;
+    out << "\nThe replayed loss " << (t.coefficient == 0 ? "adds no " + code(t.term)
+                                                           : "adds " + format_number(t.coefficient) + " x " + code(t.term))
+        << " (" << escape_markdown(t.source) << ").\n";
+  }
+  if (report.mtp && report.mtp->replayed) {
+    out << "\nThe replayed gradients include the multi-token prediction loss (" << report.mtp->num_layers
+        << " MTP layers, scale " << report.mtp->loss_scale
+        << ", as Megatron-LM adds it); the replayed loss is the LM loss alone, as Megatron-LM logs it.\n";
+  } else if (report.mtp) {
+    out << "\nThe checkpoint's multi-token prediction (MTP) layers were left out of the replayed loss"
+        << (report.mtp->detail.empty() ? std::string() : " (" + escape_markdown(report.mtp->detail) + ")") << ".\n";
+  }
 }
 
 void write_steps(std::ostringstream& out, const ReplayReport& report) {
@@ -241,6 +255,38 @@ void write_expert_load(std::ostringstream& out, const ReplayReport& report) {
   }
 }
 
+// DeepSeek-V3's correction bias where the replay derived it, or where a
+// rolled-forward step's logged bias differs from the derived one
+// (docs/rolling-forward.md, "The router's correction bias").
+void write_router_score_bias(std::ostringstream& out, const ReplayReport& report) {
+  std::vector<int64_t> derived;
+  const StepOutcome* widest = nullptr;
+  for (const StepOutcome& s : report.steps) {
+    if (!s.router_score_bias) continue;
+    if (s.router_score_bias->derived) derived.push_back(s.step);
+    const std::optional<double>& gap = s.router_score_bias->derived_gap;
+    if (gap && (widest == nullptr || !(*gap <= *widest->router_score_bias->derived_gap))) widest = &s;
+  }
+  if (derived.empty() && widest == nullptr) return;
+  out << "\n## Router correction bias\n\n";
+  if (!derived.empty()) {
+    out << "Derived by `model.moe.score_bias_update` from the step before (state.json logs none) at step";
+    out << (derived.size() > 1 ? "s" : "");
+    for (size_t i = 0; i < derived.size(); ++i) out << (i == 0 ? " " : ", ") << derived[i];
+    out << "; report.json `steps[].router_score_bias` holds each step's.\n";
+  }
+  if (widest == nullptr) return;
+  const double gap = *widest->router_score_bias->derived_gap;
+  out << (derived.empty() ? "" : "\n") << "Rolled-forward steps that log their bias were replayed with it; ";
+  if (gap == 0) {
+    out << "the bias `model.moe.score_bias_update` derives equals the logged one at every such step.\n";
+    return;
+  }
+  out << "the bias `model.moe.score_bias_update` derives differs from the logged one by up to " << format_number(gap)
+      << " (step " << widest->step << "): beyond the logged values' rounding, the run's balancing rule, rate or "
+      << "token counts are not the manifest's.\n";
+}
+
 void write_what_ifs(std::ostringstream& out, const ReplayReport& report) {
   if (!report.what_if || report.what_if->empty()) return;
   out << "\n## What-if replays\n\n";
@@ -284,6 +330,7 @@ std::string render_markdown(const ReplayReport& report) {
   write_findings(out, report);
   write_propagation(out, report);
   write_expert_load(out, report);
+  write_router_score_bias(out, report);
   write_what_ifs(out, report);
   write_determinism_and_links(out, report);
   return out.str();

@@ -2,6 +2,7 @@
 // project adds are documented in docs/report-format.md.
 #include "reports/outputs/report_json.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "reports/outputs/counterfactual_output.h"
@@ -108,6 +109,35 @@ nlohmann::json expert_activation_json(const std::vector<std::optional<std::vecto
   return layers;
 }
 
+// steps[].router_logit_max: [layer][expert], null for a layer without a router.
+nlohmann::json router_logit_max_json(const std::vector<std::vector<double>>& maxima) {
+  nlohmann::json layers = nlohmann::json::array();
+  for (const std::vector<double>& row : maxima) {
+    const bool routed = std::any_of(row.begin(), row.end(), [](double v) { return v != -INFINITY; });
+    if (!routed) {
+      layers.push_back(nullptr);
+      continue;
+    }
+    nlohmann::json experts = nlohmann::json::array();
+    for (double v : row) experts.push_back(json_number(v));
+    layers.push_back(experts);
+  }
+  return layers;
+}
+
+// steps[].router_score_bias {"<layer>": [E]}, with _source and _derived_gap beside it.
+void add_router_score_bias(nlohmann::json& out, const RouterScoreBias& bias) {
+  nlohmann::json layers = nlohmann::json::object();
+  for (const auto& [layer, values] : bias.by_layer) {
+    nlohmann::json row = nlohmann::json::array();
+    for (double v : values) row.push_back(json_number(v));
+    layers[std::to_string(layer)] = row;
+  }
+  out["router_score_bias"] = layers;
+  out["router_score_bias_source"] = bias.derived ? "derived" : "logged";
+  out["router_score_bias_derived_gap"] = bias.derived_gap ? json_number(*bias.derived_gap) : nlohmann::json(nullptr);
+}
+
 nlohmann::json step_to_json(const StepOutcome& step) {
   nlohmann::json out = {
       {"step", step.step},
@@ -134,6 +164,13 @@ nlohmann::json step_to_json(const StepOutcome& step) {
   if (!step.expert_tokens.empty()) out["expert_tokens"] = step.expert_tokens;
   if (!step.attn_logit_max.empty()) out["attn_logit_max"] = logit_max_json(step.attn_logit_max);
   if (!step.expert_activation_max.empty()) out["expert_activation_max"] = expert_activation_json(step.expert_activation_max);
+  if (!step.router_logit_max.empty()) out["router_logit_max"] = router_logit_max_json(step.router_logit_max);
+  if (!step.mtp_losses.empty()) {  // model.mtp: each depth's loss, unscaled
+    nlohmann::json depths = nlohmann::json::array();
+    for (const double loss : step.mtp_losses) depths.push_back(json_number(loss));
+    out["mtp_loss"] = depths;
+  }
+  if (step.router_score_bias) add_router_score_bias(out, *step.router_score_bias);
   return out;
 }
 
@@ -253,6 +290,23 @@ nlohmann::json report_to_json(const ReplayReport& report) {
   out["bundle"] = report.bundle;
   out["arch"] = arch_name(report.arch);
   out["precision"] = compute_name(report.precision);
+  if (report.mtp) {  // docs/report-format.md: multi-token prediction replayed, or left out by the bundle's writer
+    nlohmann::json mtp = {{"replayed", report.mtp->replayed}};
+    if (report.mtp->replayed) {
+      mtp["num_layers"] = report.mtp->num_layers;
+      mtp["loss_scale"] = json_number(report.mtp->loss_scale);
+    }
+    if (!report.mtp->detail.empty()) mtp["detail"] = report.mtp->detail;
+    out["multi_token_prediction"] = mtp;
+  }
+  if (!report.loss_terms.empty()) {  // docs/report-format.md: what the replayed loss adds to the cross-entropy
+    nlohmann::json terms = nlohmann::json::array();
+    for (const LossTerm& t : report.loss_terms) {
+      terms.push_back({{"term", t.term}, {"coefficient", json_number(t.coefficient)},
+                       {"in_logged_loss", t.in_logged_loss}, {"source", t.source}});
+    }
+    out["loss_terms"] = terms;
+  }
   out["reproduced"] = report.reproduced;
   out["first_nonfinite"] = first_nonfinite_json(report.first_nonfinite);
   out["spike"] = spike_json(report.spike);

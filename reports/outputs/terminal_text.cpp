@@ -157,6 +157,13 @@ std::string render_verdict(const ReplayReport& report, const TextStyle& style) {
   }
   out << "bundle  " << printable(report.bundle) << "  (" << arch_name(report.arch) << ", "
       << compute_name(report.precision) << ", " << report.steps.size() << " steps)\n";
+  if (report.mtp) {  // multi-token prediction: what the replayed gradients include (docs/bundle-format.md)
+    out << "mtp     "
+        << (report.mtp->replayed ? "the gradients include the MTP layers' loss (" + std::to_string(report.mtp->num_layers) +
+                                       " depth(s)); the loss shown is the LM loss, as Megatron-LM logs it"
+                                 : std::string("the checkpoint's MTP layers were left out of the replayed loss"))
+        << "\n";
+  }
   out << reproduction_line(report, style);
   if (report.spike && report.spike->reproduced) {
     out << paint(style, "1;33", "SPIKE") << "  "

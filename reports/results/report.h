@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -189,6 +190,16 @@ struct ExpertActivationMax {
   int64_t rows = 0;
 };
 
+// The correction bias a step's router added to its scores to choose experts (DeepSeek-V3's
+// e_score_correction_bias; steps[].router_score_bias), by layer with experts.
+struct RouterScoreBias {
+  std::map<int, std::vector<double>> by_layer;
+  bool derived = false;  // by model.moe.score_bias_update from the step before; else state.json's
+  // A rolled-forward step that logs its bias too: max |derived - logged| over every layer and expert
+  // (the logged one is replayed); none otherwise.
+  std::optional<double> derived_gap;
+};
+
 struct StepOutcome {
   int64_t step = 0;
   bool replayed = false;
@@ -220,6 +231,33 @@ struct StepOutcome {
   // output (steps[].expert_activation_max); none for a layer without experts;
   // empty for a dense model.
   std::vector<std::optional<std::vector<ExpertActivationMax>>> expert_activation_max;
+  // [layer][expert]: the largest raw router logit (before the softmax or sigmoid) over every pass
+  // (steps[].router_logit_max); -inf for a layer without experts; empty when not recorded.
+  std::vector<std::vector<double>> router_logit_max;
+  // A router that adds a correction bias (steps[].router_score_bias); none otherwise.
+  std::optional<RouterScoreBias> router_score_bias;
+  // model.mtp: each depth's mean cross-entropy over the step's passes, unscaled (steps[].mtp_loss); empty without.
+  std::vector<double> mtp_losses;
+};
+
+// One term the replayed loss adds to the cross-entropy (report.json's
+// loss_terms, reports/triage/loss_terms_note.h).
+struct LossTerm {
+  std::string term;          // router_aux_loss, router_z_loss, mtp_loss
+  double coefficient = 0.0;  // 0: the run added no such term, as the bundle says
+  bool in_logged_loss = true;  // mtp_loss: in the gradients only, as Megatron-LM logs its loss
+  std::string source;        // where the bundle's writer found the coefficient
+};
+
+// Multi-token prediction (report.json's multi_token_prediction): replayed in
+// the gradients (manifest model.mtp), or left out by the bundle's writer
+// (provenance "model.mtp" without model.mtp): then a likely cause beside a
+// verdict that the replay does not reproduce the run.
+struct MtpSummary {
+  bool replayed = false;
+  int64_t num_layers = 0;   // replayed only
+  double loss_scale = 0.0;  // replayed only
+  std::string detail;       // the provenance entry's words, when the writer gave them
 };
 
 struct ReplayReport {
@@ -231,6 +269,8 @@ struct ReplayReport {
   std::optional<IncidentInfo> incident;
   std::optional<MinimizedFrom> minimized;  // the bundle was written by `nanreplay minimize` from this one
   std::vector<ValueSource> defaulted;      // manifest provenance entries "from": "default"
+  std::optional<MtpSummary> mtp;           // none: no multi-token prediction layers, as far as the bundle says
+  std::vector<LossTerm> loss_terms;        // empty: the cross-entropy alone
   bool reproduced = false;
   std::optional<FirstNonfinite> first_nonfinite;
   std::vector<StepOutcome> steps;

@@ -28,9 +28,12 @@ struct TriageThresholds {
   double update_g2_over_v = 25.0;
   // NUMERIC_EXPERT_OUTLIER_ACTIVATION (docs/triage.md): an expert's output
   // max |x| this many times the median of its layer's other experts' and
-  // above this floor.
+  // above this floor; or, where its layer's others moved with it, this many
+  // times the median of its own output maxima in the window's earlier steps
+  // (at least expert_history of them, each with tokens routed to it).
   double expert_outlier_ratio = 16.0;
   double expert_outlier_floor = 64.0;
+  int expert_history = 2;
   DataCheckOptions data;
 };
 

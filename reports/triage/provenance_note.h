@@ -4,11 +4,17 @@
 // resting on them. A defaulted norm_eps or rope_theta is the likelier cause.
 #pragma once
 
+#include <string>
+
 #include "reports/results/report.h"
 
 namespace nanreplay {
 
 // Call after settle_verdict. No-op when nothing was defaulted.
 void note_defaulted_values(ReplayReport& report);
+
+// Appends `sentence` to BUNDLE_DOES_NOT_REPRODUCE, SYSTEM_NOT_REPRODUCIBLE and
+// the root cause resting on either: what a reader should check first.
+void note_on_reproduction_gaps(ReplayReport& report, const std::string& sentence);
 
 }  // namespace nanreplay

@@ -6,6 +6,8 @@
 #include "reports/triage/numeric/expert_load.h"
 #include "reports/triage/numeric/expert_outlier.h"
 #include "reports/triage/numeric/update_spike.h"
+#include "reports/triage/loss_terms_note.h"
+#include "reports/triage/mtp_note.h"
 #include "reports/triage/provenance_note.h"
 #include "reports/triage/spike_origin.h"
 #include "reports/triage/system/site_mismatch.h"
@@ -50,7 +52,11 @@ StepTriage triage_step(const StepEvidence& e, const TriageThresholds& t) {
     append_findings(findings, router_collapse_findings(triage.expert_tokens, outcome.step, *e.model.moe,
                                                        layers_with_nonfinite_routing(e.probes, outcome.step)));
   }
-  if (e.model.moe) append_findings(findings, expert_outlier_findings(e.probes, outcome.step, t, e.token_at));
+  if (e.model.moe) {
+    static const std::vector<StepOutcome> kNoEarlierSteps;
+    const std::vector<StepOutcome>& earlier = e.earlier_steps ? *e.earlier_steps : kNoEarlierSteps;
+    append_findings(findings, expert_outlier_findings(e.probes, outcome.step, t, e.token_at, earlier));
+  }
   append_findings(findings, sample_loss_findings(e.sample_losses, outcome.step, t));
   triage.rank_norms_logged_global = rank_norms_logged_global(outcome, e.state, t);
   append_findings(findings, rank_mismatch_findings(outcome, e.state, t, triage.rank_norms_logged_global));
@@ -91,6 +97,8 @@ void triage_verdict(ReplayReport& report, const TriageThresholds& thresholds, co
   settle_verdict(report, thresholds);
   name_spike_as_cause(report);
   note_defaulted_values(report);
+  note_multi_token_prediction(report, manifest);
+  note_loss_terms(report, manifest);
   annotate_original_samples(report, manifest);
 }
 

@@ -65,6 +65,9 @@ struct StepEvidence {
   // The input token id at (sample, position), -1 where unknown: what
   // NUMERIC_EXPERT_OUTLIER_ACTIVATION names. Empty: none named.
   std::function<int64_t(int64_t sample, int64_t position)> token_at;
+  // The window's steps replayed before this one (their expert maxima: what an
+  // expert is compared with over time); none: nothing earlier.
+  const std::vector<StepOutcome>* earlier_steps = nullptr;
 };
 struct StepTriage {
   std::vector<Finding> findings;

@@ -28,7 +28,9 @@ DeepseekV3MLP (dense layers) and DeepseekV3DecoderLayer's pre-norm residuals; an
    model_type deepseek_v3, first_k_dense_replace >= num_hidden_layers, head_dim = qk_rope_head_dim, rope_interleave
    and YaRN with mscale_all_dim; model.safetensors under DeepseekV3ForCausalLM's names) plus one multi-token
    prediction layer (model.layers.2.eh_proj/enorm/hnorm/shared_head and a decoder block, as DeepSeek-V3's
-   checkpoints carry num_nextn_predict_layers of them): the import names the MTP layer as left out, the manifest
+   checkpoints carry num_nextn_predict_layers of them): without --mtp-loss-scale the import is refused naming the
+   flag and the layer; with --mtp-loss-scale 0 it names the MTP layer as left out, report.json's
+   multi_token_prediction says so (test_family_deepseek_mtp.py replays MTP layers), the manifest
    has model.latent_attention (norm_eps 1e-6) and rope_style interleaved, and the replay is within 1e-5 of the
    reference's loss and gradient norm. The same checkpoint with first_k_dense_replace 1 (layer 1 an MoE layer,
    test_family_deepseek_moe.py imports those) and a dense layer 1 is refused naming the MoE layer's missing
@@ -429,9 +431,19 @@ def check_import(cli, work):
     fs.nanreplay_capture.write_safetensors(hf / "model.safetensors", tensors)
     (hf / "config.json").write_text(json.dumps(hf_config(CONFIG)))
     flags = [*data.flags(), "--log", work / "log.jsonl", "--steps", "0:0"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = nanreplay_import.main([str(a) for a in ["--checkpoint", hf, *flags, "--out", work / "unsaid"]])
+    said = err.getvalue().strip()
+    fs.check(rc == 2 and len(said.splitlines()) == 1 and "--mtp-loss-scale" in said
+             and f"model.layers.{{{LAYERS}}}" in said,
+             f"DeepSeek-V3 import with MTP layers and no --mtp-loss-scale: refused naming the flag and the layers "
+             f"(exit {rc}): {said}")
+    flags += ["--mtp-loss-scale", 0]  # the run's loss left them out (test_family_deepseek_mtp.py replays them)
     proc = imp.run_import(cli, ["--checkpoint", hf, *flags], work / "bundle")
     if fs.check(proc.returncode == 0, f"DeepSeek-V3 import: exit 0 ({proc.stderr.strip()[-300:]})"):
-        fs.check("multi-token prediction" in proc.stdout and f"model.layers.{{{LAYERS}}}" in proc.stdout,
+        fs.check("multi-token prediction" in proc.stdout and f"model.layers.{{{LAYERS}}}" in proc.stdout
+                 and "left out of the replayed loss (--mtp-loss-scale 0)" in proc.stdout,
                  "DeepSeek-V3 import: the MTP layer is named as left out")
         m = json.loads((work / "bundle" / "manifest.json").read_text())["model"]
         fs.check(m.get("latent_attention") == manifest_model(CONFIG)["latent_attention"]
@@ -440,6 +452,9 @@ def check_import(cli, work):
         rproc, report = imp.run_replay(cli, work / "bundle", work / "out")
         if fs.check(report is not None, f"DeepSeek-V3 import replays ({rproc.stderr.strip()[-300:]})"):
             fs.compare_step(report, loss, norm, "DeepSeek-V3 import (dense, latent attention, MTP left out)")
+            said = report.get("multi_token_prediction") or {}
+            fs.check(said.get("replayed") is False and "--mtp-loss-scale 0" in said.get("detail", ""),
+                     f"DeepSeek-V3 import: report.json says the MTP layer was left out ({said})")
     moe = dict(tensors, **{"model.layers.1.mlp.experts.0.gate_proj.weight": torch.zeros(16, C)})
     fs.nanreplay_capture.write_safetensors(hf / "model.safetensors", list(moe.items()))
     (hf / "config.json").write_text(json.dumps(hf_config(CONFIG, first_k_dense_replace=1)))

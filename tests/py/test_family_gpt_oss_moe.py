@@ -371,7 +371,41 @@ def check_import(cli, work):
     replayed = report["steps"][0]["loss"]
     fs.check(fs.rel_err(replayed, swapped["loss"]) > 10 * fs.TOLERANCE,
              f"the check can fail: the reference with gate/up swapped departs ({swapped['loss']!r} vs {replayed!r})")
+    check_loss_terms(cli, work, data, report, log)
     fs.failures.extend(imp.failures)
+
+
+def check_loss_terms(cli, work, data, report, log):
+    """4b. The report says what the replayed loss adds: the aux loss as the config's output_router_logits said;
+    --router-aux-loss-coef 0 (a run that added none) replaces it, is said with its source, and, the run having
+    added it, the replay no longer reproduces and the gap names the router terms."""
+    import import_support as imp  # noqa: E402
+    terms = {t["term"]: t for t in report.get("loss_terms", [])}
+    aux = terms.get("router_aux_loss", {})
+    fs.check(aux.get("coefficient") == AUX and aux.get("in_logged_loss") is True
+             and "output_router_logits" in aux.get("source", "") and terms.get("router_z_loss", {}).get(
+                 "coefficient") == 0, f"GPT-OSS import: report.json's loss_terms say the aux loss was added ({terms})")
+    proc = imp.run_import(cli, ["--checkpoint", work / "hf", "--optimizer", work / "hf" / "optimizer.pt",
+                                "--optimizer-class", "torch.optim.AdamW", *data.flags(), "--log", work / "log.jsonl",
+                                "--steps", "1:1", "--grad-clip", 1.0, "--router-aux-loss-coef", 0], work / "no-aux")
+    if not fs.check(proc.returncode == 0, f"--router-aux-loss-coef 0: exit 0 ({proc.stderr.strip()[-300:]})"):
+        return
+    _, without = imp.run_replay(cli, work / "no-aux", work / "no-aux-out")
+    if not fs.check(without is not None, "--router-aux-loss-coef 0 replays"):
+        return
+    aux = {t["term"]: t for t in without.get("loss_terms", [])}.get("router_aux_loss", {})
+    fs.check(aux.get("coefficient") == 0 and aux.get("source", "").startswith("flag: --router-aux-loss-coef 0"),
+             f"--router-aux-loss-coef 0: the report says no aux loss, from the flag ({aux})")
+    gap = [f for f in without["findings"] if f["code"] == "BUNDLE_DOES_NOT_REPRODUCE"]
+    fs.check(fs.rel_err(without["steps"][0]["loss"], log[1]["loss"]) > 10 * fs.TOLERANCE and gap
+             and "no router_aux_loss" in gap[0]["message"],
+             "without the aux loss the run's logged loss is missed, and the gap names the router terms "
+             f"({without['steps'][0]['loss']!r} vs {log[1]['loss']!r})")
+    refused = imp.run_import(cli, ["--checkpoint", work / "hf", *data.flags(), "--log", work / "log.jsonl",
+                                   "--steps", "1:1", "--router-aux-loss-coef", -1], work / "bad-aux")
+    fs.check(refused.returncode == 2 and "--router-aux-loss-coef" in refused.stderr
+             and len(refused.stderr.strip().splitlines()) == 1, f"a negative coefficient is refused by name "
+                                                                f"({refused.stderr.strip()})")
 
 
 def check_mxfp4_refused(work):

@@ -1,4 +1,4 @@
-"""report.json's per-step attn_logit_max and expert_activation_max against eager PyTorch (issue 40).
+"""report.json's per-step attn_logit_max, expert_activation_max and router_logit_max against eager PyTorch.
 
 The reference is test_family_gpt_oss_moe.py's GPT-OSS (attention with sinks and biases, a mixture of
 experts in every layer), transcribed from transformers' modeling_gpt_oss.py, on the weights and batch of the
@@ -9,8 +9,12 @@ first step of `nanreplay synth clean-gpt-oss-moe` (fp32). Recorded beside its fo
 - per layer and expert, the largest |x| of the hidden states routed to the expert, and of the expert's output
   before the routing weight: the reference's own GptOssExperts called on those rows with a weight of 1.
 
-Both within 1e-5 relative of the replay's. The check can fail: the scores' maximum over every key (the masked
-ones too) and the experts' outputs after the routing weight depart by more than ten times the tolerance.
+- per layer and expert, the largest router logit (GptOssTopKRouter.forward's router_logits: the linear with its
+  bias, before the top-k and softmax).
+
+All within 1e-5 relative of the replay's. The check can fail: the scores' maximum over every key (the masked
+ones too), the experts' outputs after the routing weight and the router's scores after its softmax depart by
+more than ten times the tolerance.
 
     /usr/bin/python3 tests/py/test_frontier_probes.py --cli build/nanreplay --work DIR
 """
@@ -19,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
@@ -45,7 +50,7 @@ def record_reference(model, inputs, targets):
             every[i] = scores.amax(dim=(0, 2, 3))
         return original(module, query, key, value, attention_mask, scaling)
 
-    captured = {}
+    captured, router_max, router_after = {}, {}, {}
     originals = []
     for i, mlp in enumerate(model.experts()):
         forward = mlp.experts.forward
@@ -55,6 +60,18 @@ def record_reference(model, inputs, targets):
             return forward(hidden_states, router_indices=router_indices, routing_weights=routing_weights)
         originals.append((mlp.experts, forward))
         mlp.experts.forward = capture
+        router_forward = mlp.router.forward
+
+        def capture_router(hidden_states, i=i, router=mlp.router, forward=router_forward):
+            scores, indices = forward(hidden_states)
+            with torch.no_grad():  # GptOssTopKRouter.forward's router_logits, then its scores
+                h = hidden_states.reshape(-1, router.hidden_dim)
+                logits = router.rnd(F.linear(router.rnd(h), router.rnd(router.weight), router.rnd(router.bias)))
+                router_max[i] = logits.amax(0)
+                router_after[i] = scores.amax(0)
+            return scores, indices
+        originals.append((mlp.router, router_forward))
+        mlp.router.forward = capture_router
     attn.eager_attention_forward = recording
     try:
         with torch.no_grad():
@@ -83,7 +100,7 @@ def record_reference(model, inputs, targets):
                 row.append({"input": float(rows.abs().max()), "output": float(out.abs().max()),
                             "weighted": float(weighted.abs().max())})
             experts[i] = row
-    return visible, every, experts
+    return visible, every, experts, router_max, router_after
 
 
 def main():
@@ -110,9 +127,12 @@ def main():
     fs.check(d.get("world_size", 1) == 1, "one rank")
     ids = bundle.samples(first["step"])[0]
     mbs = d["micro_batch_size"]
-    visible, every, experts = {}, {}, {}
+    visible, every, experts, router, router_after = {}, {}, {}, {}, {}
     for micro in range(d.get("grad_accum_steps", 1)):  # the step's maxima: over its micro-batches
-        v, a, x = record_reference(model, *bundle.batch(ids[micro * mbs:(micro + 1) * mbs]))
+        v, a, x, r, ra = record_reference(model, *bundle.batch(ids[micro * mbs:(micro + 1) * mbs]))
+        for layer in r:
+            router[layer] = torch.maximum(router[layer], r[layer]) if layer in router else r[layer]
+            router_after[layer] = torch.maximum(router_after[layer], ra[layer]) if layer in router_after else ra[layer]
         for layer in v:
             visible[layer] = torch.maximum(visible[layer], v[layer]) if layer in visible else v[layer]
             every[layer] = torch.maximum(every[layer], a[layer]) if layer in every else a[layer]
@@ -152,7 +172,17 @@ def main():
     fs.check(worst <= fs.TOLERANCE, f"expert_activation_max within {fs.TOLERANCE} of the reference (worst {worst:.3g})")
     fs.check(worst_weighted > 10 * fs.TOLERANCE,
              f"the check can fail: the outputs after the routing weight depart (worst {worst_weighted:.3g})")
-    print(f"attn_logit_max and expert_activation_max match ({compared} experts)")
+
+    got = row["router_logit_max"]
+    worst, worst_after = 0.0, 0.0
+    for layer in range(m["num_layers"]):
+        for e in range(m["moe"]["num_experts"]):
+            worst = max(worst, fs.rel_err(got[layer][e], float(router[layer][e])))
+            worst_after = max(worst_after, fs.rel_err(got[layer][e], float(router_after[layer][e])))
+    fs.check(worst <= fs.TOLERANCE, f"router_logit_max within {fs.TOLERANCE} of the reference (worst {worst:.3g})")
+    fs.check(worst_after > 10 * fs.TOLERANCE,
+             f"the check can fail: the router's scores after its softmax depart (worst {worst_after:.3g})")
+    print(f"attn_logit_max, expert_activation_max and router_logit_max match ({compared} experts)")
     fs.finish()
 
 

@@ -49,6 +49,68 @@ std::optional<double> typical_output(const std::map<int, ExpertOutput>& layer, i
   return median_of(std::move(others));
 }
 
+// A finite expert output past the ratio and the floor: against what, and by how much.
+struct Outlier {
+  int layer = 0;
+  int expert = 0;
+  double ratio = 0.0;
+  double typical = 0.0;
+  std::vector<int64_t> history;  // the earlier steps compared with; empty: the layer's other experts
+};
+
+bool beats(const std::optional<Outlier>& best, double ratio) { return !best || ratio > best->ratio; }
+
+// An output past the floor and `ratio` times `typical`: its ratio; none otherwise.
+std::optional<double> outlier_ratio(double max_abs, double typical, const TriageThresholds& t) {
+  if (!std::isfinite(max_abs) || max_abs <= t.expert_outlier_floor) return std::nullopt;
+  const double ratio = typical > 0 ? max_abs / typical : INFINITY;
+  if (ratio <= t.expert_outlier_ratio) return std::nullopt;
+  return ratio;
+}
+
+// The largest ratio over the layers of an expert's output to its layer's other experts' median.
+std::optional<Outlier> layer_outlier(const std::map<int, std::map<int, ExpertOutput>>& outputs,
+                                     const TriageThresholds& t) {
+  std::optional<Outlier> worst;
+  for (const auto& [layer, experts] : outputs) {
+    for (const auto& [expert, out] : experts) {
+      const std::optional<double> typical = typical_output(experts, expert);
+      const std::optional<double> ratio = typical ? outlier_ratio(out.max_abs, *typical, t) : std::nullopt;
+      if (ratio && beats(worst, *ratio)) worst = Outlier{layer, expert, *ratio, *typical, {}};
+    }
+  }
+  return worst;
+}
+
+// The largest ratio of an expert's output to the median of its own output maxima in the window's earlier
+// steps that routed tokens to it (at least t.expert_history of them): a layer whose experts all grew
+// together leaves no expert far from the others, yet each far from its own past.
+std::optional<Outlier> history_outlier(const std::map<int, std::map<int, ExpertOutput>>& outputs,
+                                       const std::vector<StepOutcome>& earlier_steps, const TriageThresholds& t) {
+  std::optional<Outlier> worst;
+  for (const auto& [layer, experts] : outputs) {
+    for (const auto& [expert, out] : experts) {
+      std::vector<double> past;
+      std::vector<int64_t> steps;
+      for (const StepOutcome& earlier : earlier_steps) {
+        const size_t l = static_cast<size_t>(layer);
+        if (l >= earlier.expert_activation_max.size() || !earlier.expert_activation_max[l]) continue;
+        const std::vector<ExpertActivationMax>& maxima = *earlier.expert_activation_max[l];
+        if (static_cast<size_t>(expert) >= maxima.size()) continue;
+        const ExpertActivationMax& m = maxima[static_cast<size_t>(expert)];
+        if (m.rows == 0 || !std::isfinite(m.output)) continue;
+        past.push_back(m.output);
+        steps.push_back(earlier.step);
+      }
+      if (static_cast<int>(past.size()) < t.expert_history) continue;
+      const double typical = median_of(std::move(past));
+      const std::optional<double> ratio = outlier_ratio(out.max_abs, typical, t);
+      if (ratio && beats(worst, *ratio)) worst = Outlier{layer, expert, *ratio, typical, steps};
+    }
+  }
+  return worst;
+}
+
 int64_t token_of(const TokenAt& token_at, int64_t sample, int64_t position) {
   return token_at && sample >= 0 && position >= 0 ? token_at(sample, position) : -1;
 }
@@ -62,7 +124,8 @@ std::string token_text(int64_t token, int64_t sample, int64_t position) {
 }  // namespace
 
 std::vector<Finding> expert_outlier_findings(const std::vector<ProbeRecord>& records, int64_t step,
-                                             const TriageThresholds& t, const TokenAt& token_at) {
+                                             const TriageThresholds& t, const TokenAt& token_at,
+                                             const std::vector<StepOutcome>& earlier_steps) {
   const std::map<int, std::map<int, ExpertOutput>> outputs = expert_outputs(records, step);
   // The incident's own expert: the earliest non-finite forward value at a per-expert site.
   const ProbeRecord* first = nullptr;
@@ -88,33 +151,27 @@ std::vector<Finding> expert_outlier_findings(const std::vector<ProbeRecord>& rec
          {K::kMicroBatch, first->micro_batch}, {K::kRank, first->rank}, {K::kValue, value},
          {K::kTypical, typical ? EvidenceValue(*typical) : EvidenceValue(nullptr)}})};
   }
-  // A finite outlier: the largest ratio over the layers.
-  std::optional<std::pair<double, std::pair<int, int>>> worst;  // (ratio, (layer, expert))
-  double worst_typical = 0.0;
-  for (const auto& [layer, experts] : outputs) {
-    for (const auto& [expert, out] : experts) {
-      if (!std::isfinite(out.max_abs) || out.max_abs <= t.expert_outlier_floor) continue;
-      const std::optional<double> typical = typical_output(experts, expert);
-      if (!typical) continue;
-      const double ratio = *typical > 0 ? out.max_abs / *typical : INFINITY;
-      if (ratio <= t.expert_outlier_ratio || (worst && ratio <= worst->first)) continue;
-      worst = {ratio, {layer, expert}};
-      worst_typical = *typical;
-    }
-  }
-  if (!worst) return {};
-  const auto [layer, expert] = worst->second;
-  const ExpertOutput& out = outputs.at(layer).at(expert);
+  const std::optional<Outlier> outlier = layer_outlier(outputs, t);
+  const std::optional<Outlier> found = outlier ? outlier : history_outlier(outputs, earlier_steps, t);
+  if (!found) return {};
+  const ExpertOutput& out = outputs.at(found->layer).at(found->expert);
   const int64_t sample = out.at->largest_sample, position = out.at->largest_position;
   const int64_t token = token_of(token_at, sample, position);
+  const std::string against = found->history.empty()
+      ? "the median of its layer's other experts"
+      : "its own median over steps " + std::to_string(found->history.front()) + ".." +
+            std::to_string(found->history.back()) + ", its layer's other experts having moved with it";
+  Evidence evidence = {{K::kStep, step}, {K::kLayer, found->layer}, {K::kExpert, found->expert},
+                       {K::kSite, probe_name(*out.at)}, {K::kToken, optional_index_value(token)},
+                       {K::kSample, optional_index_value(sample)}, {K::kPosition, optional_index_value(position)},
+                       {K::kMicroBatch, out.at->micro_batch}, {K::kRank, out.at->rank}, {K::kValue, out.max_abs},
+                       {K::kTypical, found->typical}};
+  if (!found->history.empty()) evidence.set(K::kSteps, found->history);
   return {make_finding(FindingCode::kNumericExpertOutlierActivation, Severity::kWarning,
-      "expert " + std::to_string(expert) + " of layer " + std::to_string(layer) + " output max |x| " +
-          format_number(out.max_abs) + token_text(token, sample, position) + ", " + format_number(worst->first) +
-          "x the median of its layer's other experts (" + format_number(worst_typical) + ")",
-      {{K::kStep, step}, {K::kLayer, layer}, {K::kExpert, expert}, {K::kSite, probe_name(*out.at)},
-       {K::kToken, optional_index_value(token)}, {K::kSample, optional_index_value(sample)},
-       {K::kPosition, optional_index_value(position)}, {K::kMicroBatch, out.at->micro_batch},
-       {K::kRank, out.at->rank}, {K::kValue, out.max_abs}, {K::kTypical, worst_typical}})};
+      "expert " + std::to_string(found->expert) + " of layer " + std::to_string(found->layer) + " output max |x| " +
+          format_number(out.max_abs) + token_text(token, sample, position) + ", " + format_number(found->ratio) +
+          "x " + against + " (" + format_number(found->typical) + ")",
+      std::move(evidence))};
 }
 
 }  // namespace nanreplay

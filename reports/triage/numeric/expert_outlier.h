@@ -12,6 +12,7 @@
 
 #include "probes/probe_record.h"
 #include "reports/results/finding.h"
+#include "reports/results/report.h"
 #include "reports/results/triage_thresholds.h"
 
 namespace nanreplay {
@@ -26,8 +27,14 @@ using TokenAt = std::function<int64_t(int64_t sample, int64_t position)>;
 //   the routing weight) is more than expert_outlier_ratio times the median of
 //   its layer's other experts' and above expert_outlier_floor (warning; the
 //   largest such ratio over the step's layers), with the sample and position
-//   of that element where the replay located it (a spike incident).
+//   of that element where the replay located it (a spike incident);
+// - else the expert whose output max is more than expert_outlier_ratio times
+//   the median of its own maxima in `earlier_steps` (the window's replayed
+//   steps before `step`, their steps[].expert_activation_max) and above the
+//   floor: its layer's other experts grew with it (warning; evidence `steps`
+//   names the steps compared with).
 std::vector<Finding> expert_outlier_findings(const std::vector<ProbeRecord>& records, int64_t step,
-                                             const TriageThresholds& t, const TokenAt& token_at);
+                                             const TriageThresholds& t, const TokenAt& token_at,
+                                             const std::vector<StepOutcome>& earlier_steps = {});
 
 }  // namespace nanreplay
