@@ -58,6 +58,12 @@ _MEGATRON = [  # Megatron-core (GPTModel with TransformerEngine's fused LayerNor
     (r"decoder\.layers\.\d+\.mlp\.(?:router|experts|shared_experts)\..*",
      "!Megatron's MoE layer (router, grouped experts): not imported; bundle v1's moe is read from Hugging Face's "
      "names and config only"),
+    # Megatron's MultiTokenPredictionBlock (mtp.layers.{k}.enorm, .hnorm, .eh_proj, .transformer_layer.*,
+    # .final_layernorm): its block's names are not mapped; Hugging Face's DeepSeek-V3 layout is.
+    (r"mtp\.layers\.\d+\..*",
+     "!Megatron's multi-token prediction layers: not imported under Megatron's names; convert the checkpoint to "
+     "Hugging Face's DeepSeek-V3 names (model.layers.{{num_hidden_layers + k}}.enorm, eh_proj, ...) and import it "
+     "with --mtp-loss-scale"),
 ]
 
 # DeepSeek's own checkpoint names (deepseek-ai/DeepSeek-V3 inference/convert.py's mapping, applied backwards).

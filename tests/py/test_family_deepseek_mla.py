@@ -409,6 +409,13 @@ def check_naming_tables(model):
         fs.check(False, "Megatron's MLA names are refused")
     except BadInput as e:
         fs.check(e.key == key and "multi-latent" in e.what, f"Megatron's MLA names are refused naming the key: {e}")
+    key = "mtp.layers.0.eh_proj.weight"
+    try:
+        Mapper("megatron", cfg).map({key: torch.zeros(C, 2 * C)}, "ckpt")
+        fs.check(False, "Megatron's MTP names are refused")
+    except BadInput as e:
+        fs.check(e.key == key and "multi-token prediction" in e.what and "--mtp-loss-scale" in e.what,
+                 f"Megatron's MTP names are refused naming the key: {e}")
 
 
 def check_import(cli, work):
