@@ -221,7 +221,9 @@ class DeepseekV3ForCausalLM(fs.Rounding, torch.nn.Module):
         self.inv_freq, self.attention_scaling = compute_yarn_parameters(
             cfg["qk_rope_head_dim"], cfg["rope_theta"], cfg["rope_scaling"], 64)
 
-    def forward(self, input_ids, labels):
+    def decoder(self, input_ids):
+        """The forward up to the final norm: (hidden states, attention mask, rotary tables); the MTP
+        reference (test_family_deepseek_mtp.py) goes on from here."""
         seq = input_ids.shape[1]
         position_ids = torch.arange(seq)[None, :].float()
         freqs = (self.inv_freq[None, :, None].float() @ position_ids[:, None, :]).transpose(1, 2)
@@ -232,7 +234,11 @@ class DeepseekV3ForCausalLM(fs.Rounding, torch.nn.Module):
         hidden_states = self.rnd(self.embed_tokens(input_ids))  # embed
         for layer in self.layers:
             hidden_states = layer(hidden_states, mask, position_embeddings)
-        return fs.cross_entropy(self.rnd(self.lm_head(self.norm(hidden_states))), labels)  # logits
+        return self.norm(hidden_states), mask, position_embeddings
+
+    def forward(self, input_ids, labels):
+        hidden_states, _, _ = self.decoder(input_ids)
+        return fs.cross_entropy(self.rnd(self.lm_head(hidden_states)), labels)  # logits
 
 
 def named(model):

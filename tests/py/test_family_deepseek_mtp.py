@@ -90,23 +90,9 @@ class DeepseekV3WithMtp(fs.Rounding, torch.nn.Module):
         self.main = mla.DeepseekV3ForCausalLM(mla.LAYERS, cfg)
         self.mtp = torch.nn.ModuleList([MultiTokenPredictionLayer(cfg) for _ in range(depths)])
 
-    def decoder(self, input_ids):
-        """DeepseekV3ForCausalLM.forward up to the final norm: (hidden, attention mask, rotary tables)."""
-        m, seq = self.main, input_ids.shape[1]
-        position_ids = torch.arange(seq)[None, :].float()
-        freqs = (m.inv_freq[None, :, None].float() @ position_ids[:, None, :]).transpose(1, 2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        position_embeddings = (emb.cos() * m.attention_scaling, emb.sin() * m.attention_scaling)
-        mask = torch.zeros(seq, seq).masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1),
-                                                 torch.finfo(torch.float32).min)[None, None]
-        hidden = self.rnd(m.embed_tokens(input_ids))  # embed
-        for layer in m.layers:
-            hidden = layer(hidden, mask, position_embeddings)
-        return m.norm(hidden), mask, position_embeddings
-
     def forward(self, input_ids, labels):
         """(LM loss, the MTP term its gradient gains, each depth's loss)."""
-        hidden, mask, rotary = self.decoder(input_ids)
+        hidden, mask, rotary = self.main.decoder(input_ids)
         lm_loss = fs.cross_entropy(self.rnd(self.main.lm_head(hidden)), labels)  # logits
         ids, mtp_labels, loss_mask = input_ids, labels.clone(), torch.ones_like(labels)
         depth_losses = []
