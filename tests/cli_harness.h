@@ -10,6 +10,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <iostream>
 #include <catch2/catch.hpp>
 
 #include <cstdlib>
@@ -22,6 +26,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/cli.h"
 #include "tests/synth_cache.h"
 
 namespace nanreplay_test {
@@ -80,16 +85,78 @@ inline std::string cli_under_test() {
   return copy != nullptr && *copy != '\0' ? copy : NANREPLAY_CLI_PATH;
 }
 
+// Whether run_cli may run the command in a forked copy of this test process
+// (which links the CLI's code: run_cli of cli/cli.h, what main() calls) instead
+// of executing the binary. Each exec pays LibTorch's start-up, about a second
+// of CPU with Debian's LibTorch and its 280 libraries, which was most of the
+// Catch2 suite's time; a fork costs milliseconds. The binary is still
+// executed when the environment changes (`env`), when the command starts
+// processes of its own from /proc/self/exe (--nproc), when this process runs
+// another thread (a fork copies only the calling one: LibTorch's OpenMP pool
+// would be missing in the child), and for every command with
+// NANREPLAY_TEST_FORK_CLI=0. spawn_cli always executes the binary (signals,
+// limits, rusage), as do the tests of what only the binary does.
+inline bool fork_allowed(const std::vector<std::string>& args, const std::string& env) {
+  const char* flag = std::getenv("NANREPLAY_TEST_FORK_CLI");
+  if (!env.empty() || (flag != nullptr && std::string(flag) == "0")) return false;
+  for (const std::string& a : args) {
+    if (a == "--nproc" || a.rfind("--nproc=", 0) == 0) return false;
+  }
+  std::error_code ec;
+  size_t threads = 0;
+  for (std::filesystem::directory_iterator it("/proc/self/task", ec), end; !ec && it != end; it.increment(ec)) ++threads;
+  return !ec && threads == 1;
+}
+
+// `nanreplay args...` as main() runs it, in a child of this process with
+// stdin from /dev/null, stdout and stderr in the given files and NO_COLOR set;
+// returns the wait status.
+inline int run_cli_in_child(const std::vector<std::string>& args, const std::string& out, const std::string& err) {
+  std::cout.flush();  // nothing of this process's output may reach the child's files
+  std::cerr.flush();
+  std::fflush(nullptr);
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    // The defaults a new process starts with, not Catch2's fatal-signal handlers.
+    for (const int sig : {SIGABRT, SIGSEGV, SIGFPE, SIGILL, SIGBUS, SIGINT, SIGTERM, SIGPIPE}) std::signal(sig, SIG_DFL);
+    const int in_fd = open("/dev/null", O_RDONLY);
+    const int out_fd = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int err_fd = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (in_fd < 0 || out_fd < 0 || err_fd < 0) _exit(126);
+    dup2(in_fd, STDIN_FILENO);
+    dup2(out_fd, STDOUT_FILENO);
+    dup2(err_fd, STDERR_FILENO);
+    setenv("NO_COLOR", "1", 1);
+    nanreplay::CommandIo io{std::cout, std::cerr};
+    io.err_is_terminal = false;  // a file, as for the binary run through the shell
+    const int status = nanreplay::run_cli(args, io);
+    std::cout.flush();
+    std::cerr.flush();
+    std::fflush(nullptr);
+    _exit(status);  // not exit(): this process's static objects are Catch2's
+  }
+  int raw = 0;
+  while (waitpid(pid, &raw, 0) < 0 && errno == EINTR) {
+  }
+  return raw;
+}
+
 // Runs `nanreplay <args...>` with NO_COLOR set and stdin closed; `env` is a
 // shell prefix that changes the environment ("env -u VAR NAME=value").
 inline CliResult run_cli_uncached(const std::vector<std::string>& args, const std::string& env = "") {
   static int counter = 0;
   const auto base = std::filesystem::temp_directory_path() /
                     ("nanreplay-cli-" + std::to_string(getpid()) + "-" + std::to_string(counter++));
-  std::string cmd = env + (env.empty() ? "" : " ") + "NO_COLOR=1 " + shell_quote(cli_under_test());
-  for (const std::string& a : args) cmd += " " + shell_quote(a);
-  cmd += " </dev/null >" + shell_quote(base.string() + ".out") + " 2>" + shell_quote(base.string() + ".err");
-  const int raw = std::system(cmd.c_str());
+  int raw = 0;
+  if (fork_allowed(args, env)) {
+    raw = run_cli_in_child(args, base.string() + ".out", base.string() + ".err");
+  } else {
+    std::string cmd = env + (env.empty() ? "" : " ") + "NO_COLOR=1 " + shell_quote(cli_under_test());
+    for (const std::string& a : args) cmd += " " + shell_quote(a);
+    cmd += " </dev/null >" + shell_quote(base.string() + ".out") + " 2>" + shell_quote(base.string() + ".err");
+    raw = std::system(cmd.c_str());
+  }
   CliResult result;
   result.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
   result.out = slurp(base.string() + ".out");
@@ -142,6 +209,23 @@ inline CliResult run_cli(const std::vector<std::string>& args, const std::string
 
 inline nlohmann::json read_json(const std::filesystem::path& path) {
   return nlohmann::json::parse(slurp(path));
+}
+
+// One clean-fp32 bundle (llama fp32, F32 checkpoints used in place, steps
+// 100..103) per test process, for tests that copy it and break the copy.
+inline const std::filesystem::path& shared_clean_bundle() {
+  static ScratchDir dir("clean-fp32");
+  static const std::filesystem::path bundle = [] {
+    const std::filesystem::path path = dir / "bundle";
+    REQUIRE(run_cli({"synth", "clean-fp32", path.string()}).status == 0);
+    return path;
+  }();
+  return bundle;
+}
+
+// Writes `value` as the bundle's own JSON files are written (indented, a final newline).
+inline void write_json(const std::filesystem::path& path, const nlohmann::json& value) {
+  std::ofstream(path) << value.dump(2) << "\n";
 }
 
 inline size_t line_count(const std::string& text) {

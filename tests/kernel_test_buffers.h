@@ -15,6 +15,9 @@
 
 namespace nanreplay::test {
 
+// Every element type the statistics kernels take.
+inline constexpr ElemType kAllTypes[] = {ElemType::kF32, ElemType::kBF16, ElemType::kF16};
+
 // --- Reference decoders.
 
 inline float reference_f16(uint16_t bits) {

@@ -15,6 +15,9 @@
 
 namespace nanreplay_test {
 
+// The label the loader tests parse a manifest under (error messages name it).
+inline constexpr const char* kManifestLabel = "bundle/manifest.json";
+
 // Matches an InputError whose message contains every fragment.
 class MessageMentions : public Catch::MatcherBase<nanreplay::InputError> {
  public:

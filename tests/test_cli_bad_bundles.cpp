@@ -27,6 +27,7 @@
 #include "loaders/bundle/manifest.h"
 #include "loaders/bundle/token_shards.h"
 #include "replay/step/memory_estimate.h"
+#include "tests/bundle_bytes.h"
 #include "tests/cli_harness.h"
 
 // AddressSanitizer reserves terabytes of shadow address space and inflates
@@ -46,6 +47,10 @@ namespace {
 
 namespace fs = std::filesystem;
 using nanreplay_test::CliResult;
+using nanreplay_test::edit_json;
+using nanreplay_test::read_u64_le;
+using nanreplay_test::u64_le;
+using nanreplay_test::write_bytes;
 using nanreplay_test::Finished;
 using nanreplay_test::line_count;
 using nanreplay_test::run_cli;
@@ -79,33 +84,6 @@ fs::path copy_of_good(const ScratchDir& scratch, const std::string& name) {
 }
 
 std::string read_bytes(const fs::path& path) { return slurp(path); }
-
-void write_bytes(const fs::path& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  REQUIRE(out.good());
-}
-
-void edit_json(const fs::path& path, const std::function<void(json&)>& edit) {
-  json doc = json::parse(read_bytes(path));
-  edit(doc);
-  write_bytes(path, doc.dump(2));
-}
-
-uint64_t read_u64_le(const std::string& bytes) {
-  uint64_t value = 0;
-  for (int i = 7; i >= 0; --i) value = (value << 8) | static_cast<unsigned char>(bytes[static_cast<size_t>(i)]);
-  return value;
-}
-
-std::string u64_le(uint64_t value) {
-  std::string bytes(8, '\0');
-  for (char& byte : bytes) {
-    byte = static_cast<char>(value & 0xFF);
-    value >>= 8;
-  }
-  return bytes;
-}
 
 // A safetensors file split into its JSON header and its data region.
 struct Safetensors {

@@ -38,25 +38,15 @@ using nanreplay_test::line_count;
 using nanreplay_test::read_json;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
+using nanreplay_test::shared_clean_bundle;
 using nanreplay_test::slurp;
 using nanreplay_test::spawn_cli;
 using nanreplay_test::SpawnOptions;
 using nanreplay_test::Spawned;
 using nanreplay_test::wait_cli;
 
-// One clean bundle per test process (llama fp32, F32 checkpoints used in place, steps 100..103).
-const fs::path& clean_bundle() {
-  static ScratchDir dir("faults-clean");
-  static const fs::path bundle = [] {
-    const fs::path path = dir / "bundle";
-    REQUIRE(run_cli({"synth", "clean-fp32", path.string()}).status == 0);
-    return path;
-  }();
-  return bundle;
-}
-
 fs::path copy_bundle(const ScratchDir& scratch, const std::string& name) {
-  fs::copy(clean_bundle(), scratch / name, fs::copy_options::recursive);
+  fs::copy(shared_clean_bundle(), scratch / name, fs::copy_options::recursive);
   return scratch / name;
 }
 
@@ -80,7 +70,7 @@ std::vector<std::string> names_in(const fs::path& dir) {
   return names;
 }
 
-const std::vector<std::string> kResults{"report.html", "report.json", "report.md", "trace.h5"};
+const std::vector<std::string> kRunOutputs{"report.html", "report.json", "report.md", "trace.h5"};
 
 bool running_as_root() { return ::geteuid() == 0; }
 
@@ -206,7 +196,7 @@ TEST_CASE("a disk that fills while the outputs are written: exit 2, one line, pr
   }
   const fs::path out = scratch / "disk" / "triage";
   // A small previous set, then fill the disk to within 100 KiB: the full trace (~220 KB) cannot fit.
-  REQUIRE(run_cli({"run", clean_bundle().string(), "--out", out.string(), "--no-probes", "--quiet"}).status == 0);
+  REQUIRE(run_cli({"run", shared_clean_bundle().string(), "--out", out.string(), "--no-probes", "--quiet"}).status == 0);
   const std::string previous_report = slurp(out / "report.json");
   struct statvfs space {};
   REQUIRE(::statvfs(out.c_str(), &space) == 0);
@@ -214,17 +204,17 @@ TEST_CASE("a disk that fills while the outputs are written: exit 2, one line, pr
   REQUIRE(free_bytes > 100 * 1024);
   std::ofstream(scratch / "disk" / "filler") << std::string(free_bytes - 100 * 1024, 'f');
 
-  const CliResult full = run_cli({"run", clean_bundle().string(), "--out", out.string(), "--quiet"});
+  const CliResult full = run_cli({"run", shared_clean_bundle().string(), "--out", out.string(), "--quiet"});
   INFO(full.err);
   CHECK(full.status == 2);  // 139 (SIGSEGV in HDF5's shutdown) before
   CHECK(line_count(full.err) == 1);
   CHECK(full.err.find("No space left on device") != std::string::npos);
   CHECK(full.err.find(out.string() + "/") != std::string::npos);  // names the file
   CHECK(slurp(out / "report.json") == previous_report);
-  CHECK(names_in(out) == kResults);
+  CHECK(names_in(out) == kRunOutputs);
 
   // A fresh nested --out on the full disk: created, then removed with its parents.
-  const CliResult nested = run_cli({"run", clean_bundle().string(), "--out", (scratch / "disk" / "a" / "b").string()});
+  const CliResult nested = run_cli({"run", shared_clean_bundle().string(), "--out", (scratch / "disk" / "a" / "b").string()});
   CHECK(nested.status == 2);
   CHECK(names_in(scratch / "disk") == std::vector<std::string>{"filler", "triage"});
 }
@@ -233,7 +223,7 @@ TEST_CASE("a layer-streamed replay whose scratch disk fills: exit 2, one line na
           "[cli][faults][disk][stream]") {
   ScratchDir scratch("faults-scratch-full");
   const fs::path out = scratch / "out";
-  const CliResult not_dir = run_cli({"run", clean_bundle().string(), "--out", out.string(), "--stream",
+  const CliResult not_dir = run_cli({"run", shared_clean_bundle().string(), "--out", out.string(), "--stream",
                                      "--scratch", (scratch / "missing").string()});
   check_one_error_line(not_dir, {"--scratch", "not a directory"});
   CHECK_FALSE(fs::exists(out));
@@ -243,7 +233,7 @@ TEST_CASE("a layer-streamed replay whose scratch disk fills: exit 2, one line na
     WARN("a tmpfs mount needs root; the full scratch disk is skipped");
     return;
   }
-  const CliResult full = run_cli({"run", clean_bundle().string(), "--out", out.string(), "--stream", "--quiet",
+  const CliResult full = run_cli({"run", shared_clean_bundle().string(), "--out", out.string(), "--stream", "--quiet",
                                   "--scratch", (scratch / "disk").string()});
   INFO(full.err);
   CHECK(full.status == 2);
@@ -260,7 +250,7 @@ TEST_CASE("a read-only --out or a result name taken by a directory: exit 2, noth
   const fs::path out = scratch / "out";
   fs::create_directories(out / "trace.h5");
   std::ofstream(out / "report.json") << "previous";
-  check_one_error_line(run_cli({"run", clean_bundle().string(), "--out", out.string(), "--no-probes"}),
+  check_one_error_line(run_cli({"run", shared_clean_bundle().string(), "--out", out.string(), "--no-probes"}),
                        {(out / "trace.h5").string(), "is not a file an earlier run wrote"});
   CHECK(slurp(out / "report.json") == "previous");
   CHECK(names_in(out) == std::vector<std::string>{"report.json", "trace.h5"});
@@ -271,10 +261,10 @@ TEST_CASE("a read-only --out or a result name taken by a directory: exit 2, noth
     return;
   }
   const fs::path ro_out = scratch / "ro" / "out";
-  REQUIRE(run_cli({"run", clean_bundle().string(), "--out", ro_out.string(), "--no-probes", "--quiet"}).status == 0);
+  REQUIRE(run_cli({"run", shared_clean_bundle().string(), "--out", ro_out.string(), "--no-probes", "--quiet"}).status == 0);
   const auto before = snapshot(ro_out);
   REQUIRE(disk.remount_read_only());
-  check_one_error_line(run_cli({"run", clean_bundle().string(), "--out", ro_out.string(), "--no-probes"}),
+  check_one_error_line(run_cli({"run", shared_clean_bundle().string(), "--out", ro_out.string(), "--no-probes"}),
                        {ro_out.string(), "Read-only file system"});
   CHECK(snapshot(ro_out) == before);
 }
@@ -313,7 +303,7 @@ TEST_CASE("a stop signal during start-up exits 130 with one line and writes noth
   ScratchDir scratch("faults-early-signal");
   const fs::path out = scratch / "out";
   // As soon as the handlers are in place (before LibTorch has finished initialising).
-  const Spawned child = spawn_cli(scratch, {"run", clean_bundle().string(), "--out", out.string()});
+  const Spawned child = spawn_cli(scratch, {"run", shared_clean_bundle().string(), "--out", out.string()});
   REQUIRE(wait_until_exec(child.pid));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
   while (!mask_has(proc_status(child.pid, "SigCgt"), SIGTERM) && std::chrono::steady_clock::now() < deadline) {
@@ -347,7 +337,7 @@ TEST_CASE("two runs in two PID namespaces (both PID 1) into one --out: both fini
   INFO(done_a.result.err << done_b.result.err);
   CHECK(done_a.result.status == 0);  // one exited 3 when the other deleted its staging directory
   CHECK(done_b.result.status == 0);
-  CHECK(names_in(out) == kResults);  // no staging directory left
+  CHECK(names_in(out) == kRunOutputs);  // no staging directory left
   // One set: the report and the trace come from the same run.
   const std::string report_bundle = read_json(out / "report.json")["bundle"];
   CHECK(nanreplay::read_trace((out / "trace.h5").string()).header.bundle == report_bundle);
@@ -390,7 +380,7 @@ TEST_CASE("scratch left by a streamed run killed outright is removed by the next
   fs::create_directories(parent / "nanreplay-scratch-live");
   const nanreplay::DirectoryLock live(parent / "nanreplay-scratch-live", false);  // another run, alive
   REQUIRE(live.held());
-  const std::vector<std::string> args{"run", clean_bundle().string(), "--out", (scratch / "out").string(),
+  const std::vector<std::string> args{"run", shared_clean_bundle().string(), "--out", (scratch / "out").string(),
                                       "--stream", "--scratch", parent.string(), "--no-probes", "--quiet"};
   const Spawned killed = spawn_cli(scratch, args, with_env({"NANREPLAY_TEST_PAUSE_AT_STEP=101"}));
   REQUIRE(wait_until_stopped(killed.pid));

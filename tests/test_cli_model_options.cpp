@@ -14,6 +14,7 @@
 
 using nanreplay_test::check_one_error_line;
 using nanreplay_test::read_json;
+using nanreplay_test::write_json;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
 using nanreplay_test::triage;
@@ -21,10 +22,6 @@ using nanreplay_test::Triaged;
 using nanreplay_test::with_code;
 
 namespace {
-
-void write_json(const std::filesystem::path& path, const nlohmann::json& value) {
-  std::ofstream(path) << value.dump(2);
-}
 
 // A clean fp32 bundle whose manifest `edit` changes; returns its directory.
 std::filesystem::path edited_bundle(const ScratchDir& dir, const std::function<void(nlohmann::json&)>& edit,

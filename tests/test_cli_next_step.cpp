@@ -18,17 +18,17 @@ using nanreplay_test::slurp;
 namespace {
 
 // A preset written and replayed into dir/out, every output read back.
-struct Replayed {
+struct PresetOutputs {
   CliResult run;
   std::string md, html;
   nlohmann::json report;
 };
 
-Replayed replay_preset(const ScratchDir& dir, const std::string& preset, int expected_status) {
+PresetOutputs replay_preset(const ScratchDir& dir, const std::string& preset, int expected_status) {
   const CliResult synth = run_cli({"synth", preset, (dir / "bundle").string()});
   INFO(synth.err);
   REQUIRE(synth.status == 0);
-  Replayed r;
+  PresetOutputs r;
   r.run = run_cli({"run", (dir / "bundle").string(), "--out", (dir / "out").string()});
   INFO(r.run.err);
   REQUIRE(r.run.status == expected_status);
@@ -48,7 +48,7 @@ std::string line_starting(const std::string& text, const std::string& start) {
 
 // The same advice in all four outputs: the terminal's and report.md's Next:
 // lines hold the JSON text (report.md with code spans), report.html its commands as code.
-void check_same_advice(const Replayed& r) {
+void check_same_advice(const PresetOutputs& r) {
   const nlohmann::json& next = r.report["next_step"];
   REQUIRE(next.is_object());
   const std::string text = next["text"];
@@ -78,7 +78,7 @@ std::vector<std::string> words_of(const std::string& command) {
 
 TEST_CASE("an fp16 attention origin advises qk-norm and stable-softmax, and the advice runs", "[cli][report][next]") {
   ScratchDir dir("next-origin");
-  const Replayed r = replay_preset(dir, "head-overflow", 1);
+  const PresetOutputs r = replay_preset(dir, "head-overflow", 1);
   check_same_advice(r);
   const nlohmann::json& next = r.report["next_step"];
   CHECK(next["kind"] == "attention_overflow");
@@ -124,7 +124,7 @@ TEST_CASE("an fp16 attention origin advises qk-norm and stable-softmax, and the 
 
 TEST_CASE("a clean window has no root cause and advises widening the window", "[cli][report][next]") {
   ScratchDir dir("next-clean");
-  const Replayed r = replay_preset(dir, "clean-fp32", 0);
+  const PresetOutputs r = replay_preset(dir, "clean-fp32", 0);
   check_same_advice(r);
   CHECK(r.report["next_step"]["kind"] == "widen_window");
   CHECK(r.report["next_step"]["commands"].empty());
@@ -143,7 +143,7 @@ TEST_CASE("a clean window has no root cause and advises widening the window", "[
 
 TEST_CASE("a failure the replay does not reproduce sends the reader to the system layer", "[cli][report][next]") {
   ScratchDir dir("next-notrepro");
-  const Replayed r = replay_preset(dir, "not-reproducible", 1);
+  const PresetOutputs r = replay_preset(dir, "not-reproducible", 1);
   check_same_advice(r);
   CHECK(r.report["root_cause"]["code"] == "SYSTEM_NOT_REPRODUCIBLE");
   CHECK(r.report["next_step"]["kind"] == "check_system");
@@ -162,7 +162,7 @@ TEST_CASE("a failure the replay does not reproduce sends the reader to the syste
 
 TEST_CASE("a clean window's warning is worth a look, not a root cause", "[cli][report][next]") {
   ScratchDir dir("next-worth");
-  const Replayed r = replay_preset(dir, "router-collapse", 0);
+  const PresetOutputs r = replay_preset(dir, "router-collapse", 0);
   check_same_advice(r);
   const std::string summary = r.report["root_cause"]["summary"];
   CHECK(summary.rfind("nothing went non-finite; worth a look: ", 0) == 0);
@@ -179,7 +179,7 @@ TEST_CASE("a clean window's warning is worth a look, not a root cause", "[cli][r
 
 TEST_CASE("consequences come last in report.md and folded in report.html", "[cli][report][next]") {
   ScratchDir dir("next-consequences");
-  const Replayed r = replay_preset(dir, "repeat-run", 1);
+  const PresetOutputs r = replay_preset(dir, "repeat-run", 1);
   CHECK(r.report["next_step"]["kind"] == "drop_sample");
   CHECK(contains(r.report["next_step"]["text"].get<std::string>(), "--what-if drop-samples=46`"));
   const nlohmann::json& book = r.report["runbook"];  // the data finding names the sample to skip

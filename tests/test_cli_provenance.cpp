@@ -9,16 +9,13 @@
 #include "tests/triage_harness.h"
 
 using nanreplay_test::read_json;
+using nanreplay_test::write_json;
 using nanreplay_test::run_bundle;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
 using nanreplay_test::with_code;
 
 namespace {
-
-void write_json(const std::filesystem::path& path, const nlohmann::json& value) {
-  std::ofstream(path) << value.dump(2) << "\n";
-}
 
 // clean-fp32 with one step's logged loss 1% off (SYSTEM_NOT_REPRODUCIBLE) and `provenance` in its manifest.
 std::filesystem::path odd_bundle(const ScratchDir& dir, const nlohmann::json& provenance) {

@@ -18,6 +18,7 @@
 #include "tests/triage_harness.h"
 
 using nanreplay_test::read_json;
+using nanreplay_test::write_json;
 using nanreplay_test::run_bundle;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
@@ -29,16 +30,16 @@ namespace fs = std::filesystem;
 
 namespace {
 
-void write_json(const fs::path& path, const nlohmann::json& value) { std::ofstream(path) << value.dump(2) << "\n"; }
-
 // The findings a person acts on: (code, severity, step), info left out
 // (a per-step cascade folds its later non-finite checkpoints into info).
-std::multiset<std::tuple<std::string, std::string, int64_t>> actionable(const nlohmann::json& report) {
-  std::multiset<std::tuple<std::string, std::string, int64_t>> out;
+// Each one as "code severity step" (strings print the same through Catch and glog's stream operators).
+std::multiset<std::string> actionable(const nlohmann::json& report) {
+  std::multiset<std::string> out;
   for (const auto& f : report["findings"]) {
     if (f["severity"] == "info") continue;
     const auto& step = f["evidence"]["step"];
-    out.insert({f["code"], f["severity"], step.is_number() ? step.get<int64_t>() : -1});
+    out.insert(f["code"].get<std::string>() + " " + f["severity"].get<std::string>() + " " +
+               std::to_string(step.is_number() ? step.get<int64_t>() : -1));
   }
   return out;
 }
@@ -112,7 +113,7 @@ void check_update_stats_agree(const nlohmann::json& per_step, const nlohmann::js
 
 // synth + run, without triage()'s bisect agreement: every preset's bisect is
 // checked per step elsewhere, and in order on a rolled window below.
-Triaged synth_and_run(const ScratchDir& dir, const std::string& preset, const std::vector<std::string>& synth_extra = {}) {
+Triaged synth_and_triage(const ScratchDir& dir, const std::string& preset, const std::vector<std::string>& synth_extra = {}) {
   std::vector<std::string> args = {"synth", preset, (dir / "bundle").string()};
   args.insert(args.end(), synth_extra.begin(), synth_extra.end());
   REQUIRE(run_cli(args).status == 0);
@@ -128,8 +129,8 @@ Triaged synth_and_run(const ScratchDir& dir, const std::string& preset, const st
 void check_rolled_matches_per_step(const std::string& preset) {
   INFO("preset " << preset);
   ScratchDir per_step("roll-" + preset), rolled("rolled-" + preset);
-  const Triaged expected = synth_and_run(per_step, preset);
-  const Triaged got = synth_and_run(rolled, preset, {"--checkpoint-every", "1000"});
+  const Triaged expected = synth_and_triage(per_step, preset);
+  const Triaged got = synth_and_triage(rolled, preset, {"--checkpoint-every", "1000"});
   CHECK(got.status == expected.status);
   CHECK(got.report["first_nonfinite"] == expected.report["first_nonfinite"]);
   CHECK(got.report["root_cause"]["code"] == expected.report["root_cause"]["code"]);
@@ -201,7 +202,7 @@ TEST_CASE("rolled forward, clean runs of every layout stay clean and match their
 
 TEST_CASE("rolled forward, the update that jumped first before a spike is NUMERIC_UPDATE_SPIKE", "[cli][roll][spike]") {
   ScratchDir dir("rolled-update-spike");
-  const Triaged t = synth_and_run(dir, "spike-token", {"--checkpoint-every", "1000"});
+  const Triaged t = synth_and_triage(dir, "spike-token", {"--checkpoint-every", "1000"});
   CHECK(t.status == 1);
   REQUIRE(t.report["spike"].is_object());
   const auto jumps = with_code(t.report, "NUMERIC_UPDATE_SPIKE");
@@ -225,8 +226,8 @@ TEST_CASE("rolled forward, the update that jumped first before a spike is NUMERI
 TEST_CASE("per step, the update that jumped first before a spike is NUMERIC_UPDATE_SPIKE, as rolled forward",
           "[cli][roll][spike]") {
   ScratchDir per_step("per-step-update-spike"), rolled("rolled-update-spike-twin");
-  const Triaged t = synth_and_run(per_step, "spike-token");
-  const Triaged twin = synth_and_run(rolled, "spike-token", {"--checkpoint-every", "1000"});
+  const Triaged t = synth_and_triage(per_step, "spike-token");
+  const Triaged twin = synth_and_triage(rolled, "spike-token", {"--checkpoint-every", "1000"});
   CHECK(t.status == 1);
   REQUIRE(t.report["spike"].is_object());
   const auto jumps = with_code(t.report, "NUMERIC_UPDATE_SPIKE");
@@ -252,7 +253,7 @@ TEST_CASE("per step, the update that jumped first before a spike is NUMERIC_UPDA
 TEST_CASE("per step, a tensor rewritten outside the optimizer is marked in update_stats and not judged an update spike",
           "[cli][roll][spike]") {
   ScratchDir dir("per-step-bad-update");
-  const Triaged t = synth_and_run(dir, "spike-bad-update");
+  const Triaged t = synth_and_triage(dir, "spike-bad-update");
   std::set<std::pair<std::string, int64_t>> rewritten;  // (param, the checkpoint's step)
   for (const auto& f : with_code(t.report, "SYSTEM_UPDATE_MISMATCH")) {
     rewritten.insert({f["evidence"]["param"].get<std::string>(), f["evidence"]["step"].get<int64_t>()});

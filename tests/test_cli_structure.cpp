@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/bundle_bytes.h"
 #include "tests/cli_harness.h"
 
 namespace {
@@ -22,47 +23,16 @@ namespace {
 namespace fs = std::filesystem;
 using nanreplay_test::check_one_error_line;
 using nanreplay_test::CliResult;
+using nanreplay_test::edit_json;
+using nanreplay_test::read_u64_le;
+using nanreplay_test::u64_le;
+using nanreplay_test::write_bytes;
 using nanreplay_test::read_json;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
+using nanreplay_test::shared_clean_bundle;
 using nanreplay_test::slurp;
 using nlohmann::json;
-
-const fs::path& clean_bundle() {
-  static ScratchDir dir("structure-clean");
-  static const fs::path bundle = [] {
-    const fs::path path = dir / "bundle";
-    REQUIRE(run_cli({"synth", "clean-fp32", path.string()}).status == 0);
-    return path;
-  }();
-  return bundle;
-}
-
-void write_text(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-}
-
-void edit_json(const fs::path& path, const std::function<void(json&)>& edit) {
-  json doc = json::parse(slurp(path));
-  edit(doc);
-  write_text(path, doc.dump(2));
-}
-
-uint64_t read_u64_le(const std::string& bytes, size_t at = 0) {
-  uint64_t value = 0;
-  for (int i = 7; i >= 0; --i) value = (value << 8) | static_cast<unsigned char>(bytes[at + static_cast<size_t>(i)]);
-  return value;
-}
-
-std::string u64_le(uint64_t value) {
-  std::string bytes(8, '\0');
-  for (char& byte : bytes) {
-    byte = static_cast<char>(value & 0xFF);
-    value >>= 8;
-  }
-  return bytes;
-}
 
 // Rewrites tensor `name` of a safetensors file as F64 of the same shape and
 // values (its bytes doubled, every later offset moved): a consistent header
@@ -90,10 +60,10 @@ void widen_to_f64(const fs::path& path, const std::string& name) {
   header[name]["data_offsets"][1] = begin + wide.size();
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
-  write_text(path, u64_le(text.size()) + text + data.substr(0, begin) + wide + data.substr(end));
+  write_bytes(path, u64_le(text.size()) + text + data.substr(0, begin) + wide + data.substr(end));
 }
 
-struct BrokenCase {
+struct InspectCase {
   std::string name;
   std::function<void(const fs::path& bundle)> breaking;
   std::vector<std::string> named;  // file and key, in the message
@@ -102,7 +72,7 @@ struct BrokenCase {
 }  // namespace
 
 TEST_CASE("inspect refuses what run refuses, with the same line naming file and key", "[cli][inspect][structure]") {
-  const std::vector<BrokenCase> cases = {
+  const std::vector<InspectCase> cases = {
       {"corrupt_optimizer", [](const fs::path& b) { fs::resize_file(b / "steps/101/optimizer.safetensors", 4); },
        {"steps/101/optimizer.safetensors", "byte 0"}},
       {"optimizer_missing_moment", [](const fs::path& b) {
@@ -110,7 +80,7 @@ TEST_CASE("inspect refuses what run refuses, with the same line naming file and 
          std::string bytes = slurp(path);
          const std::string key = "\"model.norm.weight.exp_avg\"";
          bytes.replace(bytes.find(key), key.size(), "\"model.norm.weight.exp_av_\"");
-         write_text(path, bytes);
+         write_bytes(path, bytes);
        }, {"steps/102/optimizer.safetensors", "model.norm.weight.exp_avg", "missing tensor"}},
       {"sample_out_of_range", [](const fs::path& b) {
          edit_json(b / "manifest.json", [](json& m) { m["steps"][1]["samples"][0][2] = 99999; });
@@ -144,10 +114,10 @@ TEST_CASE("inspect refuses what run refuses, with the same line naming file and 
        }, {"steps/100/state.json", "loss_scale", "positive finite"}},
   };
   ScratchDir scratch("structure-cases");
-  for (const BrokenCase& c : cases) {
+  for (const InspectCase& c : cases) {
     INFO("case: " << c.name);
     const fs::path bundle = scratch / c.name;
-    fs::copy(clean_bundle(), bundle, fs::copy_options::recursive);
+    fs::copy(shared_clean_bundle(), bundle, fs::copy_options::recursive);
     c.breaking(bundle);
     const CliResult inspect = run_cli({"inspect", bundle.string()});
     check_one_error_line(inspect, c.named);
@@ -161,17 +131,17 @@ TEST_CASE("inspect refuses what run refuses, with the same line naming file and 
 
 TEST_CASE("inspect says it checks structure, not faithfulness, and gives no seed to an explicit sampler",
           "[cli][inspect]") {
-  const CliResult text = run_cli({"inspect", clean_bundle().string()});
+  const CliResult text = run_cli({"inspect", shared_clean_bundle().string()});
   REQUIRE(text.status == 0);
   CHECK(text.out.find("not whether the bundle faithfully records the run") != std::string::npos);
   CHECK(text.out.find("sampler    randperm, seed 1234") != std::string::npos);
-  const json summary = json::parse(run_cli({"inspect", clean_bundle().string(), "--json"}).out);
+  const json summary = json::parse(run_cli({"inspect", shared_clean_bundle().string(), "--json"}).out);
   CHECK(summary["validated"] == "structure");
   CHECK(summary["faithfulness"].get<std::string>().find("reproduces the logged losses") != std::string::npos);
 
   ScratchDir scratch("structure-explicit");
   const fs::path bundle = scratch / "explicit";
-  fs::copy(clean_bundle(), bundle, fs::copy_options::recursive);
+  fs::copy(shared_clean_bundle(), bundle, fs::copy_options::recursive);
   edit_json(bundle / "manifest.json", [](json& m) { m["data"]["sampler"] = {{"kind", "explicit"}}; });
   const CliResult explicit_text = run_cli({"inspect", bundle.string()});
   INFO(explicit_text.err);
@@ -196,7 +166,7 @@ TEST_CASE("a checksum mismatch: scan-data exits 1 naming the shard, inspect name
   const json scan_json = json::parse(run_cli({"scan-data", bundle.string(), "--json"}).out);
   REQUIRE(scan_json["checksum_mismatches"].size() == 1);
   const std::string shard = scan_json["checksum_mismatches"][0]["shard"];
-  CHECK(run_cli({"scan-data", clean_bundle().string(), "--quiet"}).status == 0);
+  CHECK(run_cli({"scan-data", shared_clean_bundle().string(), "--quiet"}).status == 0);
 
   const CliResult inspect = run_cli({"inspect", bundle.string()});
   check_one_error_line(inspect, {shard + ": sha256 is ", "the manifest says"});

@@ -9,6 +9,7 @@
 #include "tests/triage_harness.h"
 
 using nanreplay_test::read_json;
+using nanreplay_test::write_json;
 using nanreplay_test::run_bundle;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
@@ -19,10 +20,6 @@ using nanreplay_test::with_code;
 using nanreplay_test::with_severity;
 
 namespace {
-
-void write_json(const std::filesystem::path& path, const nlohmann::json& value) {
-  std::ofstream(path) << value.dump(2) << "\n";
-}
 
 std::string second_line(const std::string& text) {
   const size_t first = text.find('\n');

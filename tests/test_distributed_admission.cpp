@@ -15,9 +15,7 @@
 #include "replay/step/ranks/distributed.h"
 #include "replay/step/ranks/run_secret.h"
 
-// c10d's headers bring glog's CHECK (a failure aborts the process); Catch's reports and goes on.
-#undef CHECK
-#include <catch2/catch.hpp>
+#include "tests/catch/catch_after_glog.h"
 
 using namespace nanreplay;
 

@@ -22,6 +22,7 @@ namespace {
 
 using cuda::threads::Accumulator;
 using test::Injection;
+using test::kAllTypes;
 using test::make_buffer;
 using test::Special;
 using test::TestBuffer;
@@ -100,7 +101,6 @@ void require_agrees(const TensorStats& got, const TensorStats& cpu) {
   REQUIRE(std::fabs(got.sum - cpu.sum) <= 1e-5 * std::sqrt(cpu.sum_sq * double(cpu.finite_count)) + 1e-300);
 }
 
-const ElemType kAllTypes[] = {ElemType::kF32, ElemType::kBF16, ElemType::kF16};
 
 size_t width(ElemType type) { return type == ElemType::kF32 ? 4 : 2; }
 

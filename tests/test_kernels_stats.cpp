@@ -101,7 +101,6 @@ void require_identical(const TensorStats& a, const TensorStats& b) {
   REQUIRE(a.sum_sq == b.sum_sq);
 }
 
-const ElemType kAllTypes[] = {ElemType::kF32, ElemType::kBF16, ElemType::kF16};
 
 // Restores the OpenMP thread count a test changed.
 class ThreadCountGuard {

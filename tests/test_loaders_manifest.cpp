@@ -22,9 +22,9 @@ namespace {
 using nanreplay::InputError;
 using nlohmann::json;
 
+using nanreplay_test::kManifestLabel;
 using nanreplay_test::MessageMentions;
 using nanreplay_test::TempDir;
-const char* const kLabel = "bundle/manifest.json";
 const std::string kSha(64, 'a');
 
 // The example manifest of the bundle format (docs/bundle-format.md) with a valid checksum.
@@ -70,12 +70,12 @@ json minimal_manifest() {
   })"_json;
 }
 
-nanreplay::Manifest parse(const json& manifest) {
-  return nanreplay::parse_manifest(manifest.dump(), kLabel);
+nanreplay::Manifest manifest_of(const json& manifest) {
+  return nanreplay::parse_manifest(manifest.dump(), kManifestLabel);
 }
 
 // Returns `manifest` with the value at JSON pointer `pointer` replaced.
-json with(json manifest, const std::string& pointer, json value) {
+json manifest_with(json manifest, const std::string& pointer, json value) {
   manifest[json::json_pointer(pointer)] = std::move(value);
   return manifest;
 }
@@ -89,7 +89,7 @@ json without(json manifest, const std::string& pointer) {
 }  // namespace
 
 TEST_CASE("manifest: the spec's example parses with every value", "[loaders][manifest]") {
-  const nanreplay::Manifest m = parse(example_manifest());
+  const nanreplay::Manifest m = manifest_of(example_manifest());
   CHECK(m.version == 1);
   CHECK(m.model.arch == nanreplay::Arch::kLlama);
   CHECK(m.model.vocab_size == 512);
@@ -136,7 +136,7 @@ TEST_CASE("manifest: the spec's example parses with every value", "[loaders][man
 }
 
 TEST_CASE("manifest: absent optional keys take the spec's defaults", "[loaders][manifest]") {
-  const nanreplay::Manifest m = parse(minimal_manifest());
+  const nanreplay::Manifest m = manifest_of(minimal_manifest());
   CHECK(m.model.num_kv_heads == 2);
   CHECK(m.model.norm_eps == 1e-5);
   CHECK(m.model.rope_theta == 10000.0);
@@ -154,7 +154,7 @@ TEST_CASE("manifest: absent optional keys take the spec's defaults", "[loaders][
 
 TEST_CASE("manifest: an empty optimizer object takes PyTorch's AdamW defaults",
           "[loaders][manifest]") {
-  const nanreplay::Manifest m = parse(with(minimal_manifest(), "/optimizer", json::object()));
+  const nanreplay::Manifest m = manifest_of(manifest_with(minimal_manifest(), "/optimizer", json::object()));
   REQUIRE(m.optimizer.has_value());
   CHECK(m.optimizer->beta1 == 0.9);
   CHECK(m.optimizer->beta2 == 0.999);
@@ -162,7 +162,7 @@ TEST_CASE("manifest: an empty optimizer object takes PyTorch's AdamW defaults",
   CHECK(m.optimizer->weight_decay == 0.01);
   CHECK_FALSE(m.optimizer->grad_clip.has_value());
 
-  const nanreplay::Manifest with_globs = parse(with(
+  const nanreplay::Manifest with_globs = manifest_of(manifest_with(
       minimal_manifest(), "/optimizer", {{"no_decay", {"*.bias", "*norm*"}}, {"grad_clip", nullptr}}));
   CHECK(with_globs.optimizer->no_decay == std::vector<std::string>{"*.bias", "*norm*"});
   CHECK_FALSE(with_globs.optimizer->grad_clip.has_value());  // null counts as absent
@@ -173,17 +173,17 @@ TEST_CASE("manifest: gpt2 fixes the MLP width and ties the head", "[loaders][man
   gpt2["model"]["arch"] = "gpt2";
   gpt2["model"]["num_heads"] = 3;  // odd head_dim is fine without rotary embeddings
   gpt2["model"]["hidden_size"] = 15;
-  const nanreplay::Manifest m = parse(gpt2);
+  const nanreplay::Manifest m = manifest_of(gpt2);
   CHECK(m.model.arch == nanreplay::Arch::kGpt2);
   CHECK(m.model.intermediate_size == 60);
   CHECK(m.model.tie_embeddings);
-  CHECK(parse(with(gpt2, "/model/intermediate_size", 60)).model.intermediate_size == 60);
-  CHECK(parse(with(gpt2, "/model/tie_embeddings", true)).model.tie_embeddings);
+  CHECK(manifest_of(manifest_with(gpt2, "/model/intermediate_size", 60)).model.intermediate_size == 60);
+  CHECK(manifest_of(manifest_with(gpt2, "/model/tie_embeddings", true)).model.tie_embeddings);
 }
 
 TEST_CASE("manifest: fp8 precision takes the spec's defaults", "[loaders][manifest]") {
   const nanreplay::Manifest m =
-      parse(with(minimal_manifest(), "/precision", {{"compute", "fp8"}}));
+      manifest_of(manifest_with(minimal_manifest(), "/precision", {{"compute", "fp8"}}));
   CHECK(m.precision.compute == nanreplay::Compute::kFp8);
   REQUIRE(m.precision.fp8.has_value());
   CHECK(m.precision.fp8->fwd == "e4m3");
@@ -191,7 +191,7 @@ TEST_CASE("manifest: fp8 precision takes the spec's defaults", "[loaders][manife
   CHECK(m.precision.fp8->amax_history_len == 16);
   CHECK(m.precision.fp8->margin == 0.0);
 
-  const nanreplay::Manifest custom = parse(with(
+  const nanreplay::Manifest custom = manifest_of(manifest_with(
       minimal_manifest(), "/precision",
       {{"compute", "fp8"},
        {"fp8", {{"fwd", "e5m2"}, {"bwd", "e4m3"}, {"amax_history_len", 4}, {"margin", 1}}}}));
@@ -202,7 +202,7 @@ TEST_CASE("manifest: fp8 precision takes the spec's defaults", "[loaders][manife
 
   for (const char* name : {"bf16", "fp16"}) {
     const nanreplay::Manifest other =
-        parse(with(minimal_manifest(), "/precision", {{"compute", name}}));
+        manifest_of(manifest_with(minimal_manifest(), "/precision", {{"compute", name}}));
     CHECK(std::string(nanreplay::compute_name(other.precision.compute)) == name);
     CHECK_FALSE(other.precision.fp8.has_value());
   }
@@ -212,7 +212,7 @@ TEST_CASE("manifest: steps are sorted and remember their position", "[loaders][m
   json manifest = minimal_manifest();
   manifest["steps"] = R"([{"step": 7, "dir": "steps/7"}, {"step": 3, "dir": "steps/3"},
                           {"step": 5, "dir": "./steps/5", "samples": [[0, 1]]}])"_json;
-  const nanreplay::Manifest m = parse(manifest);
+  const nanreplay::Manifest m = manifest_of(manifest);
   REQUIRE(m.steps.size() == 3);
   CHECK(m.steps[0].step == 3);
   CHECK(m.steps[0].manifest_index == 1);
@@ -227,53 +227,53 @@ TEST_CASE("manifest: steps are sorted and remember their position", "[loaders][m
 TEST_CASE("manifest: values the spec allows at the edges", "[loaders][manifest]") {
   SECTION("upper-case sha256 is normalised to lower case") {
     const nanreplay::Manifest m =
-        parse(with(minimal_manifest(), "/data/shards/0/sha256", std::string(64, 'F')));
+        manifest_of(manifest_with(minimal_manifest(), "/data/shards/0/sha256", std::string(64, 'F')));
     CHECK(m.data.shards[0].sha256 == std::string(64, 'f'));
   }
   SECTION("norm_eps 0 is legal") {
-    CHECK(parse(with(minimal_manifest(), "/model/norm_eps", 0)).model.norm_eps == 0.0);
+    CHECK(manifest_of(manifest_with(minimal_manifest(), "/model/norm_eps", 0)).model.norm_eps == 0.0);
   }
   SECTION("a seed beyond int64 is kept as uint64") {
     const uint64_t big = std::numeric_limits<uint64_t>::max();
-    CHECK(parse(with(minimal_manifest(), "/data/sampler/seed", big)).data.sampler.seed == big);
+    CHECK(manifest_of(manifest_with(minimal_manifest(), "/data/sampler/seed", big)).data.sampler.seed == big);
   }
   SECTION("seq_len equal to max_seq_len") {
-    CHECK(parse(with(minimal_manifest(), "/data/seq_len", 8)).data.seq_len == 8);
+    CHECK(manifest_of(manifest_with(minimal_manifest(), "/data/seq_len", 8)).data.seq_len == 8);
   }
   SECTION("unknown keys are ignored") {
     json manifest = minimal_manifest();
     manifest["future"] = {{"x", 1}};
     manifest["model"]["future"] = "y";
     manifest["data"]["sampler"]["future"] = json::array();
-    CHECK_NOTHROW(parse(manifest));
+    CHECK_NOTHROW(manifest_of(manifest));
   }
   SECTION("the explicit sampler needs no seed") {
-    json manifest = with(minimal_manifest(), "/data/sampler", {{"kind", "explicit"}});
+    json manifest = manifest_with(minimal_manifest(), "/data/sampler", {{"kind", "explicit"}});
     manifest["steps"][0]["samples"] = {{0, 1}};
-    const nanreplay::Manifest m = parse(manifest);
+    const nanreplay::Manifest m = manifest_of(manifest);
     CHECK(m.data.sampler.kind == nanreplay::SamplerSpec::Kind::kExplicit);
   }
   SECTION("grouped-query attention") {
-    json manifest = with(minimal_manifest(), "/model/num_heads", 4);
+    json manifest = manifest_with(minimal_manifest(), "/model/num_heads", 4);
     manifest["model"]["hidden_size"] = 32;
     manifest["model"]["num_kv_heads"] = 2;
-    CHECK(parse(manifest).model.num_kv_heads == 2);
+    CHECK(manifest_of(manifest).model.num_kv_heads == 2);
   }
 }
 
 TEST_CASE("manifest: the format header is checked with a hint", "[loaders][manifest]") {
-  REQUIRE_INPUT_ERROR(parse(without(minimal_manifest(), "/format")), kLabel, "format",
+  REQUIRE_INPUT_ERROR(manifest_of(without(minimal_manifest(), "/format")), kManifestLabel, "format",
                       "\"format\": \"nanreplay.bundle\"");
-  REQUIRE_INPUT_ERROR(parse(with(minimal_manifest(), "/format", "safetensors")), kLabel,
+  REQUIRE_INPUT_ERROR(manifest_of(manifest_with(minimal_manifest(), "/format", "safetensors")), kManifestLabel,
                       "format", "got \"safetensors\"");
-  REQUIRE_INPUT_ERROR(parse(with(minimal_manifest(), "/version", 2)), kLabel,
+  REQUIRE_INPUT_ERROR(manifest_of(manifest_with(minimal_manifest(), "/version", 2)), kManifestLabel,
                       "version: expected 1, got 2", "re-export");
-  REQUIRE_INPUT_ERROR(parse(with(minimal_manifest(), "/version", "1")), kLabel, "version");
-  REQUIRE_INPUT_ERROR(parse(without(minimal_manifest(), "/version")), kLabel, "version");
+  REQUIRE_INPUT_ERROR(manifest_of(manifest_with(minimal_manifest(), "/version", "1")), kManifestLabel, "version");
+  REQUIRE_INPUT_ERROR(manifest_of(without(minimal_manifest(), "/version")), kManifestLabel, "version");
 }
 
 TEST_CASE("manifest: the error message has the documented shape", "[loaders][manifest]") {
-  REQUIRE_THROWS_WITH(parse(with(minimal_manifest(), "/model/num_heads", -4)),
+  REQUIRE_THROWS_WITH(manifest_of(manifest_with(minimal_manifest(), "/model/num_heads", -4)),
                       "bundle/manifest.json: model.num_heads: expected a positive integer, got -4");
 }
 
@@ -291,8 +291,8 @@ void check_bad_cases(const json& base, const std::vector<BadCase>& cases) {
   for (const BadCase& bad : cases) {
     CAPTURE(bad.pointer, bad.value.is_discarded() ? "<removed>" : bad.value.dump());
     const json manifest =
-        bad.value.is_discarded() ? without(base, bad.pointer) : with(base, bad.pointer, bad.value);
-    REQUIRE_INPUT_ERROR(parse(manifest), kLabel, bad.key);
+        bad.value.is_discarded() ? without(base, bad.pointer) : manifest_with(base, bad.pointer, bad.value);
+    REQUIRE_INPUT_ERROR(manifest_of(manifest), kManifestLabel, bad.key);
   }
 }
 
@@ -344,7 +344,7 @@ TEST_CASE("manifest: gpt2 contradictions name the key", "[loaders][manifest]") {
 }
 
 TEST_CASE("manifest: bad precision and optimizer keys name the key", "[loaders][manifest]") {
-  json fp8 = with(minimal_manifest(), "/precision", {{"compute", "fp8"}, {"fp8", json::object()}});
+  json fp8 = manifest_with(minimal_manifest(), "/precision", {{"compute", "fp8"}, {"fp8", json::object()}});
   check_bad_cases(fp8, {
       {"/precision", "fp32", "precision"},
       {"/precision/compute", "int8", "precision.compute"},
@@ -354,7 +354,7 @@ TEST_CASE("manifest: bad precision and optimizer keys name the key", "[loaders][
       {"/precision/fp8/amax_history_len", 0, "precision.fp8.amax_history_len"},
       {"/precision/fp8/margin", -1, "precision.fp8.margin"},
   });
-  json adamw = with(minimal_manifest(), "/optimizer", {{"kind", "adamw"}});
+  json adamw = manifest_with(minimal_manifest(), "/optimizer", {{"kind", "adamw"}});
   check_bad_cases(adamw, {
       {"/optimizer", true, "optimizer"},
       {"/optimizer/kind", "sgd", "optimizer.kind"},
@@ -412,10 +412,10 @@ TEST_CASE("manifest: bad data keys name the key", "[loaders][manifest]") {
   json two_shards = minimal_manifest();
   two_shards["data"]["shards"].push_back(two_shards["data"]["shards"][0]);
   two_shards["data"]["shards"][0]["tokens"] = std::numeric_limits<int64_t>::max();
-  REQUIRE_INPUT_ERROR(parse(two_shards), kLabel, "data.shards[1].tokens");
+  REQUIRE_INPUT_ERROR(manifest_of(two_shards), kManifestLabel, "data.shards[1].tokens");
   two_shards["data"]["shards"][0]["tokens"] = 10;
   two_shards["data"]["shards"][1]["dtype"] = "uint8";
-  REQUIRE_INPUT_ERROR(parse(two_shards), kLabel, "data.shards[1].dtype");
+  REQUIRE_INPUT_ERROR(manifest_of(two_shards), kManifestLabel, "data.shards[1].dtype");
 }
 
 TEST_CASE("manifest: bad steps and incident keys name the key", "[loaders][manifest]") {
@@ -444,22 +444,22 @@ TEST_CASE("manifest: a duplicate step names the later entry", "[loaders][manifes
   json manifest = minimal_manifest();
   manifest["steps"] = R"([{"step": 4, "dir": "a"}, {"step": 9, "dir": "b"},
                           {"step": 4, "dir": "c"}])"_json;
-  REQUIRE_INPUT_ERROR(parse(manifest), kLabel, "steps[2].step", "step 4", "steps[0]");
+  REQUIRE_INPUT_ERROR(manifest_of(manifest), kManifestLabel, "steps[2].step", "step 4", "steps[0]");
 }
 
 TEST_CASE("manifest: the explicit sampler needs samples on every step", "[loaders][manifest]") {
-  json manifest = with(minimal_manifest(), "/data/sampler", {{"kind", "explicit"}});
+  json manifest = manifest_with(minimal_manifest(), "/data/sampler", {{"kind", "explicit"}});
   manifest["steps"] = R"([{"step": 1, "dir": "a", "samples": [[0, 1]]},
                           {"step": 2, "dir": "b"}])"_json;
-  REQUIRE_INPUT_ERROR(parse(manifest), kLabel, "steps[1].samples", "explicit");
+  REQUIRE_INPUT_ERROR(manifest_of(manifest), kManifestLabel, "steps[1].samples", "explicit");
 }
 
 TEST_CASE("manifest: text that is not a JSON object names the file", "[loaders][manifest]") {
-  REQUIRE_INPUT_ERROR(nanreplay::parse_manifest("", kLabel), kLabel, "byte");
-  REQUIRE_INPUT_ERROR(nanreplay::parse_manifest("{\"format\": ", kLabel), kLabel, "invalid JSON");
-  REQUIRE_INPUT_ERROR(nanreplay::parse_manifest("[1, 2]", kLabel), kLabel, "expected a JSON object");
-  REQUIRE_INPUT_ERROR(nanreplay::parse_manifest("{\"format\": \"nanreplay.bundle\"} x", kLabel),
-                      kLabel, "invalid JSON");
+  REQUIRE_INPUT_ERROR(nanreplay::parse_manifest("", kManifestLabel), kManifestLabel, "byte");
+  REQUIRE_INPUT_ERROR(nanreplay::parse_manifest("{\"format\": ", kManifestLabel), kManifestLabel, "invalid JSON");
+  REQUIRE_INPUT_ERROR(nanreplay::parse_manifest("[1, 2]", kManifestLabel), kManifestLabel, "expected a JSON object");
+  REQUIRE_INPUT_ERROR(nanreplay::parse_manifest("{\"format\": \"nanreplay.bundle\"} x", kManifestLabel),
+                      kManifestLabel, "invalid JSON");
 }
 
 TEST_CASE("manifest: arch and compute names print as written", "[loaders][manifest]") {
@@ -555,9 +555,9 @@ TEST_CASE("manifest_json writes back what parse_manifest reads", "[manifest][wri
   annotated["steps"][0]["samples"] = {{3, 4}};
   annotated["steps"][0]["original_samples"] = {{30, 40}};
   for (const json& original : {example_manifest(), minimal_manifest(), fp8, annotated}) {
-    const nanreplay::Manifest m = parse(original);
+    const nanreplay::Manifest m = manifest_of(original);
     const json written = nanreplay::manifest_json(m);
-    const nanreplay::Manifest again = parse(written);
+    const nanreplay::Manifest again = manifest_of(written);
     CHECK(nanreplay::manifest_json(again) == written);  // a fixed point
     CHECK(again.model.hidden_size == m.model.hidden_size);
     CHECK(again.model.norm_eps == m.model.norm_eps);

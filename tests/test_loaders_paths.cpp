@@ -26,10 +26,10 @@ namespace fs = std::filesystem;
 using nanreplay::InputError;
 using nanreplay::glob_match;
 
+using nanreplay_test::kManifestLabel;
 using nanreplay_test::MessageMentions;
 using nanreplay_test::TempDir;
 
-const char* const kManifest = "bundle/manifest.json";
 const char* const kKey = "steps[0].dir";
 
 void touch(const fs::path& path, const std::string& contents = "") {
@@ -38,7 +38,7 @@ void touch(const fs::path& path, const std::string& contents = "") {
 }
 
 fs::path resolve(const fs::path& root, const std::string& relative) {
-  return nanreplay::resolve_in_bundle(root, relative, kManifest, kKey);
+  return nanreplay::resolve_in_bundle(root, relative, kManifestLabel, kKey);
 }
 
 }  // namespace
@@ -77,10 +77,10 @@ TEST_CASE("bundle_paths: paths are checked as text first", "[loaders][paths]") {
     CAPTURE(relative);
     REQUIRE_INPUT_ERROR(resolve(bundle.path(), relative), "bundle/manifest.json: steps[0].dir",
                         why);
-    REQUIRE_INPUT_ERROR(nanreplay::check_bundle_relative_path(relative, kManifest, kKey),
-                        kManifest, kKey, why);
+    REQUIRE_INPUT_ERROR(nanreplay::check_bundle_relative_path(relative, kManifestLabel, kKey),
+                        kManifestLabel, kKey, why);
   }
-  CHECK_NOTHROW(nanreplay::check_bundle_relative_path("data/shard_000.bin", kManifest, kKey));
+  CHECK_NOTHROW(nanreplay::check_bundle_relative_path("data/shard_000.bin", kManifestLabel, kKey));
 }
 
 TEST_CASE("bundle_paths: symlinks may not lead outside the bundle", "[loaders][paths]") {
@@ -90,13 +90,13 @@ TEST_CASE("bundle_paths: symlinks may not lead outside the bundle", "[loaders][p
   touch(bundle / "data/inside.bin", "y");
 
   fs::create_symlink(outside / "secret.bin", bundle / "data/file-link.bin");
-  REQUIRE_INPUT_ERROR(resolve(bundle.path(), "data/file-link.bin"), kManifest, kKey,
+  REQUIRE_INPUT_ERROR(resolve(bundle.path(), "data/file-link.bin"), kManifestLabel, kKey,
                       "escapes the bundle", "secret.bin");
 
   fs::create_directory_symlink(outside.path(), bundle / "steps");
-  REQUIRE_INPUT_ERROR(resolve(bundle.path(), "steps/secret.bin"), kManifest, kKey,
+  REQUIRE_INPUT_ERROR(resolve(bundle.path(), "steps/secret.bin"), kManifestLabel, kKey,
                       "escapes the bundle");
-  REQUIRE_INPUT_ERROR(resolve(bundle.path(), "steps/not-there-yet.json"), kManifest, kKey,
+  REQUIRE_INPUT_ERROR(resolve(bundle.path(), "steps/not-there-yet.json"), kManifestLabel, kKey,
                       "escapes the bundle");
 
   // A link named like the bundle but beside it is still outside (prefix trap).
@@ -104,7 +104,7 @@ TEST_CASE("bundle_paths: symlinks may not lead outside the bundle", "[loaders][p
   fs::create_directories(sibling);
   touch(sibling / "x.bin");
   fs::create_symlink(sibling / "x.bin", bundle / "data/sibling.bin");
-  REQUIRE_INPUT_ERROR(resolve(bundle.path(), "data/sibling.bin"), kManifest, kKey,
+  REQUIRE_INPUT_ERROR(resolve(bundle.path(), "data/sibling.bin"), kManifestLabel, kKey,
                       "escapes the bundle");
   fs::remove_all(sibling);
 

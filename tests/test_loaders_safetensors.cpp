@@ -29,7 +29,7 @@ using nanreplay::InputError;
 using nanreplay_test::MessageMentions;
 using nanreplay_test::TempDir;
 
-const char* const kLabel = "steps/100/model.safetensors";
+const char* const kSafetensorsLabel = "steps/100/model.safetensors";
 
 // Bytes of a safetensors file: length prefix (or `claimed_length`), header, data.
 std::vector<uint8_t> raw_file(const std::string& header, size_t data_bytes,
@@ -42,9 +42,9 @@ std::vector<uint8_t> raw_file(const std::string& header, size_t data_bytes,
   return bytes;
 }
 
-std::vector<nanreplay::TensorInfo> parse(const std::vector<uint8_t>& bytes,
+std::vector<nanreplay::TensorInfo> tensors_of(const std::vector<uint8_t>& bytes,
                                          std::map<std::string, std::string>* metadata = nullptr) {
-  return nanreplay::parse_safetensors_buffer(bytes.data(), bytes.size(), kLabel, metadata);
+  return nanreplay::parse_safetensors_buffer(bytes.data(), bytes.size(), kSafetensorsLabel, metadata);
 }
 
 std::vector<uint8_t> read_all(const fs::path& path) {
@@ -85,8 +85,8 @@ TEST_CASE("safetensors: written tensors read back exactly", "[loaders][safetenso
   const char last = static_cast<char>(bytes[8 + header_length - 1]);
   CHECK((last == ' ' || last == '}'));  // padded with spaces, as the format allows
 
-  const nanreplay::SafetensorsFile file = nanreplay::SafetensorsFile::open(path.string(), kLabel);
-  CHECK(file.label() == kLabel);
+  const nanreplay::SafetensorsFile file = nanreplay::SafetensorsFile::open(path.string(), kSafetensorsLabel);
+  CHECK(file.label() == kSafetensorsLabel);
   REQUIRE(file.tensors().size() == 5);
   std::vector<std::string> names;
   for (const auto& tensor : file.tensors()) names.push_back(tensor.name);
@@ -121,7 +121,7 @@ TEST_CASE("safetensors: written tensors read back exactly", "[loaders][safetenso
   CHECK(file.metadata() == std::map<std::string, std::string>{{"format", "pt"},
                                                              {"producer", "nanreplay tests"}});
   CHECK(file.find("lm_head.weight") == nullptr);
-  REQUIRE_INPUT_ERROR(file.at("lm_head.weight"), kLabel, "lm_head.weight", "missing tensor");
+  REQUIRE_INPUT_ERROR(file.at("lm_head.weight"), kSafetensorsLabel, "lm_head.weight", "missing tensor");
 }
 
 TEST_CASE("safetensors: a file with no tensors is valid", "[loaders][safetensors]") {
@@ -130,7 +130,7 @@ TEST_CASE("safetensors: a file with no tensors is valid", "[loaders][safetensors
   const auto file = nanreplay::SafetensorsFile::open((dir / "empty.safetensors").string(), "e");
   CHECK(file.tensors().empty());
   CHECK(file.metadata().empty());
-  CHECK(parse(raw_file("{}", 0)).empty());
+  CHECK(tensors_of(raw_file("{}", 0)).empty());
 }
 
 TEST_CASE("safetensors: the writer refuses inconsistent tensors", "[loaders][safetensors]") {
@@ -158,7 +158,7 @@ TEST_CASE("safetensors: dtype names and sizes", "[loaders][safetensors]") {
 TEST_CASE("safetensors: a hand-made buffer with unpadded header parses",
           "[loaders][safetensors]") {
   std::map<std::string, std::string> metadata;
-  const auto tensors = parse(
+  const auto tensors = tensors_of(
       raw_file(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                R"("u":{"dtype":"U8","shape":[3],"data_offsets":[8,11]},)"
                R"("__metadata__":{"k":"v"}})", 11),
@@ -172,136 +172,136 @@ TEST_CASE("safetensors: a hand-made buffer with unpadded header parses",
 
 TEST_CASE("safetensors: truncated files and bad header lengths name byte 0",
           "[loaders][safetensors]") {
-  REQUIRE_INPUT_ERROR(parse({}), kLabel, "byte 0", "8 bytes");
-  REQUIRE_INPUT_ERROR(parse({1, 0, 0}), kLabel, "byte 0", "3 bytes");
-  REQUIRE_INPUT_ERROR(parse(raw_file("{}", 0, 1000)), kLabel, "byte 0",
+  REQUIRE_INPUT_ERROR(tensors_of({}), kSafetensorsLabel, "byte 0", "8 bytes");
+  REQUIRE_INPUT_ERROR(tensors_of({1, 0, 0}), kSafetensorsLabel, "byte 0", "3 bytes");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file("{}", 0, 1000)), kSafetensorsLabel, "byte 0",
                       "header length 1000 exceeds file size 10");
-  REQUIRE_INPUT_ERROR(parse(raw_file("{}", 0, UINT64_MAX)), kLabel, "byte 0",
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file("{}", 0, UINT64_MAX)), kSafetensorsLabel, "byte 0",
                       "exceeds file size");
   const uint64_t over_limit = (100ull << 20) + 8;
-  REQUIRE_INPUT_ERROR(parse(raw_file(std::string(over_limit, ' '), 0)), kLabel, "byte 0",
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(std::string(over_limit, ' '), 0)), kSafetensorsLabel, "byte 0",
                       "100 MiB");
   // A valid file cut short: its data region no longer matches its offsets.
   std::vector<uint8_t> cut = raw_file(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", 16);
   cut.resize(cut.size() - 5);
-  REQUIRE_INPUT_ERROR(parse(cut), kLabel, "w", "out of range");
+  REQUIRE_INPUT_ERROR(tensors_of(cut), kSafetensorsLabel, "w", "out of range");
 }
 
 TEST_CASE("safetensors: bad offsets name the tensor", "[loaders][safetensors]") {
   const std::string f32_4 = R"("dtype":"F32","shape":[4])";
-  REQUIRE_INPUT_ERROR(parse(raw_file(R"({"w":{)" + f32_4 + R"(,"data_offsets":[0,32]}})", 16)),
-                      kLabel, "w", "out of range", "[0, 32]");
-  REQUIRE_INPUT_ERROR(parse(raw_file(R"({"w":{)" + f32_4 + R"(,"data_offsets":[16,0]}})", 16)),
-                      kLabel, "w", "out of range");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(R"({"w":{)" + f32_4 + R"(,"data_offsets":[0,32]}})", 16)),
+                      kSafetensorsLabel, "w", "out of range", "[0, 32]");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(R"({"w":{)" + f32_4 + R"(,"data_offsets":[16,0]}})", 16)),
+                      kSafetensorsLabel, "w", "out of range");
   REQUIRE_INPUT_ERROR(
-      parse(raw_file(R"({"w":{)" + f32_4 + R"(,"data_offsets":[0,18446744073709551615]}})", 16)),
-      kLabel, "w", "out of range");
+      tensors_of(raw_file(R"({"w":{)" + f32_4 + R"(,"data_offsets":[0,18446744073709551615]}})", 16)),
+      kSafetensorsLabel, "w", "out of range");
   for (const char* offsets : {"[0]", "[0,16,32]", "[-1,15]", "[0,\"16\"]", "{}", "[0,1.5]"}) {
     CAPTURE(offsets);
     REQUIRE_INPUT_ERROR(
-        parse(raw_file(R"({"w":{)" + f32_4 + R"(,"data_offsets":)" + offsets + "}}", 16)),
-        kLabel, "w", "data_offsets");
+        tensors_of(raw_file(R"({"w":{)" + f32_4 + R"(,"data_offsets":)" + offsets + "}}", 16)),
+        kSafetensorsLabel, "w", "data_offsets");
   }
-  REQUIRE_INPUT_ERROR(parse(raw_file(R"({"w":{)" + f32_4 + "}}", 16)), kLabel, "w",
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(R"({"w":{)" + f32_4 + "}}", 16)), kSafetensorsLabel, "w",
                       "data_offsets: required key is missing");
 }
 
 TEST_CASE("safetensors: overlapping tensors name both", "[loaders][safetensors]") {
   REQUIRE_INPUT_ERROR(
-      parse(raw_file(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
+      tensors_of(raw_file(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},)"
                      R"("b":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})", 16)),
-      kLabel, "b", "overlap tensor 'a'", "[8, 16]", "[0, 16]");
+      kSafetensorsLabel, "b", "overlap tensor 'a'", "[8, 16]", "[0, 16]");
   // Two tensors claiming the same bytes.
   REQUIRE_INPUT_ERROR(
-      parse(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+      tensors_of(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                      R"("b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8)),
-      kLabel, "overlap");
+      kSafetensorsLabel, "overlap");
 }
 
 TEST_CASE("safetensors: gaps in the data region are rejected", "[loaders][safetensors]") {
   REQUIRE_INPUT_ERROR(
-      parse(raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+      tensors_of(raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
                      R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})", 12)),
-      kLabel, "b", "gap", "[4, 8)");
+      kSafetensorsLabel, "b", "gap", "[4, 8)");
   REQUIRE_INPUT_ERROR(
-      parse(raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8)), kLabel,
+      tensors_of(raw_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8)), kSafetensorsLabel,
       "a", "gap", "[0, 4)");
   // Trailing bytes after the last tensor are named by their file offset.
   const std::string header = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
-  REQUIRE_INPUT_ERROR(parse(raw_file(header, 12)), kLabel,
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(header, 12)), kSafetensorsLabel,
                       "byte " + std::to_string(8 + header.size() + 4), "[4, 12)",
                       "belong to no tensor");
-  REQUIRE_INPUT_ERROR(parse(raw_file("{}", 4)), kLabel, "byte 10", "[0, 4)");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file("{}", 4)), kSafetensorsLabel, "byte 10", "[0, 4)");
 }
 
 TEST_CASE("safetensors: bad dtypes and shapes name the tensor", "[loaders][safetensors]") {
   REQUIRE_INPUT_ERROR(
-      parse(raw_file(R"({"w":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[0,4]}})", 4)),
-      kLabel, "w", "unknown dtype 'F8_E4M3'");
-  REQUIRE_INPUT_ERROR(parse(raw_file(R"({"w":{"dtype":4,"shape":[4],"data_offsets":[0,4]}})", 4)),
-                      kLabel, "w", "dtype");
-  REQUIRE_INPUT_ERROR(parse(raw_file(R"({"w":{"shape":[4],"data_offsets":[0,4]}})", 4)), kLabel,
+      tensors_of(raw_file(R"({"w":{"dtype":"F8_E4M3","shape":[4],"data_offsets":[0,4]}})", 4)),
+      kSafetensorsLabel, "w", "unknown dtype 'F8_E4M3'");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(R"({"w":{"dtype":4,"shape":[4],"data_offsets":[0,4]}})", 4)),
+                      kSafetensorsLabel, "w", "dtype");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(R"({"w":{"shape":[4],"data_offsets":[0,4]}})", 4)), kSafetensorsLabel,
                       "w", "dtype: required key is missing");
   // Shape and byte span disagree.
   REQUIRE_INPUT_ERROR(
-      parse(raw_file(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,20]}})", 20)),
-      kLabel, "w", "shape [2, 3] of F32 needs 24 bytes", "span 20");
+      tensors_of(raw_file(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,20]}})", 20)),
+      kSafetensorsLabel, "w", "shape [2, 3] of F32 needs 24 bytes", "span 20");
   REQUIRE_INPUT_ERROR(
-      parse(raw_file(R"({"w":{"dtype":"BF16","shape":[4],"data_offsets":[0,16]}})", 16)),
-      kLabel, "w", "needs 8 bytes");
+      tensors_of(raw_file(R"({"w":{"dtype":"BF16","shape":[4],"data_offsets":[0,16]}})", 16)),
+      kSafetensorsLabel, "w", "needs 8 bytes");
   // A shape claiming terabytes cannot match a small span.
   REQUIRE_INPUT_ERROR(
-      parse(raw_file(R"({"w":{"dtype":"F32","shape":[1000000,1000000],"data_offsets":[0,4]}})", 4)),
-      kLabel, "w", "needs 4000000000000 bytes");
+      tensors_of(raw_file(R"({"w":{"dtype":"F32","shape":[1000000,1000000],"data_offsets":[0,4]}})", 4)),
+      kSafetensorsLabel, "w", "needs 4000000000000 bytes");
   // Element count beyond int64, and bytes beyond uint64.
   REQUIRE_INPUT_ERROR(
-      parse(raw_file(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,4]}})",
+      tensors_of(raw_file(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,4]}})",
                      4)),
-      kLabel, "w", "more elements");
+      kSafetensorsLabel, "w", "more elements");
   REQUIRE_INPUT_ERROR(
-      parse(raw_file(R"({"w":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]}})",
+      tensors_of(raw_file(R"({"w":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,8]}})",
                      8)),
-      kLabel, "w", "more than 2^64");
+      kSafetensorsLabel, "w", "more than 2^64");
   for (const char* shape : {"[-1]", "[2.0]", "[\"2\"]", "4", "[9223372036854775808]", "[true]"}) {
     CAPTURE(shape);
     REQUIRE_INPUT_ERROR(
-        parse(raw_file(std::string(R"({"w":{"dtype":"U8","data_offsets":[0,0],"shape":)") + shape +
+        tensors_of(raw_file(std::string(R"({"w":{"dtype":"U8","data_offsets":[0,0],"shape":)") + shape +
                        "}}", 0)),
-        kLabel, "w", "shape");
+        kSafetensorsLabel, "w", "shape");
   }
-  REQUIRE_INPUT_ERROR(parse(raw_file(R"({"w":[1,2]})", 0)), kLabel, "w", "expected an object");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(R"({"w":[1,2]})", 0)), kSafetensorsLabel, "w", "expected an object");
 }
 
 TEST_CASE("safetensors: hostile header JSON names the file and byte", "[loaders][safetensors]") {
   const std::string deep = std::string(100000, '[') + std::string(100000, ']');
-  REQUIRE_INPUT_ERROR(parse(raw_file(deep, 0)), kLabel, "byte 72", "nested");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(deep, 0)), kSafetensorsLabel, "byte 72", "nested");
   const std::string deep_value = R"({"w":)" + std::string(100, '{');
-  REQUIRE_INPUT_ERROR(parse(raw_file(deep_value, 0)), kLabel, "nested");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(deep_value, 0)), kSafetensorsLabel, "nested");
   // Invalid UTF-8 in a tensor name, at header byte 2 (file byte 10).
   REQUIRE_INPUT_ERROR(
-      parse(raw_file("{\"\xc3\x28\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}}", 0)),
-      kLabel, "byte 10", "UTF-8");
-  REQUIRE_INPUT_ERROR(parse(raw_file("{\"w\": ", 0)), kLabel, "invalid JSON");
-  REQUIRE_INPUT_ERROR(parse(raw_file(std::string(8, '\0'), 0)), kLabel, "invalid JSON");
-  REQUIRE_INPUT_ERROR(parse(raw_file("[]      ", 0)), kLabel, "byte 8", "JSON object");
-  REQUIRE_INPUT_ERROR(parse(raw_file(R"({"__metadata__":{"k":1}})", 0)), kLabel,
+      tensors_of(raw_file("{\"\xc3\x28\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[0,0]}}", 0)),
+      kSafetensorsLabel, "byte 10", "UTF-8");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file("{\"w\": ", 0)), kSafetensorsLabel, "invalid JSON");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(std::string(8, '\0'), 0)), kSafetensorsLabel, "invalid JSON");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file("[]      ", 0)), kSafetensorsLabel, "byte 8", "JSON object");
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(R"({"__metadata__":{"k":1}})", 0)), kSafetensorsLabel,
                       "__metadata__.k", "string");
-  REQUIRE_INPUT_ERROR(parse(raw_file(R"({"__metadata__":["k"]})", 0)), kLabel, "__metadata__",
+  REQUIRE_INPUT_ERROR(tensors_of(raw_file(R"({"__metadata__":["k"]})", 0)), kSafetensorsLabel, "__metadata__",
                       "object");
 }
 
 TEST_CASE("safetensors: file-level errors name the file", "[loaders][safetensors]") {
   TempDir dir;
-  REQUIRE_INPUT_ERROR(nanreplay::SafetensorsFile::open((dir / "absent").string(), kLabel), kLabel,
+  REQUIRE_INPUT_ERROR(nanreplay::SafetensorsFile::open((dir / "absent").string(), kSafetensorsLabel), kSafetensorsLabel,
                       "cannot open");
-  REQUIRE_INPUT_ERROR(nanreplay::SafetensorsFile::open(dir.path().string(), kLabel), kLabel,
+  REQUIRE_INPUT_ERROR(nanreplay::SafetensorsFile::open(dir.path().string(), kSafetensorsLabel), kSafetensorsLabel,
                       "directory");
   write_all(dir / "empty.safetensors", {});
   REQUIRE_INPUT_ERROR(
-      nanreplay::SafetensorsFile::open((dir / "empty.safetensors").string(), kLabel), kLabel,
+      nanreplay::SafetensorsFile::open((dir / "empty.safetensors").string(), kSafetensorsLabel), kSafetensorsLabel,
       "byte 0");
   write_all(dir / "bad.safetensors",
             raw_file(R"({"w":{"dtype":"Q4","shape":[1],"data_offsets":[0,1]}})", 1));
-  REQUIRE_INPUT_ERROR(nanreplay::SafetensorsFile::open((dir / "bad.safetensors").string(), kLabel),
-                      kLabel, "w", "unknown dtype 'Q4'");
+  REQUIRE_INPUT_ERROR(nanreplay::SafetensorsFile::open((dir / "bad.safetensors").string(), kSafetensorsLabel),
+                      kSafetensorsLabel, "w", "unknown dtype 'Q4'");
 }

@@ -29,9 +29,9 @@ using nanreplay::StepEntry;
 using nlohmann::json;
 using Lists = std::vector<std::vector<int64_t>>;
 
+using nanreplay_test::kManifestLabel;
 using nanreplay_test::MessageMentions;
 using nanreplay_test::TempDir;
-const char* const kLabel = "bundle/manifest.json";
 
 json load_fixture() {
   const std::string path = std::string(NANREPLAY_SOURCE_DIR) + "/tests/fixtures/randperm.json";
@@ -106,7 +106,7 @@ TEST_CASE("sampler: randperm steps slice DistributedSampler's rank lists", "[loa
     const int64_t epoch_start = 100;
     const Manifest m = sampler_manifest(world, 2, 3, c.at("seed").get<uint64_t>(),
                                         c.at("epoch").get<int64_t>(), epoch_start);
-    const nanreplay::StepSampler sampler(m, num_samples, kLabel);
+    const nanreplay::StepSampler sampler(m, num_samples, kManifestLabel);
     const int64_t per_rank = num_samples / world;
     const int64_t steps_in_epoch = per_rank / 6;
     REQUIRE(steps_in_epoch >= 1);
@@ -126,9 +126,9 @@ TEST_CASE("sampler: randperm steps slice DistributedSampler's rank lists", "[loa
       CHECK(concatenated[r] ==
             std::vector<int64_t>(torch_list.begin(), torch_list.begin() + steps_in_epoch * 6));
     }
-    REQUIRE_INPUT_ERROR(sampler.randperm_samples(epoch_start + steps_in_epoch), kLabel,
+    REQUIRE_INPUT_ERROR(sampler.randperm_samples(epoch_start + steps_in_epoch), kManifestLabel,
                         "steps", "got " + std::to_string(epoch_start + steps_in_epoch));
-    REQUIRE_INPUT_ERROR(sampler.randperm_samples(epoch_start - 1), kLabel, "steps",
+    REQUIRE_INPUT_ERROR(sampler.randperm_samples(epoch_start - 1), kManifestLabel, "steps",
                         "epoch_start_step 100");
   }
 }
@@ -136,7 +136,7 @@ TEST_CASE("sampler: randperm steps slice DistributedSampler's rank lists", "[loa
 TEST_CASE("sampler: samples_for follows the manifest's seed and epoch", "[loaders][sampler]") {
   Manifest m = sampler_manifest(2, 1, 2, 1234, 3, 10);
   m.steps = {entry(10, 0), entry(12, 1)};
-  const nanreplay::StepSampler sampler(m, 20, kLabel);
+  const nanreplay::StepSampler sampler(m, 20, kManifestLabel);
   // Seed + epoch = 1237; each rank's list is perm[r::2], B = 2.
   const std::vector<int64_t> perm = nanreplay::torch_randperm(20, 1237);
   CHECK(sampler.samples_for(m.steps[0]) == Lists{{perm[0], perm[2]}, {perm[1], perm[3]}});
@@ -144,30 +144,30 @@ TEST_CASE("sampler: samples_for follows the manifest's seed and epoch", "[loader
   CHECK(sampler.randperm_samples(12) == sampler.samples_for(m.steps[1]));
   // Each rank holds 10 samples: 5 steps of 2, so steps 10..14.
   CHECK_NOTHROW(sampler.samples_for(entry(14, 5)));
-  REQUIRE_INPUT_ERROR(sampler.samples_for(entry(15, 5)), kLabel, "steps[5].step",
+  REQUIRE_INPUT_ERROR(sampler.samples_for(entry(15, 5)), kManifestLabel, "steps[5].step",
                       "expected a step in [10, 15)", "got 15");
-  REQUIRE_INPUT_ERROR(sampler.samples_for(entry(9, 3)), kLabel, "steps[3].step",
+  REQUIRE_INPUT_ERROR(sampler.samples_for(entry(9, 3)), kManifestLabel, "steps[3].step",
                       "expected a step in [10, 15)", "got 9");
   // A step the manifest lists is named by its manifest position.
   m.steps = {entry(10, 0), entry(40, 1)};
-  const nanreplay::StepSampler with_late_step(m, 20, kLabel);
-  REQUIRE_INPUT_ERROR(with_late_step.randperm_samples(40), kLabel, "steps[1].step");
+  const nanreplay::StepSampler with_late_step(m, 20, kManifestLabel);
+  REQUIRE_INPUT_ERROR(with_late_step.randperm_samples(40), kManifestLabel, "steps[1].step");
 }
 
 TEST_CASE("sampler: too few samples for one step leaves every step outside the epoch",
           "[loaders][sampler]") {
   const Manifest m = sampler_manifest(4, 2, 1, 0, 0, 0);
-  const nanreplay::StepSampler sampler(m, 7, kLabel);  // 1 sample per rank, B = 2
-  REQUIRE_INPUT_ERROR(sampler.samples_for(m.steps[0]), kLabel, "steps[0].step",
+  const nanreplay::StepSampler sampler(m, 7, kManifestLabel);  // 1 sample per rank, B = 2
+  REQUIRE_INPUT_ERROR(sampler.samples_for(m.steps[0]), kManifestLabel, "steps[0].step",
                       "[0, 0)");
-  const nanreplay::StepSampler empty(m, 0, kLabel);
-  REQUIRE_INPUT_ERROR(empty.samples_for(m.steps[0]), kLabel, "steps[0].step");
+  const nanreplay::StepSampler empty(m, 0, kManifestLabel);
+  REQUIRE_INPUT_ERROR(empty.samples_for(m.steps[0]), kManifestLabel, "steps[0].step");
 }
 
 TEST_CASE("sampler: explicit samples win and are validated", "[loaders][sampler]") {
   Manifest m = sampler_manifest(2, 2, 1, 5, 0, 0);
   const Lists recorded = {{3, 4}, {0, 9}};
-  const nanreplay::StepSampler sampler(m, 10, kLabel);
+  const nanreplay::StepSampler sampler(m, 10, kManifestLabel);
 
   SECTION("they win over randperm when present") {
     CHECK(sampler.samples_for(entry(0, 0, recorded)) == recorded);
@@ -176,17 +176,17 @@ TEST_CASE("sampler: explicit samples win and are validated", "[loaders][sampler]
     CHECK(sampler.samples_for(entry(0, 0)) == sampler.randperm_samples(0));
   }
   SECTION("one list per rank") {
-    REQUIRE_INPUT_ERROR(sampler.samples_for(entry(0, 2, Lists{{3, 4}})), kLabel,
+    REQUIRE_INPUT_ERROR(sampler.samples_for(entry(0, 2, Lists{{3, 4}})), kManifestLabel,
                         "steps[2].samples", "data.world_size = 2", "got 1");
   }
   SECTION("B indices per rank") {
-    REQUIRE_INPUT_ERROR(sampler.samples_for(entry(0, 2, Lists{{3, 4}, {0, 9, 1}})), kLabel,
+    REQUIRE_INPUT_ERROR(sampler.samples_for(entry(0, 2, Lists{{3, 4}, {0, 9, 1}})), kManifestLabel,
                         "steps[2].samples[1]", "expected 2 sample indices", "got 3");
   }
   SECTION("indices within the stream") {
-    REQUIRE_INPUT_ERROR(sampler.samples_for(entry(0, 2, Lists{{3, 4}, {0, 10}})), kLabel,
+    REQUIRE_INPUT_ERROR(sampler.samples_for(entry(0, 2, Lists{{3, 4}, {0, 10}})), kManifestLabel,
                         "steps[2].samples[1][1]", "[0, 10)", "got 10");
-    REQUIRE_INPUT_ERROR(sampler.explicit_samples(entry(0, 2, Lists{{-1, 4}, {0, 1}})), kLabel,
+    REQUIRE_INPUT_ERROR(sampler.explicit_samples(entry(0, 2, Lists{{-1, 4}, {0, 1}})), kManifestLabel,
                         "steps[2].samples[0][0]", "got -1");
   }
 }
@@ -194,9 +194,9 @@ TEST_CASE("sampler: explicit samples win and are validated", "[loaders][sampler]
 TEST_CASE("sampler: the explicit sampler reads only the recorded lists", "[loaders][sampler]") {
   Manifest m = sampler_manifest(1, 1, 2, 0, 0, 0);
   m.data.sampler.kind = SamplerSpec::Kind::kExplicit;
-  const nanreplay::StepSampler sampler(m, 4, kLabel);
+  const nanreplay::StepSampler sampler(m, 4, kManifestLabel);
   CHECK(sampler.samples_for(entry(999, 0, Lists{{3, 3}})) == Lists{{3, 3}});
-  REQUIRE_INPUT_ERROR(sampler.samples_for(entry(999, 4)), kLabel, "steps[4].samples",
+  REQUIRE_INPUT_ERROR(sampler.samples_for(entry(999, 4)), kManifestLabel, "steps[4].samples",
                       "explicit");
   CHECK_THROWS_AS(sampler.randperm_samples(0), std::logic_error);
 }
@@ -212,11 +212,11 @@ TEST_CASE("sampler: works from a parsed manifest", "[loaders][sampler]") {
     "steps": [ { "step": 4, "dir": "steps/4", "samples": [[0, 1, 2, 3], [4, 5, 6, 7]] },
                { "step": 3, "dir": "steps/3" },
                { "step": 2, "dir": "steps/2" } ]
-  })", kLabel);
+  })", kManifestLabel);
   // 41 tokens, seq_len 4: 10 samples, 5 per rank, B = 4: only step 3 is in the epoch.
-  const nanreplay::StepSampler sampler(m, 10, kLabel);
+  const nanreplay::StepSampler sampler(m, 10, kManifestLabel);
   REQUIRE(m.steps[0].step == 2);
-  REQUIRE_INPUT_ERROR(sampler.samples_for(m.steps[0]), kLabel, "steps[2].step");
+  REQUIRE_INPUT_ERROR(sampler.samples_for(m.steps[0]), kManifestLabel, "steps[2].step");
   const std::vector<int64_t> perm = nanreplay::torch_randperm(10, 8);
   CHECK(sampler.samples_for(m.steps[1]) ==
         Lists{{perm[0], perm[2], perm[4], perm[6]}, {perm[1], perm[3], perm[5], perm[7]}});

@@ -26,10 +26,10 @@ using nanreplay::InputError;
 using nanreplay::ShardSpec;
 using nanreplay::TokenDtype;
 
+using nanreplay_test::kManifestLabel;
 using nanreplay_test::MessageMentions;
 using nanreplay_test::TempDir;
 
-const char* const kManifest = "bundle/manifest.json";
 
 template <typename Token>
 void write_tokens(const fs::path& path, const std::vector<Token>& tokens) {
@@ -64,7 +64,7 @@ struct TwoShardBundle {
 
 TEST_CASE("token_shards: shards concatenate into one stream", "[loaders][shards]") {
   TwoShardBundle bundle;
-  const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifest);
+  const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifestLabel);
   REQUIRE(stream.num_shards() == 2);
   CHECK(stream.total_tokens() == 9);
   CHECK(stream.spec(1).path == "data/b.bin");
@@ -92,7 +92,7 @@ TEST_CASE("token_shards: shards concatenate into one stream", "[loaders][shards]
 TEST_CASE("token_shards: samples overlap by one token and may straddle shards",
           "[loaders][shards]") {
   TwoShardBundle bundle;
-  const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifest);
+  const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifestLabel);
   // (9 - 1) / 3 = 2 samples: tokens [0, 4) and [3, 7).
   CHECK(stream.num_samples(3) == 2);
   CHECK(stream.num_samples(8) == 1);
@@ -104,7 +104,7 @@ TEST_CASE("token_shards: samples overlap by one token and may straddle shards",
 
 TEST_CASE("token_shards: reads outside the stream are programmer errors", "[loaders][shards]") {
   TwoShardBundle bundle;
-  const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifest);
+  const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifestLabel);
   std::vector<int64_t> out(16);
   CHECK_THROWS_AS(stream.token(-1), std::out_of_range);
   CHECK_THROWS_AS(stream.token(9), std::out_of_range);
@@ -123,30 +123,30 @@ TEST_CASE("token_shards: a shard whose size disagrees with tokens names both",
   TwoShardBundle bundle;
   SECTION("shorter than declared") {
     bundle.specs[1].tokens = 5;
-    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifest),
+    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifestLabel),
                         "data/b.bin: data.shards[1].tokens",
                         "bundle/manifest.json says 5 tokens (20 bytes of uint32)",
                         "the file holds 16 bytes");
   }
   SECTION("longer than declared") {
     bundle.specs[0].tokens = 4;
-    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifest),
+    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifestLabel),
                         "data/a.bin: data.shards[0].tokens", "4 tokens (8 bytes of uint16)",
                         "holds 10 bytes");
   }
   SECTION("the wrong width") {
     bundle.specs[0].dtype = TokenDtype::kUint32;
-    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifest),
+    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifestLabel),
                         "data/a.bin", "data.shards[0].tokens", "20 bytes of uint32");
   }
   SECTION("a half token") {
     std::ofstream(bundle.dir / "data/a.bin", std::ios::app) << 'x';
-    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifest),
+    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifestLabel),
                         "data/a.bin", "data.shards[0].tokens", "holds 11 bytes");
   }
   SECTION("a token count whose byte size overflows") {
     bundle.specs[0].tokens = INT64_MAX;
-    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifest),
+    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifestLabel),
                         "data/a.bin", "data.shards[0].tokens");
   }
 }
@@ -154,10 +154,10 @@ TEST_CASE("token_shards: a shard whose size disagrees with tokens names both",
 TEST_CASE("token_shards: missing or unreadable shards name the shard", "[loaders][shards]") {
   TwoShardBundle bundle;
   bundle.specs.push_back(shard("data/c.bin", TokenDtype::kUint16, 3));
-  REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifest),
+  REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifestLabel),
                       "data/c.bin", "cannot open");
   bundle.specs.back().path = "data";
-  REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifest),
+  REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifestLabel),
                       "data", "directory");
 }
 
@@ -169,24 +169,24 @@ TEST_CASE("token_shards: shard paths must stay inside the bundle", "[loaders][sh
   SECTION("a '..' component") {
     bundle.specs[1] = shard("data/../../" + outside.path().filename().string() + "/secret.bin",
                             TokenDtype::kUint16, 3);
-    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifest),
-                        kManifest, "data.shards[1].path", "'..'");
+    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifestLabel),
+                        kManifestLabel, "data.shards[1].path", "'..'");
   }
   SECTION("an absolute path") {
     bundle.specs[0] = shard((outside / "secret.bin").string(), TokenDtype::kUint16, 3);
-    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifest),
-                        kManifest, "data.shards[0].path", "absolute");
+    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifestLabel),
+                        kManifestLabel, "data.shards[0].path", "absolute");
   }
   SECTION("a symlink pointing outside") {
     fs::create_symlink(outside / "secret.bin", bundle.dir / "data/link.bin");
     bundle.specs[1] = shard("data/link.bin", TokenDtype::kUint16, 3);
-    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifest),
-                        kManifest, "data.shards[1].path", "escapes the bundle");
+    REQUIRE_INPUT_ERROR(nanreplay::TokenStream(bundle.dir.path(), bundle.specs, kManifestLabel),
+                        kManifestLabel, "data.shards[1].path", "escapes the bundle");
   }
   SECTION("a symlink that stays inside is followed") {
     fs::create_symlink("a.bin", bundle.dir / "data/alias.bin");
     bundle.specs[1] = shard("data/alias.bin", TokenDtype::kUint16, 5);
-    const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifest);
+    const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifestLabel);
     CHECK(stream.total_tokens() == 10);
     CHECK(stream.token(8) == 65535);
   }
@@ -203,12 +203,12 @@ TEST_CASE("token_shards: checksums are verified, mismatches reported", "[loaders
       reinterpret_cast<const uint8_t*>(bundle.first.data()), bundle.first.size() * 2);
   bundle.specs[0].sha256 = good_a;
   {
-    const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifest);
+    const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifestLabel);
     CHECK(stream.verify_checksums().empty());
   }
   const std::string wrong(64, '0');
   bundle.specs[1].sha256 = wrong;
-  const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifest);
+  const nanreplay::TokenStream stream(bundle.dir.path(), bundle.specs, kManifestLabel);
   const std::vector<nanreplay::ChecksumMismatch> mismatches = stream.verify_checksums();
   REQUIRE(mismatches.size() == 1);
   CHECK(mismatches[0].shard == "data/b.bin");

@@ -20,10 +20,10 @@
 namespace {
 
 using nanreplay::OptimizerConfig;
+using nanreplay_test::kManifestLabel;
 using nanreplay::OptimizerKind;
 using nlohmann::json;
 
-const char* const kManifest = "bundle/manifest.json";
 const char* const kState = "bundle/steps/3/state.json";
 
 OptimizerConfig parse_optimizer(const json& optimizer) {
@@ -37,7 +37,7 @@ OptimizerConfig parse_optimizer(const json& optimizer) {
     "steps": [ { "step": 0, "dir": "steps/0" } ]
   })"_json;
   manifest["optimizer"] = optimizer;
-  return *nanreplay::parse_manifest(manifest.dump(), kManifest).optimizer;
+  return *nanreplay::parse_manifest(manifest.dump(), kManifestLabel).optimizer;
 }
 
 }  // namespace
@@ -152,37 +152,37 @@ TEST_CASE("state.json lr: a number for every group or one per group name", "[loa
 }
 
 TEST_CASE("bad optimizer sections are refused with the file and key", "[loaders][manifest][optim][bad]") {
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "lion"}}), kManifest, "optimizer.kind", "lion");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "muon"}, {"betas", {0.9, 0.95}}}), kManifest, "optimizer.betas",
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "lion"}}), kManifestLabel, "optimizer.kind", "lion");
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "muon"}, {"betas", {0.9, 0.95}}}), kManifestLabel, "optimizer.betas",
                       "torch.optim.Muon");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adamw"}, {"momentum", 0.9}}), kManifest, "optimizer.momentum");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adafactor"}, {"d", 0.5}}), kManifest, "optimizer.d");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adafactor"}, {"beta2_decay", 0.5}}), kManifest,
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adamw"}, {"momentum", 0.9}}), kManifestLabel, "optimizer.momentum");
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adafactor"}, {"d", 0.5}}), kManifestLabel, "optimizer.d");
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adafactor"}, {"beta2_decay", 0.5}}), kManifestLabel,
                       "optimizer.beta2_decay");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adafactor"}, {"eps", {1e-30}}}), kManifest, "optimizer.eps");
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adafactor"}, {"eps", {1e-30}}}), kManifestLabel, "optimizer.eps");
   REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adafactor_hf"}, {"warmup_init", true}, {"relative_step", false}}),
-                      kManifest, "optimizer.warmup_init");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adafactor_hf"}, {"beta1", 1.5}}), kManifest, "optimizer.beta1");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "muon"}, {"ns_steps", 100}}), kManifest, "optimizer.ns_steps");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "muon"}, {"adjust_lr_fn", "spectral"}}), kManifest,
+                      kManifestLabel, "optimizer.warmup_init");
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adafactor_hf"}, {"beta1", 1.5}}), kManifestLabel, "optimizer.beta1");
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "muon"}, {"ns_steps", 100}}), kManifestLabel, "optimizer.ns_steps");
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "muon"}, {"adjust_lr_fn", "spectral"}}), kManifestLabel,
                       "optimizer.adjust_lr_fn");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "muon"}, {"ns_coefficients", {1.0, 2.0}}}), kManifest,
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "muon"}, {"ns_coefficients", {1.0, 2.0}}}), kManifestLabel,
                       "optimizer.ns_coefficients");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "muon"}, {"qk_clip", {{"tau", 0}}}}), kManifest,
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "muon"}, {"qk_clip", {{"tau", 0}}}}), kManifestLabel,
                       "optimizer.qk_clip.tau");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adamw"}, {"qk_clip", {{"tau", 10}}}}), kManifest,
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"kind", "adamw"}, {"qk_clip", {{"tau", 10}}}}), kManifestLabel,
                       "optimizer.qk_clip");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"groups", {{{"params", {"*"}}}}}}), kManifest, "optimizer.groups[0].name");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"groups", {{{"name", "default"}, {"params", {"*"}}}}}}), kManifest,
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"groups", {{{"params", {"*"}}}}}}), kManifestLabel, "optimizer.groups[0].name");
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"groups", {{{"name", "default"}, {"params", {"*"}}}}}}), kManifestLabel,
                       "optimizer.groups[0].name");
   REQUIRE_INPUT_ERROR(parse_optimizer({{"groups", {{{"name", "a"}, {"params", {"*"}}},
                                                    {{"name", "a"}, {"params", {"x"}}}}}}),
-                      kManifest, "optimizer.groups[1].name");
-  REQUIRE_INPUT_ERROR(parse_optimizer({{"groups", {{{"name", "a"}, {"params", {1}}}}}}), kManifest,
+                      kManifestLabel, "optimizer.groups[1].name");
+  REQUIRE_INPUT_ERROR(parse_optimizer({{"groups", {{{"name", "a"}, {"params", {1}}}}}}), kManifestLabel,
                       "optimizer.groups[0].params[0]");
   REQUIRE_INPUT_ERROR(parse_optimizer({{"groups", {{{"name", "a"}, {"params", {"*"}}, {"kind", "sgd"}}}}}),
-                      kManifest, "optimizer.groups[0].kind");
+                      kManifestLabel, "optimizer.groups[0].kind");
   REQUIRE_INPUT_ERROR(
       parse_optimizer({{"groups", {{{"name", "m"}, {"params", {"*"}}, {"kind", "muon"}, {"amsgrad", true}}}}}),
-      kManifest, "optimizer.groups[0].amsgrad");
+      kManifestLabel, "optimizer.groups[0].amsgrad");
 }

@@ -27,7 +27,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const std::vector<std::string> kResults{"report.json", "trace.h5"};
+const std::vector<std::string> kWrittenResults{"report.json", "trace.h5"};
 
 std::vector<std::string> entries(const fs::path& dir) {
   std::vector<std::string> names;
@@ -46,7 +46,7 @@ TEST_CASE("a commit replaces earlier results and drops the ones this run did not
   std::ofstream(out / "trace.h5") << "old trace";
   std::ofstream(out / "notes.txt") << "the user's";
   {
-    OutputDir dir(out, scratch / "bundle", true, kResults);
+    OutputDir dir(out, scratch / "bundle", true, kWrittenResults);
     dir.write_text("report.json", "new report");
     CHECK(slurp(out / "report.json") == "old report");  // nothing moves before commit()
     dir.commit();
@@ -61,7 +61,7 @@ TEST_CASE("a run that fails leaves earlier results and the user's files as they 
   fs::create_directories(out);
   std::ofstream(out / "report.json") << "old report";
   {
-    OutputDir dir(out, scratch / "bundle", true, kResults);
+    OutputDir dir(out, scratch / "bundle", true, kWrittenResults);
     dir.write_text("report.json", "half");
   }  // destroyed without commit(): a failure
   CHECK(slurp(out / "report.json") == "old report");
@@ -69,7 +69,7 @@ TEST_CASE("a run that fails leaves earlier results and the user's files as they 
 
   const fs::path fresh = scratch / "fresh" / "deeper";
   {
-    OutputDir dir(fresh, scratch / "bundle", true, kResults);
+    OutputDir dir(fresh, scratch / "bundle", true, kWrittenResults);
     CHECK(fs::is_directory(fresh));
   }
   CHECK_FALSE(fs::exists(fresh));  // created by the failed run, so removed with it
@@ -78,15 +78,15 @@ TEST_CASE("a run that fails leaves earlier results and the user's files as they 
 TEST_CASE("OutputDir refuses the bundle itself and, when told not to replace, earlier results", "[output]") {
   ScratchDir scratch("outdir-refuse");
   fs::create_directories(scratch / "bundle");
-  CHECK_THROWS_AS(OutputDir(scratch / "bundle" / "out", scratch / "bundle", true, kResults), nanreplay::UsageError);
-  CHECK_THROWS_AS(OutputDir(scratch / "bundle", scratch / "bundle", true, kResults), nanreplay::UsageError);
+  CHECK_THROWS_AS(OutputDir(scratch / "bundle" / "out", scratch / "bundle", true, kWrittenResults), nanreplay::UsageError);
+  CHECK_THROWS_AS(OutputDir(scratch / "bundle", scratch / "bundle", true, kWrittenResults), nanreplay::UsageError);
   CHECK_FALSE(fs::exists(scratch / "bundle" / "out"));
 
   fs::create_directories(scratch / "out");
-  OutputDir empty_is_fine(scratch / "out", scratch / "bundle", false, kResults);
+  OutputDir empty_is_fine(scratch / "out", scratch / "bundle", false, kWrittenResults);
   empty_is_fine.abandon();
   std::ofstream(scratch / "out" / "trace.h5") << "old";
-  CHECK_THROWS_AS(OutputDir(scratch / "out", scratch / "bundle", false, kResults), nanreplay::UsageError);
+  CHECK_THROWS_AS(OutputDir(scratch / "out", scratch / "bundle", false, kWrittenResults), nanreplay::UsageError);
   CHECK(entries(scratch / "out") == std::vector<std::string>{"trace.h5"});
 }
 
@@ -140,8 +140,8 @@ TEST_CASE("two OutputDirs into one directory in one process never share a stagin
   // What PIDs cannot give: two runs in two containers are both PID 1.
   ScratchDir scratch("outdir-twins");
   const fs::path out = scratch / "out";
-  OutputDir first(out, scratch / "bundle", true, kResults);
-  OutputDir second(out, scratch / "bundle", true, kResults);
+  OutputDir first(out, scratch / "bundle", true, kWrittenResults);
+  OutputDir second(out, scratch / "bundle", true, kWrittenResults);
   CHECK(first.staging_path("report.json").parent_path() != second.staging_path("report.json").parent_path());
   first.write_text("report.json", "first");
   second.write_text("report.json", "second");
@@ -167,7 +167,7 @@ TEST_CASE("staging directories of dead runs are removed, those of live runs are 
   REQUIRE(live >= 0);
   REQUIRE(::flock(live, LOCK_EX) == 0);
   {
-    OutputDir dir(out, scratch / "bundle", true, kResults);
+    OutputDir dir(out, scratch / "bundle", true, kWrittenResults);
     const std::vector<std::string> hidden = hidden_entries(out);
     CHECK(hidden.size() == 2);  // ours and the live one
     CHECK(std::count(hidden.begin(), hidden.end(), ".nanreplay-staging-LiveOn") == 1);
@@ -182,7 +182,7 @@ TEST_CASE("a result name taken by a directory fails the commit and leaves the pr
   ScratchDir scratch("outdir-directory");
   const fs::path out = scratch / "out";
   write_previous_set(out);
-  OutputDir dir(out, scratch / "bundle", true, kResults);
+  OutputDir dir(out, scratch / "bundle", true, kWrittenResults);
   dir.write_text("report.json", "new report");
   dir.write_text("trace.h5", "new trace");
   fs::remove(out / "trace.h5");
@@ -193,7 +193,7 @@ TEST_CASE("a result name taken by a directory fails the commit and leaves the pr
   dir.abandon();
   CHECK(entries(out) == std::vector<std::string>{"report.json", "trace.h5"});
   // And up front: a run refuses such a directory before it replays anything.
-  CHECK_THROWS_AS(OutputDir(out, scratch / "bundle", true, kResults), nanreplay::OutputError);
+  CHECK_THROWS_AS(OutputDir(out, scratch / "bundle", true, kWrittenResults), nanreplay::OutputError);
 }
 
 TEST_CASE("a rename failing half-way through a commit puts the previous set back", "[output]") {
@@ -260,7 +260,7 @@ TEST_CASE("a commit killed half-way is rolled back, or finished, by the next run
   SECTION("killed while the old set moved aside") {
     std::ofstream(out / "trace.h5") << "old trace";
     std::ofstream(aside / "report.json") << "old report";
-    OutputDir(out, scratch / "bundle", true, kResults).abandon();
+    OutputDir(out, scratch / "bundle", true, kWrittenResults).abandon();
     CHECK(slurp(out / "report.json") == "old report");
     CHECK(slurp(out / "trace.h5") == "old trace");
   }
@@ -269,7 +269,7 @@ TEST_CASE("a commit killed half-way is rolled back, or finished, by the next run
     std::ofstream(aside / "trace.h5") << "old trace";
     std::ofstream(aside / ".old-set-aside");
     std::ofstream(out / "report.json") << "half of a new set";
-    OutputDir(out, scratch / "bundle", true, kResults).abandon();
+    OutputDir(out, scratch / "bundle", true, kWrittenResults).abandon();
     CHECK(slurp(out / "report.json") == "old report");
     CHECK(slurp(out / "trace.h5") == "old trace");
   }
@@ -279,7 +279,7 @@ TEST_CASE("a commit killed half-way is rolled back, or finished, by the next run
     std::ofstream(aside / ".new-set-in");
     std::ofstream(out / "report.json") << "new report";
     std::ofstream(out / "trace.h5") << "new trace";
-    OutputDir(out, scratch / "bundle", true, kResults).abandon();
+    OutputDir(out, scratch / "bundle", true, kWrittenResults).abandon();
     CHECK(slurp(out / "report.json") == "new report");
     CHECK(slurp(out / "trace.h5") == "new trace");
   }
@@ -289,11 +289,11 @@ TEST_CASE("a commit killed half-way is rolled back, or finished, by the next run
 TEST_CASE("a failed run removes the --out it created, parents included, and nothing else", "[output]") {
   ScratchDir scratch("outdir-parents");
   const fs::path out = scratch / "new" / "deeper" / "out";
-  { OutputDir dir(out, scratch / "bundle", true, kResults); }
+  { OutputDir dir(out, scratch / "bundle", true, kWrittenResults); }
   CHECK_FALSE(fs::exists(scratch / "new"));
 
   fs::create_directories(scratch / "kept");
-  { OutputDir dir(scratch / "kept" / "x" / "../y", scratch / "bundle", true, kResults); }
+  { OutputDir dir(scratch / "kept" / "x" / "../y", scratch / "bundle", true, kWrittenResults); }
   CHECK(entries(scratch / "kept").empty());  // "x" and "y" both went
 }
 
@@ -302,8 +302,8 @@ TEST_CASE("OutputDir refuses the bundle by device and inode through symlinks and
   const fs::path bundle = scratch / "bundle";
   fs::create_directories(bundle / "steps");
   fs::create_symlink(bundle / "steps", scratch / "link-into-bundle");
-  CHECK_THROWS_AS(OutputDir(scratch / "link-into-bundle" / "out", bundle, true, kResults), nanreplay::UsageError);
-  CHECK_THROWS_AS(OutputDir(scratch / "elsewhere" / ".." / "bundle" / "x" / "out", bundle, true, kResults),
+  CHECK_THROWS_AS(OutputDir(scratch / "link-into-bundle" / "out", bundle, true, kWrittenResults), nanreplay::UsageError);
+  CHECK_THROWS_AS(OutputDir(scratch / "elsewhere" / ".." / "bundle" / "x" / "out", bundle, true, kWrittenResults),
                   nanreplay::UsageError);
   CHECK_FALSE(fs::exists(scratch / "elsewhere"));
   CHECK(entries(bundle) == std::vector<std::string>{"steps"});
@@ -314,7 +314,7 @@ TEST_CASE("OutputDir refuses the bundle by device and inode through symlinks and
     WARN("bind mounts need root (and CAP_SYS_ADMIN); the bind-mount case is skipped");
     return;
   }
-  CHECK_THROWS_AS(OutputDir(mount / "out", bundle, true, kResults), nanreplay::UsageError);
+  CHECK_THROWS_AS(OutputDir(mount / "out", bundle, true, kWrittenResults), nanreplay::UsageError);
   ::umount(mount.c_str());
   CHECK(entries(bundle) == std::vector<std::string>{"steps"});
 }

@@ -14,29 +14,29 @@ namespace {
 
 using nanreplay::AttentionMask;
 using nanreplay::mask_effect;
-constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kScoreInf = std::numeric_limits<double>::infinity();
 const double kNan = std::nan("");
 
 }  // namespace
 
 TEST_CASE("mask_effect: the additive masks poison the row with +inf or NaN, excluding and filling never do",
           "[probes][masked-score]") {
-  const auto neg_inf = mask_effect(AttentionMask::kAdditiveNegInf, kInf);
+  const auto neg_inf = mask_effect(AttentionMask::kAdditiveNegInf, kScoreInf);
   CHECK(neg_inf.arithmetic == "+inf + (-inf) = NaN");
   CHECK(neg_inf.effect ==
         "the additive -inf mask made the masked score NaN and the softmax spread it over the row");
   CHECK(neg_inf.poisons_row);
-  const auto finfo = mask_effect(AttentionMask::kAdditiveFinfoMin, kInf);
+  const auto finfo = mask_effect(AttentionMask::kAdditiveFinfoMin, kScoreInf);
   CHECK(finfo.arithmetic == "+inf + finfo.min = +inf");
   CHECK_THAT(finfo.effect, Catch::Matchers::Contains("+inf - (+inf) = NaN"));
   CHECK(finfo.poisons_row);
   for (AttentionMask additive : {AttentionMask::kAdditiveNegInf, AttentionMask::kAdditiveFinfoMin}) {
-    CHECK_FALSE(mask_effect(additive, -kInf).poisons_row);  // -inf stays -inf: weight 0
+    CHECK_FALSE(mask_effect(additive, -kScoreInf).poisons_row);  // -inf stays -inf: weight 0
     CHECK(mask_effect(additive, kNan).poisons_row);         // no addition removes a NaN
   }
-  CHECK(mask_effect(AttentionMask::kAdditiveNegInf, -kInf).arithmetic == "-inf + (-inf) = -inf");
+  CHECK(mask_effect(AttentionMask::kAdditiveNegInf, -kScoreInf).arithmetic == "-inf + (-inf) = -inf");
   CHECK(mask_effect(AttentionMask::kAdditiveFinfoMin, kNan).arithmetic == "NaN + finfo.min = NaN");
-  for (double raw : {kInf, -kInf, kNan}) {
+  for (double raw : {kScoreInf, -kScoreInf, kNan}) {
     const auto excluded = mask_effect(AttentionMask::kExclude, raw);
     const auto filled = mask_effect(AttentionMask::kFillFinfoMin, raw);
     CHECK_FALSE(excluded.poisons_row);
@@ -45,7 +45,7 @@ TEST_CASE("mask_effect: the additive masks poison the row with +inf or NaN, excl
     CHECK_THAT(filled.effect, Catch::Matchers::Contains("no effect on the row"));
   }
   // A soft cap between the score and the mask makes an infinite score finite first.
-  const auto capped = mask_effect(AttentionMask::kAdditiveNegInf, kInf, true);
+  const auto capped = mask_effect(AttentionMask::kAdditiveNegInf, kScoreInf, true);
   CHECK_FALSE(capped.poisons_row);
   CHECK(capped.arithmetic == "cap * tanh(+inf / cap) = +cap");
   CHECK(mask_effect(AttentionMask::kAdditiveNegInf, kNan, true).poisons_row);
@@ -57,7 +57,7 @@ TEST_CASE("masked_score renders as report.json's object and one sentence", "[pro
   CHECK(nanreplay::masked_score_json(origin).is_null());
   CHECK(nanreplay::masked_score_sentence(origin).empty());
   nanreplay::MaskedScore m;
-  m.batch_row = 0, m.sample = 4, m.head = 2, m.query = 1, m.keys = {7}, m.key_count = 1, m.raw_score = kInf;
+  m.batch_row = 0, m.sample = 4, m.head = 2, m.query = 1, m.keys = {7}, m.key_count = 1, m.raw_score = kScoreInf;
   m.mask = AttentionMask::kAdditiveNegInf;
   origin.masked_score = std::make_shared<const nanreplay::MaskedScore>(m);
   const nlohmann::json j = nanreplay::masked_score_json(origin);

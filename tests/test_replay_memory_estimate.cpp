@@ -24,7 +24,7 @@ using nanreplay::Manifest;
 using nanreplay::estimate_replay_memory;
 
 // The bundle spec's example model and data (llama, 4 layers, hidden 128).
-Manifest example_manifest() {
+Manifest estimate_manifest() {
   Manifest m;
   m.model.arch = Arch::kLlama;
   m.model.vocab_size = 512;
@@ -58,7 +58,7 @@ double parameter_elements(const nanreplay::ModelConfig& model) {
 }  // namespace
 
 TEST_CASE("memory_estimate: grows with every dimension of the replay", "[replay][memory]") {
-  const Manifest base = example_manifest();
+  const Manifest base = estimate_manifest();
   const double before = total(base);
   const std::vector<std::pair<std::string, std::function<void(Manifest&)>>> growths = {
       {"seq_len", [](Manifest& m) { m.data.seq_len *= 2; }},
@@ -88,7 +88,7 @@ TEST_CASE("memory_estimate: grows with every dimension of the replay", "[replay]
 }
 
 TEST_CASE("memory_estimate: activations grow with the square of seq_len", "[replay][memory]") {
-  Manifest m = example_manifest();
+  Manifest m = estimate_manifest();
   m.model.max_seq_len = 8192;
   m.data.seq_len = 2048;
   const double at_2k = estimate_replay_memory(m, 1, false).activations;
@@ -103,7 +103,7 @@ TEST_CASE("memory_estimate: counts exactly the parameters the checkpoint must ho
           "[replay][memory]") {
   for (const Arch arch : {Arch::kLlama, Arch::kGpt2}) {
     for (const bool tied : {false, true}) {
-      Manifest m = example_manifest();
+      Manifest m = estimate_manifest();
       m.model.arch = arch;
       m.model.tie_embeddings = tied || arch == Arch::kGpt2;
       m.model.num_kv_heads = arch == Arch::kLlama ? 2 : 4;
@@ -119,7 +119,7 @@ TEST_CASE("memory_estimate: counts exactly the parameters the checkpoint must ho
 
 TEST_CASE("memory_estimate: absurd manifests give a refusable number, not a crash",
           "[replay][memory]") {
-  Manifest m = example_manifest();
+  Manifest m = estimate_manifest();
   m.model.vocab_size = int64_t{1} << 62;
   m.model.hidden_size = int64_t{1} << 40;
   m.model.num_heads = 1;
@@ -176,7 +176,7 @@ namespace {
 
 // A 7B-like llama: parameters dominate.
 Manifest llama_7b_like() {
-  Manifest big = example_manifest();
+  Manifest big = estimate_manifest();
   big.model.vocab_size = 32000;
   big.model.hidden_size = 4096;
   big.model.num_heads = 32;
@@ -213,8 +213,8 @@ TEST_CASE("memory_estimate: the refusal gives both estimates, the limit and the 
   }
   // A tiny model is mostly LibTorch's fixed cost, and the message says so.
   try {
-    nanreplay::choose_layer_streaming(estimate_replay_memory(example_manifest(), 1, false),
-                                      nanreplay::estimate_streamed_memory(example_manifest(), 1, false),
+    nanreplay::choose_layer_streaming(estimate_replay_memory(estimate_manifest(), 1, false),
+                                      nanreplay::estimate_streamed_memory(estimate_manifest(), 1, false),
                                       {uint64_t{1} << 20, "--max-memory 1M"}, false);
     FAIL("expected a refusal");
   } catch (const nanreplay::UsageError& error) {
@@ -234,10 +234,10 @@ TEST_CASE("memory_estimate: a model larger than the limit streams, and --stream 
   const uint64_t machine = uint64_t{19} << 30;
   CHECK(streams(big, machine, false));
   CHECK(streams(big, machine, true));
-  CHECK(streams(example_manifest(), machine, true));  // asked for, and it fits
+  CHECK(streams(estimate_manifest(), machine, true));  // asked for, and it fits
   try {
-    streams(example_manifest(), static_cast<uint64_t>(
-                                    nanreplay::estimate_streamed_memory(example_manifest(), 6, true).total() - 1), true);
+    streams(estimate_manifest(), static_cast<uint64_t>(
+                                    nanreplay::estimate_streamed_memory(estimate_manifest(), 6, true).total() - 1), true);
     FAIL("expected a refusal");
   } catch (const nanreplay::UsageError& error) {
     // Asked for and not fitting: refused with the streamed breakdown.
@@ -262,21 +262,21 @@ TEST_CASE("memory_estimate: streamed, memory hardly grows with the number of lay
 // has (replay/step/bundle_structure.cpp): it must never count more than the list holds.
 TEST_CASE("count_model_parameters counts no more tensors than expected_parameters lists", "[replay][memory]") {
   std::vector<std::pair<std::string, nanreplay::ModelConfig>> models;
-  models.push_back({"llama", example_manifest().model});
-  nanreplay::ModelConfig untied = example_manifest().model;
+  models.push_back({"llama", estimate_manifest().model});
+  nanreplay::ModelConfig untied = estimate_manifest().model;
   untied.tie_embeddings = false;
   models.push_back({"llama untied", untied});
-  nanreplay::ModelConfig moe = example_manifest().model;
+  nanreplay::ModelConfig moe = estimate_manifest().model;
   moe.moe = nanreplay::MoeConfig{};
   moe.moe->num_experts = 8;
   moe.moe->top_k = 2;
   moe.moe->intermediate_size = 64;
   models.push_back({"llama moe", moe});
-  nanreplay::ModelConfig extras = example_manifest().model;
+  nanreplay::ModelConfig extras = estimate_manifest().model;
   extras.attention_bias = true;
   extras.qk_norm = nanreplay::QkNorm::kHead;
   models.push_back({"llama with biases and qk-norm", extras});
-  nanreplay::ModelConfig gpt2 = example_manifest().model;
+  nanreplay::ModelConfig gpt2 = estimate_manifest().model;
   gpt2.arch = Arch::kGpt2;
   gpt2.intermediate_size = 4 * gpt2.hidden_size;
   gpt2.tie_embeddings = true;

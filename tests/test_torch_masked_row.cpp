@@ -14,7 +14,7 @@
 namespace {
 
 using nanreplay::AttentionSpan;
-constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kInfF32 = std::numeric_limits<float>::infinity();
 
 }  // namespace
 
@@ -45,9 +45,9 @@ TEST_CASE("chunked attention: query i sees key j iff j <= i and i / C == j / C",
 
 TEST_CASE("masked_score_in_row finds the non-finite scores at masked keys of the origin's row", "[probes][masked-score]") {
   torch::Tensor scores = torch::zeros({2, 2, 6, 6});
-  scores[1][0][1][4] = kInf;   // a future key of query 1
-  scores[1][0][1][5] = -kInf;
-  scores[1][0][3][2] = kInf;   // a visible key: not masked
+  scores[1][0][1][4] = kInfF32;   // a future key of query 1
+  scores[1][0][1][5] = -kInfF32;
+  scores[1][0][3][2] = kInfF32;   // a visible key: not masked
   const auto found = nanreplay::masked_score_in_row(scores, {1, 0, 1, 0}, AttentionSpan{},
                                                     nanreplay::AttentionMask::kAdditiveNegInf, false);
   REQUIRE(found.has_value());

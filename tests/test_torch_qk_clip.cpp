@@ -10,9 +10,7 @@
 #include "loaders/bundle/bundle.h"
 #include "replay/workflows/qk_clip_what_if.h"
 
-// LibTorch's logging CHECK (a failure aborts the process) gives way to Catch's.
-#undef CHECK
-#include <catch2/catch.hpp>
+#include "tests/catch/catch_after_glog.h"
 
 #include "tests/cli_harness.h"
 

@@ -18,14 +18,11 @@
 
 using namespace nanreplay;
 using nanreplay_test::read_json;
+using nanreplay_test::write_json;
 using nanreplay_test::run_cli;
 using nanreplay_test::ScratchDir;
 
 namespace {
-
-void write_json(const std::filesystem::path& path, const nlohmann::json& value) {
-  std::ofstream(path) << value.dump(2) << "\n";
-}
 
 // clean-deepseek-moe with one checkpoint, its later steps' logged biases removed; `update`: the manifest key.
 std::filesystem::path stripped_window(const ScratchDir& dir, const char* name, const nlohmann::json& update) {

@@ -32,7 +32,7 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr double kNan = std::numeric_limits<double>::quiet_NaN();
-constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kStatInf = std::numeric_limits<double>::infinity();
 
 // A fresh directory per test, removed afterwards.
 class ScratchDir {
@@ -199,15 +199,15 @@ std::vector<ProbeRecord> sample_probes() {
   // Statistics that are themselves non-finite (an overflowed sum) survive.
   ProbeRecord overflow = forward_probe(101, 0, 2, "layers.0.mlp.act");
   overflow.stats.max_abs = kNan;
-  overflow.stats.min_nonzero_abs = kInf;
-  overflow.stats.sum = kInf;
+  overflow.stats.min_nonzero_abs = kStatInf;
+  overflow.stats.sum = kStatInf;
   overflow.stats.sum_sq = kNan;
   probes.push_back(overflow);
   return probes;
 }
 
 std::vector<TraceStepRow> sample_steps() {
-  return {{99, 3.25, 3.25, 0.75, true}, {100, kNan, 3.2, kInf, false}, {101, 3.0, kNan, 0.5, true}};
+  return {{99, 3.25, 3.25, 0.75, true}, {100, kNan, 3.2, kStatInf, false}, {101, 3.0, kNan, 0.5, true}};
 }
 
 TraceHeader sample_header() {
