@@ -15,6 +15,7 @@ bool with_attention_sinks(const ModelConfig& m) { return m.attention_sinks; }
 bool with_q_latent(const ModelConfig& m) { return m.latent_attention && m.latent_attention->q_lora_rank > 0; }
 bool with_kv_latent(const ModelConfig& m) { return m.latent_attention.has_value(); }
 bool with_shared_expert_sites(const ModelConfig& m) { return m.moe && m.moe->shared_expert_intermediate_size > 0; }
+constexpr bool kMtpOnly = true;
 }  // namespace
 
 const std::vector<SiteDef>& site_table() {
@@ -22,6 +23,12 @@ const std::vector<SiteDef>& site_table() {
   using M = MlpKind;
   static const std::vector<SiteDef> table = {
       {SiteId::kEmbed, "embed", false, L::kTokens, false, true, true},
+      // model.mtp (llama only): a depth's sites before its block, in the block's scope layers.{L+k-1}.
+      {SiteId::kMtpEmbed, "mtp.embed", true, L::kTokens, false, true, false, M::kAny, std::nullopt, nullptr, kMtpOnly},
+      {SiteId::kMtpEnorm, "mtp.enorm", true, L::kTokens, false, true, false, M::kAny, std::nullopt, nullptr, kMtpOnly},
+      {SiteId::kMtpHnorm, "mtp.hnorm", true, L::kTokens, false, true, false, M::kAny, std::nullopt, nullptr, kMtpOnly},
+      {SiteId::kMtpEhProj, "mtp.eh_proj", true, L::kTokens, false, true, false, M::kAny, std::nullopt, nullptr,
+       kMtpOnly},
       {SiteId::kInput, "input", true, L::kTokens, false, true, true},
       {SiteId::kAttnNorm, "attn_norm", true, L::kTokens, false, true, true, M::kAny, NormLayout::kPre},
       // Latent attention (DeepSeek-V3): the compressed q and kv, each after its RMSNorm.
@@ -63,6 +70,12 @@ const std::vector<SiteDef>& site_table() {
       {SiteId::kMlpCombine, "mlp.combine", true, L::kTokens, false, true, false, M::kExperts},
       {SiteId::kMlpPostNorm, "mlp.post_norm", true, L::kTokens, false, true, false, M::kAny, NormLayout::kPost},
       {SiteId::kOutput, "output", true, L::kTokens, false, true, true},
+      // model.mtp: the depth's head after its block.
+      {SiteId::kMtpFinalNorm, "mtp.final_norm", true, L::kTokens, false, true, false, M::kAny, std::nullopt, nullptr,
+       kMtpOnly},
+      {SiteId::kMtpLogits, "mtp.logits", true, L::kTokens, false, true, false, M::kAny, std::nullopt, nullptr,
+       kMtpOnly},
+      {SiteId::kMtpLoss, "mtp.loss", true, L::kScalar, false, true, false, M::kAny, std::nullopt, nullptr, kMtpOnly},
       {SiteId::kFinalNorm, "final_norm", false, L::kTokens, false, true, true},
       {SiteId::kLogits, "logits", false, L::kTokens, false, true, true},
       {SiteId::kLoss, "loss", false, L::kScalar, false, true, true},
@@ -79,8 +92,17 @@ bool is_per_head(SiteId id) {
 
 bool is_per_expert(SiteId id) { return site_def(id).layout == SiteLayout::kExperts; }
 
+bool is_mtp_layer(const ModelConfig& model, int layer) {
+  return model.mtp && layer >= model.num_layers && layer < layers_with_sites(model);
+}
+
+int layers_with_sites(const ModelConfig& model) {
+  return static_cast<int>(model.num_layers + (model.mtp ? model.mtp->num_layers : 0));
+}
+
 bool site_present(const SiteDef& def, const ModelConfig& model, int layer) {
   if (!(model.arch == Arch::kLlama ? def.llama : def.gpt2)) return false;
+  if (def.mtp_only && !is_mtp_layer(model, layer)) return false;
   if (def.option && !def.option(model)) return false;
   // Sandwich norms (Gemma 3) have both the pre-norm and the post-norm sites.
   if (def.norms && *def.norms != model.norm_layout && model.norm_layout != NormLayout::kSandwich) return false;
@@ -90,6 +112,10 @@ bool site_present(const SiteDef& def, const ModelConfig& model, int layer) {
 bool site_present(const SiteDef& def, const ModelConfig& model) {
   if (!def.in_layer) return site_present(def, model, -1);
   for (const int layer : model.one_layer_of_each_kind()) {
+    if (site_present(def, model, layer)) return true;
+  }
+  // model.mtp's blocks (at most 64): an MTP block may hold experts where no decoder layer does.
+  for (int layer = static_cast<int>(model.num_layers); layer < layers_with_sites(model); ++layer) {
     if (site_present(def, model, layer)) return true;
   }
   return false;
@@ -123,15 +149,18 @@ std::optional<SiteRef> parse_site_name(const std::string& name) {
 
 std::vector<SiteRef> forward_sites(const ModelConfig& model) {
   std::vector<SiteRef> order;
-  order.push_back({SiteId::kEmbed, -1});
-  for (int layer = 0; layer < model.num_layers; ++layer) {
+  auto add_layer = [&](int layer) {
     for (const SiteDef& def : site_table()) {
       if (def.in_layer && site_present(def, model, layer)) order.push_back({def.id, layer});
     }
-  }
+  };
+  order.push_back({SiteId::kEmbed, -1});
+  for (int layer = 0; layer < model.num_layers; ++layer) add_layer(layer);
   order.push_back({SiteId::kFinalNorm, -1});
   order.push_back({SiteId::kLogits, -1});
   order.push_back({SiteId::kLoss, -1});
+  // model.mtp: the depths run after the LM loss (ModelPass::head), each in its block's scope.
+  for (int layer = static_cast<int>(model.num_layers); layer < layers_with_sites(model); ++layer) add_layer(layer);
   return order;
 }
 

@@ -14,6 +14,11 @@ namespace nanreplay {
 
 enum class SiteId : uint8_t {
   kEmbed,
+  // model.mtp: a depth's sites before its block, in its block's scope (MTP layers only).
+  kMtpEmbed,         // the embedding of the depth's rolled input ids
+  kMtpEnorm,         // enorm of it
+  kMtpHnorm,         // hnorm of the previous depth's output (depth 1: the decoder's final norm)
+  kMtpEhProj,        // eh_proj(cat(enorm, hnorm)): the block's input
   kInput,
   kAttnNorm,
   kAttnQLatent,      // model.latent_attention (DeepSeek-V3) with a q_lora_rank: q_a_layernorm's output
@@ -46,6 +51,9 @@ enum class SiteId : uint8_t {
   kMlpCombine,
   kMlpPostNorm,      // norm_layout post: the norm of the MLP's output
   kOutput,
+  kMtpFinalNorm,     // model.mtp: the depth's shared_head.norm of its block's output
+  kMtpLogits,        // the model's output head on it
+  kMtpLoss,          // the depth's masked mean cross-entropy (scalar)
   kFinalNorm,
   kLogits,
   kLoss,
@@ -75,6 +83,7 @@ struct SiteDef {
   MlpKind mlp = MlpKind::kAny;  // dense: not with model.moe; experts: only with it
   std::optional<NormLayout> norms = std::nullopt;  // set: only in models whose norms sit so (pre or post; sandwich has both)
   bool (*option)(const ModelConfig&) = nullptr;  // set: only in models with this option on
+  bool mtp_only = false;  // only in the multi-token prediction blocks' scopes (model.mtp), never a decoder layer's
 };
 
 const std::vector<SiteDef>& site_table();
@@ -89,14 +98,20 @@ struct SiteRef {
 std::string site_name(const SiteRef& ref);
 bool is_per_head(SiteId id);
 bool is_per_expert(SiteId id);
+// Whether `layer` is one of model.mtp's blocks (num_layers + k - 1 for depth k), past the decoder's layers.
+bool is_mtp_layer(const ModelConfig& model, int layer);
+// Every layer that has sites: the decoder's, then model.mtp's blocks.
+int layers_with_sites(const ModelConfig& model);
 // Whether the model's forward produces this site in some layer; with `layer`, in that layer.
 bool site_present(const SiteDef& def, const ModelConfig& model);
 bool site_present(const SiteDef& def, const ModelConfig& model, int layer);
 // Parses "layers.3.attn.q" or "logits"; nullopt when no such site.
 std::optional<SiteRef> parse_site_name(const std::string& name);
 
-// Every forward site of the model, in execution order. The backward order is
-// exactly its reverse.
+// Every forward site of the model, in execution order: embed, the decoder's
+// layers, final_norm, logits, loss, then each model.mtp depth's sites in its
+// block's scope (mtp.embed ... mtp.eh_proj, the block's, mtp.final_norm ...
+// mtp.loss). The backward order is exactly its reverse.
 std::vector<SiteRef> forward_sites(const ModelConfig& model);
 
 // Parameter keys (safetensors names) and shapes the architecture needs, in the

@@ -99,6 +99,48 @@ TEST_CASE("memory_estimate: activations grow with the square of seq_len", "[repl
   CHECK(at_4k / at_2k <= 4.0);
 }
 
+// docs/performance.md: each model.mtp depth's block counts as one more layer
+// of its kind, and around it the depth's own tensors.
+TEST_CASE("memory_estimate: each MTP depth adds a block of its kind and its own tensors", "[replay][memory][mtp]") {
+  auto activations = [](const Manifest& m) { return estimate_replay_memory(m, 1, false).activations; };
+  for (const bool experts : {false, true}) {
+    INFO((experts ? "MTP block with experts" : "dense MTP block"));
+    Manifest m = estimate_manifest();
+    // Experts in decoder layer 0; the MTP block (layer 4) too only when moe.layers lists it.
+    Manifest kind_of_block = m;  // a model whose every layer is of the MTP block's kind
+    if (experts) {
+      m.model.moe = nanreplay::MoeConfig{};
+      m.model.moe->num_experts = 8;
+      m.model.moe->top_k = 2;
+      m.model.moe->intermediate_size = 64;
+      m.model.moe->layers = {0, 4};
+      kind_of_block = m;
+    } else {
+      m.model.moe = nanreplay::MoeConfig{};
+      m.model.moe->num_experts = 8;
+      m.model.moe->top_k = 2;
+      m.model.moe->intermediate_size = 64;
+      m.model.moe->layers = {0};
+    }
+    Manifest one_more = kind_of_block;
+    one_more.model.num_layers += 1;
+    const double block = activations(one_more) - activations(kind_of_block);
+    const double N = static_cast<double>(m.data.micro_batch_size * m.data.seq_len);
+    const double C = static_cast<double>(m.model.hidden_size), V = static_cast<double>(m.model.vocab_size);
+    // embedding, enorm and hnorm (3 each: x^2, x/rms, * weight), the 2C concatenation, eh_proj,
+    // shared_head.norm, the fp32 logits and the loss's log-softmax.
+    const double own = (N * C + 2 * 3 * N * C + 2 * N * C + N * C + 3 * N * C + 2 * N * V) * 4;
+    const double without = activations(m);
+    for (const int64_t depths : {1, 2}) {
+      INFO(depths << " depth(s)");
+      Manifest with = m;
+      with.model.mtp = nanreplay::MultiTokenPrediction{depths, 0.3};
+      if (experts && depths == 2) with.model.moe->layers.push_back(5);
+      CHECK(activations(with) - without == Approx(static_cast<double>(depths) * (block + own)));
+    }
+  }
+}
+
 TEST_CASE("memory_estimate: counts exactly the parameters the checkpoint must hold",
           "[replay][memory]") {
   for (const Arch arch : {Arch::kLlama, Arch::kGpt2}) {
@@ -113,6 +155,29 @@ TEST_CASE("memory_estimate: counts exactly the parameters the checkpoint must ho
       // fp32: masters + mapping (2 x 4 bytes); gradients 3 x 4 bytes.
       CHECK(estimate_replay_memory(m, 1, false).parameters == Approx(elements * 8));
       CHECK(estimate_replay_memory(m, 1, false).gradients == Approx(elements * 12));
+    }
+  }
+}
+
+TEST_CASE("memory_estimate: counts model.mtp's parameters as the checkpoint holds them", "[replay][memory][mtp]") {
+  for (const bool experts : {false, true}) {
+    for (const int64_t depths : {1, 2}) {
+      Manifest m = estimate_manifest();
+      m.model.mtp = nanreplay::MultiTokenPrediction{depths, 0.3};
+      if (experts) {
+        m.model.moe = nanreplay::MoeConfig{};
+        m.model.moe->num_experts = 8;
+        m.model.moe->top_k = 2;
+        m.model.moe->intermediate_size = 64;
+        m.model.moe->shared_expert_intermediate_size = 32;
+        m.model.moe->layers = {1, 4};  // one decoder layer and the first MTP block
+      }
+      INFO((experts ? "experts" : "dense") << ", " << depths << " depth(s)");
+      const double elements = parameter_elements(m.model);
+      CHECK(estimate_replay_memory(m, 1, false).parameters == Approx(elements * 8));
+      CHECK(nanreplay::count_model_parameters(m.model).elements == Approx(elements));
+      CHECK(nanreplay::count_model_parameters(m.model).tensors ==
+            static_cast<double>(nanreplay::expected_parameters(m.model).size()));
     }
   }
 }

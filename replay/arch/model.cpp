@@ -370,6 +370,12 @@ torch::Tensor ModelPass::block(const ParamMap& p, int layer, const torch::Tensor
   return m_.arch == Arch::kLlama ? llama_block(p, layer, x) : gpt2_block(p, layer, x);
 }
 
+torch::Tensor ModelPass::mtp_block(const ParamMap& p, int layer, const torch::Tensor& x) {
+  // An MTP block's input is its depth's eh_proj output, probed in the block's own scope.
+  probes_.alias({SiteId::kInput, layer}, {SiteId::kMtpEhProj, layer});
+  return llama_block(p, layer, x);
+}
+
 std::pair<torch::Tensor, torch::Tensor> ModelPass::rotary_for(int layer, int64_t seq, const torch::Device& device) {
   // One table per rotary kind: Gemma 3's sliding layers take the local one.
   const bool local = m_.local_rotary(layer);
@@ -542,14 +548,15 @@ ForwardResult ModelPass::head(const ParamMap& p, const torch::Tensor& x_in, cons
 //   hidden = shared_head.norm(block(x))                  (_postprocess: the MTP layer's final_layernorm)
 //   loss_k = masked mean cross-entropy of lm_head(hidden) against labels
 // and the loss's gradient gains mtp_loss_scaling_factor / D * sum_k loss_k.
-// The blocks run without probes: their sites are not in the site table.
+// Each depth's tensors are probe sites in its block's scope layers.{L+k-1}
+// (mtp.embed ... mtp.eh_proj, the block's, mtp.final_norm ... mtp.loss):
+// a site rounds as the numerics.round() it stands for, so nothing changes.
 void ModelPass::add_mtp_loss(const ParamMap& p, const torch::Tensor& main_hidden, const torch::Tensor& head,
                              const torch::Tensor& targets, ForwardResult& result) {
   if (!inputs_.defined()) throw std::logic_error("multi-token prediction needs the pass's own embed()");
+  // The blocks' ModelPass counts them as layers (rotary, spans, weights); the probes are this pass's own.
   const ModelConfig blocks_model = with_mtp_blocks(m_);
-  ProbeSession quiet(BatchContext{}, numerics_, /*enabled=*/false, blocks_model);
-  ModelPass blocks(blocks_model, numerics_, quiet);
-  const SiteRef no_site{SiteId::kFinalNorm, -1};  // the norms' zero checks: off in a quiet session
+  ModelPass blocks(blocks_model, numerics_, probes_);
   const torch::Tensor& embedding = param(p, param_key(m_.arch, ParamRole::kTokenEmbedding));
   torch::Tensor ids = inputs_, labels = targets.to(inputs_.device()), loss_mask = torch::ones_like(inputs_);
   torch::Tensor hidden = main_hidden, total;
@@ -557,23 +564,30 @@ void ModelPass::add_mtp_loss(const ParamMap& p, const torch::Tensor& main_hidden
   for (int depth = 1; depth <= m_.mtp->num_layers; ++depth) {
     const auto weight = [&](MtpPart part) -> const torch::Tensor& { return param(p, mtp_key(m_, depth, part)); };
     const int layer = mtp_block_layer(m_, depth);
+    const auto site = [layer](SiteId id) { return SiteRef{id, layer}; };
+    // enorm, hnorm, shared_head.norm: RMSNorms whose output (and zero check) is their site.
+    const auto normed = [&](SiteId id, const torch::Tensor& in, MtpPart part) {
+      return probes_.site(site(id), rms_norm(in, weight(part), m_.norm_eps, probes_, site(id)));
+    };
     const Numerics numerics = numerics_.in_layer(layer);
     const torch::Device device = weight(MtpPart::kEhProj).device();
     ids = roll_left(ids);
     // The embedding module's output, held in the compute type as the embed site holds the decoder's.
-    const torch::Tensor embedded = numerics.round(F::embedding(ids.to(embedding.device()), embedding).to(device));
-    const torch::Tensor joined =
-        torch::cat({numerics.round(rms_norm(embedded, weight(MtpPart::kEnorm), m_.norm_eps, quiet, no_site)),
-                    numerics.round(rms_norm(hidden.to(device), weight(MtpPart::kHnorm), m_.norm_eps, quiet, no_site))},
-                   -1);
+    const torch::Tensor embedded =
+        probes_.site(site(SiteId::kMtpEmbed), F::embedding(ids.to(embedding.device()), embedding).to(device));
+    const torch::Tensor enormed = normed(SiteId::kMtpEnorm, embedded, MtpPart::kEnorm);
+    const torch::Tensor hnormed = normed(SiteId::kMtpHnorm, hidden.to(device), MtpPart::kHnorm);
     const std::string eh_proj = mtp_key(m_, depth, MtpPart::kEhProj);
-    const torch::Tensor x = numerics.round(
-        numerics.linear(joined, weight(MtpPart::kEhProj), torch::Tensor(), eh_proj.substr(0, eh_proj.rfind('.'))));
-    hidden = numerics.round(rms_norm(blocks.block(p, layer, x), weight(MtpPart::kHeadNorm), m_.norm_eps, quiet, no_site));
-    const torch::Tensor logits = numerics_.round(numerics_.linear(hidden, head.to(device), {}, "lm_head"));
+    const torch::Tensor x = probes_.site(
+        site(SiteId::kMtpEhProj), numerics.linear(torch::cat({enormed, hnormed}, -1), weight(MtpPart::kEhProj),
+                                                  torch::Tensor(), eh_proj.substr(0, eh_proj.rfind('.'))));
+    hidden = normed(SiteId::kMtpFinalNorm, blocks.mtp_block(p, layer, x), MtpPart::kHeadNorm);
+    const torch::Tensor logits =
+        probes_.site(site(SiteId::kMtpLogits), numerics_.linear(hidden, head.to(device), {}, "lm_head"));
     labels = roll_left(labels);
     loss_mask = roll_left(loss_mask);
-    const torch::Tensor depth_loss = masked_mean_cross_entropy(logits, labels, loss_mask);
+    const torch::Tensor depth_loss =
+        probes_.site(site(SiteId::kMtpLoss), masked_mean_cross_entropy(logits, labels, loss_mask));
     result.mtp_losses.push_back(depth_loss.detach());
     const torch::Tensor scaled = depth_scale * depth_loss.to(result.loss.device());
     total = total.defined() ? total + scaled : scaled;

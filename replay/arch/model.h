@@ -57,6 +57,8 @@ class ModelPass {
   std::pair<torch::Tensor, torch::Tensor> rotary_for(int layer, int64_t seq, const torch::Device& device);
   torch::Tensor llama_block(const ParamMap& params, int layer, torch::Tensor x);
   torch::Tensor gpt2_block(const ParamMap& params, int layer, torch::Tensor x);
+  // model.mtp's block `layer` (a pass over with_mtp_blocks' model) from its depth's eh_proj output.
+  torch::Tensor mtp_block(const ParamMap& params, int layer, const torch::Tensor& x);
   // model.mtp's depths from the final norm's output `hidden` and the output head `head`:
   // their losses into result.mtp_losses, their scaled mean into result.loss's gradient.
   void add_mtp_loss(const ParamMap& params, const torch::Tensor& hidden, const torch::Tensor& head,

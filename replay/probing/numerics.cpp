@@ -97,7 +97,8 @@ Numerics Numerics::in_layer(int layer) const { return fp32_layer(layer) ? plain_
 Numerics Numerics::for_router() const { return overrides_.router_fp32 ? plain_fp32() : *this; }
 
 bool Numerics::rounds_site(const SiteRef& ref) const {
-  if (!reduced_ || ref.id == SiteId::kLoss || ref.id == SiteId::kMlpRouterProbs || fp32_layer(ref.layer)) return false;
+  const bool a_loss = ref.id == SiteId::kLoss || ref.id == SiteId::kMtpLoss;
+  if (!reduced_ || a_loss || ref.id == SiteId::kMlpRouterProbs || fp32_layer(ref.layer)) return false;
   if (overrides_.router_fp32 && ref.id == SiteId::kMlpRouter) return false;
   return !(overrides_.stable_softmax && ref.id == SiteId::kAttnScores);
 }

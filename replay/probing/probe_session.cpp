@@ -465,14 +465,18 @@ ProbeSession::ProbeSession(BatchContext context, const Numerics& numerics, const
   state_->context = std::move(context);
   state_->scope = scope;
   state_->defer_host = defer_host;
-  for (int layer = 0; layer < model.num_layers; ++layer) state_->attention_spans.push_back(model.span_of(layer));
+  // The decoder's layers, then model.mtp's blocks (as with_mtp_blocks' model spans them).
+  for (int layer = 0; layer < layers_with_sites(model); ++layer) {
+    const bool listed = model.layer_types.empty() || layer < static_cast<int>(model.layer_types.size());
+    state_->attention_spans.push_back(listed ? model.span_of(layer) : AttentionSpan{});
+  }
   state_->head_dim = model.num_heads > 0 ? model.head_dim() : 0;
   state_->v_head_dim = model.num_heads > 0 ? model.v_head_dim() : 0;
   state_->attention_mask = model.attention_mask;
   state_->soft_capped = model.attn_logit_softcap.has_value();
   const std::vector<SiteRef> sites = forward_sites(model);
   state_->num_forward_sites = static_cast<int>(sites.size());
-  state_->order_of.assign(static_cast<size_t>((model.num_layers + 1) * State::site_count()), -1);
+  state_->order_of.assign(static_cast<size_t>((layers_with_sites(model) + 1) * State::site_count()), -1);
   for (size_t i = 0; i < sites.size(); ++i) {
     const size_t slot = static_cast<size_t>((sites[i].layer + 1) * State::site_count() +
                                             static_cast<int>(sites[i].id));

@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "loaders/base/error.h"
+#include "probes/param_table.h"
 #include "probes/probe_record.h"
 #include "probes/sites.h"
 
@@ -91,20 +92,38 @@ ParamCount latent_attention_parameters(const LatentAttention& a, const Dims& d) 
   return {q + (L + R) * d.C + L + d.H * (N + Dv) * L + d.C * d.H * Dv, Q > 0 ? 7.0 : 5.0};
 }
 
+// One llama block's attention and its two norms, the MLP apart: latent or grouped-query.
+ParamCount llama_attention_parameters(const ModelConfig& model, const Dims& d) {
+  if (model.latent_attention) {
+    const ParamCount attn = latent_attention_parameters(*model.latent_attention, d);
+    return {2 * d.C + attn.elements, 2 + attn.tensors};
+  }
+  return {2 * d.C + 2 * d.H * d.D * d.C + 2 * d.G * d.D * d.C, 6};  // q and o: heads x head_dim
+}
+
+// model.mtp's depths: each a block of its own kind (model.moe.layers decides)
+// and enorm, hnorm, eh_proj (hidden x 2 hidden) and shared_head.norm; the
+// embedding and the output head are the model's own.
+ParamCount mtp_parameters(const ModelConfig& model, const Dims& d) {
+  ParamCount total{0, 0};
+  const ParamCount attn = llama_attention_parameters(model, d);
+  for (int depth = 1; model.mtp && depth <= model.mtp->num_layers; ++depth) {
+    const bool experts = model.moe && model.moe_layer(mtp_block_layer(model, depth));
+    const ParamCount mlp = experts ? moe_parameters(*model.moe, d) : ParamCount{3 * d.F * d.C, 3};
+    total.elements += attn.elements + mlp.elements + 2 * d.C * d.C + 3 * d.C;
+    total.tensors += attn.tensors + mlp.tensors + 4;
+  }
+  return total;
+}
+
 ParamCount count_parameters(const ModelConfig& model, const Dims& d) {
   if (model.arch == Arch::kLlama) {
-    const double kv = d.G * d.D;
+    const ParamCount attn = llama_attention_parameters(model, d);
     const ParamCount mlp = mlp_parameters(model, d);
-    if (model.latent_attention) {
-      const ParamCount attn = latent_attention_parameters(*model.latent_attention, d);
-      const double per_layer = 2 * d.C + attn.elements + mlp.elements;
-      const double head = model.tie_embeddings ? 0 : d.V * d.C;
-      return {d.V * d.C + d.L * per_layer + d.C + head,
-              2 + (2 + attn.tensors + mlp.tensors) * d.L + (model.tie_embeddings ? 0 : 1)};
-    }
-    const double per_layer = 2 * d.C + 2 * d.H * d.D * d.C + 2 * kv * d.C + mlp.elements;  // q and o: heads x head_dim
-    const double head = model.tie_embeddings ? 0 : d.V * d.C;
-    return {d.V * d.C + d.L * per_layer + d.C + head, 2 + (6 + mlp.tensors) * d.L + (model.tie_embeddings ? 0 : 1)};
+    const ParamCount mtp = mtp_parameters(model, d);
+    const bool head = !model.tie_embeddings;
+    return {d.V * d.C + d.L * (attn.elements + mlp.elements) + d.C + (head ? d.V * d.C : 0) + mtp.elements,
+            2 + (attn.tensors + mlp.tensors) * d.L + (head ? 1 : 0) + mtp.tensors};
   }
   const double per_layer = 4 * d.C + (3 * d.C * d.C + 3 * d.C) + (d.C * d.C + d.C) +
                            (d.F * d.C + d.F) + (d.F * d.C + d.C);
@@ -120,7 +139,8 @@ struct LayerElements {
   double rounded;  // extra elements rounded to bf16/fp16 and back (reduced precision only)
 };
 
-LayerElements layer_elements(const Manifest& m, const Dims& d) {
+// `experts`: the layer holds the mixture of experts (else the dense MLP).
+LayerElements layer_elements(const Manifest& m, const Dims& d, bool experts) {
   const double N = d.B * d.T;
   const double HD = d.H * d.D;
   const double GD = d.G * d.D;
@@ -135,7 +155,7 @@ LayerElements layer_elements(const Manifest& m, const Dims& d) {
   const double context = 2 * N * HD + 2 * N * HD;            // contiguous q/k for matmul, probs @ v, reshape copy
   const double attn_out = 2 * N * d.C;                       // projection, residual
   double mlp = (m.model.arch == Arch::kLlama ? 4 : 2) * N * d.F + 2 * N * d.C;
-  if (m.model.moe) {  // routed rows: gathered inputs, gate, up, silu, act, down, weighted; router and combine
+  if (experts) {  // routed rows: gathered inputs, gate, up, silu, act, down, weighted; router and combine
     const double K = N * static_cast<double>(m.model.moe->top_k);
     const double Fe = static_cast<double>(m.model.moe->intermediate_size);
     mlp = K * d.C + 4 * K * Fe + 2 * K * d.C + 4 * N * static_cast<double>(m.model.moe->num_experts) + 2 * N * d.C;
@@ -152,20 +172,45 @@ LayerElements layer_elements(const Manifest& m, const Dims& d) {
   return e;
 }
 
+// One layer's activations in bytes: its elements in fp32, plus each rounding's
+// fp32 copy and the transient low-precision tensor it makes.
+double layer_bytes(const LayerElements& layer) {
+  return (layer.tokens + layer.squares) * kFloatBytes + layer.rounded * (kFloatBytes + kLowBytes);
+}
+
+// model.mtp: each depth's activations, the decoder's counted apart. Around its
+// block (one layer of its kind: experts when moe.layers lists it): the rolled
+// ids' embedding, enorm's and hnorm's outputs with their norm temporaries, the
+// concatenation (2C wide), eh_proj's output, shared_head.norm's, and the
+// depth's logits in fp32 with the loss's log-softmax.
+double mtp_activation_bytes(const Manifest& m, const Dims& d) {
+  if (!m.model.mtp) return 0;
+  const double N = d.B * d.T;
+  const double norm = 3 * N * d.C;  // x^2, x/rms, * weight, as layer_elements counts a norm
+  const double around = N * d.C + 2 * norm + 2 * N * d.C + N * d.C + norm + 2 * N * d.V;
+  // In bf16/fp16: the sites (embed, the three norms, eh_proj, logits), eh_proj's and the head's inputs rounded.
+  const double rounded = reduced_precision(m) ? 5 * N * d.C + N * d.V + 3 * N * d.C : 0.0;
+  double bytes = 0;
+  for (int64_t depth = 1; depth <= m.model.mtp->num_layers; ++depth) {
+    const int layer = static_cast<int>(m.model.num_layers + depth - 1);
+    bytes += layer_bytes(layer_elements(m, d, m.model.moe_layer(layer))) + around * kFloatBytes +
+             rounded * (kFloatBytes + kLowBytes);
+  }
+  return bytes;
+}
+
 double activation_bytes(const Manifest& m, const Dims& d) {
   const double N = d.B * d.T;
-  const LayerElements layer = layer_elements(m, d);
+  const LayerElements layer = layer_elements(m, d, m.model.moe.has_value());
   const bool reduced = reduced_precision(m);
-  // fp32 copies plus the transient low-precision tensor each rounding makes.
-  const double rounded_bytes = layer.rounded * (kFloatBytes + kLowBytes);
-  const double per_layer = (layer.tokens + layer.squares) * kFloatBytes + rounded_bytes;
+  const double per_layer = layer_bytes(layer);
   // Outside the layers: embedding, final norm, logits, log-softmax of the loss.
   double outside = (N * d.C + 3 * N * d.C + 2 * N * d.V) * kFloatBytes;
   if (reduced) outside += (2 * N * d.V + 2 * N * d.C) * (kFloatBytes + kLowBytes);
   // Backward frees the forward's tensors as it goes but briefly holds one
   // layer's worth of gradients and the logits' gradient on top.
   const double backward_working_set = per_layer + 2 * N * d.V * kFloatBytes;
-  return d.L * per_layer + outside + backward_working_set;
+  return d.L * per_layer + outside + backward_working_set + mtp_activation_bytes(m, d);
 }
 
 double probe_record_bytes(const Manifest& m, const Dims& d, double param_tensors,
@@ -174,15 +219,23 @@ double probe_record_bytes(const Manifest& m, const Dims& d, double param_tensors
   double outside = 0;
   double per_head = 0;
   double per_expert = 0;
+  double mtp_only = 0;  // model.mtp: a depth's sites around its block
   for (const SiteDef& site : site_table()) {
     if (!site_present(site, m.model)) continue;
+    if (site.mtp_only) {
+      mtp_only += 1;
+      continue;
+    }
     (site.in_layer ? in_layer : outside) += 1;
     if (site.in_layer && is_per_head(site.id)) per_head += 1;
     if (is_per_expert(site.id)) per_expert += 1;
   }
   const double experts = m.model.moe ? static_cast<double>(m.model.moe->num_experts) : 0;
   // One record per site and one more per head (expert) of a per-head (per-expert) site, forward and backward.
-  const double per_pass = 2 * (outside + d.L * (in_layer + per_head * d.H + per_expert * experts));
+  // Each MTP depth's block has a layer's sites, plus its own.
+  const double blocks = d.L + (m.model.mtp ? static_cast<double>(m.model.mtp->num_layers) : 0.0);
+  const double depth_sites = m.model.mtp ? static_cast<double>(m.model.mtp->num_layers) * mtp_only : 0.0;
+  const double per_pass = 2 * (outside + depth_sites + blocks * (in_layer + per_head * d.H + per_expert * experts));
   const double passes = static_cast<double>(m.data.world_size) *
                         static_cast<double>(m.data.grad_accum_steps);
   const double per_step = per_pass * passes + param_tensors;

@@ -339,11 +339,12 @@ class Bisection {
   // A forward origin in a model whose forward computes each sample on its
   // own (attention within the sample; no mixture of experts, whose routing
   // capacity couples samples; not fp8, whose scales come from the whole
-  // batch; not the loss, a mean over the batch): the origin's sample reaches
+  // batch; not the loss nor an MTP depth's mtp.loss, a mean over the batch): the origin's sample reaches
   // the origin as in the whole pass, so a subset holding it fails.
   bool origin_in_own_forward(const FirstNonfinite& origin) const {
     const Manifest& m = bundle_.manifest();
-    return origin.phase == Phase::kForward && origin.sample >= 0 && origin.site.id != SiteId::kLoss && !m.model.moe &&
+    return origin.phase == Phase::kForward && origin.sample >= 0 && origin.site.id != SiteId::kLoss &&
+           origin.site.id != SiteId::kMtpLoss && !m.model.moe &&
            m.precision.compute != Compute::kFp8;
   }
 

@@ -204,7 +204,11 @@ class Minimizer {
       for (int64_t step : steps) one[step] = {step == T ? o.sample : batch_of_step(bundle_, step).samples.at(0).front()};
       const std::string text = span + ", each as one sample in one micro-batch of one rank (step " +
                                std::to_string(T) + ": sample " + std::to_string(o.sample) + ", the spike's)";
-      const int64_t cut = o.site.layer >= 0 ? o.site.layer + 1 : o.site.id == SiteId::kEmbed ? 1 : layers;
+      // A spike in model.mtp's blocks (after the LM loss, which every layer feeds) cuts nothing.
+      const int64_t cut = is_mtp_layer(m_.model, o.site.layer) ? layers
+                          : o.site.layer >= 0                 ? o.site.layer + 1
+                          : o.site.id == SiteId::kEmbed       ? 1
+                                                              : layers;
       if (cut < layers) {
         plans.push_back({steps, false, one, cut, text + ", layers 0.." + std::to_string(cut - 1) + " of " +
                                                      std::to_string(layers), false, T});
@@ -374,6 +378,8 @@ class Minimizer {
   std::optional<int64_t> cut_layers() const {
     const FirstNonfinite& o = *bisected_.origin;
     if (o.phase != Phase::kForward) return std::nullopt;
+    // model.mtp's blocks run after the LM loss, which every layer feeds.
+    if (is_mtp_layer(m_.model, o.site.layer)) return std::nullopt;
     if (o.site.layer >= 0) return o.site.layer + 1;
     if (o.site.id == SiteId::kEmbed) return 1;  // a model has at least one layer
     return std::nullopt;                          // final norm, logits, loss: after every layer
@@ -686,6 +692,8 @@ void explain(MinimizeReport& r, const Plan& plan, const FirstNonfinite& o) {
     if (o.phase != Phase::kForward) {
       why = "the origin is in the " + std::string(phase_name(o.phase)) +
             " pass, which comes down through every layer above it";
+    } else if (o.site.layer >= b.layers) {  // past the decoder: a model.mtp block
+      why = "the origin is in a multi-token prediction block (model.mtp), which reads every layer";
     } else if (o.site.layer + 1 == b.layers) {
       why = "the origin is in the last layer";
     } else if (o.site.layer < 0 && o.site.id != SiteId::kEmbed) {

@@ -37,6 +37,12 @@ MTPLossAutoScaler: the LM loss's value unchanged, its gradient plus mtp_loss_sca
    (each > 1e-4); refused by name: the step without the MTP layer's bias, moe.layers past the MTP block,
    score_bias_update and router_aux_loss_coef with MTP experts. `nanreplay minimize` of it with an inf planted in
    layer 1 keeps every layer, so model.mtp, the MTP layer in moe.layers and its bias; the result replays.
+7. The MTP depth's probe sites (docs/probe-sites.md "Multi-token prediction"): the clean bundle of 1's trace holds
+   layers.2.mtp.embed, mtp.enorm, mtp.hnorm, mtp.eh_proj, the block's sites, mtp.final_norm, mtp.logits and
+   mtp.loss, forward after `loss` in that order and backward, mtp.loss's value being steps[].mtp_loss exactly.
+   An inf planted in the MTP layer's eh_proj weight is report.json's first_nonfinite at the forward site
+   layers.2.mtp.eh_proj (not at a backward final_norm); one in its attention's o_proj at layers.2.attn.out; each
+   origin's origin_tokens names the sample's token one position on (what depth 1 read there).
 
     /usr/bin/python3 tests/py/test_family_deepseek_mtp.py --cli build/nanreplay --work DIR
 """
@@ -49,6 +55,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
 import torch
 import torch.nn.functional as F
 
@@ -186,6 +193,71 @@ def check_replayed(cli, work, model, data, flags):
         fs.check(moved > 1e-4, f"reference with {what}: departs from the replay by {moved:.2e} "
                                f"(grad norm {other_norm!r} vs {step['grad_norm']!r})")
     PERTURB.clear()
+
+
+MTP_LAYER_SITES = [f"layers.{mla.LAYERS}.{site}" for site in ("mtp.embed", "mtp.enorm", "mtp.hnorm", "mtp.eh_proj")]
+MTP_HEAD_SITES = [f"layers.{mla.LAYERS}.{site}" for site in ("mtp.final_norm", "mtp.logits", "mtp.loss")]
+
+
+def forward_site_order(trace):
+    """The trace's forward site names in execution order (once each), the names with backward records, and
+    mtp.loss's forward value."""
+    def text(v):
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    with h5py.File(trace, "r") as f:
+        probes = f["probes"]
+        rows = zip(probes["order"][()], probes["phase"][()], probes["site"][()], probes["mean"][()])
+        named = [(int(o), text(p), text(n), float(m)) for o, p, n, m in rows]
+    forward = sorted({(o, n) for o, p, n, _ in named if p == "forward"})
+    backward = {n for _, p, n, _ in named if p == "backward"}
+    loss = [m for _, p, n, m in named if p == "forward" and n == MTP_HEAD_SITES[-1]]
+    return [n for _, n in forward], backward, loss
+
+
+def plant_inf(bundle, copy, key):
+    """A copy of `bundle` whose step-0 checkpoint holds one inf in `key`."""
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(bundle, copy)
+    weights_file = copy / "steps" / "0" / "model.safetensors"
+    weights = reference_model.read_safetensors(weights_file)
+    planted = weights[key].clone()
+    planted.view(-1)[0] = float("inf")
+    weights[key] = planted
+    fs.nanreplay_capture.write_safetensors(weights_file, list(weights.items()))
+    return copy
+
+
+def check_mtp_sites(cli, work):
+    """7. The MTP depth's sites in the trace, and an inf planted in the MTP layer named where it starts."""
+    out = work / "out"
+    if not fs.check((out / "trace.h5").exists(), "check 1's replay left its trace"):
+        return
+    report = json.loads((out / "report.json").read_text())
+    names, backward, loss = forward_site_order(out / "trace.h5")
+    block = [n for n in names if n.startswith(f"layers.{mla.LAYERS}.")]
+    after_loss = names[names.index("loss") + 1:] if "loss" in names else []
+    fs.check(block[:4] == MTP_LAYER_SITES and block[4] == f"layers.{mla.LAYERS}.input" and block[-3:] == MTP_HEAD_SITES
+             and after_loss == block,
+             f"the trace's forward sites of the MTP block follow `loss` in order ({block[:5]} ... {block[-3:]})")
+    fs.check(all(n in backward for n in MTP_LAYER_SITES + MTP_HEAD_SITES),
+             f"the MTP sites have backward records ({sorted(n for n in backward if '.mtp.' in n)})")
+    mtp_loss = report["steps"][0].get("mtp_loss", [])
+    fs.check(len(loss) == 1 and mtp_loss == loss,
+             f"the trace's {MTP_HEAD_SITES[-1]} is steps[].mtp_loss exactly ({loss} vs {mtp_loss})")
+    for key, site in ((f"model.layers.{mla.LAYERS}.eh_proj.weight", f"layers.{mla.LAYERS}.mtp.eh_proj"),
+                      (f"model.layers.{mla.LAYERS}.self_attn.o_proj.weight", f"layers.{mla.LAYERS}.attn.out")):
+        planted = plant_inf(work / "bundle", work / ("planted-" + key.split(".")[-2]), key)
+        rc, bad, err = fs.replay(cli, planted, work / ("out-planted-" + key.split(".")[-2]))
+        first = {k: ((bad or {}).get("first_nonfinite") or {}).get(k) for k in ("phase", "site", "layer")}
+        fs.check(rc == 1 and first == {"phase": "forward", "site": site, "layer": mla.LAYERS},
+                 f"an inf in {key}: first_nonfinite is the forward {site} (exit {rc}; {first}; {err.strip()[-200:]})")
+        # Depth 1 reads its row rolled one left: the origin's input token is the sample's next one.
+        position = ((bad or {}).get("first_nonfinite") or {}).get("position")
+        tokens = (bad or {}).get("origin_tokens") or [{}]
+        fs.check(position is not None and tokens[0].get("position") == position + 1,
+                 f"an inf in {key}: origin_tokens names the token depth 1 read, at position {position} + 1 "
+                 f"({tokens[0]})")
 
 
 def bundle_parameters(model):
@@ -460,6 +532,7 @@ def main():
     data = imp.Data(work, mla.V, mla.T, mla.SAMPLES, 1, num_samples=8, seed=3)
     flags = ["--checkpoint", work / "hf", *data.flags(), "--steps", "0:0"]
     check_replayed(args.cli, work, model, data, flags)
+    check_mtp_sites(args.cli, work)
     check_two_depths(args.cli, work)
     check_bf16(args.cli, work, model)
     check_left_out(args.cli, work, flags)

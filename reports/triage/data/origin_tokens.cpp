@@ -19,8 +19,13 @@ std::vector<OriginToken> origin_tokens(const Bundle& bundle, FirstNonfinite& ori
       origin.position >= m.data.seq_len) {
     return {};
   }
+  // model.mtp: depth k's sites hold the row rolled k positions left, so their position p reads
+  // input token p + k; past the row's end the roll's filler (token id 0), none of the sample's.
+  const bool in_mtp_block = origin.phase != Phase::kGrad && is_mtp_layer(m.model, origin.site.layer);
+  const int64_t input_position = origin.position + (in_mtp_block ? origin.site.layer - m.model.num_layers + 1 : 0);
+  if (input_position >= m.data.seq_len) return {};
   const std::vector<int64_t> ids = bundle.tokens().sample_tokens(origin.sample, m.data.seq_len);
-  origin.token = ids[static_cast<size_t>(origin.position)];
+  origin.token = ids[static_cast<size_t>(input_position)];
   torch::NoGradGuard no_grad;
   const torch::Tensor norms = embedding.detach().to(torch::kCPU, torch::kFloat64).norm(2, 1).contiguous();
   const double* row_norm = norms.data_ptr<double>();
@@ -34,8 +39,8 @@ std::vector<OriginToken> origin_tokens(const Bundle& bundle, FirstNonfinite& ori
     return OriginToken{token, position, norm, base.median, base.mad,
                        is_embedding_outlier(norm, base.median, base.mad, t)};
   };
-  std::vector<OriginToken> tokens = {describe(origin.token, origin.position)};
-  for (int64_t p = 0; p < origin.position; ++p) {
+  std::vector<OriginToken> tokens = {describe(origin.token, input_position)};
+  for (int64_t p = 0; p < input_position; ++p) {
     const OriginToken candidate = describe(ids[static_cast<size_t>(p)], p);
     if (!candidate.outlier) continue;
     bool seen = false;
