@@ -98,7 +98,9 @@ Numerics Numerics::for_router() const { return overrides_.router_fp32 ? plain_fp
 
 bool Numerics::rounds_site(const SiteRef& ref) const {
   const bool a_loss = ref.id == SiteId::kLoss || ref.id == SiteId::kMtpLoss;
-  if (!reduced_ || a_loss || ref.id == SiteId::kMlpRouterProbs || fp32_layer(ref.layer)) return false;
+  // An MTP block's embedding and logits are the model's embedding and head, outside the block fp32-layers names.
+  const bool model_part = ref.id == SiteId::kMtpEmbed || ref.id == SiteId::kMtpLogits;
+  if (!reduced_ || a_loss || ref.id == SiteId::kMlpRouterProbs || (fp32_layer(ref.layer) && !model_part)) return false;
   if (overrides_.router_fp32 && ref.id == SiteId::kMlpRouter) return false;
   return !(overrides_.stable_softmax && ref.id == SiteId::kAttnScores);
 }

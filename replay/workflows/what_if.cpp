@@ -12,6 +12,7 @@
 
 #include "loaders/base/error.h"
 #include "loaders/base/message_text.h"
+#include "probes/sites.h"
 #include "replay/step/layer_stream.h"
 #include "replay/step/step_scan.h"
 #include "replay/workflows/qk_clip_what_if.h"
@@ -112,7 +113,8 @@ std::string drop_samples(const WhatIf& w, const LoadedStep& step, StepOverrides&
 
 std::string fp32_layers(const WhatIf& w, const Manifest& m, StepOverrides& overrides) {
   if (w.all_layers) {
-    for (int layer = 0; layer < m.model.num_layers; ++layer) overrides.numerics.fp32_layers.push_back(layer);
+    // model.mtp's blocks too: every layer with sites.
+    for (int layer = 0; layer < layers_with_sites(m.model); ++layer) overrides.numerics.fp32_layers.push_back(layer);
   } else {
     overrides.numerics.fp32_layers = w.layers;
   }
@@ -175,12 +177,16 @@ void fp8_only(const WhatIf& w, const Manifest& m) {
   }
 }
 
+// A layer of the decoder or one of model.mtp's blocks (num_layers + k - 1), whose sites name them so.
 void layers_in_model(const WhatIf& w, const Manifest& m) {
+  const int layers = layers_with_sites(m.model);
+  const std::string mtp = layers > m.model.num_layers ? ", the last " + std::to_string(layers - m.model.num_layers) +
+                                                            " of them model.mtp's blocks"
+                                                      : "";
   for (int layer : w.layers) {
-    if (layer >= m.model.num_layers) {
-      bad_spec(w.text, "layer " + std::to_string(layer) + " is out of range: the model has " +
-                           std::to_string(m.model.num_layers) + " layers (0-" + std::to_string(m.model.num_layers - 1) +
-                           ")");
+    if (layer >= layers) {
+      bad_spec(w.text, "layer " + std::to_string(layer) + " is out of range: the model has " + std::to_string(layers) +
+                           " layers (0-" + std::to_string(layers - 1) + mtp + ")");
     }
   }
 }

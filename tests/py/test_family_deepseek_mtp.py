@@ -322,6 +322,29 @@ def check_bf16(cli, work, model):
              f"bf16: steps[].mtp_loss {replayed} vs the reference's {depths}")
 
 
+def check_fp32_mtp_block(cli, work, model):
+    """An fp16 overflow inside the MTP block (its o_proj scaled up) is named there, and --what-if fp32-layers=L
+    (the block's layer, as its sites name it) resolves it; a layer past the last block is refused."""
+    section = json.loads((work / "bundle" / "manifest.json").read_text())["model"]
+    stream = fs.token_stream(mla.V, mla.SAMPLES, mla.T, seed=4)
+    o_proj = f"model.layers.{mla.LAYERS}.self_attn.o_proj.weight"
+    params = [(k, v * 1e6 if k == o_proj else v) for k, v in bundle_parameters(model)]
+    bundle = fs.write_bundle(work / "fp16-mtp-overflow", section, params, stream, mla.SAMPLES, mla.T, 1.0, 1.0,
+                             precision="fp16")
+    rc, report, err = fs.replay(cli, bundle, work / "out-fp16-fp32", ["--what-if", f"fp32-layers={mla.LAYERS}"])
+    first = (report or {}).get("first_nonfinite") or {}
+    fs.check(rc == 1 and first.get("layer") == mla.LAYERS and first.get("phase") == "forward",
+             f"fp16: an overflow from the MTP block's o_proj is named in layer {mla.LAYERS} "
+             f"(exit {rc}; {first.get('phase')} {first.get('site')}; {err.strip()[-200:]})")
+    outcome = ((report or {}).get("what_if") or [{}])[0]
+    fs.check(outcome.get("resolved") is True and f"layer {mla.LAYERS} computed in fp32" in outcome.get("change", ""),
+             f"--what-if fp32-layers={mla.LAYERS} takes the MTP block and resolves it ({outcome.get('change')!r}, "
+             f"resolved {outcome.get('resolved')})")
+    rc, _, err = fs.replay(cli, bundle, work / "out-fp16-past", ["--what-if", f"fp32-layers={mla.LAYERS + 1}"])
+    fs.check_refused(rc, err, f"--what-if fp32-layers={mla.LAYERS + 1} past the MTP block",
+                     f"fp32-layers={mla.LAYERS + 1}", "model.mtp's blocks")
+
+
 def check_left_out(cli, work, flags):
     """3. --mtp-loss-scale 0 against the run's log (which had the MTP term): said, and named as the cause."""
     proc = imp.run_import(cli, [*flags, "--log", work / "log.jsonl", "--mtp-loss-scale", 0], work / "left-out")
@@ -535,6 +558,7 @@ def main():
     check_mtp_sites(args.cli, work)
     check_two_depths(args.cli, work)
     check_bf16(args.cli, work, model)
+    check_fp32_mtp_block(args.cli, work, model)
     check_left_out(args.cli, work, flags)
     check_refusals(args.cli, work, model, flags)
     check_moe_block(args.cli, work / "moe")
