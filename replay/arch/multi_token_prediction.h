@@ -31,7 +31,9 @@ torch::Tensor masked_mean_cross_entropy(const torch::Tensor& logits, const torch
 torch::Tensor with_mtp_gradient(const torch::Tensor& loss, const torch::Tensor& mtp);
 
 // The model the MTP blocks run in: the decoder's with num_layers counting them too,
-// so block num_layers + k - 1 has its sites and parameters (param_table.h's mtp_block_layer).
+// so a ModelPass runs block num_layers + k - 1 with its rotary, attention span and
+// parameters (param_table.h's mtp_block_layer). Their probe sites are the decoder
+// model's own: forward_sites (probes/sites.h) lists them after `loss`.
 ModelConfig with_mtp_blocks(const ModelConfig& model);
 
 // Each depth's loss over a step's passes (report.json's steps[].mtp_loss),
