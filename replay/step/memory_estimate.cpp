@@ -192,8 +192,8 @@ double mtp_activation_bytes(const Manifest& m, const Dims& d) {
   const double rounded = reduced_precision(m) ? 5 * N * d.C + N * d.V + 3 * N * d.C : 0.0;
   double bytes = 0;
   for (int64_t depth = 1; depth <= m.model.mtp->num_layers; ++depth) {
-    const int layer = static_cast<int>(m.model.num_layers + depth - 1);
-    bytes += layer_bytes(layer_elements(m, d, m.model.moe_layer(layer))) + around * kFloatBytes +
+    const bool experts = m.model.moe_layer(mtp_block_layer(m.model, static_cast<int>(depth)));
+    bytes += layer_bytes(layer_elements(m, d, experts)) + around * kFloatBytes +
              rounded * (kFloatBytes + kLowBytes);
   }
   return bytes;

@@ -91,6 +91,17 @@ void write_file(const fs::path& path, const void* data, size_t size) {
   if (!out) throw OutputError(path.string(), "cannot write");
 }
 
+// The decoder layers a forward value at `site` depends on: those up to its
+// own (nothing after layer L feeds it); none fewer than every layer for the
+// final norm, logits, loss and model.mtp's blocks (after the LM loss, which
+// every layer feeds): nullopt.
+std::optional<int64_t> layers_feeding(const ModelConfig& model, const SiteRef& site) {
+  if (is_mtp_layer(model, site.layer)) return std::nullopt;
+  if (site.layer >= 0) return site.layer + 1;
+  if (site.id == SiteId::kEmbed) return 1;  // a model has at least one layer
+  return std::nullopt;
+}
+
 // The tensors a bisect report names rewritten outside the optimizer into the
 // checkpoint of `step` (SYSTEM_UPDATE_MISMATCH errors): evidence a verdict rests on.
 std::vector<std::string> rewritten_into(const std::vector<Finding>& findings, int64_t step) {
@@ -204,11 +215,7 @@ class Minimizer {
       for (int64_t step : steps) one[step] = {step == T ? o.sample : batch_of_step(bundle_, step).samples.at(0).front()};
       const std::string text = span + ", each as one sample in one micro-batch of one rank (step " +
                                std::to_string(T) + ": sample " + std::to_string(o.sample) + ", the spike's)";
-      // A spike in model.mtp's blocks (after the LM loss, which every layer feeds) cuts nothing.
-      const int64_t cut = is_mtp_layer(m_.model, o.site.layer) ? layers
-                          : o.site.layer >= 0                 ? o.site.layer + 1
-                          : o.site.id == SiteId::kEmbed       ? 1
-                                                              : layers;
+      const int64_t cut = layers_feeding(m_.model, o.site).value_or(layers);
       if (cut < layers) {
         plans.push_back({steps, false, one, cut, text + ", layers 0.." + std::to_string(cut - 1) + " of " +
                                                      std::to_string(layers), false, T});
@@ -372,17 +379,12 @@ class Minimizer {
     return {o.sample};
   }
 
-  // Layers a forward origin needs: those up to its own (the forward computes
-  // them in order and stops nowhere, but nothing after layer L feeds it).
-  // A backward origin needs every layer: the gradient comes down through them.
+  // Layers a forward origin needs (layers_feeding). A backward origin needs
+  // every layer: the gradient comes down through them.
   std::optional<int64_t> cut_layers() const {
     const FirstNonfinite& o = *bisected_.origin;
     if (o.phase != Phase::kForward) return std::nullopt;
-    // model.mtp's blocks run after the LM loss, which every layer feeds.
-    if (is_mtp_layer(m_.model, o.site.layer)) return std::nullopt;
-    if (o.site.layer >= 0) return o.site.layer + 1;
-    if (o.site.id == SiteId::kEmbed) return 1;  // a model has at least one layer
-    return std::nullopt;                          // final norm, logits, loss: after every layer
+    return layers_feeding(m_.model, o.site);
   }
 
   // The one shard: each kept sample's seq_len + 1 tokens, consecutive
