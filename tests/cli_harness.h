@@ -85,6 +85,16 @@ inline std::string cli_under_test() {
   return copy != nullptr && *copy != '\0' ? copy : NANREPLAY_CLI_PATH;
 }
 
+// In a child after fork: stdin from /dev/null, stdout and stderr into the two
+// files (created or truncated). Only async-signal-safe calls; false when one fails.
+inline bool redirect_stdio(const char* out, const char* err) {
+  const int in_fd = open("/dev/null", O_RDONLY);
+  const int out_fd = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const int err_fd = open(err, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (in_fd < 0 || out_fd < 0 || err_fd < 0) return false;
+  return dup2(in_fd, STDIN_FILENO) >= 0 && dup2(out_fd, STDOUT_FILENO) >= 0 && dup2(err_fd, STDERR_FILENO) >= 0;
+}
+
 // Whether run_cli may run the command in a forked copy of this test process
 // (which links the CLI's code: run_cli of cli/cli.h, what main() calls) instead
 // of executing the binary. Each exec pays LibTorch's start-up, about a second
@@ -120,13 +130,7 @@ inline int run_cli_in_child(const std::vector<std::string>& args, const std::str
   if (pid == 0) {
     // The defaults a new process starts with, not Catch2's fatal-signal handlers.
     for (const int sig : {SIGABRT, SIGSEGV, SIGFPE, SIGILL, SIGBUS, SIGINT, SIGTERM, SIGPIPE}) std::signal(sig, SIG_DFL);
-    const int in_fd = open("/dev/null", O_RDONLY);
-    const int out_fd = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int err_fd = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (in_fd < 0 || out_fd < 0 || err_fd < 0) _exit(126);
-    dup2(in_fd, STDIN_FILENO);
-    dup2(out_fd, STDOUT_FILENO);
-    dup2(err_fd, STDERR_FILENO);
+    if (!redirect_stdio(out.c_str(), err.c_str())) _exit(126);
     setenv("NO_COLOR", "1", 1);
     nanreplay::CommandIo io{std::cout, std::cerr};
     io.err_is_terminal = false;  // a file, as for the binary run through the shell
@@ -279,13 +283,7 @@ inline Spawned spawn_cli(const ScratchDir& scratch, const std::vector<std::strin
   child.pid = fork();
   REQUIRE(child.pid >= 0);
   if (child.pid == 0) {
-    const int in = open("/dev/null", O_RDONLY);
-    const int out = open(child.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int err = open(child.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (in < 0 || out < 0 || err < 0) _exit(127);
-    dup2(in, 0);
-    dup2(out, 1);
-    dup2(err, 2);
+    if (!redirect_stdio(child.out.c_str(), child.err.c_str())) _exit(127);
     if (options.address_space_limit > 0) {
       const rlimit limit{options.address_space_limit, options.address_space_limit};
       if (setrlimit(RLIMIT_AS, &limit) != 0) _exit(127);

@@ -97,10 +97,18 @@ inline void prune_stale(const fs::path& root, const fs::path& keep) {
 }
 
 // The folder of this CLI binary's cached bundles, created and marked as in use.
+// The folder of one binary's bundles under one OpenMP thread count: synth's
+// training sums in another order with another count, so its logged losses and
+// checkpoints differ in the last bits (tests/py/synth_cache.py names it alike).
 inline fs::path binary_folder(const std::string& cli) {
   static const std::string digest = file_digest(cli);
+  const char* threads = std::getenv("OMP_NUM_THREADS");
+  std::string suffix = threads != nullptr ? "-omp" : "";
+  for (const char* c = threads; c != nullptr && *c != '\0'; ++c) {
+    if ((*c >= '0' && *c <= '9') || *c == ',') suffix += *c;  // a name part, whatever the variable holds
+  }
   const fs::path root = fs::temp_directory_path() / ("nanreplay-test-synth-" + std::to_string(getuid()));
-  const fs::path folder = root / digest;
+  const fs::path folder = root / (digest + suffix);
   std::error_code ec;
   if (!fs::exists(folder, ec)) {
     fs::create_directories(folder, ec);

@@ -53,7 +53,11 @@ def _binary_folder(cli):
     cli = str(Path(cli).resolve())
     if cli not in _digests:
         _digests[cli] = hashlib.sha256(Path(cli).read_bytes()).hexdigest()
-    folder = Path(tempfile.gettempdir()) / f"nanreplay-test-synth-{os.getuid()}" / _digests[cli]
+    # One folder per OpenMP thread count too: synth's training sums in another order with another count
+    # (tests/synth_cache.h names it alike).
+    threads = os.environ.get("OMP_NUM_THREADS")
+    suffix = "" if threads is None else "-omp" + "".join(c for c in threads if c.isdigit() or c == ",")
+    folder = Path(tempfile.gettempdir()) / f"nanreplay-test-synth-{os.getuid()}" / (_digests[cli] + suffix)
     folder.mkdir(parents=True, exist_ok=True)
     os.utime(folder)  # in use: the Catch2 side prunes folders untouched for two hours
     return folder
