@@ -5,6 +5,8 @@
 
 #include <torch/torch.h>
 
+#include "replay/arch/forward_recompute.h"
+
 namespace nanreplay {
 
 namespace {
@@ -66,20 +68,39 @@ MtpLossRecorder::~MtpLossRecorder() { active_mtp_loss_recorder.store(nullptr); }
 
 std::vector<double> MtpLossRecorder::means() const {
   std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<double> sums;
+  for (const std::vector<double>& pass : passes_) {  // in pass order, whichever process computed each
+    if (sums.size() < pass.size()) sums.resize(pass.size(), 0.0);
+    for (size_t d = 0; d < pass.size(); ++d) sums[d] += pass[d];
+  }
   std::vector<double> out;
-  for (const double sum : sums_) out.push_back(sum / static_cast<double>(passes_));
+  for (const double sum : sums) out.push_back(sum / static_cast<double>(passes_.size()));
   return out;
 }
 
 void MtpLossRecorder::record(const std::vector<torch::Tensor>& depth_losses) {
+  if (ForwardRecompute::active()) return;  // the streamed backward's second computation: counted once
   MtpLossRecorder* recorder = active_mtp_loss_recorder.load();
   if (recorder == nullptr || depth_losses.empty()) return;
   std::vector<double> values;
   for (const torch::Tensor& loss : depth_losses) values.push_back(loss.detach().to(torch::kCPU, torch::kFloat64).item<double>());
   std::lock_guard<std::mutex> lock(recorder->mutex_);
-  if (recorder->sums_.size() < values.size()) recorder->sums_.resize(values.size(), 0.0);
-  for (size_t d = 0; d < values.size(); ++d) recorder->sums_[d] += values[d];
-  ++recorder->passes_;
+  recorder->passes_.push_back(std::move(values));
+}
+
+std::optional<size_t> MtpLossRecorder::reserve() {
+  MtpLossRecorder* recorder = active_mtp_loss_recorder.load();
+  if (recorder == nullptr) return std::nullopt;
+  std::lock_guard<std::mutex> lock(recorder->mutex_);
+  recorder->passes_.emplace_back();
+  return recorder->passes_.size() - 1;
+}
+
+void MtpLossRecorder::fill(size_t slot, std::vector<double> depth_losses) {
+  MtpLossRecorder* recorder = active_mtp_loss_recorder.load();
+  if (recorder == nullptr) return;
+  std::lock_guard<std::mutex> lock(recorder->mutex_);
+  recorder->passes_.at(slot) = std::move(depth_losses);
 }
 
 }  // namespace nanreplay

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include <torch/types.h>
@@ -37,8 +38,10 @@ torch::Tensor with_mtp_gradient(const torch::Tensor& loss, const torch::Tensor& 
 ModelConfig with_mtp_blocks(const ModelConfig& model);
 
 // Each depth's loss over a step's passes (report.json's steps[].mtp_loss),
-// as HeadLogitRecorder records: only while one is alive, one at a time, in
-// the process that runs the passes (MTP is not replayed across processes).
+// as HeadLogitRecorder records: only while one is alive, one at a time. The
+// passes are summed in the order they were recorded or reserved, so a step
+// whose ranks are spread over processes (--nproc) gives the bits one
+// process gives.
 class MtpLossRecorder {
  public:
   MtpLossRecorder();   // starts recording
@@ -51,11 +54,14 @@ class MtpLossRecorder {
 
   // One pass's depth losses (scalars, in depth order). A no-op when no recorder is alive.
   static void record(const std::vector<torch::Tensor>& depth_losses);
+  // The place of a pass another process computes, in pass order (none: no recorder alive);
+  // fill() gives its losses once they arrive.
+  static std::optional<size_t> reserve();
+  static void fill(size_t slot, std::vector<double> depth_losses);
 
  private:
   mutable std::mutex mutex_;
-  std::vector<double> sums_;
-  int64_t passes_ = 0;
+  std::vector<std::vector<double>> passes_;  // each pass's depth losses (empty: reserved, not yet filled)
 };
 
 }  // namespace nanreplay

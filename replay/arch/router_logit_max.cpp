@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include "replay/arch/forward_recompute.h"
+
 namespace nanreplay {
 
 namespace {
@@ -58,6 +60,7 @@ void RouterLogitRecorder::record(int layer, const torch::Tensor& logits) {
 }
 
 void RouterLogitRecorder::record_tokens(int layer, const torch::Tensor& counts) {
+  if (ForwardRecompute::active()) return;  // the streamed backward's second computation: counted once
   RouterLogitRecorder* recorder = active_router_logit_recorder.load();
   if (recorder == nullptr) return;
   torch::NoGradGuard no_grad;

@@ -28,8 +28,8 @@ class RouterLogitRecorder {
   // one another process replayed); a NaN among the logits is kept.
   std::vector<std::vector<double>> maxima() const;
   // [layer][expert]: tokens routed (each token counted once per expert it
-  // chose, once per forward of the block: a recomputed block counts again);
-  // 0 where nothing was seen.
+  // chose, once per pass: the streamed backward's recomputation of a block,
+  // inside a ForwardRecompute, is not counted); 0 where nothing was seen.
   std::vector<std::vector<int64_t>> tokens() const;
 
   // The router of `layer` computed `logits` (..., E). A no-op when no recorder is alive.

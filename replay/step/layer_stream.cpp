@@ -23,6 +23,8 @@
 #include "probes/param_table.h"
 #include "probes/sites.h"
 #include "replay/arch/experts.h"
+#include "replay/arch/forward_recompute.h"
+#include "replay/arch/multi_token_prediction.h"
 #include "replay/step/ranks/pass_wire.h"
 
 namespace nanreplay {
@@ -162,8 +164,10 @@ StreamedModel::StreamedModel(ModelCheckpoint& checkpoint, const ModelConfig& mod
   blocks_.resize(static_cast<size_t>(model.num_layers));
   const std::vector<ParamSpec> specs = expected_parameters(model);
   for (size_t i = 0; i < order_.size(); ++i) {
+    // model.mtp's blocks (past the decoder's layers) run inside the head: loaded with it.
     const int layer = layer_of_parameter(order_[i]);
-    (layer < 0 ? outer_ : blocks_.at(static_cast<size_t>(layer))).push_back(i);
+    const bool outer = layer < 0 || layer >= static_cast<int>(model.num_layers);
+    (outer ? outer_ : blocks_.at(static_cast<size_t>(layer))).push_back(i);
     shapes_.push_back(specs.at(i).shape);
   }
   expert_slots_ = expert_slots_of(model, order_);
@@ -279,6 +283,8 @@ void StreamedModel::share_pass(ProbeSession& probes, ForwardResult& result) cons
   if (world_->rank() == 0) {
     write_tensor(out, result.loss);
     write_tensor(out, result.sample_loss);
+    out.pod<uint64_t>(result.mtp_losses.size());  // model.mtp: each depth's loss
+    for (const torch::Tensor& loss : result.mtp_losses) write_tensor(out, loss);
   }
   const std::vector<std::string> all = world_->all_gather(out.take());
   for (size_t r = 0; r < all.size(); ++r) {
@@ -287,7 +293,11 @@ void StreamedModel::share_pass(ProbeSession& probes, ForwardResult& result) cons
     if (r != 0) continue;
     torch::Tensor loss = read_tensor(in);
     torch::Tensor sample_loss = read_tensor(in);
-    if (world_->rank() != 0) result = ForwardResult{loss, sample_loss, {}};  // MTP is refused with --stream
+    std::vector<torch::Tensor> mtp_losses(in.pod<uint64_t>());
+    for (torch::Tensor& depth_loss : mtp_losses) depth_loss = read_tensor(in);
+    if (world_->rank() == 0) continue;
+    result = ForwardResult{loss, sample_loss, mtp_losses};
+    MtpLossRecorder::record(mtp_losses);  // rank 0 recorded them as it computed them
   }
 }
 
@@ -477,15 +487,18 @@ ForwardResult StreamedModel::forward_backward(const ModelConfig& model, const Nu
     result = forward_head(s, targets);
   }
   if (before_backward) before_backward();
-  torch::Tensor grad;  // the gradient leaving the block being computed
-  if (s.outer_here) grad = backward_head(s, targets, backward_scale);
-  grad = backward_blocks(s, grad, on_block);
-  if (s.outer_here) {  // the embeddings again, from the gradient entering the first block
-    probes.begin_recompute();
-    torch::autograd::backward({s.pass.embed(s.outer, inputs)}, {grad});
-    accumulate(outer_, s.outer);
-    release(outer_);
-    result.loss = result.loss.detach();
+  {
+    const ForwardRecompute recompute;  // what the forward counted is not counted again
+    torch::Tensor grad;                // the gradient leaving the block being computed
+    if (s.outer_here) grad = backward_head(s, targets, backward_scale);
+    grad = backward_blocks(s, grad, on_block);
+    if (s.outer_here) {  // the embeddings again, from the gradient entering the first block
+      probes.begin_recompute();
+      torch::autograd::backward({s.pass.embed(s.outer, inputs)}, {grad});
+      accumulate(outer_, s.outer);
+      release(outer_);
+      result.loss = result.loss.detach();
+    }
   }
   if (world_) share_pass(probes, result);
   return result;

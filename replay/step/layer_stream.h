@@ -9,6 +9,8 @@
 // experts loads only the experts its router sent a token to (ExpertSource,
 // replay/arch/experts.h), in the forward and again in the backward; an
 // expert no token reached has a zero gradient, written without loading it.
+// model.mtp's depths run in the head's piece (ModelPass::head), their
+// parameters loaded with the embeddings and the head for the whole pass.
 // The values, the probe records and the gradients are those of the in-memory
 // replay bit for bit (tests/py/test_stream_presets.py shows it on every preset).
 #pragma once

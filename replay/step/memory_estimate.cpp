@@ -320,7 +320,8 @@ MemoryEstimate estimate_streamed_memory(const Manifest& manifest, size_t steps_w
   one_layer.L = 1;
   Dims no_layers = d;
   no_layers.L = 0;
-  const double outer = count_parameters(manifest.model, no_layers).elements;  // embeddings, final norm, head
+  // Embeddings, final norm, head, and model.mtp's blocks, which the streamed replay loads with the head.
+  const double outer = count_parameters(manifest.model, no_layers).elements;
   const double block = count_parameters(manifest.model, one_layer).elements - outer;
   const double N = d.B * d.T;
   MemoryEstimate estimate;

@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 
 #include <torch/torch.h>
 
+#include "replay/arch/multi_token_prediction.h"
 #include "replay/step/ranks/distributed.h"
 #include "replay/step/ranks/pass_wire.h"
 
@@ -34,16 +36,20 @@ class RankSpreadModel final : public StepModel {
       write_harvest(sent_, harvest);
       write_tensor(sent_, result.loss);
       write_tensor(sent_, result.sample_loss);
+      sent_.pod<uint64_t>(result.mtp_losses.size());  // model.mtp: each depth's loss
+      for (const torch::Tensor& loss : result.mtp_losses) write_tensor(sent_, loss);
       probes.absorb(std::move(harvest));
-      events_.push_back({rank_, nullptr, {}, {}, false});
+      events_.push_back({rank_, nullptr, {}, {}, false, std::nullopt});
       return result;
     }
     // Another process's pass: filled in at the end of the step, before anything reads it.
     if (before_backward) before_backward();
+    // Its MTP losses too: their place in the step's mean is this pass's.
     const Event pass{rank_, &probes, torch::zeros({}, torch::kFloat64),
-                     probes.enabled() ? torch::zeros({inputs.size(0)}, torch::kFloat64) : torch::Tensor(), false};
+                     probes.enabled() ? torch::zeros({inputs.size(0)}, torch::kFloat64) : torch::Tensor(), false,
+                     MtpLossRecorder::reserve()};
     events_.push_back(pass);
-    return ForwardResult{pass.value, pass.sample_loss, {}};  // MTP is refused with --nproc
+    return ForwardResult{pass.value, pass.sample_loss, {}};
   }
 
   void begin_step(bool whole_step) override {
@@ -63,7 +69,7 @@ class RankSpreadModel final : public StepModel {
 
   torch::Tensor end_rank(double inv_scale, int64_t world_size) override {
     if (!spreading_) return inner_->end_rank(inv_scale, world_size);
-    Event end{rank_, nullptr, torch::zeros({}, torch::kFloat64), {}, true};
+    Event end{rank_, nullptr, torch::zeros({}, torch::kFloat64), {}, true, std::nullopt};
     if (owned(rank_)) {
       end.value = inner_->end_rank(inv_scale, world_size);
       inner_->end_ranks();
@@ -91,6 +97,9 @@ class RankSpreadModel final : public StepModel {
         e.value.copy_(read_tensor(in));
         const torch::Tensor sample_loss = read_tensor(in);
         if (sample_loss.defined()) e.sample_loss.copy_(sample_loss);
+        std::vector<double> depths(in.pod<uint64_t>());
+        for (double& loss : depths) loss = read_tensor(in).to(torch::kFloat64).item<double>();
+        if (e.mtp_slot) MtpLossRecorder::fill(*e.mtp_slot, std::move(depths));
         continue;
       }
       std::vector<c10::ScalarType> types;
@@ -115,6 +124,7 @@ class RankSpreadModel final : public StepModel {
     torch::Tensor value;        // a pass's loss, or a rank's gradient norm
     torch::Tensor sample_loss;  // a pass's
     bool rank_end;
+    std::optional<size_t> mtp_slot;  // another process's pass: its MTP losses' place (MtpLossRecorder)
   };
 
   int owner(int rank) const {

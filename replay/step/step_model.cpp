@@ -3,7 +3,6 @@
 
 #include <torch/torch.h>
 
-#include "loaders/base/error.h"
 #include "replay/step/ranks/distributed.h"
 #include "replay/step/gradients.h"
 #include "replay/step/rank_spread.h"
@@ -81,13 +80,6 @@ std::unique_ptr<StepModel> in_memory_model(ParamMap& params, const std::vector<s
 
 std::unique_ptr<StepModel> checkpoint_model(ModelCheckpoint& checkpoint, const ModelConfig& model,
                                             const ComputePlacement& placement) {
-  // The MTP depths run in the in-memory forward only (replay/arch/model.cpp).
-  if (model.mtp && (placement.stream || default_world() != nullptr)) {
-    throw UsageError(std::string("manifest.json: model.mtp: multi-token prediction is replayed in one process "
-                                 "with the whole model in memory, not ") +
-                     (default_world() != nullptr ? "split across processes (--nproc)"
-                                                 : "streamed layer by layer (--stream, or a model over --max-memory)"));
-  }
   std::unique_ptr<StepModel> step_model;
   if (placement.stream) {
     step_model = std::make_unique<LayerStreamedModel>(checkpoint, model, placement);

@@ -26,7 +26,7 @@ MTPLossAutoScaler: the LM loss's value unchanged, its gradient plus mtp_loss_sca
    MTP layers were left out, and its BUNDLE_DOES_NOT_REPRODUCE names them as the likely cause.
 4. A copy of embed_tokens that differs from the model's is refused by key (exit 2).
 5. manifest.json's model.mtp refused by file and key: loss_scale -0.3, an unknown key, and num_layers 2 over a
-   checkpoint holding one MTP layer (the missing layer's enorm named); `run --stream` refused naming model.mtp;
+   checkpoint holding one MTP layer (the missing layer's enorm named);
    MuonClip (a Muon group with qk_clip) refused naming optimizer.qk_clip and model.mtp, and so is
    `--what-if qk-clip=100` (the MTP blocks' per-head logits are not recorded).
 6. An MTP block with experts (DeepSeek-V3's released MTP layer, DeepseekV3MoE from test_family_deepseek_moe.py):
@@ -43,6 +43,10 @@ MTPLossAutoScaler: the LM loss's value unchanged, its gradient plus mtp_loss_sca
    An inf planted in the MTP layer's eh_proj weight is report.json's first_nonfinite at the forward site
    layers.2.mtp.eh_proj (not at a backward final_norm); one in its attention's o_proj at layers.2.attn.out; each
    origin's origin_tokens names the sample's token one position on (what depth 1 read there).
+8. Streamed and across processes (docs/performance.md): the two-depth bundle of 1 with two data-parallel ranks
+   and the MoE MTP bundle of 6, each replayed `--stream`, `--nproc 2 --split layers` (and streamed) and, with
+   ranks, `--nproc 2 --split ranks` (and streamed), give the one-process in-memory replay's report.json
+   (steps[].mtp_loss included) and trace.h5 bit for bit, with the same exit status.
 
     /usr/bin/python3 tests/py/test_family_deepseek_mtp.py --cli build/nanreplay --work DIR
 """
@@ -63,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
 import import_support as imp  # noqa: E402
 import reference_model  # noqa: E402  (safetensors only)
+import replay_compare as rc  # noqa: E402  (report.json and trace.h5 compared bit for bit)
 import test_family_deepseek_mla as mla  # noqa: E402  (the DeepSeek-V3 reference, transformers' modeling)
 import test_family_deepseek_moe as dsmoe  # noqa: E402  (DeepseekV3MoE and its router, the same file's)
 
@@ -401,11 +406,6 @@ def check_refusals(cli, work, model, flags):
                           capture_output=True, text=True)
     fs.check_refused(proc.returncode, proc.stderr, "--what-if qk-clip=100 beside model.mtp", "qk-clip=100",
                      "model.mtp")
-    proc = subprocess.run([cli, "run", str(bundle), "--out", str(work / "out-stream"), "--stream"],
-                          capture_output=True, text=True)
-    said = proc.stderr.strip().splitlines()[-1:] or [""]
-    fs.check(proc.returncode == 2 and "model.mtp" in said[0] and "--stream" in said[0],
-             f"--stream refuses model.mtp by name (exit {proc.returncode}): {said[0]}")
 
 
 # Check 6's model: layer 0 dense, layer 1 and the MTP block (layer 2) DeepseekV3MoE, as first_k_dense_replace 1
@@ -543,6 +543,49 @@ def check_moe_block_minimized(cli, work, bundle):
                                         f"{proc.stderr.strip()[-300:]})")
 
 
+def data_parallel_copy(bundle, copy):
+    """`bundle` (one rank, one micro-batch of mla.SAMPLES rows) as mla.SAMPLES data-parallel ranks of one row."""
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(bundle, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["data"].update(world_size=mla.SAMPLES, micro_batch_size=1)
+    for step in m["steps"]:
+        step["samples"] = [[sample] for sample in step["samples"][0]]
+    (copy / "manifest.json").write_text(json.dumps(m))
+    return copy
+
+
+def check_streamed_and_split(cli, work):
+    """8. Each way of spreading the replay gives the one-process in-memory replay's report and trace."""
+    cases = [("two MTP depths, two ranks", data_parallel_copy(work / "two-depths", work / "two-depths-dp"), True),
+             ("an MoE MTP block", work / "moe" / "bundle", False)]
+    for label, bundle, ranks in cases:
+        name = bundle.parent.name + "-" + bundle.name
+        plain = rc.cli_run(cli, "run", bundle, "--out", work / f"split-{name}", "--json")
+        report = json.loads(plain.stdout) if plain.stdout.strip() else {}
+        depths = len(report.get("steps", [{}])[0].get("mtp_loss", []))
+        if not fs.check(plain.returncode in (0, 1) and depths >= 1,
+                        f"{label}: replays in one process with steps[].mtp_loss (exit {plain.returncode}, {depths} "
+                        f"depths; {plain.stderr.strip()[-300:]})"):
+            continue
+        modes = [["--stream"], ["--nproc", "2", "--split", "layers"], ["--nproc", "2", "--split", "layers", "--stream"]]
+        if ranks:
+            modes += [["--nproc", "2", "--split", "ranks"], ["--nproc", "2", "--split", "ranks", "--stream"]]
+        for flags in modes:
+            tag = "".join(flags).replace("-", "")
+            out, scratch = work / f"split-{name}-{tag}", work / f"split-{name}-{tag}-scratch"
+            scratch.mkdir()
+            got = rc.cli_run(cli, "run", bundle, "--out", out, "--json", "--scratch", scratch, *flags)
+            what = f"{label}, {' '.join(flags)}"
+            if not fs.check(got.returncode == plain.returncode and bool(got.stdout.strip()),
+                            f"{what}: exits {got.returncode} as one process does ({got.stderr.strip()[-300:]})"):
+                continue
+            differ = rc.report_difference(report, json.loads(got.stdout))
+            fs.check(not differ, f"{what}: report.json the same{' but ' + str(differ) if differ else ''}")
+            differ = rc.trace_difference(work / f"split-{name}" / "trace.h5", out / "trace.h5")
+            fs.check(not differ, f"{what}: trace.h5 the same{' but ' + str(differ[:5]) if differ else ''}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cli", required=True)
@@ -562,6 +605,7 @@ def main():
     check_left_out(args.cli, work, flags)
     check_refusals(args.cli, work, model, flags)
     check_moe_block(args.cli, work / "moe")
+    check_streamed_and_split(args.cli, work)
     fs.finish()
 
 
