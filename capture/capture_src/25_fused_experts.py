@@ -107,7 +107,7 @@ def _split_experts(named, model):
 
 # ---------------------------------------------------------------------------
 # model.moe and the attention options of these families, read off model.config as `nanreplay import` reads
-# config.json (nanreplay_import/families.py: gpt_oss_moe, gpt_oss_options, llama4_moe, llama4_options;
+# config.json (nanreplay_import/families/: gpt_oss_moe, gpt_oss_options, llama4_moe, llama4_options;
 # copied here because this file stands alone, and checked equal by tests/py/test_capture_fused_experts.py).
 
 # GptOssConfig's defaults where a config leaves a key out; swiglu_alpha is modeling_gpt_oss.py's constant
@@ -260,7 +260,7 @@ def generic_config(config):
 
 # ---------------------------------------------------------------------------
 # The parameters these families add to expected_parameters' list, in docs/bundle-format.md's order
-# (nanreplay_import/families.py: adjust_parameters and _expert_layers, copied without latent attention).
+# (nanreplay_import/families/parameters.py: adjust_parameters and _expert_layers, without latent attention).
 
 _ROUTER_OR_EXPERT = re.compile(r"model\.layers\.\d+\.mlp\.(gate|experts\.\d+\.\w+_proj)\.weight")
 _LAYER_MLP_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.(?:gate\.weight|experts\.\d+\.\w+_proj\.weight)")

@@ -166,7 +166,7 @@ def _router_aux_loss(moe, moe_config, family_notes, flag):
     if flag is None:
         if moe is None or moe_config is None or "moe.router_aux_loss_coef" in family_notes:
             return {}
-        return {"moe.router_aux_loss_coef": families._aux_loss_note(*moe_config, moe)}
+        return {"moe.router_aux_loss_coef": families.aux_loss_note(*moe_config, moe)}
     if moe is None:
         raise BadInput("--router-aux-loss-coef", "router_aux_loss_coef", "given, but the checkpoint has no mixture "
                                                                           "of experts")
