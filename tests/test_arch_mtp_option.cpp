@@ -150,3 +150,16 @@ TEST_CASE("model.moe.layers past the MTP blocks, or MTP experts with what is not
   aux["model"]["moe"]["layers"] = {1};  // the decoder's only: its router loss is replayed
   CHECK(refusal(aux) == "accepted");
 }
+
+TEST_CASE("score_bias_update with an MTP block's experts is accepted: its bias is derived as a decoder layer's",
+          "[arch][options][mtp]") {
+  json manifest = mtp_test_manifest();
+  manifest["model"]["moe"] = {{"num_experts", 4},          {"top_k", 2},
+                              {"layers", {1, 2}},          {"router", "sigmoid_grouped"},
+                              {"n_group", 2},              {"topk_group", 1},
+                              {"routed_scaling_factor", 1}, {"norm_topk_prob", true},
+                              {"score_bias_update", {{"rule", "sign_centred"}, {"rate", 0.001}}}};
+  CHECK(refusal(manifest) == "accepted");
+  manifest["model"]["moe"]["router_z_loss_coef"] = 0.001;  // the MTP block's router loss stays refused
+  CHECK_THAT(refusal(manifest), Catch::Contains("model.moe.router_z_loss_coef: not replayed for the MTP blocks"));
+}

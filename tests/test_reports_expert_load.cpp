@@ -94,3 +94,21 @@ TEST_CASE("token counts per layer and expert come from the forward records of th
   model.moe.reset();
   CHECK(expert_token_counts(records, 5, model).empty());
 }
+
+TEST_CASE("token counts have a row for each model.mtp block after the decoder's layers", "[moe][triage][mtp]") {
+  nanreplay::ModelConfig model;
+  model.num_layers = 2;
+  model.moe = four_top_two();
+  model.mtp = nanreplay::MultiTokenPrediction{1, 0.3};
+  nanreplay::ProbeRecord r;
+  r.step = 5;
+  r.phase = nanreplay::Phase::kForward;
+  r.site = {nanreplay::SiteId::kMlpExpertGate, 2};
+  r.layer = 2;  // the MTP block's layer, num_layers + 1 - 1
+  r.expert = 1;
+  r.routed_tokens = 9;
+  const auto counts = expert_token_counts({r}, 5, model);
+  REQUIRE(counts.size() == 3);
+  CHECK(counts[2] == std::vector<int64_t>{0, 9, 0, 0});
+  CHECK(counts[0] == std::vector<int64_t>{0, 0, 0, 0});
+}

@@ -35,9 +35,10 @@ const char* conflicting_mtp_option(const ModelConfig& m) {
 
 // model.moe.layers may list the MTP blocks' layers (num_layers + k - 1, DeepSeek-V3's MTP layer is a
 // mixture of experts like the decoder layers past first_k_dense_replace), but none past the last depth.
-// Such blocks are replayed with the decoder's routing; what the replay does not run for them is refused:
-// their router losses (Megatron-LM adds every MoE layer's, the MTP layers' too) and the derivation of
-// their correction bias on rolled-forward steps.
+// Such blocks are replayed with the decoder's routing, and score_bias_update derives their correction bias
+// as a decoder layer's (Megatron-LM updates every router's expert_bias, the MTP layers' too). What the
+// replay does not run for them is refused: their router losses (Megatron-LM adds each MoE layer's own,
+// the MTP layers' too; the replay's is Hugging Face's one loss over the decoder's routers).
 void check_mtp_experts(const JsonReader& model, const ModelConfig& m, int64_t depths) {
   if (!m.moe) return;
   const int64_t last = m.num_layers + depths - 1;
@@ -54,13 +55,11 @@ void check_mtp_experts(const JsonReader& model, const ModelConfig& m, int64_t de
   if (!experts) return;
   const char* unreplayed = m.moe->router_aux_loss_coef != 0 ? "router_aux_loss_coef"
                            : m.moe->router_z_loss_coef != 0 ? "router_z_loss_coef"
-                           : m.moe->score_bias_update       ? "score_bias_update"
                                                             : nullptr;
   if (unreplayed != nullptr) {
     throw InputError(model.file(), model.key_path("moe") + "." + unreplayed,
-                     std::string("not replayed for the MTP blocks' experts (model.moe.layers lists an MTP block's "
-                                 "layer): ") +
-                         (std::string(unreplayed) == "score_bias_update" ? "leave it out" : "expected 0"));
+                     "not replayed for the MTP blocks' experts (model.moe.layers lists an MTP block's layer): "
+                     "expected 0");
   }
 }
 

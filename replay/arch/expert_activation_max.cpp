@@ -44,7 +44,7 @@ void ExpertActivationRecorder::record(int layer, const torch::Tensor& input, con
   torch::NoGradGuard no_grad;
   const std::vector<double> in = row_max_abs(input), out = row_max_abs(output);
   std::lock_guard<std::mutex> lock(recorder->mutex_);
-  if (static_cast<size_t>(layer) >= recorder->maxima_.size()) return;  // an MTP block's experts: not recorded
+  if (static_cast<size_t>(layer) >= recorder->maxima_.size()) return;  // past the recorder's layers
   std::optional<std::vector<ExpertActivationMax>>& row = recorder->maxima_.at(static_cast<size_t>(layer));
   if (!row) row.emplace(static_cast<size_t>(recorder->num_experts_));
   for (size_t e = 0; e < row->size() && e + 1 < offsets.size(); ++e) {

@@ -17,6 +17,8 @@ namespace nanreplay {
 
 class ExpertActivationRecorder {
  public:
+  // num_layers: every layer with sites (layers_with_sites, probes/sites.h), model.mtp's blocks after
+  // the decoder's, each row the layer its sites name.
   ExpertActivationRecorder(int64_t num_layers, int64_t num_experts);  // starts recording
   ~ExpertActivationRecorder();                                        // stops
   ExpertActivationRecorder(const ExpertActivationRecorder&) = delete;

@@ -32,7 +32,7 @@ std::vector<std::vector<double>> HeadLogitRecorder::maxima() const {
 
 void HeadLogitRecorder::record(int layer, const torch::Tensor& scores, const torch::Tensor& hidden) {
   HeadLogitRecorder* recorder = active_head_logit_recorder.load();
-  // Only the decoder's layers: model.mtp's blocks past them (multi_token_prediction.h) are not MuonClip's.
+  // The recorder's rows span every layer with sites, model.mtp's blocks included; anything past them is no layer.
   if (recorder == nullptr || layer < 0 || static_cast<size_t>(layer) >= recorder->maxima_.size()) return;
   torch::NoGradGuard no_grad;
   const torch::Tensor visible = scores.detach().to(torch::kFloat32).masked_fill(hidden, -std::numeric_limits<float>::infinity());

@@ -14,6 +14,8 @@ namespace nanreplay {
 
 class HeadLogitRecorder {
  public:
+  // num_layers: every layer with sites (layers_with_sites, probes/sites.h), model.mtp's blocks after
+  // the decoder's, each row the layer its sites name.
   HeadLogitRecorder(int64_t num_layers, int64_t num_heads);  // starts recording
   ~HeadLogitRecorder();                                      // stops
   HeadLogitRecorder(const HeadLogitRecorder&) = delete;

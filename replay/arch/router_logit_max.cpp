@@ -54,7 +54,7 @@ void RouterLogitRecorder::record(int layer, const torch::Tensor& logits) {
   if (flat.size(0) == 0) return;
   const torch::Tensor per_expert = flat.amax(0);  // amax and maximum propagate a NaN: it wins
   std::lock_guard<std::mutex> lock(recorder->mutex_);
-  if (static_cast<size_t>(layer) >= recorder->maxima_.size()) return;  // an MTP block's experts: not recorded
+  if (static_cast<size_t>(layer) >= recorder->maxima_.size()) return;  // past the recorder's layers
   torch::Tensor& kept = recorder->maxima_.at(static_cast<size_t>(layer));
   kept = kept.defined() ? torch::maximum(kept, per_expert.to(kept.device())) : per_expert;
 }
@@ -66,7 +66,7 @@ void RouterLogitRecorder::record_tokens(int layer, const torch::Tensor& counts) 
   torch::NoGradGuard no_grad;
   const torch::Tensor mine = counts.detach().to(torch::kInt64);
   std::lock_guard<std::mutex> lock(recorder->mutex_);
-  if (static_cast<size_t>(layer) >= recorder->tokens_.size()) return;  // an MTP block's experts: not counted
+  if (static_cast<size_t>(layer) >= recorder->tokens_.size()) return;  // past the recorder's layers
   torch::Tensor& kept = recorder->tokens_.at(static_cast<size_t>(layer));
   kept = kept.defined() ? kept + mine.to(kept.device()) : mine.clone();
 }

@@ -19,6 +19,8 @@ namespace nanreplay {
 
 class RouterLogitRecorder {
  public:
+  // num_layers: every layer with sites (layers_with_sites, probes/sites.h), model.mtp's blocks after
+  // the decoder's, each row the layer its sites name.
   RouterLogitRecorder(int64_t num_layers, int64_t num_experts);  // starts recording
   ~RouterLogitRecorder();                                        // stops
   RouterLogitRecorder(const RouterLogitRecorder&) = delete;

@@ -148,13 +148,6 @@ void check_optimizer_fits_model(const Manifest& m) {
                     std::any_of(config.groups.begin(), config.groups.end(),
                                 [](const OptimizerGroup& g) { return g.rule.kind == OptimizerKind::kMuon; });
   if (!muon) return;
-  // The MTP blocks' attention logits are not recorded per head (the recorder counts decoder layers only), so
-  // MuonClip could not clip their q and k heads as Megatron-LM's clip_qk does for every attention layer.
-  if (uses_qk_clip(config) && m.model.mtp) {
-    throw InputError("manifest.json", "optimizer.qk_clip",
-                     "MuonClip is not replayed with multi-token prediction (model.mtp): the MTP blocks' per-head "
-                     "attention logits are not recorded");
-  }
   for (const ParamSpec& spec : expected_parameters(m.model)) {
     const ParamRule owner = rule_of_param(config, spec.name);
     if (owner.rule->kind == OptimizerKind::kMuon && spec.shape.size() != 2) {

@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "probes/nan_max.h"
+#include "probes/sites.h"
 #include "replay/arch/expert_activation_max.h"
 #include "replay/arch/head_logit_max.h"
 #include "replay/arch/router_logit_max.h"
@@ -246,19 +247,22 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
                       request.stop_at_first_bad && request.probes == ProbeLevel::kFlags};
   StepResult result;
   std::vector<PendingPass> passes;
+  // One row per layer with sites: the decoder's, then model.mtp's blocks (MuonClip clips theirs too,
+  // and rolling forward moves their routers' bias).
+  const int recorded_layers = layers_with_sites(arithmetic.model);
   std::optional<HeadLogitRecorder> logit_max;  // MuonClip reads the step's per-head maxima
   if (request.attn_logit_max || (in.manifest.optimizer && uses_qk_clip(*in.manifest.optimizer))) {
-    logit_max.emplace(arithmetic.model.num_layers, arithmetic.model.num_heads);
+    logit_max.emplace(recorded_layers, arithmetic.model.num_heads);
   }
   // report.json's and a spike incident's router evidence; the tokens rolling forward moves the bias by.
   std::optional<RouterLogitRecorder> router_max;
   const std::optional<MoeConfig>& moe = arithmetic.model.moe;
   if (moe && (request.router_logit_max || moe->score_bias_update)) {
-    router_max.emplace(arithmetic.model.num_layers, moe->num_experts);
+    router_max.emplace(recorded_layers, moe->num_experts);
   }
   std::optional<ExpertActivationRecorder> expert_max;  // report.json's per-expert activations
   if (request.expert_activation_max && arithmetic.model.moe) {
-    expert_max.emplace(arithmetic.model.num_layers, arithmetic.model.moe->num_experts);
+    expert_max.emplace(recorded_layers, arithmetic.model.moe->num_experts);
   }
   const std::vector<torch::Tensor> rank_norms = run_passes(loop, result, passes);
   read_back_step(loop, passes, rank_norms, result);
@@ -269,8 +273,8 @@ StepResult replay_step(const StepInputs& in, StepModel& model, const std::vector
   }
   if (expert_max) result.expert_activation_max = expert_max->maxima();
   result.score_bias = arithmetic.score_bias;
-  // --nproc: every process's
-  combine_step_maxima(result, request.attn_logit_max, request.expert_activation_max, router_max.has_value());
+  // --nproc: every process's, which MuonClip (in every process) reads as one process would have seen them
+  combine_step_maxima(result, logit_max.has_value(), request.expert_activation_max, router_max.has_value());
   if (result.complete) {
     // The system checks read the gradients on the host; a cheap pass only
     // looks for non-finite ones, where they are.

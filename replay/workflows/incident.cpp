@@ -8,7 +8,6 @@
 #include "loaders/base/mapped_file.h"
 #include "nanreplay_version.h"
 #include "replay/step/bundle_structure.h"
-#include "loaders/bundle/optimizer_manifest.h"
 #include "replay/step/ranks/distributed.h"
 #include "replay/probing/probe_retention.h"
 #include "replay/step/runtime.h"
@@ -102,11 +101,6 @@ Incident::Incident(const IncidentSettings& settings, IncidentUse use)
   const MemoryLimit limit = settings_.max_memory ? *settings_.max_memory : default_memory_limit();
   const MemoryEstimate streamed = estimate_streamed_memory(m, held, probes, bundle_.rolls_forward());
   if (ProcessWorld* world = default_world()) {
-    // MuonClip reads each step's per-head logit maxima, which each process records for its own passes only.
-    if (m.optimizer && uses_qk_clip(*m.optimizer)) {
-      throw UsageError("a replay split across processes cannot apply MuonClip (optimizer qk_clip): each process "
-                       "sees only its own passes' attention logits; replay this bundle in one process");
-    }
     share_across_processes(*world, in_memory, streamed, limit);
   } else if (choose_layer_streaming(in_memory, streamed, limit, settings_.stream)) {
     scratch_parent_ = checked_scratch(settings_, bundle_.root());

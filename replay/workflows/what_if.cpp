@@ -148,12 +148,6 @@ void llama_only(const WhatIf& w, const Manifest& m) {
   if (m.model.arch != Arch::kLlama) bad_spec(w.text, "the llama family's attention only: this bundle's model is gpt2");
 }
 
-// MuonClip needs each attention layer's per-head maxima, which the MTP blocks do not record.
-void llama_without_mtp(const WhatIf& w, const Manifest& m) {
-  llama_only(w, m);
-  if (m.model.mtp) bad_spec(w.text, "not with multi-token prediction: this bundle's model has model.mtp");
-}
-
 // The qk-norm what-if normalises q_proj's and k_proj's heads, which latent attention has not.
 void plain_attention_only(const WhatIf& w, const Manifest& m) {
   llama_only(w, m);
@@ -456,7 +450,7 @@ const std::vector<WhatIfRow>& what_if_rows() {
          w.value = parse_number(w.text, *v);
          if (!(w.value > 0)) bad_spec(w.text, "tau must be a finite number > 0");
        },
-       llama_without_mtp,
+       llama_only,  // model.mtp's blocks too: their heads are "layer num_layers + k - 1" as their sites name them
        [](const WhatIf& w, WhatIfAt, StepOverrides&) { return "MuonClip at tau " + format_number(w.value); }},
   };
   return rows;

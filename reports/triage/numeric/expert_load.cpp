@@ -16,8 +16,11 @@ std::vector<std::vector<int64_t>> expert_token_counts(const std::vector<ProbeRec
   for (const ProbeRecord& r : records) {
     // The first per-expert site of a layer sees every routed token once.
     if (r.step != step || r.phase != Phase::kForward || r.site.id != SiteId::kMlpExpertGate || r.expert < 0) continue;
-    if (is_mtp_layer(model, r.layer)) continue;  // the decoder's layers only (report-v1's per-layer table)
-    if (counts.empty()) counts.assign(static_cast<size_t>(model.num_layers), std::vector<int64_t>(static_cast<size_t>(model.moe->num_experts), 0));
+    // A row per layer with sites: model.mtp's blocks after the decoder's, as their sites name them.
+    if (counts.empty()) {
+      counts.assign(static_cast<size_t>(layers_with_sites(model)),
+                    std::vector<int64_t>(static_cast<size_t>(model.moe->num_experts), 0));
+    }
     counts.at(static_cast<size_t>(r.layer)).at(static_cast<size_t>(r.expert)) += r.routed_tokens;
   }
   return counts;

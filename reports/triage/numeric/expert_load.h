@@ -15,8 +15,9 @@
 
 namespace nanreplay {
 
-// [layer][expert] token counts of `step`; empty when the records hold no
-// per-expert probes of it (a dense model, or probes off for the step).
+// [layer][expert] token counts of `step`, a row per layer with sites (with
+// model.mtp, its blocks' rows after the decoder's); empty when the records
+// hold no per-expert probes of it (a dense model, or probes off for the step).
 std::vector<std::vector<int64_t>> expert_token_counts(const std::vector<ProbeRecord>& records, int64_t step,
                                                       const ModelConfig& model);
 
