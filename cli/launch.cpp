@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -22,6 +23,7 @@
 
 #include "cli/cli_support.h"
 #include "loaders/base/error.h"
+#include "replay/step/abandoned_scratch.h"
 #include "replay/step/ranks/distributed.h"
 #include "replay/step/ranks/run_secret.h"
 
@@ -162,7 +164,9 @@ std::vector<Worker> start_workers(const LaunchFlags& flags, const Rendezvous& at
 // Waits for the workers. A stop request here is passed on to them; after the
 // first failure the rest get a few seconds to end by themselves (they are told
 // through the rendezvous), then SIGTERM (5 s after the failure), then SIGKILL
-// (10 s after it).
+// (10 s after it), after which the launcher removes the scratch directories
+// a killed worker held (a worker stuck on a store gone silent may outlive
+// its SIGTERM by its --dist-timeout).
 class WorkerSupervision {
  public:
   WorkerSupervision(std::vector<Worker> workers, int rank_zero) : workers_(std::move(workers)), rank_zero_(rank_zero) {}
@@ -179,6 +183,7 @@ class WorkerSupervision {
       escalate();
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
+    remove_if_abandoned(killed_scratch_);  // the workers are reaped: their locks are gone with them
     if (stop_passed_on_) return static_cast<int>(ExitStatus::kInterrupted);
     return first_failure_.value_or(rank_zero_status_);
   }
@@ -217,6 +222,9 @@ class WorkerSupervision {
     if (!first_failure_ || escalation_ >= 2 || waited <= std::chrono::seconds(escalation_ == 0 ? 5 : 10)) return;
     for (const Worker& w : workers_) {
       if (!w.running) continue;
+      if (escalation_ == 1) {  // killed outright it cannot remove its scratch directories: noted first
+        for (const std::filesystem::path& dir : scratch_dirs_held_by(w.pid)) killed_scratch_.push_back(dir);
+      }
       ::kill(w.pid, escalation_ == 0 ? SIGTERM : SIGKILL);
       if (escalation_ == 0) ::kill(w.pid, SIGCONT);  // a stopped worker, to take its SIGTERM and clean up
     }
@@ -230,6 +238,7 @@ class WorkerSupervision {
   bool stop_passed_on_ = false;
   std::chrono::steady_clock::time_point failed_at_ = std::chrono::steady_clock::time_point::max();
   int escalation_ = 0;  // 1: SIGTERM sent, 2: SIGKILL sent
+  std::vector<std::filesystem::path> killed_scratch_;  // held by a worker sent SIGKILL
 };
 
 // Starts the local workers and waits for them.

@@ -25,6 +25,7 @@
 #include "replay/arch/experts.h"
 #include "replay/arch/forward_recompute.h"
 #include "replay/arch/multi_token_prediction.h"
+#include "replay/step/abandoned_scratch.h"
 #include "replay/step/ranks/pass_wire.h"
 
 namespace nanreplay {
@@ -36,8 +37,6 @@ namespace {
 OutputError scratch_error(const std::string& what, const std::filesystem::path& path) {
   return OutputError(path.string(), what + ": " + std::strerror(errno));
 }
-
-constexpr const char* kScratchPrefix = "nanreplay-scratch-";
 
 std::atomic<int64_t> expert_tensors_loaded{0};
 std::atomic<int64_t> expert_tensors_of{0};
@@ -61,22 +60,6 @@ std::vector<std::vector<std::vector<size_t>>> expert_slots_of(const ModelConfig&
     }
   }
   return out;
-}
-
-// Scratch directories in `parent` whose run is gone hold no lock: removed.
-// Never throws (other runs add and remove theirs meanwhile).
-void remove_abandoned_scratch(const std::filesystem::path& parent) {
-  namespace fs = std::filesystem;
-  std::vector<fs::path> found;
-  std::error_code ec;
-  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
-    if (it->path().filename().string().rfind(kScratchPrefix, 0) != 0) continue;
-    if (it->is_directory(ec) && !it->is_symlink(ec)) found.push_back(it->path());
-  }
-  for (const fs::path& scratch : found) {
-    const DirectoryLock abandoned(scratch, false);
-    if (abandoned.held()) fs::remove_all(scratch, ec);
-  }
 }
 
 }  // namespace
