@@ -149,7 +149,7 @@ StreamedModel::StreamedModel(ModelCheckpoint& checkpoint, const ModelConfig& mod
   for (size_t i = 0; i < order_.size(); ++i) {
     // model.mtp's blocks (past the decoder's layers) run inside the head: loaded with it.
     const int layer = layer_of_parameter(order_[i]);
-    const bool outer = layer < 0 || layer >= static_cast<int>(model.num_layers);
+    const bool outer = layer < 0 || is_mtp_layer(model, layer);
     (outer ? outer_ : blocks_.at(static_cast<size_t>(layer))).push_back(i);
     shapes_.push_back(specs.at(i).shape);
   }
@@ -266,8 +266,7 @@ void StreamedModel::share_pass(ProbeSession& probes, ForwardResult& result) cons
   if (world_->rank() == 0) {
     write_tensor(out, result.loss);
     write_tensor(out, result.sample_loss);
-    out.pod<uint64_t>(result.mtp_losses.size());  // model.mtp: each depth's loss
-    for (const torch::Tensor& loss : result.mtp_losses) write_tensor(out, loss);
+    write_tensors(out, result.mtp_losses);  // model.mtp: each depth's loss
   }
   const std::vector<std::string> all = world_->all_gather(out.take());
   for (size_t r = 0; r < all.size(); ++r) {
@@ -276,8 +275,7 @@ void StreamedModel::share_pass(ProbeSession& probes, ForwardResult& result) cons
     if (r != 0) continue;
     torch::Tensor loss = read_tensor(in);
     torch::Tensor sample_loss = read_tensor(in);
-    std::vector<torch::Tensor> mtp_losses(in.pod<uint64_t>());
-    for (torch::Tensor& depth_loss : mtp_losses) depth_loss = read_tensor(in);
+    const std::vector<torch::Tensor> mtp_losses = read_tensors(in);
     if (world_->rank() == 0) continue;
     result = ForwardResult{loss, sample_loss, mtp_losses};
     MtpLossRecorder::record(mtp_losses);  // rank 0 recorded them as it computed them

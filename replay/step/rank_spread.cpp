@@ -36,8 +36,7 @@ class RankSpreadModel final : public StepModel {
       write_harvest(sent_, harvest);
       write_tensor(sent_, result.loss);
       write_tensor(sent_, result.sample_loss);
-      sent_.pod<uint64_t>(result.mtp_losses.size());  // model.mtp: each depth's loss
-      for (const torch::Tensor& loss : result.mtp_losses) write_tensor(sent_, loss);
+      write_tensors(sent_, result.mtp_losses);  // model.mtp: each depth's loss
       probes.absorb(std::move(harvest));
       events_.push_back({rank_, nullptr, {}, {}, false, std::nullopt});
       return result;
@@ -97,8 +96,8 @@ class RankSpreadModel final : public StepModel {
         e.value.copy_(read_tensor(in));
         const torch::Tensor sample_loss = read_tensor(in);
         if (sample_loss.defined()) e.sample_loss.copy_(sample_loss);
-        std::vector<double> depths(in.pod<uint64_t>());
-        for (double& loss : depths) loss = read_tensor(in).to(torch::kFloat64).item<double>();
+        std::vector<double> depths;
+        for (const torch::Tensor& loss : read_tensors(in)) depths.push_back(loss.to(torch::kFloat64).item<double>());
         if (e.mtp_slot) MtpLossRecorder::fill(*e.mtp_slot, std::move(depths));
         continue;
       }

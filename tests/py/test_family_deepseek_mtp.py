@@ -557,20 +557,28 @@ def check_streamed_and_split(cli, work):
         modes = [["--stream"], ["--nproc", "2", "--split", "layers"], ["--nproc", "2", "--split", "layers", "--stream"]]
         if ranks:
             modes += [["--nproc", "2", "--split", "ranks"], ["--nproc", "2", "--split", "ranks", "--stream"]]
-        for flags in modes:
-            tag = "".join(flags).replace("-", "")
-            out, scratch = work / f"split-{name}-{tag}", work / f"split-{name}-{tag}-scratch"
-            scratch.mkdir()
-            got = rc.cli_run(cli, "run", bundle, "--out", out, "--json", "--scratch", scratch, *flags)
-            what = f"{label}, {' '.join(flags)}"
-            if not fs.check(got.returncode == plain.returncode and bool(got.stdout.strip()),
-                            f"{what}: exits {got.returncode} as one process does ({got.stderr.strip()[-300:]})"):
-                continue
-            differ = rc.report_difference(report, json.loads(got.stdout))
-            fs.check(not differ, f"{what}: report.json the same{' but ' + str(differ) if differ else ''}")
-            differ = rc.trace_difference(work / f"split-{name}" / "trace.h5", out / "trace.h5")
-            fs.check(not differ, f"{what}: trace.h5 the same{' but ' + str(differ[:5]) if differ else ''}")
+        check_same_as_one_process(cli, plain, bundle, work / f"split-{name}", label, modes,
+                                  trace=work / f"split-{name}" / "trace.h5")
 
+
+def check_same_as_one_process(cli, plain, bundle, out_prefix, label, ways, both=(), trace=None):
+    """`bundle` replayed each of `ways` (flag lists, with `both` too) to `plain`'s (the one-process run's) exit
+    status and report.json bit for bit, and, given the one-process run's `trace`, to its trace.h5. Outputs and
+    scratch directories go to `out_prefix`-<flags>."""
+    for flags in ways:
+        tag = "".join(flags).replace("-", "")
+        out, scratch = Path(f"{out_prefix}-{tag}"), Path(f"{out_prefix}-{tag}-scratch")
+        scratch.mkdir()
+        got = rc.cli_run(cli, "run", bundle, "--out", out, "--json", "--scratch", scratch, *both, *flags)
+        what = f"{label}, {' '.join([*both, *flags])}"
+        if not fs.check(got.returncode == plain.returncode and bool(got.stdout.strip()),
+                        f"{what}: exits {got.returncode} as one process does ({got.stderr.strip()[-300:]})"):
+            continue
+        differ = rc.report_difference(json.loads(plain.stdout), json.loads(got.stdout))
+        fs.check(not differ, f"{what}: report.json the same{' but ' + str(differ) if differ else ''}")
+        if trace is not None:
+            differ = rc.trace_difference(trace, out / "trace.h5")
+            fs.check(not differ, f"{what}: trace.h5 the same{' but ' + str(differ[:5]) if differ else ''}")
 
 def main():
     ap = argparse.ArgumentParser()

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import family_support as fs  # noqa: E402
-import replay_compare as rc  # noqa: E402  (report.json compared bit for bit)
+import replay_compare as rc  # noqa: E402  (the CLI run through the tests' synth cache)
 import test_family_deepseek_mla as mla  # noqa: E402  (DeepSeek-V3's attention, transformers' modeling)
 import test_family_deepseek_moe as dsmoe  # noqa: E402  (DeepseekV3MoE and its router)
 import test_family_deepseek_mtp as mtp  # noqa: E402  (the model with its MTP depth, Megatron-LM's arithmetic)
@@ -334,22 +334,10 @@ def check_streamed_and_split(cli, work):
     for name, both, ways in cases:
         bundle, tag = work / name, "".join(both).replace("-", "")
         plain = rc.cli_run(cli, "run", bundle, "--out", work / f"plain-{name}{tag}", "--json", *both)
-        if not fs.check(plain.returncode in (0, 1) and bool(plain.stdout.strip()),
-                        f"{name} {' '.join(both)}: replays in one process (exit {plain.returncode}; "
-                        f"{plain.stderr.strip()[-300:]})"):
-            continue
-        for flags in ways:
-            label = tag + "".join(flags).replace("-", "")
-            scratch = work / f"{name}-{label}-scratch"
-            scratch.mkdir()
-            got = rc.cli_run(cli, "run", bundle, "--out", work / f"{name}-{label}", "--json", "--scratch", scratch,
-                             *both, *flags)
-            what = f"{name}, {' '.join(both + flags)}"
-            if not fs.check(got.returncode == plain.returncode and bool(got.stdout.strip()),
-                            f"{what}: exits {got.returncode} as one process does ({got.stderr.strip()[-300:]})"):
-                continue
-            differ = rc.report_difference(json.loads(plain.stdout), json.loads(got.stdout))
-            fs.check(not differ, f"{what}: report.json the same{' but ' + str(differ) if differ else ''}")
+        if fs.check(plain.returncode in (0, 1) and bool(plain.stdout.strip()),
+                    f"{name} {' '.join(both)}: replays in one process (exit {plain.returncode}; "
+                    f"{plain.stderr.strip()[-300:]})"):
+            mtp.check_same_as_one_process(cli, plain, bundle, work / f"{name}{tag}", name, ways, both)
 
 
 def main():

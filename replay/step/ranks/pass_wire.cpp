@@ -29,6 +29,17 @@ torch::Tensor read_tensor(WireReader& in) {
   return out;
 }
 
+void write_tensors(WireWriter& out, const std::vector<torch::Tensor>& tensors) {
+  out.pod<uint64_t>(tensors.size());
+  for (const torch::Tensor& t : tensors) write_tensor(out, t);
+}
+
+std::vector<torch::Tensor> read_tensors(WireReader& in) {
+  std::vector<torch::Tensor> out(in.pod<uint64_t>());
+  for (torch::Tensor& t : out) t = read_tensor(in);
+  return out;
+}
+
 void write_harvest(WireWriter& out, const ProbeHarvest& harvest) {
   for (const std::vector<ProbeRecord>* records : {&harvest.forward, &harvest.backward}) {
     out.pod<uint64_t>(records->size());

@@ -3,6 +3,8 @@
 // bytes for ProcessWorld::all_gather, on top of probes/record_wire.h.
 #pragma once
 
+#include <vector>
+
 #include <torch/types.h>
 
 #include "probes/record_wire.h"
@@ -12,6 +14,9 @@ namespace nanreplay {
 
 void write_tensor(WireWriter& out, const torch::Tensor& tensor);  // undefined included
 torch::Tensor read_tensor(WireReader& in);                         // a new host tensor
+// A list of them, its length first (model.mtp's depth losses).
+void write_tensors(WireWriter& out, const std::vector<torch::Tensor>& tensors);
+std::vector<torch::Tensor> read_tensors(WireReader& in);
 void write_harvest(WireWriter& out, const ProbeHarvest& harvest);
 ProbeHarvest read_harvest(WireReader& in);
 
